@@ -1,0 +1,53 @@
+# sluice: build, demo and test entry points. Every target first makes sure the build's Debian
+# packages are installed and the patched llama.cpp is unpacked (vendor/sync).
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+CARGO ?= cargo
+
+BUILD_DEBS := cmake clang libclang-dev patch make
+ARM_DEBS := gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
+AARCH64 := aarch64-unknown-linux-gnu
+
+# Cross-building for aarch64 with Debian's toolchain; the tests run under qemu-aarch64.
+ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
+	CC_aarch64_unknown_linux_gnu=aarch64-linux-gnu-gcc \
+	CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++ \
+	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=qemu-aarch64 \
+	QEMU_LD_PREFIX=/usr/aarch64-linux-gnu \
+	SLUICE_TEST_RUNNER=qemu-aarch64
+
+.PHONY: help deps vendor build demo test aarch64 lint clean
+
+help:
+	@echo "make demo     synthesize a small random-weight MoE model and run it"
+	@echo "make test     build and run the whole test suite"
+	@echo "make aarch64  cross-build for $(AARCH64) and run the tests under qemu-aarch64"
+	@echo "make lint     rustfmt check and clippy with warnings as errors"
+
+deps:
+	@scripts/ensure-deps $(BUILD_DEBS)
+
+vendor: deps
+	@vendor/sync
+
+build: vendor
+	$(CARGO) build --workspace --bins
+
+demo: build
+	$(CARGO) run --quiet --bin sluice -- demo
+
+test: build
+	$(CARGO) test --workspace
+
+aarch64: vendor
+	@scripts/ensure-deps --rust-target $(AARCH64) $(ARM_DEBS)
+	$(ARM_ENV) $(CARGO) build --target $(AARCH64) --workspace --bins --tests
+	$(ARM_ENV) $(CARGO) test --target $(AARCH64) --workspace
+
+lint: vendor
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+clean:
+	$(CARGO) clean

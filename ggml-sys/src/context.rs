@@ -1,0 +1,157 @@
+//! An inference context: decode, logits, greedy choice, memory clear, and the eval callback.
+
+use std::ffi::c_void;
+use std::marker::PhantomData;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use llama_cpp_sys_2 as sys;
+
+use crate::{Batch, Error, Model, Result, TensorView, Token};
+
+/// When the eval callback is being called for a graph node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EvalPhase {
+    /// Before scheduling: answer `true` to have the node computed alone and be called again
+    /// with [`EvalPhase::Computed`]; `false` lets it run grouped with its neighbours.
+    Ask,
+    /// The node asked for has been computed and synchronized; its consumers have not run yet.
+    /// Answer `true` to continue; `false` stops the graph.
+    Computed,
+}
+
+/// The eval callback: called on ggml's compute path between nodes. It must not block on anything
+/// but work it started itself, and it must not panic (a panic is caught, logged, and stops the
+/// graph).
+pub type EvalCallback = Box<dyn FnMut(TensorView<'_>, EvalPhase) -> bool + Send>;
+
+/// Context sizes and threads.
+#[derive(Debug, Clone)]
+pub struct ContextParams {
+    /// Context length in tokens.
+    pub n_ctx: u32,
+    /// Largest batch passed to one decode.
+    pub n_batch: u32,
+    /// Physical batch (ubatch) size.
+    pub n_ubatch: u32,
+    /// Compute threads.
+    pub n_threads: u32,
+}
+
+/// An inference context over a borrowed [`Model`].
+pub struct Context<'m> {
+    raw: *mut sys::llama_context,
+    n_vocab: usize,
+    // Owns the callback whose address llama.cpp holds as cb_eval_user_data; dropped after raw.
+    _callback: Option<Box<EvalCallback>>,
+    _model: PhantomData<&'m Model>,
+}
+
+// SAFETY: a llama_context may be used from any one thread at a time; Context is not Sync, and the
+// callback it owns is Send.
+unsafe impl Send for Context<'_> {}
+
+unsafe extern "C" fn eval_trampoline(t: *mut sys::ggml_tensor, ask: bool, ud: *mut c_void) -> bool {
+    // SAFETY: ud is the address of the Box<EvalCallback> owned by the Context, which outlives
+    // every decode that can call this; ggml calls the callback from one thread at a time.
+    let cb = unsafe { &mut *ud.cast::<EvalCallback>() };
+    // SAFETY: ggml passes a live graph node that is not written while the callback runs.
+    let view = unsafe { TensorView::from_raw(t) };
+    let phase = if ask { EvalPhase::Ask } else { EvalPhase::Computed };
+    match catch_unwind(AssertUnwindSafe(|| cb(view, phase))) {
+        Ok(answer) => answer,
+        Err(_) => {
+            log::error!("eval callback panicked at node {}; stopping the graph", view.name());
+            false
+        }
+    }
+}
+
+fn decode_meaning(status: i32) -> &'static str {
+    match status {
+        1 => "no KV cache slot for the batch: the context is full",
+        2 => "aborted",
+        -1 => "invalid batch",
+        _ => "compute error",
+    }
+}
+
+impl<'m> Context<'m> {
+    /// Creates a context over `model`, with an optional eval callback.
+    pub fn new(model: &'m Model, params: &ContextParams, callback: Option<EvalCallback>) -> Result<Context<'m>> {
+        // SAFETY: returns a plain struct of defaults.
+        let mut p = unsafe { sys::llama_context_default_params() };
+        p.n_ctx = params.n_ctx;
+        p.n_batch = params.n_batch;
+        p.n_ubatch = params.n_ubatch;
+        p.n_seq_max = 1;
+        p.n_threads = params.n_threads.max(1) as i32;
+        p.n_threads_batch = params.n_threads.max(1) as i32;
+        p.no_perf = true;
+        let mut callback = callback.map(Box::new);
+        if let Some(cb) = callback.as_mut() {
+            p.cb_eval = Some(eval_trampoline);
+            p.cb_eval_user_data = (&mut **cb as *mut EvalCallback).cast();
+        }
+        // SAFETY: model.raw() is live for 'm; p is fully initialized; the callback box (if any)
+        // is owned by the returned Context and so outlives the llama_context.
+        let raw = unsafe { sys::llama_init_from_model(model.raw(), p) };
+        if raw.is_null() {
+            return Err(Error::ContextCreate { n_ctx: params.n_ctx, n_batch: params.n_batch });
+        }
+        Ok(Context { raw, n_vocab: model.n_vocab(), _callback: callback, _model: PhantomData })
+    }
+
+    /// The context length.
+    pub fn n_ctx(&self) -> u32 {
+        // SAFETY: live context.
+        unsafe { sys::llama_n_ctx(self.raw) }
+    }
+
+    /// Runs the model over `batch`.
+    pub fn decode(&mut self, batch: &Batch) -> Result<()> {
+        // SAFETY: live context; the batch arrays are valid for batch.len() tokens.
+        let status = unsafe { sys::llama_decode(self.raw, batch.raw()) };
+        if status != 0 {
+            return Err(Error::Decode { status, meaning: decode_meaning(status) });
+        }
+        Ok(())
+    }
+
+    /// The logits of batch position `i` of the last decode (`-1`: the last position).
+    pub fn logits(&self, i: i32) -> Result<&[f32]> {
+        // SAFETY: live context; llama.cpp range-checks i and returns NULL when invalid.
+        let p = unsafe { sys::llama_get_logits_ith(self.raw, i) };
+        if p.is_null() {
+            return Err(Error::NoLogits(i));
+        }
+        // SAFETY: a logits row holds n_vocab floats and stays valid until the next decode, which
+        // needs &mut self.
+        Ok(unsafe { std::slice::from_raw_parts(p, self.n_vocab) })
+    }
+
+    /// The greedy choice at batch position `i`: the highest logit, lowest id on ties.
+    pub fn greedy(&self, i: i32) -> Result<Token> {
+        let logits = self.logits(i)?;
+        let mut best = 0usize;
+        for (j, &v) in logits.iter().enumerate() {
+            if v > logits[best] {
+                best = j;
+            }
+        }
+        Ok(best as Token)
+    }
+
+    /// Forgets every cached position (KV cache cleared, data too).
+    pub fn clear_memory(&mut self) {
+        // SAFETY: live context; the memory handle belongs to it.
+        unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.raw), true) };
+    }
+}
+
+impl Drop for Context<'_> {
+    fn drop(&mut self) {
+        // SAFETY: raw came from llama_init_from_model and is freed exactly once, before the
+        // callback box it points into is dropped (fields drop after this body).
+        unsafe { sys::llama_free(self.raw) };
+    }
+}

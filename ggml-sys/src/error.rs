@@ -1,0 +1,74 @@
+//! Errors of the llama.cpp wrappers.
+
+use std::path::PathBuf;
+
+/// What can go wrong when calling into llama.cpp or ggml.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// A path could not be passed to C (it holds a NUL byte).
+    #[error("path {0} contains a NUL byte")]
+    PathNul(PathBuf),
+    /// A string could not be passed to C (it holds a NUL byte).
+    #[error("text contains a NUL byte at position {0}")]
+    TextNul(usize),
+    /// gguf could not parse the file.
+    #[error("{path}: not a readable GGUF file (ggml rejected its header or metadata; is it truncated or another format?)")]
+    GgufParse {
+        /// The file.
+        path: PathBuf,
+    },
+    /// A tensor's data runs past the end of the file.
+    #[error("{path}: truncated: tensor {tensor} ends at byte {end} but the file has {file_size} bytes (re-copy or re-download it)")]
+    Truncated {
+        /// The file.
+        path: PathBuf,
+        /// The first tensor that does not fit.
+        tensor: String,
+        /// Where its data ends.
+        end: u64,
+        /// The file size.
+        file_size: u64,
+    },
+    /// llama.cpp refused to load the model.
+    #[error("{path}: llama.cpp could not load the model (its reason is in the log above)")]
+    ModelLoad {
+        /// The file.
+        path: PathBuf,
+    },
+    /// llama.cpp could not create a context.
+    #[error("llama.cpp could not create a context with n_ctx={n_ctx}, n_batch={n_batch} (out of memory, or sizes the model does not allow)")]
+    ContextCreate {
+        /// Requested context size.
+        n_ctx: u32,
+        /// Requested batch size.
+        n_batch: u32,
+    },
+    /// `llama_decode` returned an error status.
+    #[error("llama_decode failed with status {status} ({meaning})")]
+    Decode {
+        /// The status code.
+        status: i32,
+        /// What llama.cpp documents the status to mean.
+        meaning: &'static str,
+    },
+    /// Tokenization failed.
+    #[error("tokenization failed: {0}")]
+    Tokenize(String),
+    /// A batch was filled past its capacity.
+    #[error("batch is full ({capacity} tokens)")]
+    BatchFull {
+        /// The batch capacity.
+        capacity: usize,
+    },
+    /// Logits were asked for a position that produced none.
+    #[error("no logits for batch position {0}")]
+    NoLogits(i32),
+    /// `llama_model_quantize` failed.
+    #[error("quantizing {input} to {output} failed (llama.cpp's reason is in the log above)")]
+    Quantize {
+        /// Source model.
+        input: PathBuf,
+        /// Destination model.
+        output: PathBuf,
+    },
+}

@@ -1,0 +1,29 @@
+//! The one crate of sluice that touches llama.cpp and ggml.
+//!
+//! `llama-cpp-sys-2` (pinned and patched through `vendor/`) builds llama.cpp and generates the raw
+//! bindings; this crate wraps the part of them the runtime uses in safe types that own their
+//! handles (RAII) and turn status codes into [`Error`]s. Every `unsafe` block of the workspace
+//! lives here, each with a `// SAFETY:` comment.
+
+mod backend;
+mod batch;
+mod context;
+mod error;
+mod gguf;
+mod model;
+mod quantize;
+mod tensor;
+mod types;
+
+pub use backend::{init, system_info};
+pub use batch::Batch;
+pub use context::{Context, ContextParams, EvalCallback, EvalPhase};
+pub use error::Error;
+pub use gguf::{GgufFile, GgufTensor};
+pub use model::{Model, ModelParams, Token};
+pub use quantize::{quantize, QuantType};
+pub use tensor::TensorView;
+pub use types::GgmlType;
+
+/// The result type of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

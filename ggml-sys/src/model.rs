@@ -1,0 +1,177 @@
+//! A loaded llama.cpp model and its vocabulary.
+
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+
+use llama_cpp_sys_2 as sys;
+
+use crate::{Error, Result};
+
+/// A token id.
+pub type Token = i32;
+
+/// How to load a model. Loading always maps the file (`LLAMA_LOAD_MODE_MMAP`, so the runtime can
+/// find and rebind tensors that point into the mapping) and never uses extra buffer types
+/// (`use_extra_bufts = false`: repacked CPU buffers hold an interleaved layout, not the file's
+/// bytes, so a streamed slice would be wrong; the resident reference run loads the same way).
+#[derive(Debug, Clone, Default)]
+pub struct ModelParams {
+    /// Layers to offload to a GPU (0 on CPU-only builds).
+    pub n_gpu_layers: i32,
+}
+
+/// A loaded model. Read-only after load; contexts borrow it.
+pub struct Model {
+    raw: *mut sys::llama_model,
+    path: PathBuf,
+}
+
+// SAFETY: a llama_model is immutable after llama_model_load_from_file returns; llama.cpp supports
+// several contexts (and threads) over one model.
+unsafe impl Send for Model {}
+// SAFETY: as above, all access through &Model is read-only.
+unsafe impl Sync for Model {}
+
+impl Model {
+    /// Loads `path` (the first file of a split model names the rest).
+    pub fn load(path: &Path, params: &ModelParams) -> Result<Model> {
+        crate::init();
+        let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::PathNul(path.into()))?;
+        // SAFETY: returns a plain struct of defaults.
+        let mut p = unsafe { sys::llama_model_default_params() };
+        p.load_mode = sys::LLAMA_LOAD_MODE_MMAP;
+        p.use_extra_bufts = false;
+        p.n_gpu_layers = params.n_gpu_layers;
+        // SAFETY: c_path is NUL-terminated; p is a fully initialized parameter struct whose
+        // pointers are the library defaults (NULL).
+        let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), p) };
+        if raw.is_null() {
+            return Err(Error::ModelLoad { path: path.into() });
+        }
+        Ok(Model { raw, path: path.into() })
+    }
+
+    pub(crate) fn raw(&self) -> *mut sys::llama_model {
+        self.raw
+    }
+
+    fn vocab(&self) -> *const sys::llama_vocab {
+        // SAFETY: self.raw is a live model; the vocab lives as long as the model.
+        unsafe { sys::llama_model_get_vocab(self.raw) }
+    }
+
+    /// The file it was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Number of transformer layers.
+    pub fn n_layer(&self) -> u32 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_layer(self.raw) }.max(0) as u32
+    }
+
+    /// Embedding width.
+    pub fn n_embd(&self) -> u32 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_embd(self.raw) }.max(0) as u32
+    }
+
+    /// Context length the model was trained with.
+    pub fn n_ctx_train(&self) -> u32 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_n_ctx_train(self.raw) }.max(0) as u32
+    }
+
+    /// Vocabulary size.
+    pub fn n_vocab(&self) -> usize {
+        // SAFETY: live vocab.
+        unsafe { sys::llama_vocab_n_tokens(self.vocab()) }.max(0) as usize
+    }
+
+    /// Total bytes of the model's tensors.
+    pub fn size_bytes(&self) -> u64 {
+        // SAFETY: live model.
+        unsafe { sys::llama_model_size(self.raw) }
+    }
+
+    /// llama.cpp's one-line description (`qwen3moe ?B F16`).
+    pub fn desc(&self) -> String {
+        let mut buf = [0 as c_char; 256];
+        // SAFETY: buf is writable for its length; llama.cpp NUL-terminates within it.
+        let n = unsafe { sys::llama_model_desc(self.raw, buf.as_mut_ptr(), buf.len()) };
+        if n < 0 {
+            return String::new();
+        }
+        let bytes: Vec<u8> = buf.iter().take_while(|&&c| c != 0).map(|&c| c as u8).collect();
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// Whether `token` ends generation (end-of-sequence and the like).
+    pub fn is_eog(&self, token: Token) -> bool {
+        // SAFETY: live vocab; llama.cpp range-checks the token.
+        unsafe { sys::llama_vocab_is_eog(self.vocab(), token) }
+    }
+
+    /// Tokenizes `text`, adding the model's BOS token where the vocabulary asks for it.
+    pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<Token>> {
+        let len = i32::try_from(text.len()).map_err(|_| Error::Tokenize(format!("text of {} bytes is too long", text.len())))?;
+        let mut tokens: Vec<Token> = vec![0; text.len() + 2];
+        for _ in 0..2 {
+            // SAFETY: text is valid for len bytes (no NUL needed: the length is passed); tokens
+            // is writable for tokens.len() entries.
+            let n = unsafe {
+                sys::llama_tokenize(
+                    self.vocab(),
+                    text.as_ptr().cast(),
+                    len,
+                    tokens.as_mut_ptr(),
+                    tokens.len() as i32,
+                    add_special,
+                    false,
+                )
+            };
+            if n >= 0 {
+                tokens.truncate(n as usize);
+                return Ok(tokens);
+            }
+            if n == i32::MIN {
+                return Err(Error::Tokenize("token count overflows i32".into()));
+            }
+            tokens.resize((-n) as usize, 0);
+        }
+        Err(Error::Tokenize("llama_tokenize kept asking for a larger buffer".into()))
+    }
+
+    /// The bytes a token stands for (byte tokens give single raw bytes, so a piece can be part
+    /// of a UTF-8 sequence). Control tokens give nothing.
+    pub fn token_piece(&self, token: Token) -> Vec<u8> {
+        let mut buf = vec![0u8; 32];
+        for _ in 0..2 {
+            // SAFETY: buf is writable for its length; llama.cpp writes at most `length` bytes.
+            let n = unsafe {
+                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, false)
+            };
+            if n >= 0 {
+                buf.truncate(n as usize);
+                return buf;
+            }
+            buf.resize((-n) as usize, 0);
+        }
+        Vec::new()
+    }
+}
+
+impl Drop for Model {
+    fn drop(&mut self) {
+        // SAFETY: raw came from llama_model_load_from_file; contexts borrow the model, so none
+        // outlives it; freed exactly once.
+        unsafe { sys::llama_model_free(self.raw) };
+    }
+}
+
+impl std::fmt::Debug for Model {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model").field("path", &self.path).finish()
+    }
+}

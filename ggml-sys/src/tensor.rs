@@ -1,0 +1,114 @@
+//! A read-only view of a live ggml graph tensor, as handed to the eval callback.
+
+use std::ffi::CStr;
+use std::marker::PhantomData;
+
+use llama_cpp_sys_2 as sys;
+
+use crate::GgmlType;
+
+/// A borrowed, read-only view of a `ggml_tensor` that is alive for `'a` (the duration of one
+/// eval-callback call, or of the model that owns a weight).
+#[derive(Clone, Copy)]
+pub struct TensorView<'a> {
+    raw: *const sys::ggml_tensor,
+    _life: PhantomData<&'a sys::ggml_tensor>,
+}
+
+impl<'a> TensorView<'a> {
+    /// # Safety
+    /// `raw` must be non-null and point to a `ggml_tensor` that stays valid and is not written
+    /// by anyone else for `'a`.
+    pub(crate) unsafe fn from_raw(raw: *const sys::ggml_tensor) -> Self {
+        TensorView { raw, _life: PhantomData }
+    }
+
+    fn t(&self) -> &'a sys::ggml_tensor {
+        // SAFETY: from_raw's contract: raw is valid and unaliased by writers for 'a.
+        unsafe { &*self.raw }
+    }
+
+    /// The tensor's name (`blk.0.ffn_up_exps.weight`, `ffn_moe_topk-3`, ...).
+    pub fn name(&self) -> &'a str {
+        // SAFETY: ggml keeps `name` NUL-terminated within its 64 bytes.
+        unsafe { CStr::from_ptr(self.t().name.as_ptr()) }.to_str().unwrap_or("")
+    }
+
+    /// The operation that produces it (`NONE` for weights, `MUL_MAT_ID`, `VIEW`, ...).
+    pub fn op_name(&self) -> &'static str {
+        // SAFETY: ggml_op_name indexes a static table with the tensor's own (valid) op.
+        let p = unsafe { sys::ggml_op_name(self.t().op) };
+        if p.is_null() {
+            return "";
+        }
+        // SAFETY: static NUL-terminated string.
+        unsafe { CStr::from_ptr(p) }.to_str().unwrap_or("")
+    }
+
+    /// Element type.
+    pub fn ty(&self) -> GgmlType {
+        GgmlType(self.t().type_)
+    }
+
+    /// Shape in ggml order.
+    pub fn ne(&self) -> [i64; 4] {
+        self.t().ne
+    }
+
+    /// Byte strides in ggml order.
+    pub fn nb(&self) -> [usize; 4] {
+        self.t().nb
+    }
+
+    /// Total bytes of the tensor's data (`ggml_nbytes`).
+    pub fn n_bytes(&self) -> usize {
+        // SAFETY: raw is a valid tensor (from_raw's contract).
+        unsafe { sys::ggml_nbytes(self.raw) }
+    }
+
+    /// The `i`-th source operand, if present (`i < 10`).
+    pub fn src(&self, i: usize) -> Option<TensorView<'a>> {
+        let p = *self.t().src.get(i)?;
+        // SAFETY: graph sources live at least as long as the node that reads them.
+        (!p.is_null()).then(|| unsafe { TensorView::from_raw(p) })
+    }
+
+    /// The address of the tensor's data (null before allocation). An address only: use
+    /// [`TensorView::host_bytes`] to read it.
+    pub fn data_addr(&self) -> usize {
+        self.t().data as usize
+    }
+
+    /// The tensor's bytes, when its buffer lives in host memory and is allocated.
+    pub fn host_bytes(&self) -> Option<&'a [u8]> {
+        let t = self.t();
+        if t.data.is_null() {
+            return None;
+        }
+        // A view (no own buffer) lives in its view_src's buffer.
+        let buffer = if t.buffer.is_null() && !t.view_src.is_null() {
+            // SAFETY: view_src is a live tensor of the same graph.
+            unsafe { (*t.view_src).buffer }
+        } else {
+            t.buffer
+        };
+        // SAFETY: buffer is either null (checked) or a live backend buffer of this graph.
+        if buffer.is_null() || !unsafe { sys::ggml_backend_buffer_is_host(buffer) } {
+            return None;
+        }
+        // SAFETY: host buffer, data non-null, and ggml_nbytes bytes from data belong to the
+        // tensor; the contents are not written while the callback runs (the node is computed).
+        Some(unsafe { std::slice::from_raw_parts(t.data as *const u8, self.n_bytes()) })
+    }
+}
+
+impl std::fmt::Debug for TensorView<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TensorView")
+            .field("name", &self.name())
+            .field("op", &self.op_name())
+            .field("ty", &self.ty())
+            .field("ne", &self.ne())
+            .finish()
+    }
+}

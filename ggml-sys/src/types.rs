@@ -1,0 +1,91 @@
+//! ggml tensor element types.
+
+use std::ffi::CStr;
+
+use llama_cpp_sys_2 as sys;
+
+/// A ggml tensor element type (`enum ggml_type`), as stored in GGUF files.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct GgmlType(pub(crate) sys::ggml_type);
+
+impl GgmlType {
+    /// `GGML_TYPE_F32`.
+    pub const F32: GgmlType = GgmlType(sys::GGML_TYPE_F32);
+    /// `GGML_TYPE_F16`.
+    pub const F16: GgmlType = GgmlType(sys::GGML_TYPE_F16);
+    /// `GGML_TYPE_Q8_0`.
+    pub const Q8_0: GgmlType = GgmlType(sys::GGML_TYPE_Q8_0);
+    /// `GGML_TYPE_Q4_K`.
+    pub const Q4_K: GgmlType = GgmlType(sys::GGML_TYPE_Q4_K);
+    /// `GGML_TYPE_Q6_K`.
+    pub const Q6_K: GgmlType = GgmlType(sys::GGML_TYPE_Q6_K);
+
+    /// Wraps ggml's type number, if it names a type this ggml knows.
+    pub fn from_raw(raw: u32) -> Option<GgmlType> {
+        (raw < sys::GGML_TYPE_COUNT && Self::name_of(raw).is_some()).then_some(GgmlType(raw))
+    }
+
+    /// ggml's type number.
+    pub fn raw(self) -> u32 {
+        self.0
+    }
+
+    fn name_of(raw: u32) -> Option<&'static str> {
+        // SAFETY: ggml_type_name indexes a static table of GGML_TYPE_COUNT entries; `raw` is
+        // checked against that bound by every caller. Removed types have a NULL or empty name.
+        let p = unsafe { sys::ggml_type_name(raw) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: non-null names in ggml's type table are static NUL-terminated strings.
+        let name = unsafe { CStr::from_ptr(p) }.to_str().ok()?;
+        (!name.is_empty() && name != "NONE").then_some(name)
+    }
+
+    /// The type's name as ggml prints it (`f32`, `q8_0`, `q4_K`, ...).
+    pub fn name(self) -> &'static str {
+        Self::name_of(self.0).unwrap_or("unknown")
+    }
+
+    /// Whether the type is a block-quantized one.
+    pub fn is_quantized(self) -> bool {
+        // SAFETY: ggml_is_quantized reads the static type traits table; self.0 < GGML_TYPE_COUNT.
+        unsafe { sys::ggml_is_quantized(self.0) }
+    }
+
+    /// Bytes of one row of `ne0` elements (`ggml_row_size`). `ne0` must be a multiple of the
+    /// block size.
+    pub fn row_size(self, ne0: i64) -> usize {
+        // SAFETY: pure arithmetic over the static type traits table; self.0 is a valid type.
+        unsafe { sys::ggml_row_size(self.0, ne0) }
+    }
+
+    /// Elements per block (1 for plain float types, 32 for Q8_0, 256 for k-quants).
+    pub fn block_size(self) -> i64 {
+        // SAFETY: reads the static type traits table; self.0 is a valid type.
+        unsafe { sys::ggml_blck_size(self.0) }
+    }
+}
+
+impl std::fmt::Display for GgmlType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_and_row_sizes() {
+        assert_eq!(GgmlType::F32.name(), "f32");
+        assert_eq!(GgmlType::Q8_0.name(), "q8_0");
+        assert_eq!(GgmlType::Q8_0.row_size(96), 102);
+        assert_eq!(GgmlType::Q4_K.block_size(), 256);
+        assert!(GgmlType::Q6_K.is_quantized());
+        assert!(!GgmlType::F16.is_quantized());
+        assert_eq!(GgmlType::from_raw(10_000), None);
+        assert_eq!(GgmlType::from_raw(0), Some(GgmlType::F32));
+    }
+}

@@ -1,0 +1,11 @@
+//! sluice: runs Mixture-of-Experts language models bigger than a board's RAM.
+//!
+//! This crate is the runtime behind the `sluice` binary: synthetic model generation
+//! ([`synth`]), text generation ([`generate`]), terminal-safe output ([`text`]) and the
+//! out-of-the-box demo ([`demo`]). llama.cpp is reached only through `ggml-sys`.
+#![forbid(unsafe_code)]
+
+pub mod demo;
+pub mod generate;
+pub mod synth;
+pub mod text;

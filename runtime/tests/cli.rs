@@ -1,0 +1,145 @@
+//! The `sluice` binary as a user runs it: bad input gets a clear error and a non-zero exit
+//! (never a panic), the demo works from an empty cache, and `synth --size` hits its target.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+/// Runs the built binary; under a cross build, through the emulator named by `SLUICE_TEST_RUNNER`
+/// (`make aarch64` sets it to qemu-aarch64).
+fn sluice(args: &[&str], cache: &Path) -> Output {
+    let bin = env!("CARGO_BIN_EXE_sluice");
+    let mut cmd = match std::env::var("SLUICE_TEST_RUNNER") {
+        Ok(runner) if !runner.is_empty() => {
+            let mut c = Command::new(runner);
+            c.arg(bin);
+            c
+        }
+        _ => Command::new(bin),
+    };
+    cmd.args(args)
+        .env("SLUICE_CACHE_DIR", cache)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run sluice")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Asserts a clean failure: non-zero exit, no panic, and a message containing `needle`.
+fn assert_clean_error(o: &Output, needle: &str) {
+    let err = stderr(o);
+    assert!(!o.status.success(), "expected failure, got success; stderr: {err}");
+    assert!(!err.contains("panicked"), "panic on bad input: {err}");
+    assert!(err.contains(needle), "stderr lacks {needle:?}: {err}");
+}
+
+fn small_model(dir: &Path) -> String {
+    let p = dir.join("m.gguf");
+    let o = sluice(&["synth", "--out", p.to_str().unwrap()], dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    p.to_string_lossy().into_owned()
+}
+
+#[test]
+fn missing_model_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = sluice(&["run", "-m", "/nonexistent/model.gguf", "-p", "hi"], dir.path());
+    assert_clean_error(&o, "/nonexistent/model.gguf: no such file");
+}
+
+#[test]
+fn non_gguf_file_is_rejected() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("notes.txt");
+    std::fs::write(&p, "these are not weights\n".repeat(100)).unwrap();
+    let o = sluice(&["run", "-m", p.to_str().unwrap(), "-p", "hi"], dir.path());
+    assert_clean_error(&o, "not a readable GGUF file");
+}
+
+#[test]
+fn truncated_gguf_names_the_tensor_that_does_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let bytes = std::fs::read(&model).unwrap();
+    let cut = dir.path().join("cut.gguf");
+    std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
+    let o = sluice(&["run", "-m", cut.to_str().unwrap(), "-p", "hi"], dir.path());
+    assert_clean_error(&o, "truncated: tensor");
+    // A file cut inside the header is rejected too.
+    std::fs::write(&cut, &bytes[..100]).unwrap();
+    let o = sluice(&["run", "-m", cut.to_str().unwrap(), "-p", "hi"], dir.path());
+    assert_clean_error(&o, "not a readable GGUF file");
+}
+
+#[test]
+fn zero_tokens_and_empty_prompt_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let o = sluice(&["run", "-m", &model, "-p", "hi", "-n", "0"], dir.path());
+    assert_clean_error(&o, "0 is not in 1..");
+    let o = sluice(&["run", "-m", &model, "-p", ""], dir.path());
+    assert_clean_error(&o, "the prompt is empty");
+}
+
+#[test]
+fn too_long_a_request_names_the_context_length() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let o = sluice(&["run", "-m", &model, "-p", "hi", "-n", "100000"], dir.path());
+    assert_clean_error(&o, "more than the model's context length 4096");
+}
+
+#[test]
+fn bad_synth_parameters_name_the_option() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("x.gguf");
+    let o = sluice(&["synth", "--out", out.to_str().unwrap(), "--experts", "4", "--experts-used", "6"], dir.path());
+    assert_clean_error(&o, "--experts-used");
+    let o = sluice(&["synth", "--out", out.to_str().unwrap(), "--size", "10KiB"], dir.path());
+    assert_clean_error(&o, "too small");
+    assert!(!out.exists(), "a failed synth must not leave a file behind");
+}
+
+#[test]
+fn run_prints_the_continuation_and_its_speed() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let o = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "12", "-t", "1"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(!o.stdout.is_empty());
+    assert!(stderr(&o).contains("generated: 12 tokens"), "{}", stderr(&o));
+    let again = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "12", "-t", "2"], dir.path());
+    assert_eq!(o.stdout, again.stdout, "greedy output must not depend on the thread count");
+}
+
+#[test]
+fn demo_synthesizes_once_then_reuses_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = dir.path().join("cache");
+    let first = sluice(&["demo", "-n", "8"], &cache);
+    assert!(first.status.success(), "{}", stderr(&first));
+    assert!(stderr(&first).contains("generated just now"), "{}", stderr(&first));
+    assert!(stderr(&first).contains("The weights are random"), "{}", stderr(&first));
+    let second = sluice(&["demo", "-n", "8"], &cache);
+    assert!(second.status.success(), "{}", stderr(&second));
+    assert!(stderr(&second).contains("from the cache"), "{}", stderr(&second));
+    assert_eq!(first.stdout, second.stdout);
+    let files: Vec<_> = std::fs::read_dir(&cache).unwrap().map(|e| e.unwrap().file_name()).collect();
+    assert_eq!(files.len(), 1, "one model, no leftovers: {files:?}");
+}
+
+#[test]
+fn synth_size_lands_just_under_the_target() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("sized.gguf");
+    let o = sluice(
+        &["synth", "--out", out.to_str().unwrap(), "--size", "48MiB", "--layers", "4", "--experts", "16", "--embd", "256"],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let len = std::fs::metadata(&out).unwrap().len() as f64;
+    let target = 48.0 * 1024.0 * 1024.0;
+    assert!(len <= target && len > 0.95 * target, "size {len} vs target {target}");
+}

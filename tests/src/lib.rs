@@ -1,0 +1,84 @@
+//! Test fixtures for sluice's end-to-end gates: small synthetic MoE models, generated
+//! deterministically by `sluice synth`'s library into a test's own directory, and helpers to run
+//! them.
+
+use std::path::{Path, PathBuf};
+
+use ggml_sys::Token;
+use sluice::generate::{self, GenerateParams};
+use sluice::synth::{self, OutputType, SynthSpec};
+
+/// The fixture variants every gate runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fixture {
+    /// f32 weights.
+    F32,
+    /// f16 matrices.
+    F16,
+    /// Q8_0 (through llama_model_quantize).
+    Q8_0,
+    /// Q4_K_M (through llama_model_quantize).
+    Q4KM,
+    /// Q6_K (through llama_model_quantize).
+    Q6K,
+    /// Q8_0 with widths of 96: expert slices of 9792 bytes, not a multiple of 4096.
+    OddQ8_0,
+    /// f16 with every tensor's data aligned to 4096 bytes.
+    Aligned4096,
+    /// f16 split into five files, the first holding only metadata.
+    Split,
+}
+
+impl Fixture {
+    /// Every variant.
+    pub const ALL: [Fixture; 8] = [
+        Fixture::F32,
+        Fixture::F16,
+        Fixture::Q8_0,
+        Fixture::Q4KM,
+        Fixture::Q6K,
+        Fixture::OddQ8_0,
+        Fixture::Aligned4096,
+        Fixture::Split,
+    ];
+
+    /// The synth parameters of this variant.
+    pub fn spec(self) -> SynthSpec {
+        let base = SynthSpec { seed: 7, ..SynthSpec::default() };
+        match self {
+            Fixture::F32 => SynthSpec { out_type: OutputType::F32, ..base },
+            Fixture::F16 => base,
+            Fixture::Q8_0 => SynthSpec { out_type: OutputType::Q8_0, ..base },
+            Fixture::Q4KM => SynthSpec { out_type: OutputType::Q4KM, ..base },
+            Fixture::Q6K => SynthSpec { out_type: OutputType::Q6K, ..base },
+            Fixture::OddQ8_0 => SynthSpec { out_type: OutputType::Q8_0, embd: 96, heads: 3, kv_heads: 1, expert_ff: 96, ..base },
+            Fixture::Aligned4096 => SynthSpec { alignment: 4096, ..base },
+            Fixture::Split => SynthSpec { split_max_tensors: Some(7), ..base },
+        }
+    }
+
+    /// A file name for this variant.
+    pub fn file_name(self) -> String {
+        let name = format!("{self:?}").to_lowercase();
+        match self {
+            Fixture::Split => format!("{name}-00001-of-00005.gguf"),
+            _ => format!("{name}.gguf"),
+        }
+    }
+
+    /// Writes the fixture into `dir` and returns every file, the model's entry file first.
+    pub fn write(self, dir: &Path) -> Vec<PathBuf> {
+        let out = synth::synthesize(&self.spec(), &dir.join(self.file_name()), 2)
+            .unwrap_or_else(|e| panic!("synthesizing fixture {self:?}: {e}"));
+        out.files
+    }
+}
+
+/// The prompt the gates generate from.
+pub const PROMPT: &str = "The quick brown fox jumps over the lazy dog.";
+
+/// Loads `model` resident and returns the greedy continuation of [`PROMPT`].
+pub fn greedy_tokens(model: &ggml_sys::Model, n_predict: u32, n_threads: u32) -> Vec<Token> {
+    let params = GenerateParams { n_predict, n_threads };
+    generate::generate(model, PROMPT, &params, |_, _| {}).expect("generation").tokens
+}
