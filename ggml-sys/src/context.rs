@@ -22,7 +22,7 @@ pub enum EvalPhase {
 /// The eval callback: called on ggml's compute path between nodes. It must not block on anything
 /// but work it started itself, and it must not panic (a panic is caught, logged, and stops the
 /// graph).
-pub type EvalCallback = Box<dyn FnMut(TensorView<'_>, EvalPhase) -> bool + Send>;
+pub type EvalCallback<'m> = Box<dyn FnMut(TensorView<'_>, EvalPhase) -> bool + Send + 'm>;
 
 /// Context sizes and threads.
 #[derive(Debug, Clone)]
@@ -42,7 +42,7 @@ pub struct Context<'m> {
     raw: *mut sys::llama_context,
     n_vocab: usize,
     // Owns the callback whose address llama.cpp holds as cb_eval_user_data; dropped after raw.
-    _callback: Option<Box<EvalCallback>>,
+    _callback: Option<Box<EvalCallback<'m>>>,
     _model: PhantomData<&'m Model>,
 }
 
@@ -53,7 +53,7 @@ unsafe impl Send for Context<'_> {}
 unsafe extern "C" fn eval_trampoline(t: *mut sys::ggml_tensor, ask: bool, ud: *mut c_void) -> bool {
     // SAFETY: ud is the address of the Box<EvalCallback> owned by the Context, which outlives
     // every decode that can call this; ggml calls the callback from one thread at a time.
-    let cb = unsafe { &mut *ud.cast::<EvalCallback>() };
+    let cb = unsafe { &mut *ud.cast::<EvalCallback<'_>>() };
     // SAFETY: ggml passes a live graph node that is not written while the callback runs.
     let view = unsafe { TensorView::from_raw(t) };
     let phase = if ask { EvalPhase::Ask } else { EvalPhase::Computed };
@@ -77,7 +77,7 @@ fn decode_meaning(status: i32) -> &'static str {
 
 impl<'m> Context<'m> {
     /// Creates a context over `model`, with an optional eval callback.
-    pub fn new(model: &'m Model, params: &ContextParams, callback: Option<EvalCallback>) -> Result<Context<'m>> {
+    pub fn new(model: &'m Model, params: &ContextParams, callback: Option<EvalCallback<'m>>) -> Result<Context<'m>> {
         // SAFETY: returns a plain struct of defaults.
         let mut p = unsafe { sys::llama_context_default_params() };
         p.n_ctx = params.n_ctx;
@@ -90,7 +90,7 @@ impl<'m> Context<'m> {
         let mut callback = callback.map(Box::new);
         if let Some(cb) = callback.as_mut() {
             p.cb_eval = Some(eval_trampoline);
-            p.cb_eval_user_data = (&mut **cb as *mut EvalCallback).cast();
+            p.cb_eval_user_data = (&mut **cb as *mut EvalCallback<'m>).cast();
         }
         // SAFETY: model.raw() is live for 'm; p is fully initialized; the callback box (if any)
         // is owned by the returned Context and so outlives the llama_context.

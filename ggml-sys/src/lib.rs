@@ -12,6 +12,7 @@ mod error;
 mod gguf;
 mod model;
 mod quantize;
+mod reservation;
 mod tensor;
 mod types;
 
@@ -22,7 +23,8 @@ pub use error::Error;
 pub use gguf::{GgufFile, GgufTensor};
 pub use model::{Model, ModelParams, Token};
 pub use quantize::{quantize, QuantType};
-pub use tensor::TensorView;
+pub use reservation::{page_size, Reservation};
+pub use tensor::{TensorView, WeightTensor};
 pub use types::GgmlType;
 
 /// The result type of this crate.

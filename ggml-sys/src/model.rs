@@ -5,7 +5,9 @@ use std::path::{Path, PathBuf};
 
 use llama_cpp_sys_2 as sys;
 
-use crate::{Error, Result};
+use std::sync::{Arc, Mutex};
+
+use crate::{Error, Reservation, Result};
 
 /// A token id.
 pub type Token = i32;
@@ -20,10 +22,13 @@ pub struct ModelParams {
     pub n_gpu_layers: i32,
 }
 
-/// A loaded model. Read-only after load; contexts borrow it.
+/// A loaded model. Read-only after load (except for weights rebound by the streaming engine);
+/// contexts borrow it.
 pub struct Model {
     raw: *mut sys::llama_model,
     path: PathBuf,
+    /// Memory that weight tensors were rebound to; freed only after the model.
+    rebound: Mutex<Vec<Arc<Reservation>>>,
 }
 
 // SAFETY: a llama_model is immutable after llama_model_load_from_file returns; llama.cpp supports
@@ -48,7 +53,12 @@ impl Model {
         if raw.is_null() {
             return Err(Error::ModelLoad { path: path.into() });
         }
-        Ok(Model { raw, path: path.into() })
+        Ok(Model { raw, path: path.into(), rebound: Mutex::new(Vec::new()) })
+    }
+
+    /// Keeps `reservation` alive until the model is freed (a weight now points into it).
+    pub(crate) fn keep_alive(&self, reservation: Arc<Reservation>) {
+        self.rebound.lock().unwrap_or_else(|e| e.into_inner()).push(reservation);
     }
 
     pub(crate) fn raw(&self) -> *mut sys::llama_model {
@@ -165,7 +175,7 @@ impl Model {
 impl Drop for Model {
     fn drop(&mut self) {
         // SAFETY: raw came from llama_model_load_from_file; contexts borrow the model, so none
-        // outlives it; freed exactly once.
+        // outlives it; freed exactly once. The rebound reservations drop after this body.
         unsafe { sys::llama_model_free(self.raw) };
     }
 }

@@ -112,3 +112,50 @@ impl std::fmt::Debug for TensorView<'_> {
             .finish()
     }
 }
+
+/// A weight tensor of a loaded model, found in a graph during capture. Valid for as long as the
+/// model (`'m`) lives: llama.cpp allocates weight tensors once at load and frees them with the
+/// model.
+#[derive(Clone, Copy)]
+pub struct WeightTensor<'m> {
+    raw: *mut sys::ggml_tensor,
+    _life: PhantomData<&'m crate::Model>,
+}
+
+// SAFETY: the handle is an address of a model-owned tensor; moving it between threads does not
+// access it. Writes happen only through rebind (below), on the decode thread between graph runs.
+unsafe impl Send for WeightTensor<'_> {}
+
+impl<'a> TensorView<'a> {
+    /// This tensor as a model weight, if it lives in a weights buffer (not a graph
+    /// intermediate). The caller ties the handle to the model that owns the graph (`'m`).
+    pub fn as_weight<'m>(&self, _model: &'m crate::Model) -> Option<WeightTensor<'m>> {
+        let t = self.t();
+        if t.buffer.is_null() || !t.view_src.is_null() {
+            return None;
+        }
+        // SAFETY: buffer is a live backend buffer (non-null, checked).
+        let usage = unsafe { sys::ggml_backend_buffer_get_usage(t.buffer) };
+        (usage == sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+            .then_some(WeightTensor { raw: self.raw.cast_mut(), _life: PhantomData })
+    }
+}
+
+impl<'m> WeightTensor<'m> {
+    /// A read-only view of the tensor.
+    pub fn view(&self) -> TensorView<'m> {
+        // SAFETY: weight tensors live as long as the model ('m).
+        unsafe { TensorView::from_raw(self.raw) }
+    }
+
+    /// Points the tensor's data at `reservation`'s base, so ggml's kernels read the tensor from
+    /// there. The model keeps the reservation alive until it is freed, so the pointer never
+    /// dangles. Must be called between decodes (never while a graph runs).
+    pub fn rebind(&self, model: &'m crate::Model, reservation: std::sync::Arc<crate::Reservation>) {
+        let base = reservation.base_ptr();
+        model.keep_alive(reservation);
+        // SAFETY: raw is a live weight tensor of `model`; no graph runs concurrently (contract
+        // above), and the new data pointer refers to memory kept alive as long as the model.
+        unsafe { (*self.raw).data = base.cast() };
+    }
+}

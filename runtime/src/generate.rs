@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ggml_sys::{Batch, Context, ContextParams, GgufFile, Model, ModelParams, Token};
+use ggml_sys::{Batch, Context, ContextParams, EvalCallback, GgufFile, Model, ModelParams, Token};
 
 /// Largest number of prompt tokens decoded in one batch.
 const MAX_BATCH: u32 = 512;
@@ -37,11 +37,27 @@ pub enum GenerateError {
     /// llama.cpp reported an error.
     #[error(transparent)]
     Llama(#[from] ggml_sys::Error),
+    /// The streaming engine failed during a decode.
+    #[error(transparent)]
+    Stream(#[from] crate::stream::StreamError),
 }
 
-/// Opens a model for resident generation: checks the file first (existence, GGUF header, every
-/// tensor inside the file) so bad input gets a precise error, then loads it through llama.cpp.
-pub fn load_model(path: &Path) -> Result<Model, GenerateError> {
+/// One `llama_decode` call, as reported to a [`DecodeObserver`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DecodeEvent {
+    /// Tokens in the batch (the prompt chunk, or 1).
+    pub n_tokens: usize,
+    /// Whether this decode was part of the prompt.
+    pub prefill: bool,
+    /// Wall time of the decode.
+    pub wall: Duration,
+}
+
+/// Called after every decode; an error stops the generation.
+pub type DecodeObserver<'a> = dyn FnMut(DecodeEvent) -> Result<(), GenerateError> + 'a;
+
+/// Checks that `path` is an existing regular file, with an error that says what to do.
+pub fn check_model_file(path: &Path) -> Result<(), GenerateError> {
     let meta = std::fs::metadata(path).map_err(|e| GenerateError::ModelFile {
         path: path.into(),
         reason: match e.kind() {
@@ -52,6 +68,13 @@ pub fn load_model(path: &Path) -> Result<Model, GenerateError> {
     if !meta.is_file() {
         return Err(GenerateError::ModelFile { path: path.into(), reason: "is not a regular file".into() });
     }
+    Ok(())
+}
+
+/// Opens a model: checks the file first (existence, GGUF header, every tensor inside the file)
+/// so bad input gets a precise error, then loads it through llama.cpp.
+pub fn load_model(path: &Path) -> Result<Model, GenerateError> {
+    check_model_file(path)?;
     GgufFile::open(path)?;
     Ok(Model::load(path, &ModelParams::default())?)
 }
@@ -112,12 +135,12 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
-    /// Creates a context with room for `n_ctx` positions.
-    pub fn new(model: &'m Model, n_ctx: u32, n_threads: u32) -> Result<Session<'m>, GenerateError> {
+    /// Creates a context with room for `n_ctx` positions, with an optional eval callback.
+    pub fn new(model: &'m Model, n_ctx: u32, n_threads: u32, callback: Option<EvalCallback<'m>>) -> Result<Session<'m>, GenerateError> {
         let n_ctx = n_ctx.div_ceil(256).max(1) * 256;
         let n_batch = n_ctx.min(MAX_BATCH);
         let params = ContextParams { n_ctx, n_batch, n_ubatch: n_batch, n_threads };
-        let ctx = Context::new(model, &params, None)?;
+        let ctx = Context::new(model, &params, callback)?;
         Ok(Session { model, ctx, batch: Batch::new(n_batch as usize) })
     }
 
@@ -139,13 +162,35 @@ impl<'m> Session<'m> {
         Ok(tokens)
     }
 
+    /// Decodes one token (`token`, at position 0) and forgets it: a warm-up that runs the whole
+    /// graph once (the streaming engine captures its weights during it).
+    pub fn warm_up(&mut self, token: Token) -> Result<(), GenerateError> {
+        self.batch.clear();
+        self.batch.push(token, 0, true)?;
+        let result = self.ctx.decode(&self.batch);
+        self.ctx.clear_memory();
+        Ok(result?)
+    }
+
+    fn timed_decode(&mut self, prefill: bool, observer: &mut DecodeObserver<'_>) -> Result<(), GenerateError> {
+        let t = Instant::now();
+        let result = self.ctx.decode(&self.batch);
+        let event = DecodeEvent { n_tokens: self.batch.len(), prefill, wall: t.elapsed() };
+        // The observer runs even when the decode failed: it reports the streaming engine's error,
+        // which says more than llama.cpp's status.
+        observer(event)?;
+        Ok(result?)
+    }
+
     /// Generates up to `n_predict` tokens greedily after `prompt`, calling `on_token` with each
-    /// token and its bytes as it is chosen. Starts from an empty context every time.
+    /// token and its bytes as it is chosen and `observer` after every decode. Starts from an
+    /// empty context every time.
     pub fn generate(
         &mut self,
         prompt: &[Token],
         n_predict: u32,
         mut on_token: impl FnMut(Token, &[u8]),
+        observer: &mut DecodeObserver<'_>,
     ) -> Result<Generation, GenerateError> {
         self.ctx.clear_memory();
         let n_batch = self.batch_capacity();
@@ -157,7 +202,7 @@ impl<'m> Session<'m> {
                 let last = pos as usize + i + 1 == prompt.len();
                 self.batch.push(t, pos + i as i32, last)?;
             }
-            self.ctx.decode(&self.batch)?;
+            self.timed_decode(true, observer)?;
             pos += chunk.len() as i32;
         }
         let prefill = t0.elapsed();
@@ -186,7 +231,7 @@ impl<'m> Session<'m> {
             }
             self.batch.clear();
             self.batch.push(next, pos, true)?;
-            self.ctx.decode(&self.batch)?;
+            self.timed_decode(false, observer)?;
             out.decoded += 1;
             pos += 1;
             next = self.ctx.greedy(-1)?;
@@ -200,9 +245,9 @@ impl<'m> Session<'m> {
     }
 }
 
-/// Loads nothing: tokenizes, sizes a context, and generates in one call.
+/// Resident generation in one call: tokenizes, sizes a context, and generates.
 pub fn generate(model: &Model, prompt: &str, params: &GenerateParams, on_token: impl FnMut(Token, &[u8])) -> Result<Generation, GenerateError> {
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
-    let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, params.n_threads)?;
-    session.generate(&tokens, params.n_predict, on_token)
+    let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, params.n_threads, None)?;
+    session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }

@@ -7,5 +7,7 @@
 
 pub mod demo;
 pub mod generate;
+pub mod stream;
+pub mod telemetry;
 pub mod synth;
 pub mod text;

@@ -2,11 +2,14 @@
 
 use std::io::Write as _;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use anyhow::{Context as _, Result};
 use clap::{Args, Parser, Subcommand};
 
-use sluice::generate::{self, GenerateParams, Generation};
+use sluice::generate::{self, GenerateParams, Generation, Session};
+use sluice::stream::{self, DensePolicy, ExpertIndex, LaneConfig, StreamConfig, StreamedSession};
+use sluice::telemetry::{self, Summary};
 use sluice::synth::{self, OutputType, SynthSpec};
 use sluice::{demo, text::DisplayText};
 
@@ -36,16 +39,71 @@ enum Command {
 #[derive(Args)]
 struct RunArgs {
     /// The model: a .gguf file (for a split model, its first file).
-    #[arg(short, long)]
-    model: PathBuf,
+    #[arg(short, long, required_unless_present = "list_archs")]
+    model: Option<PathBuf>,
     /// The prompt.
-    #[arg(short, long)]
-    prompt: String,
+    #[arg(short, long, required_unless_present = "list_archs")]
+    prompt: Option<String>,
     /// Tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
     n_predict: u32,
     #[command(flatten)]
     threads: ThreadsArg,
+    #[command(flatten)]
+    stream: StreamArgs,
+    /// Print the architectures that can be streamed, and exit.
+    #[arg(long)]
+    list_archs: bool,
+}
+
+#[derive(Args)]
+struct StreamArgs {
+    /// Load everything with llama.cpp's own mmap and do not stream (the reference for
+    /// comparison).
+    #[arg(long)]
+    resident: bool,
+    /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: half of
+    /// MemAvailable, at most all the experts.
+    #[arg(long)]
+    cache_mb: Option<u64>,
+    /// Accept a cache budget below one token's routed demand.
+    #[arg(long)]
+    force_cache: bool,
+    /// Parallel expert readers.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    io_lanes: u32,
+    /// Read experts through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    no_direct_io: bool,
+    /// Where the dense (always-needed) weights live.
+    #[arg(long, value_enum, default_value_t = DensePolicy::Anon)]
+    dense: DensePolicy,
+    /// Largest single read in KiB (split point of an expert read).
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(4..))]
+    read_kib: u64,
+    /// Write per-token telemetry to this CSV file.
+    #[arg(long)]
+    csv: Option<PathBuf>,
+    /// Show a live status line while generating.
+    #[arg(long)]
+    progress: bool,
+}
+
+impl StreamArgs {
+    fn config(&self, index: &ExpertIndex) -> StreamConfig {
+        let all = (0..index.n_layer).flat_map(|l| (0..index.n_expert).map(move |e| (l, e))).map(|(l, e)| index.expert_window_bytes(l, e)).sum::<u64>();
+        let cache_bytes = match self.cache_mb {
+            Some(mb) => mb.saturating_mul(1 << 20),
+            None => sluice_hal::memory::mem_available().map_or(all, |avail| (avail / 2).min(all)).max(index.one_token_demand().min(all)),
+        };
+        StreamConfig {
+            cache_bytes,
+            force_cache: self.force_cache,
+            lanes: LaneConfig { lanes: self.io_lanes as usize, direct: !self.no_direct_io, max_request: (self.read_kib << 10) as usize, cpus: Vec::new() },
+            dense: self.dense,
+            trace_routes: false,
+        }
+    }
 }
 
 #[derive(Args)]
@@ -201,9 +259,88 @@ fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GeneratePa
 }
 
 fn run(a: &RunArgs) -> Result<()> {
-    let model = generate::load_model(&a.model)?;
+    if a.list_archs {
+        print!("{}", stream::recipe::table());
+        return Ok(());
+    }
+    let (Some(model_path), Some(prompt)) = (&a.model, &a.prompt) else {
+        anyhow::bail!("--model and --prompt are required");
+    };
     let params = GenerateParams { n_predict: a.n_predict, n_threads: a.threads.get() };
-    generate_and_print(&model, &a.prompt, &params)?;
+    if a.stream.resident {
+        let model = generate::load_model(model_path)?;
+        generate_and_print(&model, prompt, &params)?;
+        return Ok(());
+    }
+    run_streamed(model_path, prompt, &params, &a.stream)
+}
+
+/// Streams `model_path`: prints the continuation, the telemetry summary, and the CSV if asked.
+fn run_streamed(model_path: &std::path::Path, prompt: &str, params: &GenerateParams, args: &StreamArgs) -> Result<()> {
+    generate::check_model_file(model_path)?;
+    let index = Arc::new(ExpertIndex::open(model_path)?);
+    let config = args.config(&index);
+    let model = generate::load_model(model_path)?;
+    let tokens = Session::prepare(&model, prompt, params.n_predict)?;
+    let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
+    let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, params.n_threads)?;
+    log::info!("streaming {} experts/layer over {} layers; cache {} MiB; open {:.2} s, dense read {:.1} MiB", index.n_expert, index.n_layer, config.cache_bytes >> 20, session.open_time.as_secs_f64(), session.dense_bytes_read as f64 / (1 << 20) as f64);
+    let mut display = DisplayText::default();
+    let mut stdout = std::io::stdout().lock();
+    let progress = args.progress;
+    let (generation, rows) = session.generate(
+        &tokens,
+        params.n_predict,
+        |_, bytes| {
+            let _ = write!(stdout, "{}", display.push(bytes));
+            let _ = stdout.flush();
+        },
+        |row| {
+            if progress {
+                eprint!("\r{}", row.progress_line());
+            }
+        },
+    )?;
+    let _ = writeln!(stdout, "{}", display.finish());
+    drop(stdout);
+    if progress {
+        eprintln!();
+    }
+    let summary = Summary::of(&rows);
+    let streamer = session.streamer();
+    let direct = (0..index.shards.len()).all(|s| streamer.lanes().is_direct(s));
+    let (cache_used, counters) = (streamer.cache_used(), streamer.cache_counters());
+    drop(streamer);
+    eprintln!(
+        "prompt: {} tokens in {:.3} s; generated {} tokens{}",
+        generation.prompt_tokens.len(),
+        generation.prefill.as_secs_f64(),
+        generation.tokens.len(),
+        if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
+    );
+    eprintln!("{}", summary.describe());
+    eprintln!(
+        "cache: {:.1} of {:.1} MiB used, {} evictions, {} re-reads; reads {}",
+        cache_used as f64 / (1 << 20) as f64,
+        config.cache_bytes.min(index.expert_bytes()) as f64 / (1 << 20) as f64,
+        counters.evictions,
+        counters.rereads,
+        if direct { "O_DIRECT" } else { "buffered" }
+    );
+    if let Some(path) = &args.csv {
+        let preamble = vec![
+            ("model".to_string(), model_path.display().to_string()),
+            ("cache_bytes".to_string(), config.cache_bytes.to_string()),
+            ("io_lanes".to_string(), config.lanes.lanes.to_string()),
+            ("direct_io".to_string(), direct.to_string()),
+            ("dense".to_string(), format!("{:?}", config.dense).to_lowercase()),
+            ("read_bytes_max".to_string(), config.lanes.max_request.to_string()),
+            ("threads".to_string(), params.n_threads.to_string()),
+            ("n_predict".to_string(), params.n_predict.to_string()),
+        ];
+        let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        telemetry::write_csv(&mut f, &preamble, &rows).with_context(|| format!("writing {}", path.display()))?;
+    }
     Ok(())
 }
 
@@ -219,11 +356,20 @@ fn run_demo(a: &DemoArgs) -> Result<()> {
         if created { ", generated just now" } else { ", from the cache" }
     );
     eprintln!("The weights are random: the text below is noise, not language. It shows the model loading and generating.");
-    let model = generate::load_model(&path)?;
-    eprintln!("prompt: {:?}", demo::DEMO_PROMPT);
+    eprintln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
     let params = GenerateParams { n_predict: a.n_predict, n_threads: a.threads.get() };
-    generate_and_print(&model, demo::DEMO_PROMPT, &params)?;
-    Ok(())
+    let args = StreamArgs {
+        resident: false,
+        cache_mb: Some(0),
+        force_cache: false,
+        io_lanes: 2,
+        no_direct_io: false,
+        dense: DensePolicy::Anon,
+        read_kib: 1024,
+        csv: None,
+        progress: false,
+    };
+    run_streamed(&path, demo::DEMO_PROMPT, &params, &args)
 }
 
 fn run_synth(a: &SynthArgs) -> Result<()> {

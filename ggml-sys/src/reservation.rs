@@ -1,0 +1,204 @@
+//! Anonymous memory that mirrors one tensor's bytes in the model file, for streaming.
+//!
+//! A [`Reservation`] maps `MAP_NORESERVE` anonymous memory for a tensor whose data sits at
+//! `file_offset` in its file, with the tensor's base chosen so that `base ≡ file_offset (mod
+//! page)`. A page-aligned window of the file then lands at a page-aligned address, exactly where
+//! the tensor's bytes belong: an `O_DIRECT` read goes straight into place with no bounce copy
+//! (the window's extra bytes are the neighbouring slices' own file bytes). Pages are committed
+//! when written and given back with [`Reservation::release`].
+
+use std::io;
+use std::os::fd::{AsRawFd, BorrowedFd};
+
+/// The system page size.
+pub fn page_size() -> u64 {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let p = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    if p > 0 {
+        p as u64
+    } else {
+        4096
+    }
+}
+
+/// Page-congruent anonymous memory for one tensor.
+pub struct Reservation {
+    map: *mut u8,
+    map_len: usize,
+    /// File offset of the first byte of the mapping (page-aligned).
+    file_base: u64,
+    /// File offset and size of the tensor.
+    file_offset: u64,
+    size: u64,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; all writes go through pread (the
+// kernel) or madvise, and reads happen in ggml's kernels, which synchronize with the writers
+// through the eval callback (serial streaming) or the expert-ready wait.
+unsafe impl Send for Reservation {}
+// SAFETY: as above: no method hands out references into the mapping.
+unsafe impl Sync for Reservation {}
+
+impl Reservation {
+    /// Reserves address space for a tensor of `size` bytes at `file_offset`.
+    pub fn new(file_offset: u64, size: u64) -> io::Result<Reservation> {
+        let page = page_size();
+        let phase = file_offset % page;
+        let map_len = (phase + size).div_ceil(page).max(1) * page;
+        let map_len = usize::try_from(map_len).map_err(|_| io::Error::other("tensor too large to map"))?;
+        // SAFETY: a fresh private anonymous mapping at an address of the kernel's choosing; no
+        // existing memory is affected.
+        let map = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                map_len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if map == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Reservation { map: map.cast(), map_len, file_base: file_offset - phase, file_offset, size })
+    }
+
+    /// The address the tensor's data starts at.
+    pub fn base_addr(&self) -> usize {
+        self.map as usize + (self.file_offset - self.file_base) as usize
+    }
+
+    pub(crate) fn base_ptr(&self) -> *mut u8 {
+        // SAFETY: file_offset - file_base < page <= map_len, so the result is inside the mapping.
+        unsafe { self.map.add((self.file_offset - self.file_base) as usize) }
+    }
+
+    /// File offset of the tensor.
+    pub fn file_offset(&self) -> u64 {
+        self.file_offset
+    }
+
+    /// Size of the tensor in bytes.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
+    /// The page-aligned file window `[start, end)` that covers the tensor bytes `[from, to)`
+    /// (offsets relative to the tensor), clipped to the mapping.
+    pub fn window(&self, from: u64, to: u64) -> (u64, u64) {
+        let page = page_size();
+        let start = (self.file_offset + from) / page * page;
+        let end = ((self.file_offset + to).div_ceil(page) * page).min(self.file_base + self.map_len as u64);
+        (start.max(self.file_base), end)
+    }
+
+    /// Reads the file window `[file_start, file_start + len)` from `fd` into its place in the
+    /// mapping (`pread`, retried on short reads; stops early at end of file). With an `O_DIRECT`
+    /// descriptor, `file_start` and `len` must be multiples of the device's block size (page
+    /// multiples always are). Returns the bytes read.
+    pub fn read_window(&self, fd: BorrowedFd<'_>, file_start: u64, len: usize) -> io::Result<usize> {
+        let end = file_start.checked_add(len as u64).ok_or_else(|| io::Error::other("window overflows"))?;
+        if file_start < self.file_base || end > self.file_base + self.map_len as u64 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "window {file_start}..{end} is outside the reservation {}..{}",
+                    self.file_base,
+                    self.file_base + self.map_len as u64
+                ),
+            ));
+        }
+        let mut done = 0usize;
+        while done < len {
+            let off = file_start + done as u64;
+            // SAFETY: off - file_base + (len - done) <= map_len (checked above), so the
+            // destination range lies inside this live mapping; pread writes at most len - done
+            // bytes there.
+            let n = unsafe {
+                libc::pread(
+                    fd.as_raw_fd(),
+                    self.map.add((off - self.file_base) as usize).cast(),
+                    len - done,
+                    off as libc::off_t,
+                )
+            };
+            if n < 0 {
+                let e = io::Error::last_os_error();
+                if e.kind() == io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                break;
+            }
+            done += n as usize;
+        }
+        Ok(done)
+    }
+
+    /// Gives back the pages wholly inside the tensor bytes `[from, to)` (relative to the
+    /// tensor). Boundary pages that a neighbouring slice may share stay. Returns the bytes
+    /// released.
+    pub fn release(&self, from: u64, to: u64) -> u64 {
+        let page = page_size();
+        let start = (self.file_offset + from).div_ceil(page) * page;
+        let end = (self.file_offset + to) / page * page;
+        if end <= start {
+            return 0;
+        }
+        let len = (end - start) as usize;
+        // SAFETY: [start, end) lies inside [file_offset + from, file_offset + to) which lies
+        // inside the mapping; MADV_DONTNEED on private anonymous memory only drops its contents
+        // (later reads see zeros), it never unmaps.
+        let rc = unsafe { libc::madvise(self.map.add((start - self.file_base) as usize).cast(), len, libc::MADV_DONTNEED) };
+        if rc == 0 {
+            len as u64
+        } else {
+            0
+        }
+    }
+}
+
+impl Drop for Reservation {
+    fn drop(&mut self) {
+        // SAFETY: map/map_len came from a successful mmap and are unmapped exactly once; no
+        // tensor points here any more (the model keeps rebound reservations alive until it is
+        // freed, see Model::keep_alive).
+        unsafe { libc::munmap(self.map.cast(), self.map_len) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    #[test]
+    fn windows_land_in_place_and_release_is_page_exact() {
+        let page = page_size();
+        let dir = std::env::temp_dir().join(format!("ggml-sys-res-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        let data: Vec<u8> = (0..4 * page as usize + 1000).map(|i| (i % 251) as u8).collect();
+        std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // A tensor at an odd offset, 3000 bytes into the second page.
+        let (off, size) = (page + 3000, 2 * page + 500);
+        let r = Reservation::new(off, size).unwrap();
+        assert_eq!(r.base_addr() as u64 % page, off % page);
+        let (ws, we) = r.window(100, 200);
+        assert_eq!((ws, we), (page, 2 * page));
+        let n = r.read_window(std::os::fd::AsFd::as_fd(&file), ws, (we - ws) as usize).unwrap();
+        assert_eq!(n as u64, we - ws);
+        // SAFETY (test): the window covering tensor bytes 100..200 was just read.
+        let got = unsafe { std::slice::from_raw_parts(r.base_ptr().add(100), 100) };
+        assert_eq!(got, &data[(off + 100) as usize..(off + 200) as usize]);
+        // Releasing a range smaller than a page frees nothing; a range covering a page frees it.
+        assert_eq!(r.release(100, 200), 0);
+        assert_eq!(r.release(0, size), page);
+        assert!(r.read_window(std::os::fd::AsFd::as_fd(&file), 0, 10).is_err());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

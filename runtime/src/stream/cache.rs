@@ -1,0 +1,258 @@
+//! The expert cache policy: which (layer, expert) slices stay resident under a byte budget.
+//!
+//! Pure bookkeeping (no I/O, no memory): the engine asks it what to load and what to evict for a
+//! layer's routed experts and carries the answer out. Least-recently-used eviction over an
+//! intrusive list of slots, so a layer costs O(routed experts) with no allocation. The experts
+//! the current layer needs are never evicted, even when they alone exceed the budget (prefill
+//! batches can route to every expert of a layer): the cache then runs over budget until the next
+//! layer lets it shrink back.
+
+const NIL: u32 = u32::MAX;
+
+/// Counters since the cache was created.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheCounters {
+    /// Routed experts found resident.
+    pub hits: u64,
+    /// Routed experts that had to be read.
+    pub misses: u64,
+    /// Experts evicted.
+    pub evictions: u64,
+    /// Misses on experts that had been resident before (read again after eviction).
+    pub rereads: u64,
+}
+
+impl CacheCounters {
+    /// Hits as a share of routed experts (0 when nothing was routed).
+    pub fn hit_rate(&self) -> f64 {
+        let total = self.hits + self.misses;
+        if total == 0 {
+            0.0
+        } else {
+            self.hits as f64 / total as f64
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    resident: bool,
+    ever_loaded: bool,
+    pinned_epoch: u64,
+    prev: u32,
+    next: u32,
+}
+
+/// LRU over (layer, expert) under a byte budget.
+#[derive(Debug)]
+pub struct ExpertCache {
+    n_expert: u32,
+    bytes: Vec<u64>,
+    slots: Vec<Slot>,
+    head: u32, // most recently used
+    tail: u32, // least recently used
+    budget: u64,
+    used: u64,
+    epoch: u64,
+    counters: CacheCounters,
+}
+
+/// What a layer needs done: experts to read, and experts to release.
+#[derive(Debug, Default)]
+pub struct LayerPlan {
+    /// Experts of the layer to read (not resident).
+    pub load: Vec<u32>,
+    /// (layer, expert) pairs evicted to make room.
+    pub evict: Vec<(u32, u32)>,
+}
+
+impl LayerPlan {
+    /// An empty plan with room for `n` entries of each kind.
+    pub fn with_capacity(n: usize) -> LayerPlan {
+        LayerPlan { load: Vec::with_capacity(n), evict: Vec::with_capacity(n) }
+    }
+}
+
+impl ExpertCache {
+    /// A cache over `n_layer × n_expert` experts with `bytes(layer, expert)` each, holding at
+    /// most `budget` bytes (0: nothing stays resident beyond the layer that uses it).
+    pub fn new(n_layer: u32, n_expert: u32, budget: u64, bytes: impl Fn(u32, u32) -> u64) -> ExpertCache {
+        let n = (n_layer * n_expert) as usize;
+        let sizes = (0..n as u32).map(|i| bytes(i / n_expert, i % n_expert)).collect();
+        let slot = Slot { resident: false, ever_loaded: false, pinned_epoch: 0, prev: NIL, next: NIL };
+        ExpertCache { n_expert, bytes: sizes, slots: vec![slot; n], head: NIL, tail: NIL, budget, used: 0, epoch: 0, counters: CacheCounters::default() }
+    }
+
+    /// The byte budget.
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Changes the budget; the next layer evicts down to it.
+    pub fn set_budget(&mut self, budget: u64) {
+        self.budget = budget;
+    }
+
+    /// Bytes resident now.
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    /// The counters.
+    pub fn counters(&self) -> CacheCounters {
+        self.counters
+    }
+
+    /// Whether (layer, expert) is resident.
+    pub fn is_resident(&self, layer: u32, e: u32) -> bool {
+        self.slots[self.idx(layer, e) as usize].resident
+    }
+
+    fn idx(&self, layer: u32, e: u32) -> u32 {
+        layer * self.n_expert + e
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let Slot { prev, next, .. } = self.slots[i as usize];
+        if prev != NIL {
+            self.slots[prev as usize].next = next;
+        } else {
+            self.head = next;
+        }
+        if next != NIL {
+            self.slots[next as usize].prev = prev;
+        } else {
+            self.tail = prev;
+        }
+        self.slots[i as usize].prev = NIL;
+        self.slots[i as usize].next = NIL;
+    }
+
+    fn push_front(&mut self, i: u32) {
+        self.slots[i as usize].prev = NIL;
+        self.slots[i as usize].next = self.head;
+        if self.head != NIL {
+            self.slots[self.head as usize].prev = i;
+        }
+        self.head = i;
+        if self.tail == NIL {
+            self.tail = i;
+        }
+    }
+
+    /// Plans `layer` for its distinct routed experts `ids`: hits are refreshed, misses go into
+    /// `plan.load` (and count as resident from now on), and least-recently-used experts of other
+    /// layers go into `plan.evict` until the budget holds (or only pinned experts remain).
+    pub fn plan_layer(&mut self, layer: u32, ids: &[u32], plan: &mut LayerPlan) {
+        plan.load.clear();
+        plan.evict.clear();
+        self.epoch += 1;
+        let mut incoming = 0u64;
+        for &e in ids {
+            let i = self.idx(layer, e);
+            self.slots[i as usize].pinned_epoch = self.epoch;
+            if self.slots[i as usize].resident {
+                self.counters.hits += 1;
+                self.unlink(i);
+                self.push_front(i);
+            } else {
+                self.counters.misses += 1;
+                if self.slots[i as usize].ever_loaded {
+                    self.counters.rereads += 1;
+                }
+                incoming += self.bytes[i as usize];
+                plan.load.push(e);
+            }
+        }
+        // Evict from the cold end, skipping what this layer needs.
+        let mut cursor = self.tail;
+        while self.used + incoming > self.budget && cursor != NIL {
+            let prev = self.slots[cursor as usize].prev;
+            if self.slots[cursor as usize].pinned_epoch != self.epoch {
+                self.unlink(cursor);
+                self.slots[cursor as usize].resident = false;
+                self.used -= self.bytes[cursor as usize];
+                self.counters.evictions += 1;
+                plan.evict.push((cursor / self.n_expert, cursor % self.n_expert));
+            }
+            cursor = prev;
+        }
+        for &e in &plan.load {
+            let i = self.idx(layer, e);
+            self.slots[i as usize].resident = true;
+            self.slots[i as usize].ever_loaded = true;
+            self.used += self.bytes[i as usize];
+            self.push_front(i);
+        }
+    }
+
+    /// Forgets that `(layer, e)` was loaded (its read failed): it is no longer resident.
+    pub fn mark_failed(&mut self, layer: u32, e: u32) {
+        let i = self.idx(layer, e);
+        if self.slots[i as usize].resident {
+            self.unlink(i);
+            self.slots[i as usize].resident = false;
+            self.used -= self.bytes[i as usize];
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn plan(c: &mut ExpertCache, layer: u32, ids: &[u32]) -> LayerPlan {
+        let mut p = LayerPlan::with_capacity(8);
+        c.plan_layer(layer, ids, &mut p);
+        p
+    }
+
+    #[test]
+    fn unbounded_cache_reads_each_expert_once() {
+        let mut c = ExpertCache::new(2, 4, u64::MAX, |_, _| 10);
+        assert_eq!(plan(&mut c, 0, &[1, 2]).load, vec![1, 2]);
+        assert_eq!(plan(&mut c, 1, &[0]).load, vec![0]);
+        assert!(plan(&mut c, 0, &[2, 1]).load.is_empty());
+        assert_eq!(c.counters(), CacheCounters { hits: 2, misses: 3, evictions: 0, rereads: 0 });
+        assert_eq!(c.used(), 30);
+    }
+
+    #[test]
+    fn zero_budget_keeps_only_the_current_layer() {
+        let mut c = ExpertCache::new(2, 4, 0, |_, _| 10);
+        plan(&mut c, 0, &[1, 2]);
+        let p = plan(&mut c, 1, &[1]);
+        assert_eq!(p.load, vec![1]);
+        assert_eq!(p.evict.len(), 2);
+        assert!(p.evict.contains(&(0, 1)) && p.evict.contains(&(0, 2)));
+        let p = plan(&mut c, 0, &[1]);
+        assert_eq!(p.load, vec![1], "with no cache every routed expert is read every time");
+        assert_eq!(c.counters().rereads, 1);
+        assert_eq!(c.used(), 10);
+    }
+
+    #[test]
+    fn lru_evicts_the_coldest_and_never_the_current_layer() {
+        let mut c = ExpertCache::new(2, 4, 30, |_, _| 10);
+        plan(&mut c, 0, &[0, 1, 2]);
+        plan(&mut c, 0, &[0]); // 0 is now the most recent; 1 is the coldest
+        let p = plan(&mut c, 1, &[3]);
+        assert_eq!(p.evict, vec![(0, 1)]);
+        // A layer needing more than the budget keeps all it needs.
+        let p = plan(&mut c, 1, &[0, 1, 2, 3]);
+        assert_eq!(p.load, vec![0, 1, 2]);
+        assert!(p.evict.iter().all(|&(l, _)| l == 0));
+        assert!(c.used() >= 40);
+        assert!((0..4).all(|e| c.is_resident(1, e)));
+    }
+
+    #[test]
+    fn shrinking_the_budget_evicts_on_the_next_layer() {
+        let mut c = ExpertCache::new(2, 4, 100, |_, _| 10);
+        plan(&mut c, 0, &[0, 1, 2, 3]);
+        c.set_budget(20);
+        let p = plan(&mut c, 1, &[0]);
+        assert_eq!(p.evict.len(), 3);
+        assert_eq!(c.used(), 20);
+    }
+}

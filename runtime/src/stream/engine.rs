@@ -1,0 +1,320 @@
+//! The streaming engine's state, driven from llama.cpp's eval callback.
+//!
+//! Capture (one warm-up decode): every graph node's sources are scanned for the model's weight
+//! tensors; nothing is isolated. Then every expert tensor is rebound into a page-congruent
+//! anonymous reservation (and, with dense `anon`, every resident weight is read once into its
+//! own and rebound too).
+//!
+//! Stream (every later decode): the callback asks for `ffn_moe_topk-<il>` only. When it has been
+//! computed, the layer's routed expert ids are read (stride-aware: the node is a view of the
+//! whole argsort), deduplicated, planned against the cache, evicted experts' pages released, and
+//! the missing slices read by the I/O lanes straight into place before the callback returns and
+//! the layer's expert matmuls run.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ggml_sys::{EvalPhase, Model, Reservation, TensorView, WeightTensor};
+
+use super::cache::{CacheCounters, ExpertCache, LayerPlan};
+use super::index::ExpertIndex;
+use super::io::{IoLanes, ReadJob, ReadStats};
+use super::StreamError;
+
+/// What the callback is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// Observe the graph and record weight tensors.
+    Capture,
+    /// Make routed experts resident at each layer's top-k node.
+    Stream,
+}
+
+/// Streaming work done since the last [`Streamer::take_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DecodeStats {
+    /// Time spent waiting for expert reads.
+    pub io_wait: Duration,
+    /// Expert bytes read.
+    pub bytes_read: u64,
+    /// Of which through `O_DIRECT`.
+    pub direct_bytes: u64,
+    /// Distinct routed experts, summed over layers.
+    pub experts_routed: u64,
+    /// Cache hits among them.
+    pub hits: u64,
+    /// Cache misses among them.
+    pub misses: u64,
+    /// Experts evicted.
+    pub evictions: u64,
+}
+
+/// One layer's distinct routed experts in one decode (recorded when tracing is on).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouteRecord {
+    /// Decode number (0 = the first decode after capture).
+    pub decode: u64,
+    /// Layer.
+    pub layer: u32,
+    /// Distinct expert ids, in the order first routed.
+    pub experts: Vec<u32>,
+}
+
+/// The state shared between the eval callback and the session.
+pub struct Streamer<'m> {
+    model: &'m Model,
+    index: Arc<ExpertIndex>,
+    mode: Mode,
+    dense_anon: bool,
+    captured: Vec<Option<WeightTensor<'m>>>,
+    captured_dense: Vec<Option<WeightTensor<'m>>>,
+    reservations: Vec<Arc<Reservation>>,
+    lanes: IoLanes,
+    cache: ExpertCache,
+    plan: LayerPlan,
+    jobs: Vec<ReadJob>,
+    ids: Vec<u32>,
+    seen: Vec<bool>,
+    stats: DecodeStats,
+    failure: Option<StreamError>,
+    trace: Option<Vec<RouteRecord>>,
+    decode_no: u64,
+}
+
+impl<'m> Streamer<'m> {
+    /// A streamer in capture mode.
+    pub fn new(model: &'m Model, index: Arc<ExpertIndex>, lanes: IoLanes, cache_budget: u64, dense_anon: bool) -> Self {
+        let cache = {
+            let idx = Arc::clone(&index);
+            ExpertCache::new(index.n_layer, index.n_expert, cache_budget, move |l, e| idx.expert_window_bytes(l, e))
+        };
+        let n_expert = index.n_expert as usize;
+        Streamer {
+            model,
+            captured: vec![None; index.experts.len()],
+            captured_dense: vec![None; index.dense.len()],
+            reservations: Vec::new(),
+            lanes,
+            cache,
+            plan: LayerPlan::with_capacity(n_expert * index.n_layer as usize),
+            jobs: Vec::with_capacity(n_expert * 4),
+            ids: Vec::with_capacity(n_expert),
+            seen: vec![false; n_expert],
+            stats: DecodeStats::default(),
+            failure: None,
+            trace: None,
+            decode_no: 0,
+            mode: Mode::Capture,
+            dense_anon,
+            index,
+        }
+    }
+
+    /// Records every layer's routed experts from now on.
+    pub fn enable_trace(&mut self) {
+        self.trace = Some(Vec::new());
+    }
+
+    /// The recorded routes.
+    pub fn trace(&self) -> &[RouteRecord] {
+        self.trace.as_deref().unwrap_or(&[])
+    }
+
+    /// The I/O lanes.
+    pub fn lanes(&self) -> &IoLanes {
+        &self.lanes
+    }
+
+    /// The cache's counters.
+    pub fn cache_counters(&self) -> CacheCounters {
+        self.cache.counters()
+    }
+
+    /// Bytes the cache holds now.
+    pub fn cache_used(&self) -> u64 {
+        self.cache.used()
+    }
+
+    /// Changes the cache budget (applies from the next layer on).
+    pub fn set_cache_budget(&mut self, bytes: u64) {
+        self.cache.set_budget(bytes);
+    }
+
+    /// Returns and resets the work counted since the last call.
+    pub fn take_stats(&mut self) -> DecodeStats {
+        std::mem::take(&mut self.stats)
+    }
+
+    /// Returns the failure of the last decode, if any; the next decode starts clean.
+    pub fn take_failure(&mut self) -> Option<StreamError> {
+        self.failure.take()
+    }
+
+    /// Marks the end of a decode (for the route trace's numbering).
+    pub fn end_decode(&mut self) {
+        if self.mode == Mode::Stream {
+            self.decode_no += 1;
+        }
+    }
+
+    /// The eval callback.
+    pub fn on_eval(&mut self, t: TensorView<'_>, phase: EvalPhase) -> bool {
+        match (self.mode, phase) {
+            (Mode::Capture, EvalPhase::Ask) => {
+                self.capture_sources(t);
+                false
+            }
+            (Mode::Capture, EvalPhase::Computed) => true,
+            (Mode::Stream, EvalPhase::Ask) => t.name().starts_with("ffn_moe_topk-"),
+            (Mode::Stream, EvalPhase::Computed) => {
+                if self.failure.is_some() {
+                    return false;
+                }
+                match self.on_topk(t) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        self.failure = Some(e);
+                        false
+                    }
+                }
+            }
+        }
+    }
+
+    fn capture_sources(&mut self, t: TensorView<'_>) {
+        for i in 0..10 {
+            let Some(src) = t.src(i) else { continue };
+            let name = src.name();
+            if let Some(k) = self.index.expert_by_name(name) {
+                if self.captured[k].is_none() {
+                    self.captured[k] = src.as_weight(self.model);
+                }
+            } else if self.dense_anon {
+                if let Some(k) = self.index.dense.iter().position(|d| d.name == name) {
+                    if self.captured_dense[k].is_none() {
+                        self.captured_dense[k] = src.as_weight(self.model);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Ends capture: rebinds every expert tensor into an empty reservation and, with dense
+    /// `anon`, reads every captured resident weight into anonymous memory and rebinds it.
+    /// Returns the dense bytes read.
+    pub fn finish_capture(&mut self) -> Result<u64, StreamError> {
+        if let Some(k) = self.captured.iter().position(Option::is_none) {
+            return Err(StreamError::NotCaptured { tensor: self.index.experts[k].name.clone() });
+        }
+        for (k, t) in self.index.experts.iter().enumerate() {
+            let captured = self.captured[k].expect("checked above");
+            let view = captured.view();
+            if view.n_bytes() as u64 != t.size || view.nb()[2] as u64 != t.stride {
+                return Err(StreamError::LayoutMismatch {
+                    tensor: t.name.clone(),
+                    detail: format!("graph has {} bytes, stride {}; file has {} bytes, stride {}", view.n_bytes(), view.nb()[2], t.size, t.stride),
+                });
+            }
+            let r = Arc::new(Reservation::new(t.offset, t.size).map_err(StreamError::Reserve)?);
+            captured.rebind(self.model, Arc::clone(&r));
+            self.reservations.push(r);
+        }
+        let mut dense_bytes = 0;
+        if self.dense_anon {
+            let mut rebinds = Vec::new();
+            for (k, d) in self.index.dense.iter().enumerate() {
+                let Some(w) = self.captured_dense[k] else { continue };
+                let r = Arc::new(Reservation::new(d.offset, d.size).map_err(StreamError::Reserve)?);
+                let (start, end) = r.window(0, d.size);
+                self.jobs.push(ReadJob { target: Arc::clone(&r), shard: d.shard, start, len: (end - start) as usize, tag: (u32::MAX, k as u32) });
+                rebinds.push((w, r));
+            }
+            let stats = self.lanes.read_all(&mut self.jobs).map_err(StreamError::Read)?;
+            dense_bytes = stats.bytes;
+            for (w, r) in rebinds {
+                w.rebind(self.model, r);
+            }
+        }
+        self.mode = Mode::Stream;
+        Ok(dense_bytes)
+    }
+
+    fn on_topk(&mut self, t: TensorView<'_>) -> Result<(), StreamError> {
+        let layer: u32 = t
+            .name()
+            .strip_prefix("ffn_moe_topk-")
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| StreamError::Graph(format!("unexpected node name {}", t.name())))?;
+        self.read_routed_ids(t, layer)?;
+        if let Some(trace) = self.trace.as_mut() {
+            trace.push(RouteRecord { decode: self.decode_no, layer, experts: self.ids.clone() });
+        }
+        let before = self.cache.counters();
+        self.cache.plan_layer(layer, &self.ids, &mut self.plan);
+        let after = self.cache.counters();
+        self.stats.experts_routed += self.ids.len() as u64;
+        self.stats.hits += after.hits - before.hits;
+        self.stats.misses += after.misses - before.misses;
+        self.stats.evictions += after.evictions - before.evictions;
+        for &(l, e) in &self.plan.evict {
+            for (k, tensor) in self.index.layer_tensors(l) {
+                let (a, b) = tensor.slice(e);
+                self.reservations[k].release(a, b);
+            }
+        }
+        for &e in &self.plan.load {
+            for (k, tensor) in self.index.layer_tensors(layer) {
+                let r = &self.reservations[k];
+                let (a, b) = tensor.slice(e);
+                let (start, end) = r.window(a, b);
+                self.jobs.push(ReadJob { target: Arc::clone(r), shard: tensor.shard, start, len: (end - start) as usize, tag: (layer, e) });
+            }
+        }
+        if self.jobs.is_empty() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let result = self.lanes.read_all(&mut self.jobs);
+        self.stats.io_wait += t0.elapsed();
+        match result {
+            Ok(ReadStats { bytes, direct_bytes }) => {
+                self.stats.bytes_read += bytes;
+                self.stats.direct_bytes += direct_bytes;
+                Ok(())
+            }
+            Err(f) => {
+                for &e in &self.plan.load {
+                    self.cache.mark_failed(layer, e);
+                }
+                Err(StreamError::Read(f))
+            }
+        }
+    }
+
+    /// Fills `self.ids` with the distinct expert ids of the top-k view `t` (`ne = [k, n_tokens]`,
+    /// rows `nb[1]` apart: it is a view of the whole argsort).
+    fn read_routed_ids(&mut self, t: TensorView<'_>, layer: u32) -> Result<(), StreamError> {
+        let bytes = t.host_bytes().ok_or_else(|| StreamError::Graph(format!("{} is not in host memory", t.name())))?;
+        let [k, n_tokens, ..] = t.ne();
+        let [nb0, nb1, ..] = t.nb();
+        self.ids.clear();
+        self.seen.fill(false);
+        for tok in 0..n_tokens as usize {
+            for j in 0..k as usize {
+                let at = tok * nb1 + j * nb0;
+                let raw = bytes.get(at..at + 4).ok_or_else(|| StreamError::Graph(format!("{} is shorter than its shape", t.name())))?;
+                let id = i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
+                let e = u32::try_from(id).ok().filter(|&e| e < self.index.n_expert).ok_or(StreamError::BadExpertId {
+                    layer,
+                    id,
+                    n_expert: self.index.n_expert,
+                })?;
+                if !self.seen[e as usize] {
+                    self.seen[e as usize] = true;
+                    self.ids.push(e);
+                }
+            }
+        }
+        Ok(())
+    }
+}

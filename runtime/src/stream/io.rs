@@ -1,0 +1,290 @@
+//! I/O lanes: reader threads that read expert windows straight into their reservations.
+//!
+//! Each lane is a thread with its own descriptors for every shard (one `O_DIRECT`, one
+//! buffered). A layer's reads are handed to all lanes at once and [`IoLanes::read_all`] returns
+//! when every one has landed. Reads are split at the device's maximum request size.
+//!
+//! Direct I/O is verified per shard when the lanes open: one aligned block is read both ways and
+//! compared. `EINVAL` (tmpfs before Linux 6.6, some FUSE file systems) or a mismatch switches
+//! that shard to buffered reads, logged once; so does an `EINVAL` on a later read.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+use ggml_sys::Reservation;
+
+/// One read: the file window `[start, start + len)` of `shard` into `target`.
+#[derive(Clone)]
+pub struct ReadJob {
+    /// The tensor memory the window lands in.
+    pub target: Arc<Reservation>,
+    /// Shard file index.
+    pub shard: usize,
+    /// Page-aligned file offset.
+    pub start: u64,
+    /// Bytes (a page multiple).
+    pub len: usize,
+    /// The (layer, expert) the read is for, for error reports.
+    pub tag: (u32, u32),
+}
+
+/// A read that failed.
+#[derive(Debug, thiserror::Error)]
+#[error("reading expert {expert} of layer {layer} from {path} at offset {offset}: {source}")]
+pub struct ReadFailure {
+    /// Layer.
+    pub layer: u32,
+    /// Expert.
+    pub expert: u32,
+    /// File.
+    pub path: PathBuf,
+    /// Offset of the failed window.
+    pub offset: u64,
+    /// The error.
+    pub source: io::Error,
+}
+
+/// Byte counts of one `read_all`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReadStats {
+    /// Bytes read.
+    pub bytes: u64,
+    /// Of which through `O_DIRECT`.
+    pub direct_bytes: u64,
+}
+
+struct Shard {
+    path: PathBuf,
+    direct: AtomicBool,
+}
+
+#[derive(Default)]
+struct Queue {
+    jobs: Vec<ReadJob>,
+    next: usize,
+    finished: usize,
+    stats: ReadStats,
+    failure: Option<ReadFailure>,
+    shutdown: bool,
+}
+
+struct Shared {
+    shards: Vec<Shard>,
+    max_request: usize,
+    queue: Mutex<Queue>,
+    work: Condvar,
+    done: Condvar,
+}
+
+/// The reader threads.
+pub struct IoLanes {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+/// How the lanes read.
+#[derive(Debug, Clone)]
+pub struct LaneConfig {
+    /// Number of reader threads (at least 1).
+    pub lanes: usize,
+    /// Use `O_DIRECT` where the file system supports it.
+    pub direct: bool,
+    /// Largest single read in bytes (the device's maximum request size).
+    pub max_request: usize,
+    /// CPUs to pin the lanes to (empty: no pinning).
+    pub cpus: Vec<usize>,
+}
+
+fn open_direct(path: &PathBuf) -> io::Result<File> {
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
+}
+
+/// Whether `O_DIRECT` works on `path` and returns the same bytes as a buffered read.
+fn verify_direct(path: &PathBuf) -> Result<(), String> {
+    let direct = open_direct(path).map_err(|e| format!("O_DIRECT open failed ({e})"))?;
+    let buffered = File::open(path).map_err(|e| e.to_string())?;
+    let block = 4096usize;
+    let mut raw = vec![0u8; 2 * block];
+    let at = raw.as_ptr().align_offset(block);
+    let aligned = &mut raw[at..at + block];
+    let n = direct.read_at(aligned, 0).map_err(|e| format!("O_DIRECT read failed ({e})"))?;
+    let mut plain = vec![0u8; block];
+    let m = buffered.read_at(&mut plain, 0).map_err(|e| e.to_string())?;
+    if n != m || aligned[..n] != plain[..m] {
+        return Err("O_DIRECT and buffered reads of the first block differ".into());
+    }
+    Ok(())
+}
+
+impl IoLanes {
+    /// Opens the lanes over `shards`.
+    pub fn new(shards: &[PathBuf], config: &LaneConfig) -> io::Result<IoLanes> {
+        let shards = shards
+            .iter()
+            .map(|p| {
+                let direct = config.direct
+                    && match verify_direct(p) {
+                        Ok(()) => true,
+                        Err(why) => {
+                            log::warn!("{}: {why}; reading it buffered", p.display());
+                            false
+                        }
+                    };
+                Shard { path: p.clone(), direct: AtomicBool::new(direct) }
+            })
+            .collect();
+        let shared = Arc::new(Shared {
+            shards,
+            max_request: config.max_request.max(ggml_sys::page_size() as usize),
+            queue: Mutex::new(Queue::default()),
+            work: Condvar::new(),
+            done: Condvar::new(),
+        });
+        let mut threads = Vec::new();
+        for lane in 0..config.lanes.max(1) {
+            let files = open_lane_files(&shared.shards)?;
+            let shared = Arc::clone(&shared);
+            let cpus = config.cpus.clone();
+            let t = std::thread::Builder::new().name(format!("sluice-io-{lane}")).spawn(move || {
+                if !cpus.is_empty() {
+                    if let Err(e) = sluice_hal::cpu::pin_current_thread(&cpus) {
+                        log::warn!("I/O lane {lane}: cannot pin to CPUs {cpus:?}: {e}");
+                    }
+                }
+                lane_loop(&shared, &files);
+            })?;
+            threads.push(t);
+        }
+        Ok(IoLanes { shared, threads })
+    }
+
+    /// Whether shard `i` is read with `O_DIRECT`.
+    pub fn is_direct(&self, shard: usize) -> bool {
+        self.shared.shards[shard].direct.load(Ordering::Relaxed)
+    }
+
+    /// Runs every job in `jobs` across the lanes and waits for all of them. `jobs` is emptied
+    /// (its capacity kept). The first failure is returned after every job has finished.
+    pub fn read_all(&self, jobs: &mut Vec<ReadJob>) -> Result<ReadStats, ReadFailure> {
+        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        std::mem::swap(&mut q.jobs, jobs);
+        q.next = 0;
+        q.finished = 0;
+        q.stats = ReadStats::default();
+        q.failure = None;
+        self.shared.work.notify_all();
+        while q.finished < q.jobs.len() {
+            q = self.shared.done.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+        std::mem::swap(&mut q.jobs, jobs);
+        jobs.clear();
+        match q.failure.take() {
+            Some(f) => Err(f),
+            None => Ok(q.stats),
+        }
+    }
+}
+
+struct LaneFiles {
+    direct: Option<File>,
+    buffered: File,
+}
+
+fn open_lane_files(shards: &[Shard]) -> io::Result<Vec<LaneFiles>> {
+    shards
+        .iter()
+        .map(|s| {
+            let direct = if s.direct.load(Ordering::Relaxed) { open_direct(&s.path).ok() } else { None };
+            Ok(LaneFiles { direct, buffered: File::open(&s.path)? })
+        })
+        .collect()
+}
+
+fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
+    let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if q.shutdown {
+            return;
+        }
+        if q.next < q.jobs.len() {
+            let job = q.jobs[q.next].clone();
+            q.next += 1;
+            drop(q);
+            let result = read_job(shared, files, &job);
+            q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            match result {
+                Ok((bytes, direct)) => {
+                    q.stats.bytes += bytes;
+                    if direct {
+                        q.stats.direct_bytes += bytes;
+                    }
+                }
+                Err(source) => {
+                    if q.failure.is_none() {
+                        q.failure = Some(ReadFailure {
+                            layer: job.tag.0,
+                            expert: job.tag.1,
+                            path: shared.shards[job.shard].path.clone(),
+                            offset: job.start,
+                            source,
+                        });
+                    }
+                }
+            }
+            q.finished += 1;
+            if q.finished == q.jobs.len() {
+                shared.done.notify_all();
+            }
+        } else {
+            q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Reads one job in chunks of at most `max_request` bytes. Returns the bytes read and whether
+/// they came through `O_DIRECT`.
+fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(u64, bool)> {
+    let shard = &shared.shards[job.shard];
+    let f = &files[job.shard];
+    let mut use_direct = shard.direct.load(Ordering::Relaxed) && f.direct.is_some();
+    let mut done = 0usize;
+    while done < job.len {
+        let len = (job.len - done).min(shared.max_request);
+        let fd = match (&f.direct, use_direct) {
+            (Some(d), true) => d.as_fd(),
+            _ => f.buffered.as_fd(),
+        };
+        match job.target.read_window(fd, job.start + done as u64, len) {
+            Ok(n) => {
+                done += n;
+                if n < len {
+                    return Ok((done as u64, use_direct)); // end of file
+                }
+            }
+            Err(e) if use_direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                if shard.direct.swap(false, Ordering::Relaxed) {
+                    log::warn!("{}: O_DIRECT read rejected ({e}); reading it buffered", shard.path.display());
+                }
+                use_direct = false;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((done as u64, use_direct))
+}
+
+impl Drop for IoLanes {
+    fn drop(&mut self) {
+        self.shared.queue.lock().unwrap_or_else(|e| e.into_inner()).shutdown = true;
+        self.shared.work.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}

@@ -1,0 +1,197 @@
+//! Streaming: routed experts read from storage on demand, byte-identical to resident.
+//!
+//! [`ExpertIndex`] finds the experts in the file(s); [`StreamedSession`] loads the model,
+//! captures its weight tensors in a warm-up decode, rebinds the experts into page-congruent
+//! anonymous memory, and from then on makes each layer's routed experts resident when the
+//! router has picked them (see [`engine`]), through the [`io`] lanes and under the
+//! [`cache`]'s byte budget.
+
+pub mod cache;
+pub mod engine;
+pub mod index;
+pub mod io;
+pub mod recipe;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use ggml_sys::{Model, Token};
+
+use crate::generate::{DecodeEvent, GenerateError, Generation, Session};
+use crate::telemetry::{TokenRow, Usage};
+pub use cache::CacheCounters;
+pub use engine::{DecodeStats, RouteRecord, Streamer};
+pub use index::{ExpertIndex, IndexError};
+pub use io::{IoLanes, LaneConfig, ReadFailure};
+
+/// Errors of the streaming engine.
+#[derive(Debug, thiserror::Error)]
+pub enum StreamError {
+    /// The model cannot be indexed for streaming.
+    #[error(transparent)]
+    Index(#[from] IndexError),
+    /// An expert tensor never appeared in the warm-up graph.
+    #[error("expert tensor {tensor} was not seen in the warm-up graph; this llama.cpp builds the architecture differently from its recipe")]
+    NotCaptured {
+        /// The tensor.
+        tensor: String,
+    },
+    /// The graph's tensor does not match the file's.
+    #[error("expert tensor {tensor}: {detail}")]
+    LayoutMismatch {
+        /// The tensor.
+        tensor: String,
+        /// How they differ.
+        detail: String,
+    },
+    /// Address space could not be reserved.
+    #[error("cannot reserve memory for an expert tensor: {0}")]
+    Reserve(std::io::Error),
+    /// A read failed.
+    #[error(transparent)]
+    Read(#[from] ReadFailure),
+    /// The lanes could not be started.
+    #[error("cannot start the I/O lanes: {0}")]
+    Lanes(std::io::Error),
+    /// The graph did not look as expected.
+    #[error("unexpected graph: {0}")]
+    Graph(String),
+    /// The router produced an impossible expert id.
+    #[error("layer {layer} routed to expert id {id}, outside 0..{n_expert}")]
+    BadExpertId {
+        /// Layer.
+        layer: u32,
+        /// The id.
+        id: i32,
+        /// Experts in the layer.
+        n_expert: u32,
+    },
+    /// The cache budget is below one token's demand.
+    #[error("expert cache of {budget_mib:.1} MiB is below one token's routed demand of {min_mib:.1} MiB ({layers} layers x {k} experts x {expert_mib:.2} MiB); give at least --cache-mb {min_mb}, --cache-mb 0 for no cache, or --force-cache to accept a cache that cannot hold a token")]
+    CacheTooSmall {
+        /// Requested budget in MiB.
+        budget_mib: f64,
+        /// Minimum in MiB.
+        min_mib: f64,
+        /// The minimum rounded up to whole MiB.
+        min_mb: u64,
+        /// Layers.
+        layers: u32,
+        /// Experts per token.
+        k: u32,
+        /// Largest expert in MiB.
+        expert_mib: f64,
+    },
+}
+
+/// Where dense (non-expert) weights live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DensePolicy {
+    /// Read once with the lanes into anonymous memory: the kernel cannot evict them.
+    Anon,
+    /// llama.cpp's own file mapping: the kernel may evict and re-read them under pressure.
+    Mmap,
+}
+
+/// How to stream.
+#[derive(Debug, Clone)]
+pub struct StreamConfig {
+    /// Expert cache budget in bytes (0: no cache).
+    pub cache_bytes: u64,
+    /// Accept a budget below one token's demand.
+    pub force_cache: bool,
+    /// Reader configuration.
+    pub lanes: LaneConfig,
+    /// Dense weights policy.
+    pub dense: DensePolicy,
+    /// Record every layer's routes (for tests and traces).
+    pub trace_routes: bool,
+}
+
+/// Checks `budget` against one token's routed demand.
+pub fn check_cache_budget(index: &ExpertIndex, budget: u64, force: bool) -> Result<(), StreamError> {
+    let min = index.one_token_demand();
+    if budget == 0 || budget >= min || force {
+        return Ok(());
+    }
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    Err(StreamError::CacheTooSmall {
+        budget_mib: mib(budget),
+        min_mib: mib(min),
+        min_mb: min.div_ceil(1 << 20),
+        layers: index.n_layer,
+        k: index.n_expert_used,
+        expert_mib: mib(index.max_expert_window_bytes()),
+    })
+}
+
+/// A session that streams routed experts.
+pub struct StreamedSession<'m> {
+    session: Session<'m>,
+    streamer: Arc<Mutex<Streamer<'m>>>,
+    /// Dense bytes read at open (dense `anon`).
+    pub dense_bytes_read: u64,
+    /// Time the open (capture, rebind, dense read) took.
+    pub open_time: Duration,
+}
+
+impl<'m> StreamedSession<'m> {
+    /// Sets up streaming over `model` (loaded from `index`'s files): starts the lanes, creates a
+    /// context with room for `n_ctx` positions, captures the weights in a warm-up decode, and
+    /// rebinds them.
+    pub fn open(model: &'m Model, index: Arc<ExpertIndex>, config: &StreamConfig, n_ctx: u32, n_threads: u32) -> Result<Self, GenerateError> {
+        let t0 = std::time::Instant::now();
+        check_cache_budget(&index, config.cache_bytes, config.force_cache)?;
+        let lanes = IoLanes::new(&index.shards, &config.lanes).map_err(StreamError::Lanes)?;
+        let mut streamer = Streamer::new(model, index, lanes, config.cache_bytes, config.dense == DensePolicy::Anon);
+        if config.trace_routes {
+            streamer.enable_trace();
+        }
+        let streamer = Arc::new(Mutex::new(streamer));
+        let cb_streamer = Arc::clone(&streamer);
+        let callback: ggml_sys::EvalCallback<'m> = Box::new(move |t, phase| lock(&cb_streamer).on_eval(t, phase));
+        let mut session = Session::new(model, n_ctx, n_threads, Some(callback))?;
+        session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0))?;
+        let dense_bytes_read = lock(&streamer).finish_capture()?;
+        Ok(StreamedSession { session, streamer, dense_bytes_read, open_time: t0.elapsed() })
+    }
+
+    /// The streamer's state (counters, trace, budget).
+    pub fn streamer(&self) -> MutexGuard<'_, Streamer<'m>> {
+        lock(&self.streamer)
+    }
+
+    /// Generates like [`Session::generate`], returning per-decode telemetry rows too.
+    pub fn generate(
+        &mut self,
+        prompt: &[Token],
+        n_predict: u32,
+        on_token: impl FnMut(Token, &[u8]),
+        mut on_row: impl FnMut(&TokenRow),
+    ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
+        let streamer = Arc::clone(&self.streamer);
+        let mut rows = Vec::new();
+        let mut usage = Usage::sample();
+        let mut observer = |event: DecodeEvent| -> Result<(), GenerateError> {
+            let mut s = lock(&streamer);
+            s.end_decode();
+            if let Some(e) = s.take_failure() {
+                return Err(e.into());
+            }
+            let stats = s.take_stats();
+            let now = Usage::sample();
+            let row = TokenRow::new(rows.len(), event, stats, &usage, &now, s.cache_counters());
+            usage = now;
+            drop(s);
+            on_row(&row);
+            rows.push(row);
+            Ok(())
+        };
+        let generation = self.session.generate(prompt, n_predict, on_token, &mut observer)?;
+        Ok((generation, rows))
+    }
+}
+
+fn lock<'a, 'm>(s: &'a Mutex<Streamer<'m>>) -> MutexGuard<'a, Streamer<'m>> {
+    s.lock().unwrap_or_else(|e| e.into_inner())
+}

@@ -1,0 +1,257 @@
+//! Per-decode telemetry: time, I/O, routing, cache, faults and memory, with a run summary and
+//! CSV output.
+
+use std::io::Write;
+use std::time::Duration;
+
+use crate::generate::DecodeEvent;
+use crate::stream::{CacheCounters, DecodeStats};
+
+/// Process resource usage at one instant.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// Major page faults so far.
+    pub major_faults: u64,
+    /// Resident anonymous memory, bytes.
+    pub rss_anon: u64,
+    /// Resident file-backed memory, bytes.
+    pub rss_file: u64,
+}
+
+impl Usage {
+    /// Reads the current usage (zeros where the kernel does not say).
+    pub fn sample() -> Usage {
+        let major_faults = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)
+            .map(|u| u.major_page_faults().max(0) as u64)
+            .unwrap_or(0);
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let kb = |key: &str| sluice_hal::memory::meminfo_field(&status, key).unwrap_or(0);
+        Usage { major_faults, rss_anon: kb("RssAnon:"), rss_file: kb("RssFile:") }
+    }
+}
+
+/// One decode's telemetry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenRow {
+    /// Decode number.
+    pub index: usize,
+    /// Whether it was a prompt batch.
+    pub prefill: bool,
+    /// Tokens in the batch.
+    pub n_tokens: usize,
+    /// Wall time.
+    pub wall: Duration,
+    /// Time waiting for expert reads.
+    pub io_wait: Duration,
+    /// Expert bytes read.
+    pub bytes_read: u64,
+    /// Distinct routed experts summed over layers.
+    pub experts_routed: u64,
+    /// Cache hits.
+    pub hits: u64,
+    /// Cache misses.
+    pub misses: u64,
+    /// Cumulative hit rate.
+    pub hit_rate: f64,
+    /// Major faults during the decode.
+    pub major_faults: u64,
+    /// RSS (anonymous) after the decode.
+    pub rss_anon: u64,
+    /// RSS (file-backed) after the decode.
+    pub rss_file: u64,
+}
+
+impl TokenRow {
+    /// Builds a row from a decode's event, its streaming stats, and usage before and after.
+    pub fn new(index: usize, event: DecodeEvent, stats: DecodeStats, before: &Usage, after: &Usage, cache: CacheCounters) -> TokenRow {
+        TokenRow {
+            index,
+            prefill: event.prefill,
+            n_tokens: event.n_tokens,
+            wall: event.wall,
+            io_wait: stats.io_wait,
+            bytes_read: stats.bytes_read,
+            experts_routed: stats.experts_routed,
+            hits: stats.hits,
+            misses: stats.misses,
+            hit_rate: cache.hit_rate(),
+            major_faults: after.major_faults.saturating_sub(before.major_faults),
+            rss_anon: after.rss_anon,
+            rss_file: after.rss_file,
+        }
+    }
+
+    /// Compute time: wall minus I/O wait.
+    pub fn compute(&self) -> Duration {
+        self.wall.saturating_sub(self.io_wait)
+    }
+
+    /// A live one-line status.
+    pub fn progress_line(&self) -> String {
+        format!(
+            "token {:>4}  {:>7.1} ms  io {:>6.1} ms  read {:>7.2} MiB  hit {:>5.1}%  rss {:>7.1} MiB",
+            self.index,
+            ms(self.wall),
+            ms(self.io_wait),
+            mib(self.bytes_read),
+            100.0 * self.hit_rate,
+            mib(self.rss_anon + self.rss_file)
+        )
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+/// Totals over the generated tokens (prompt batches excluded).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Summary {
+    /// Single-token decodes.
+    pub tokens: usize,
+    /// Their wall time.
+    pub wall: Duration,
+    /// Their I/O wait.
+    pub io_wait: Duration,
+    /// Their expert bytes read.
+    pub bytes_read: u64,
+    /// Their major faults.
+    pub major_faults: u64,
+    /// Cumulative hit rate at the end.
+    pub hit_rate: f64,
+    /// Highest RSS seen after a decode.
+    pub peak_rss: u64,
+}
+
+impl Summary {
+    /// Sums `rows`.
+    pub fn of(rows: &[TokenRow]) -> Summary {
+        let mut s = Summary::default();
+        for r in rows {
+            s.peak_rss = s.peak_rss.max(r.rss_anon + r.rss_file);
+            s.hit_rate = r.hit_rate;
+            if r.prefill {
+                continue;
+            }
+            s.tokens += 1;
+            s.wall += r.wall;
+            s.io_wait += r.io_wait;
+            s.bytes_read += r.bytes_read;
+            s.major_faults += r.major_faults;
+        }
+        s
+    }
+
+    /// Decode tokens per second.
+    pub fn tokens_per_s(&self) -> f64 {
+        if self.wall.is_zero() {
+            0.0
+        } else {
+            self.tokens as f64 / self.wall.as_secs_f64()
+        }
+    }
+
+    /// MiB read per generated token.
+    pub fn mib_per_token(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            mib(self.bytes_read) / self.tokens as f64
+        }
+    }
+
+    /// A human-readable summary.
+    pub fn describe(&self) -> String {
+        format!(
+            "streamed decode: {} tokens, {:.2} tok/s, {:.2} MiB read/token, I/O wait {:.0}% of wall, cache hit rate {:.1}%, {} major faults, peak RSS {:.1} MiB",
+            self.tokens,
+            self.tokens_per_s(),
+            self.mib_per_token(),
+            if self.wall.is_zero() { 0.0 } else { 100.0 * self.io_wait.as_secs_f64() / self.wall.as_secs_f64() },
+            100.0 * self.hit_rate,
+            self.major_faults,
+            mib(self.peak_rss)
+        )
+    }
+}
+
+/// Writes `rows` as CSV after a `#`-commented preamble of `config` lines.
+pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[TokenRow]) -> std::io::Result<()> {
+    for (k, v) in config {
+        writeln!(out, "# {k} = {v}")?;
+    }
+    writeln!(out, "index,prefill,n_tokens,wall_ms,io_wait_ms,compute_ms,bytes_read,experts_routed,hits,misses,hit_rate,major_faults,rss_anon,rss_file")?;
+    for r in rows {
+        writeln!(
+            out,
+            "{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{:.4},{},{},{}",
+            r.index,
+            u8::from(r.prefill),
+            r.n_tokens,
+            ms(r.wall),
+            ms(r.io_wait),
+            ms(r.compute()),
+            r.bytes_read,
+            r.experts_routed,
+            r.hits,
+            r.misses,
+            r.hit_rate,
+            r.major_faults,
+            r.rss_anon,
+            r.rss_file
+        )?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(prefill: bool, ms_wall: u64, bytes: u64) -> TokenRow {
+        TokenRow {
+            index: 0,
+            prefill,
+            n_tokens: 1,
+            wall: Duration::from_millis(ms_wall),
+            io_wait: Duration::from_millis(ms_wall / 2),
+            bytes_read: bytes,
+            experts_routed: 4,
+            hits: 1,
+            misses: 3,
+            hit_rate: 0.25,
+            major_faults: 0,
+            rss_anon: 1 << 20,
+            rss_file: 0,
+        }
+    }
+
+    #[test]
+    fn summary_excludes_prompt_batches() {
+        let rows = vec![row(true, 1000, 100 << 20), row(false, 100, 2 << 20), row(false, 100, 2 << 20)];
+        let s = Summary::of(&rows);
+        assert_eq!(s.tokens, 2);
+        assert!((s.tokens_per_s() - 10.0).abs() < 1e-9);
+        assert!((s.mib_per_token() - 2.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn csv_has_preamble_header_and_rows() {
+        let mut out = Vec::new();
+        write_csv(&mut out, &[("cache_mb".into(), "0".into())], &[row(false, 10, 5)]).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<_> = text.lines().collect();
+        assert_eq!(lines[0], "# cache_mb = 0");
+        assert!(lines[1].starts_with("index,prefill"));
+        assert_eq!(lines.len(), 3);
+    }
+
+    #[test]
+    fn usage_reads_this_process() {
+        assert!(Usage::sample().rss_anon + Usage::sample().rss_file > 0);
+    }
+}
