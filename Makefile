@@ -15,7 +15,8 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	CXX_aarch64_unknown_linux_gnu=aarch64-linux-gnu-g++ \
 	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=qemu-aarch64 \
 	QEMU_LD_PREFIX=/usr/aarch64-linux-gnu \
-	SLUICE_TEST_RUNNER=qemu-aarch64
+	SLUICE_TEST_RUNNER=qemu-aarch64 \
+	SLUICE_GATE_FIXTURES=f32,q8_0
 
 .PHONY: help deps vendor build demo test aarch64 lint clean
 

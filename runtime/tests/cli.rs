@@ -109,7 +109,8 @@ fn run_prints_the_continuation_and_its_speed() {
     let o = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "12", "-t", "1"], dir.path());
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(!o.stdout.is_empty());
-    assert!(stderr(&o).contains("generated: 12 tokens"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("generated 12 tokens"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("tok/s"), "{}", stderr(&o));
     let again = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "12", "-t", "2"], dir.path());
     assert_eq!(o.stdout, again.stdout, "greedy output must not depend on the thread count");
 }
@@ -121,6 +122,7 @@ fn demo_synthesizes_once_then_reuses_the_cache() {
     let first = sluice(&["demo", "-n", "8"], &cache);
     assert!(first.status.success(), "{}", stderr(&first));
     assert!(stderr(&first).contains("generated just now"), "{}", stderr(&first));
+    assert!(stderr(&first).contains("streamed decode:"), "{}", stderr(&first));
     assert!(stderr(&first).contains("The weights are random"), "{}", stderr(&first));
     let second = sluice(&["demo", "-n", "8"], &cache);
     assert!(second.status.success(), "{}", stderr(&second));
@@ -142,4 +144,48 @@ fn synth_size_lands_just_under_the_target() {
     let len = std::fs::metadata(&out).unwrap().len() as f64;
     let target = 48.0 * 1024.0 * 1024.0;
     assert!(len <= target && len > 0.95 * target, "size {len} vs target {target}");
+}
+
+#[test]
+fn run_streams_by_default_and_matches_resident() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let csv = dir.path().join("t.csv");
+    let streamed = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "12", "--cache-mb", "0", "--csv", csv.to_str().unwrap()], dir.path());
+    assert!(streamed.status.success(), "{}", stderr(&streamed));
+    assert!(stderr(&streamed).contains("streamed decode: 11 tokens"), "{}", stderr(&streamed));
+    let resident = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "12", "--resident"], dir.path());
+    assert!(resident.status.success(), "{}", stderr(&resident));
+    assert_eq!(streamed.stdout, resident.stdout);
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert!(text.starts_with("# model = "), "{text}");
+    assert!(text.contains("# cache_bytes = 0"), "{text}");
+    let rows = text.lines().filter(|l| !l.starts_with('#')).count();
+    assert_eq!(rows, 1 + 12, "header, one prompt batch and 11 token decodes: {text}");
+}
+
+#[test]
+fn a_cache_below_one_token_is_refused_with_the_minimum() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let synth = sluice(&["synth", "--out", dir.path().join("big.gguf").to_str().unwrap(), "--expert-ff", "2048"], dir.path());
+    assert!(synth.status.success());
+    let big = dir.path().join("big.gguf");
+    let o = sluice(&["run", "-m", big.to_str().unwrap(), "-p", "hi", "--cache-mb", "1"], dir.path());
+    assert_clean_error(&o, "below one token's routed demand");
+    assert!(stderr(&o).contains("--cache-mb"), "{}", stderr(&o));
+    let forced = sluice(&["run", "-m", big.to_str().unwrap(), "-p", "hi", "-n", "4", "--cache-mb", "1", "--force-cache"], dir.path());
+    assert!(forced.status.success(), "{}", stderr(&forced));
+    let _ = model;
+}
+
+#[test]
+fn list_archs_prints_the_recipe_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = sluice(&["run", "--list-archs"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    for arch in ["qwen3moe", "qwen2moe", "olmoe", "llama", "gpt-oss", "deepseek2", "granitemoe", "gemma4"] {
+        assert!(out.contains(arch), "{arch} missing from {out}");
+    }
 }

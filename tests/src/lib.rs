@@ -82,3 +82,63 @@ pub fn greedy_tokens(model: &ggml_sys::Model, n_predict: u32, n_threads: u32) ->
     let params = GenerateParams { n_predict, n_threads };
     generate::generate(model, PROMPT, &params, |_, _| {}).expect("generation").tokens
 }
+
+/// The fixtures the streaming gates run on: `SLUICE_GATE_FIXTURES` (comma-separated lowercase
+/// names, e.g. `f32,q8_0`) narrows them, as `make aarch64` does under emulation.
+pub fn gate_fixtures() -> Vec<Fixture> {
+    let all = [Fixture::F32, Fixture::Q8_0, Fixture::Q4KM, Fixture::Q6K, Fixture::OddQ8_0, Fixture::Split];
+    match std::env::var("SLUICE_GATE_FIXTURES") {
+        Ok(list) if !list.trim().is_empty() => {
+            let wanted: Vec<String> = list.split(',').map(|s| s.trim().to_lowercase()).collect();
+            all.into_iter().filter(|f| wanted.contains(&format!("{f:?}").to_lowercase())).collect()
+        }
+        _ => all.to_vec(),
+    }
+}
+
+/// A streaming configuration for the gates.
+pub fn stream_config(cache_bytes: u64, lanes: usize, direct: bool, dense: sluice::stream::DensePolicy) -> sluice::stream::StreamConfig {
+    sluice::stream::StreamConfig {
+        cache_bytes,
+        force_cache: true,
+        lanes: sluice::stream::LaneConfig { lanes, direct, max_request: 256 << 10, cpus: Vec::new() },
+        dense,
+        trace_routes: true,
+    }
+}
+
+/// What one streamed generation did.
+#[derive(Debug)]
+pub struct StreamRun {
+    /// Generated tokens.
+    pub tokens: Vec<Token>,
+    /// Every layer's routed experts, per decode.
+    pub trace: Vec<sluice::stream::RouteRecord>,
+    /// Cache counters at the end.
+    pub counters: sluice::stream::CacheCounters,
+    /// Expert bytes read during the generation.
+    pub bytes_read: u64,
+    /// Whether shard 0 was read with O_DIRECT.
+    pub direct: bool,
+}
+
+/// Generates greedily from [`PROMPT`] in an open streamed session.
+pub fn stream_generate(session: &mut sluice::stream::StreamedSession<'_>, model: &ggml_sys::Model, n_predict: u32) -> StreamRun {
+    let prompt = generate::Session::prepare(model, PROMPT, n_predict).expect("prompt");
+    let (generation, rows) = session.generate(&prompt, n_predict, |_, _| {}, |_| {}).expect("streamed generation");
+    let s = session.streamer();
+    StreamRun {
+        tokens: generation.tokens,
+        trace: s.trace().to_vec(),
+        counters: s.cache_counters(),
+        bytes_read: rows.iter().map(|r| r.bytes_read).sum(),
+        direct: s.lanes().is_direct(0),
+    }
+}
+
+/// Opens a streamed session over `model` and generates once.
+pub fn streamed(model: &ggml_sys::Model, index: std::sync::Arc<sluice::stream::ExpertIndex>, config: &sluice::stream::StreamConfig, n_predict: u32) -> StreamRun {
+    let prompt_len = generate::Session::prepare(model, PROMPT, n_predict).expect("prompt").len();
+    let mut session = sluice::stream::StreamedSession::open(model, index, config, prompt_len as u32 + n_predict, 2).expect("open streamed session");
+    stream_generate(&mut session, model, n_predict)
+}

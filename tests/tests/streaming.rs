@@ -1,0 +1,174 @@
+//! Streaming gates: the streamed greedy output equals the resident one, token for token, on every
+//! fixture and configuration; the bytes read are exactly what the routes demand; and the gates
+//! themselves can fail (streaming from corrupted expert bytes changes the output).
+
+use std::sync::Arc;
+
+use ggml_sys::GgufFile;
+use sluice::generate::load_model;
+use sluice::stream::{DensePolicy, ExpertIndex, StreamedSession};
+use sluice_tests::{gate_fixtures, greedy_tokens, stream_config, stream_generate, streamed, Fixture};
+
+const N: u32 = 20;
+const UNBOUNDED: u64 = u64::MAX;
+
+fn setup(f: Fixture, dir: &std::path::Path) -> (Vec<std::path::PathBuf>, Arc<ExpertIndex>) {
+    let files = f.write(dir);
+    let index = Arc::new(ExpertIndex::open(&files[0]).unwrap_or_else(|e| panic!("{f:?}: {e}")));
+    (files, index)
+}
+
+#[test]
+fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in gate_fixtures() {
+        let (files, index) = setup(f, dir.path());
+        let model = load_model(&files[0]).unwrap();
+        let reference = greedy_tokens(&model, N, 2);
+        drop(model);
+        let tiny = 1; // evicts everything but the current layer, every layer
+        let configs = [
+            ("cache off", stream_config(0, 2, true, DensePolicy::Anon)),
+            ("cache holds everything", stream_config(UNBOUNDED, 2, true, DensePolicy::Anon)),
+            ("cache evicts every layer", stream_config(tiny, 2, true, DensePolicy::Anon)),
+            ("1 lane", stream_config(0, 1, true, DensePolicy::Anon)),
+            ("4 lanes", stream_config(0, 4, true, DensePolicy::Anon)),
+            ("buffered reads", stream_config(0, 2, false, DensePolicy::Anon)),
+            ("dense mmap", stream_config(0, 2, true, DensePolicy::Mmap)),
+            ("dense mmap, buffered, evicting", stream_config(tiny, 1, false, DensePolicy::Mmap)),
+        ];
+        for (what, config) in configs {
+            // A fresh model per configuration: streaming rebinds the model's tensors.
+            let model = load_model(&files[0]).unwrap();
+            let run = streamed(&model, Arc::clone(&index), &config, N);
+            assert_eq!(run.tokens, reference, "{f:?}, {what}: streamed output differs from resident");
+            assert!(run.bytes_read > 0, "{f:?}, {what}: nothing was streamed");
+        }
+    }
+}
+
+/// The bytes of expert `e`'s page-aligned windows in `layer`, clipped to the file's end,
+/// computed straight from the GGUF headers (independently of the engine's index).
+fn window_bytes(files: &[std::path::PathBuf], layer: u32, e: u32) -> u64 {
+    let page = ggml_sys::page_size();
+    let mut sum = 0;
+    for f in files {
+        let g = GgufFile::open(f).unwrap();
+        for t in g.tensors().iter().filter(|t| t.name.starts_with(&format!("blk.{layer}.")) && t.name.contains("_exps.")) {
+            let stride = t.nb()[2];
+            let start = (t.offset + u64::from(e) * stride) / page * page;
+            let end = ((t.offset + u64::from(e + 1) * stride).div_ceil(page) * page).min(g.file_size());
+            sum += end - start;
+        }
+    }
+    sum
+}
+
+#[test]
+fn bytes_read_match_the_routes_exactly() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in gate_fixtures() {
+        let (files, index) = setup(f, dir.path());
+        // No cache: every decode reads each layer's distinct routed experts once.
+        let model = load_model(&files[0]).unwrap();
+        let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
+        let expected: u64 = run.trace.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).map(|(l, e)| window_bytes(&files, l, e)).sum();
+        assert_eq!(run.bytes_read, expected, "{f:?}: cache off");
+        let routed: usize = run.trace.iter().map(|r| r.experts.len()).sum();
+        assert_eq!(run.counters.misses as usize, routed, "{f:?}: with no cache every routed expert is a miss");
+        // The routes vary across tokens: not every decode picks the same experts in layer 0.
+        let layer0: std::collections::BTreeSet<_> = run.trace.iter().filter(|r| r.layer == 0).map(|r| r.experts.clone()).collect();
+        assert!(layer0.len() > 1, "{f:?}: routing never changes");
+
+        // An unbounded cache reads every expert at most once.
+        let model = load_model(&files[0]).unwrap();
+        let run = streamed(&model, Arc::clone(&index), &stream_config(UNBOUNDED, 2, true, DensePolicy::Anon), N);
+        let distinct: std::collections::BTreeSet<(u32, u32)> = run.trace.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).collect();
+        assert_eq!(run.counters.rereads, 0, "{f:?}");
+        assert_eq!(run.counters.misses as usize, distinct.len(), "{f:?}");
+        let expected: u64 = distinct.iter().map(|&(l, e)| window_bytes(&files, l, e)).sum();
+        assert_eq!(run.bytes_read, expected, "{f:?}: unbounded cache");
+    }
+}
+
+#[test]
+fn a_warm_session_equals_cold_runs_and_survives_a_shrinking_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in gate_fixtures() {
+        let (files, index) = setup(f, dir.path());
+        let model = load_model(&files[0]).unwrap();
+        let reference = greedy_tokens(&model, N, 2);
+        drop(model);
+        let model = load_model(&files[0]).unwrap();
+        let prompt_len = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap().len() as u32;
+        let config = stream_config(UNBOUNDED, 2, true, DensePolicy::Anon);
+        let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, prompt_len + N, 2).unwrap();
+        let first = stream_generate(&mut session, &model, N);
+        let second = stream_generate(&mut session, &model, N);
+        assert_eq!(first.tokens, reference, "{f:?}: first generation");
+        assert_eq!(second.tokens, reference, "{f:?}: second (warm) generation");
+        assert!(second.counters.hits > first.counters.hits, "{f:?}: the warm generation hits the cache");
+        assert_eq!(second.bytes_read, 0, "{f:?}: everything was already resident");
+        // Shrink the budget to one token's demand: the next generation evicts down to it.
+        let small = index.one_token_demand();
+        session.streamer().set_cache_budget(small);
+        let third = stream_generate(&mut session, &model, N);
+        assert_eq!(third.tokens, reference, "{f:?}: after shrinking the budget");
+        assert!(third.counters.evictions > 0, "{f:?}: shrinking evicts");
+        assert!(session.streamer().cache_used() <= small.max(index.max_expert_window_bytes() * u64::from(index.n_expert)), "{f:?}: over budget");
+    }
+}
+
+#[test]
+fn the_model_on_tmpfs_streams_the_same() {
+    let shm = std::path::Path::new("/dev/shm");
+    if !shm.is_dir() {
+        eprintln!("skipped: no /dev/shm tmpfs on this machine");
+        return;
+    }
+    let dir = tempfile::tempdir_in(shm).unwrap();
+    for f in gate_fixtures().into_iter().take(2) {
+        let (files, index) = setup(f, dir.path());
+        let model = load_model(&files[0]).unwrap();
+        let reference = greedy_tokens(&model, N, 2);
+        let model = load_model(&files[0]).unwrap();
+        // Direct I/O is asked for; where tmpfs rejects it the lanes fall back to buffered.
+        let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
+        assert_eq!(run.tokens, reference, "{f:?} on tmpfs (direct I/O: {})", run.direct);
+    }
+}
+
+#[test]
+fn streaming_from_corrupted_expert_bytes_changes_the_output() {
+    // The gates above can fail: if the engine streams the wrong bytes, the tokens change.
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::F32, dir.path());
+    let model = load_model(&files[0]).unwrap();
+    let reference = greedy_tokens(&model, N, 2);
+    let mut bytes = std::fs::read(&files[0]).unwrap();
+    for t in &index.experts {
+        for b in &mut bytes[t.offset as usize..(t.offset + t.size) as usize] {
+            *b = b.rotate_left(3);
+        }
+    }
+    let corrupt = dir.path().join("corrupt.gguf");
+    std::fs::write(&corrupt, &bytes).unwrap();
+    let mut bad_index = ExpertIndex::open(&files[0]).unwrap();
+    bad_index.shards = vec![corrupt];
+    let model = load_model(&files[0]).unwrap();
+    let run = streamed(&model, Arc::new(bad_index), &stream_config(0, 2, true, DensePolicy::Mmap), N);
+    assert_ne!(run.tokens, reference, "streamed expert bytes do not reach the computation");
+}
+
+#[test]
+fn models_that_cannot_stream_say_so() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = dir.path().join("x.gguf");
+    std::fs::write(&p, b"not a model").unwrap();
+    assert!(ExpertIndex::open(&p).is_err());
+    let (_files, index) = setup(Fixture::F16, dir.path());
+    let err = sluice::stream::check_cache_budget(&index, 1, false).unwrap_err().to_string();
+    assert!(err.contains("below one token's routed demand") && err.contains("--cache-mb"), "{err}");
+    assert!(sluice::stream::check_cache_budget(&index, 0, false).is_ok(), "0 means no cache");
+    assert!(sluice::stream::check_cache_budget(&index, index.one_token_demand(), false).is_ok());
+}
