@@ -4,3 +4,4 @@
 
 pub mod cpu;
 pub mod memory;
+pub mod storage;

@@ -5,6 +5,7 @@
 //! out-of-the-box demo ([`demo`]). llama.cpp is reached only through `ggml-sys`.
 #![forbid(unsafe_code)]
 
+pub mod bench;
 pub mod demo;
 pub mod generate;
 pub mod stream;

@@ -34,6 +34,32 @@ enum Command {
     Synth(SynthArgs),
     /// Print the versions and the CPU features llama.cpp was compiled with.
     BuildInfo,
+    /// Run a model resident and streamed at several cache sizes, back to back, and compare.
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// The model: a .gguf file (for a split model, its first file).
+    #[arg(short, long)]
+    model: PathBuf,
+    /// The prompt.
+    #[arg(short, long, default_value = sluice::demo::DEMO_PROMPT)]
+    prompt: String,
+    /// Tokens to generate per configuration.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 32, value_parser = clap::value_parser!(u32).range(2..))]
+    n_predict: u32,
+    /// Expert cache sizes to stream with, as percentages of all expert bytes.
+    #[arg(long, value_delimiter = ',', default_value = "0,25,100")]
+    cache_percents: Vec<u32>,
+    #[command(flatten)]
+    threads: ThreadsArg,
+    /// Parallel expert readers.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..=64))]
+    io_lanes: u32,
+    /// Read experts through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    no_direct_io: bool,
 }
 
 #[derive(Args)]
@@ -227,6 +253,7 @@ fn dispatch(command: Command) -> Result<()> {
         Command::Run(a) => run(&a),
         Command::Demo(a) => run_demo(&a),
         Command::Synth(a) => run_synth(&a),
+        Command::Bench(a) => run_bench(&a),
         Command::BuildInfo => {
             println!("sluice {}", env!("CARGO_PKG_VERSION"));
             println!("target: {}-{}", std::env::consts::ARCH, std::env::consts::OS);
@@ -370,6 +397,32 @@ fn run_demo(a: &DemoArgs) -> Result<()> {
         progress: false,
     };
     run_streamed(&path, demo::DEMO_PROMPT, &params, &args)
+}
+
+fn run_bench(a: &BenchArgs) -> Result<()> {
+    generate::check_model_file(&a.model)?;
+    let plan = sluice::bench::BenchPlan {
+        model: a.model.clone(),
+        prompt: a.prompt.clone(),
+        n_predict: a.n_predict,
+        n_threads: a.threads.get(),
+        cache_percents: a.cache_percents.clone(),
+        stream: StreamConfig {
+            cache_bytes: 0,
+            force_cache: true,
+            lanes: LaneConfig { lanes: a.io_lanes as usize, direct: !a.no_direct_io, max_request: 1 << 20, cpus: Vec::new() },
+            dense: DensePolicy::Anon,
+            trace_routes: false,
+        },
+    };
+    let size: u64 = ExpertIndex::open(&a.model)?.shards.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
+    eprintln!("bench: {} ({:.1} MiB), {} tokens per configuration, {} threads", a.model.display(), size as f64 / (1 << 20) as f64, a.n_predict, plan.n_threads);
+    let rows = sluice::bench::run(&plan)?;
+    print!("{}", sluice::bench::table(&rows));
+    if rows.iter().any(|r| r.tokens != rows[0].tokens) {
+        anyhow::bail!("a streamed configuration generated different tokens from the resident run");
+    }
+    Ok(())
 }
 
 fn run_synth(a: &SynthArgs) -> Result<()> {

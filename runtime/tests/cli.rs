@@ -189,3 +189,17 @@ fn list_archs_prints_the_recipe_table() {
         assert!(out.contains(arch), "{arch} missing from {out}");
     }
 }
+
+#[test]
+fn bench_compares_resident_and_streamed_in_one_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let o = sluice(&["bench", "-m", &model, "-n", "6", "--cache-percents", "0,100"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let rows: Vec<&str> = out.lines().collect();
+    assert_eq!(rows.len(), 4, "header, resident and two streamed rows: {out}");
+    assert!(rows[1].starts_with("resident-mmap"), "{out}");
+    assert!(rows[2].starts_with("streamed cache 0%") && rows[3].starts_with("streamed cache 100%"), "{out}");
+    assert!(rows[1..].iter().all(|r| r.trim_end().ends_with("yes")), "every configuration generates the resident text: {out}");
+}
