@@ -104,15 +104,27 @@ struct StreamArgs {
     /// Where the dense (always-needed) weights live.
     #[arg(long, value_enum, default_value_t = DensePolicy::Anon)]
     dense: DensePolicy,
-    /// Largest single read in KiB (split point of an expert read).
-    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(4..))]
-    read_kib: u64,
+    /// Largest single read in KiB (split point of an expert read). Default: the storage
+    /// device's maximum request size (queue/max_sectors_kb), else 512.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(4..))]
+    read_kib: Option<u64>,
     /// Write per-token telemetry to this CSV file.
     #[arg(long)]
     csv: Option<PathBuf>,
     /// Show a live status line while generating.
     #[arg(long)]
     progress: bool,
+}
+
+/// The split point of expert reads: `--read-kib`, else the device's maximum request size, else
+/// 512 KiB.
+fn read_size(read_kib: Option<u64>, model: &std::path::Path) -> usize {
+    let bytes = match read_kib {
+        Some(kib) => kib << 10,
+        None => sluice_hal::storage::max_request_bytes(std::path::Path::new("/sys"), model).unwrap_or(512 << 10),
+    };
+    log::info!("expert reads split at {} KiB", bytes >> 10);
+    bytes as usize
 }
 
 impl StreamArgs {
@@ -125,7 +137,7 @@ impl StreamArgs {
         StreamConfig {
             cache_bytes,
             force_cache: self.force_cache,
-            lanes: LaneConfig { lanes: self.io_lanes as usize, direct: !self.no_direct_io, max_request: (self.read_kib << 10) as usize, cpus: Vec::new() },
+            lanes: LaneConfig { lanes: self.io_lanes as usize, direct: !self.no_direct_io, max_request: read_size(self.read_kib, &index.shards[0]), cpus: Vec::new() },
             dense: self.dense,
             trace_routes: false,
         }
@@ -392,7 +404,7 @@ fn run_demo(a: &DemoArgs) -> Result<()> {
         io_lanes: 2,
         no_direct_io: false,
         dense: DensePolicy::Anon,
-        read_kib: 1024,
+        read_kib: None,
         csv: None,
         progress: false,
     };
@@ -410,7 +422,7 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
         stream: StreamConfig {
             cache_bytes: 0,
             force_cache: true,
-            lanes: LaneConfig { lanes: a.io_lanes as usize, direct: !a.no_direct_io, max_request: 1 << 20, cpus: Vec::new() },
+            lanes: LaneConfig { lanes: a.io_lanes as usize, direct: !a.no_direct_io, max_request: read_size(None, &a.model), cpus: Vec::new() },
             dense: DensePolicy::Anon,
             trace_routes: false,
         },
