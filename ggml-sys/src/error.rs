@@ -12,7 +12,9 @@ pub enum Error {
     #[error("text contains a NUL byte at position {0}")]
     TextNul(usize),
     /// gguf could not parse the file.
-    #[error("{path}: not a readable GGUF file (ggml rejected its header or metadata; is it truncated or another format?)")]
+    #[error(
+        "{path}: not a readable GGUF file (ggml rejected its header or metadata; is it truncated or another format?)"
+    )]
     GgufParse {
         /// The file.
         path: PathBuf,

@@ -218,10 +218,7 @@ impl Drop for GgufFile {
 
 impl std::fmt::Debug for GgufFile {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("GgufFile")
-            .field("path", &self.path)
-            .field("tensors", &self.tensors.len())
-            .finish()
+        f.debug_struct("GgufFile").field("path", &self.path).field("tensors", &self.tensors.len()).finish()
     }
 }
 

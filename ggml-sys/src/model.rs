@@ -20,6 +20,11 @@ pub type Token = i32;
 pub struct ModelParams {
     /// Layers to offload to a GPU (0 on CPU-only builds).
     pub n_gpu_layers: i32,
+    /// Tensors whose names match this regular expression are kept out of the load-time
+    /// prefetch (vendor patch 0002): no `MAP_POPULATE` over them, `MADV_RANDOM` on their ranges,
+    /// nothing read until touched. `None` keeps llama.cpp's stock behaviour (the whole file is
+    /// populated at load).
+    pub lazy_tensor_pattern: Option<String>,
 }
 
 /// A loaded model. Read-only after load (except for weights rebound by the streaming engine);
@@ -47,8 +52,13 @@ impl Model {
         p.load_mode = sys::LLAMA_LOAD_MODE_MMAP;
         p.use_extra_bufts = false;
         p.n_gpu_layers = params.n_gpu_layers;
+        let pattern = match &params.lazy_tensor_pattern {
+            Some(s) => Some(CString::new(s.as_str()).map_err(|e| Error::TextNul(e.nul_position()))?),
+            None => None,
+        };
+        p.lazy_tensor_pattern = pattern.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
         // SAFETY: c_path is NUL-terminated; p is a fully initialized parameter struct whose
-        // pointers are the library defaults (NULL).
+        // pointers are the library defaults (NULL) or `pattern`, which outlives the call.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), p) };
         if raw.is_null() {
             return Err(Error::ModelLoad { path: path.into() });
@@ -125,7 +135,8 @@ impl Model {
 
     /// Tokenizes `text`, adding the model's BOS token where the vocabulary asks for it.
     pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<Token>> {
-        let len = i32::try_from(text.len()).map_err(|_| Error::Tokenize(format!("text of {} bytes is too long", text.len())))?;
+        let len = i32::try_from(text.len())
+            .map_err(|_| Error::Tokenize(format!("text of {} bytes is too long", text.len())))?;
         let mut tokens: Vec<Token> = vec![0; text.len() + 2];
         for _ in 0..2 {
             // SAFETY: text is valid for len bytes (no NUL needed: the length is passed); tokens

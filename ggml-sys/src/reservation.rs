@@ -152,7 +152,8 @@ impl Reservation {
         // SAFETY: [start, end) lies inside [file_offset + from, file_offset + to) which lies
         // inside the mapping; MADV_DONTNEED on private anonymous memory only drops its contents
         // (later reads see zeros), it never unmaps.
-        let rc = unsafe { libc::madvise(self.map.add((start - self.file_base) as usize).cast(), len, libc::MADV_DONTNEED) };
+        let rc =
+            unsafe { libc::madvise(self.map.add((start - self.file_base) as usize).cast(), len, libc::MADV_DONTNEED) };
         if rc == 0 {
             len as u64
         } else {

@@ -29,7 +29,8 @@ pub fn max_request_bytes(sys: &Path, path: &Path) -> Option<u64> {
 /// (`posix_fadvise(POSIX_FADV_DONTNEED)`), so the next read of it comes from the device.
 pub fn drop_cached(path: &Path) -> std::io::Result<()> {
     let f = std::fs::File::open(path)?;
-    nix::fcntl::posix_fadvise(&f, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED).map_err(std::io::Error::from)
+    nix::fcntl::posix_fadvise(&f, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+        .map_err(std::io::Error::from)
 }
 
 /// Bytes this process has caused to be read from storage so far (`read_bytes` of

@@ -32,6 +32,10 @@ pub struct BenchRow {
     pub peak_rss: u64,
     /// Time to open the model (load, and for streaming the capture and dense read), seconds.
     pub open_s: f64,
+    /// Bytes read from storage while opening (the kernel's `read_bytes` for this process).
+    pub open_read: u64,
+    /// Time to first token: open plus prompt, seconds.
+    pub ttft_s: f64,
     /// The generated tokens (to check every configuration agrees).
     pub tokens: Vec<ggml_sys::Token>,
 }
@@ -66,11 +70,18 @@ fn mib(b: u64) -> f64 {
 }
 
 /// Runs the resident reference.
-fn run_resident(path: &Path, files: &[PathBuf], prompt: &str, params: &GenerateParams) -> Result<BenchRow, GenerateError> {
+fn run_resident(
+    path: &Path,
+    files: &[PathBuf],
+    prompt: &str,
+    params: &GenerateParams,
+) -> Result<BenchRow, GenerateError> {
     drop_cached(files);
     let t0 = Instant::now();
+    let read0 = sluice_hal::storage::process_read_bytes().unwrap_or(0);
     let model = generate::load_model(path)?;
     let open_s = t0.elapsed().as_secs_f64();
+    let open_read = sluice_hal::storage::process_read_bytes().unwrap_or(0).saturating_sub(read0);
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let mut session = Session::new(&model, (tokens.len() + params.n_predict as usize) as u32, params.n_threads, None)?;
     let mut peak_rss = 0u64;
@@ -100,19 +111,30 @@ fn run_resident(path: &Path, files: &[PathBuf], prompt: &str, params: &GenerateP
         major_faults: faults,
         peak_rss,
         open_s,
+        open_read,
+        ttft_s: open_s + g.prefill.as_secs_f64(),
         tokens: g.tokens,
     })
 }
 
 /// Runs one streamed configuration.
-fn run_streamed(path: &Path, index: &Arc<ExpertIndex>, config: &StreamConfig, label: String, prompt: &str, params: &GenerateParams) -> Result<BenchRow, GenerateError> {
+fn run_streamed(
+    path: &Path,
+    index: &Arc<ExpertIndex>,
+    config: &StreamConfig,
+    label: String,
+    prompt: &str,
+    params: &GenerateParams,
+) -> Result<BenchRow, GenerateError> {
     drop_cached(&index.shards);
     let t0 = Instant::now();
-    let model = generate::load_model(path)?;
+    let read0 = sluice_hal::storage::process_read_bytes().unwrap_or(0);
+    let model = crate::stream::load_streamed_model(path, index, config.dense)?;
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
     let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, params.n_threads)?;
     let open_s = t0.elapsed().as_secs_f64();
+    let open_read = sluice_hal::storage::process_read_bytes().unwrap_or(0).saturating_sub(read0);
     let (g, rows) = session.generate(&tokens, params.n_predict, |_, _| {}, |_| {})?;
     let s = Summary::of(&rows);
     Ok(BenchRow {
@@ -124,6 +146,8 @@ fn run_streamed(path: &Path, index: &Arc<ExpertIndex>, config: &StreamConfig, la
         major_faults: s.major_faults,
         peak_rss: s.peak_rss,
         open_s,
+        open_read,
+        ttft_s: open_s + g.prefill.as_secs_f64(),
         tokens: g.tokens,
     })
 }
@@ -133,7 +157,10 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
     let index = Arc::new(ExpertIndex::open(&plan.model).map_err(crate::stream::StreamError::from)?);
     let params = GenerateParams { n_predict: plan.n_predict, n_threads: plan.n_threads };
     let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params)?];
-    let all: u64 = (0..index.n_layer).flat_map(|l| (0..index.n_expert).map(move |e| (l, e))).map(|(l, e)| index.expert_window_bytes(l, e)).sum();
+    let all: u64 = (0..index.n_layer)
+        .flat_map(|l| (0..index.n_expert).map(move |e| (l, e)))
+        .map(|(l, e)| index.expert_window_bytes(l, e))
+        .sum();
     for &pct in &plan.cache_percents {
         let cache_bytes = all * u64::from(pct) / 100;
         let config = StreamConfig { cache_bytes, force_cache: true, ..plan.stream.clone() };
@@ -147,13 +174,24 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
 pub fn table(rows: &[BenchRow]) -> String {
     let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
     let mut out = format!(
-        "{:<20} {:>10} {:>9} {:>9} {:>10} {:>8} {:>12} {:>13} {:>8} {:>10}\n",
-        "config", "cache MiB", "tok/s", "x resid.", "MiB/token", "hit %", "major faults", "peak RSS MiB", "open s", "same text"
+        "{:<20} {:>10} {:>9} {:>9} {:>10} {:>8} {:>12} {:>13} {:>8} {:>13} {:>7} {:>10}\n",
+        "config",
+        "cache MiB",
+        "tok/s",
+        "x resid.",
+        "MiB/token",
+        "hit %",
+        "major faults",
+        "peak RSS MiB",
+        "open s",
+        "open read MiB",
+        "TTFT s",
+        "same text"
     );
     for r in rows {
         let _ = writeln!(
             out,
-            "{:<20} {:>10} {:>9.2} {:>9.2} {:>10.2} {:>8} {:>12} {:>13.1} {:>8.2} {:>10}",
+            "{:<20} {:>10} {:>9.2} {:>9.2} {:>10.2} {:>8} {:>12} {:>13.1} {:>8.2} {:>13.1} {:>7.2} {:>10}",
             r.label,
             r.cache_bytes.map_or("-".to_string(), |b| format!("{:.1}", mib(b))),
             r.tokens_per_s,
@@ -163,6 +201,8 @@ pub fn table(rows: &[BenchRow]) -> String {
             r.major_faults,
             mib(r.peak_rss),
             r.open_s,
+            mib(r.open_read),
+            r.ttft_s,
             if rows[0].tokens == r.tokens { "yes" } else { "NO" }
         );
     }

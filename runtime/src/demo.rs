@@ -59,7 +59,9 @@ pub fn ensure_demo_model(dir: &Path, n_threads: u32) -> anyhow::Result<(PathBuf,
     if path.is_file() {
         return Ok((path, false));
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create the cache directory {} (set SLUICE_CACHE_DIR to a writable one)", dir.display()))?;
+    std::fs::create_dir_all(dir).with_context(|| {
+        format!("cannot create the cache directory {} (set SLUICE_CACHE_DIR to a writable one)", dir.display())
+    })?;
     let tmp = path.with_extension(format!("{}.partial.gguf", std::process::id()));
     let result = synth::synthesize(&demo_spec(), &tmp, n_threads);
     if let Err(e) = result {

@@ -74,9 +74,14 @@ pub fn check_model_file(path: &Path) -> Result<(), GenerateError> {
 /// Opens a model: checks the file first (existence, GGUF header, every tensor inside the file)
 /// so bad input gets a precise error, then loads it through llama.cpp.
 pub fn load_model(path: &Path) -> Result<Model, GenerateError> {
+    load_model_with(path, &ModelParams::default())
+}
+
+/// [`load_model`] with explicit llama.cpp model parameters.
+pub fn load_model_with(path: &Path, params: &ModelParams) -> Result<Model, GenerateError> {
     check_model_file(path)?;
     GgufFile::open(path)?;
-    Ok(Model::load(path, &ModelParams::default())?)
+    Ok(Model::load(path, params)?)
 }
 
 /// Generation settings.
@@ -136,7 +141,12 @@ pub struct Session<'m> {
 
 impl<'m> Session<'m> {
     /// Creates a context with room for `n_ctx` positions, with an optional eval callback.
-    pub fn new(model: &'m Model, n_ctx: u32, n_threads: u32, callback: Option<EvalCallback<'m>>) -> Result<Session<'m>, GenerateError> {
+    pub fn new(
+        model: &'m Model,
+        n_ctx: u32,
+        n_threads: u32,
+        callback: Option<EvalCallback<'m>>,
+    ) -> Result<Session<'m>, GenerateError> {
         let n_ctx = n_ctx.div_ceil(256).max(1) * 256;
         let n_batch = n_ctx.min(MAX_BATCH);
         let params = ContextParams { n_ctx, n_batch, n_ubatch: n_batch, n_threads };
@@ -246,7 +256,12 @@ impl<'m> Session<'m> {
 }
 
 /// Resident generation in one call: tokenizes, sizes a context, and generates.
-pub fn generate(model: &Model, prompt: &str, params: &GenerateParams, on_token: impl FnMut(Token, &[u8])) -> Result<Generation, GenerateError> {
+pub fn generate(
+    model: &Model,
+    prompt: &str,
+    params: &GenerateParams,
+    on_token: impl FnMut(Token, &[u8]),
+) -> Result<Generation, GenerateError> {
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
     let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, params.n_threads, None)?;
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))

@@ -9,6 +9,6 @@ pub mod bench;
 pub mod demo;
 pub mod generate;
 pub mod stream;
-pub mod telemetry;
 pub mod synth;
+pub mod telemetry;
 pub mod text;

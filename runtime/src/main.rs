@@ -9,8 +9,8 @@ use clap::{Args, Parser, Subcommand};
 
 use sluice::generate::{self, GenerateParams, Generation, Session};
 use sluice::stream::{self, DensePolicy, ExpertIndex, LaneConfig, StreamConfig, StreamedSession};
-use sluice::telemetry::{self, Summary};
 use sluice::synth::{self, OutputType, SynthSpec};
+use sluice::telemetry::{self, Summary};
 use sluice::{demo, text::DisplayText};
 
 /// Runs Mixture-of-Experts language models bigger than a board's RAM.
@@ -129,15 +129,25 @@ fn read_size(read_kib: Option<u64>, model: &std::path::Path) -> usize {
 
 impl StreamArgs {
     fn config(&self, index: &ExpertIndex) -> StreamConfig {
-        let all = (0..index.n_layer).flat_map(|l| (0..index.n_expert).map(move |e| (l, e))).map(|(l, e)| index.expert_window_bytes(l, e)).sum::<u64>();
+        let all = (0..index.n_layer)
+            .flat_map(|l| (0..index.n_expert).map(move |e| (l, e)))
+            .map(|(l, e)| index.expert_window_bytes(l, e))
+            .sum::<u64>();
         let cache_bytes = match self.cache_mb {
             Some(mb) => mb.saturating_mul(1 << 20),
-            None => sluice_hal::memory::mem_available().map_or(all, |avail| (avail / 2).min(all)).max(index.one_token_demand().min(all)),
+            None => sluice_hal::memory::mem_available()
+                .map_or(all, |avail| (avail / 2).min(all))
+                .max(index.one_token_demand().min(all)),
         };
         StreamConfig {
             cache_bytes,
             force_cache: self.force_cache,
-            lanes: LaneConfig { lanes: self.io_lanes as usize, direct: !self.no_direct_io, max_request: read_size(self.read_kib, &index.shards[0]), cpus: Vec::new() },
+            lanes: LaneConfig {
+                lanes: self.io_lanes as usize,
+                direct: !self.no_direct_io,
+                max_request: read_size(self.read_kib, &index.shards[0]),
+                cpus: Vec::new(),
+            },
             dense: self.dense,
             trace_routes: false,
         }
@@ -319,11 +329,20 @@ fn run_streamed(model_path: &std::path::Path, prompt: &str, params: &GeneratePar
     generate::check_model_file(model_path)?;
     let index = Arc::new(ExpertIndex::open(model_path)?);
     let config = args.config(&index);
-    let model = generate::load_model(model_path)?;
+    let t_open = std::time::Instant::now();
+    let read_before = sluice_hal::storage::process_read_bytes();
+    let model = stream::load_streamed_model(model_path, &index, config.dense)?;
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
     let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, params.n_threads)?;
-    log::info!("streaming {} experts/layer over {} layers; cache {} MiB; open {:.2} s, dense read {:.1} MiB", index.n_expert, index.n_layer, config.cache_bytes >> 20, session.open_time.as_secs_f64(), session.dense_bytes_read as f64 / (1 << 20) as f64);
+    let open_wall = t_open.elapsed();
+    let open_read = read_before.and_then(|b| Some(sluice_hal::storage::process_read_bytes()?.saturating_sub(b)));
+    log::info!(
+        "streaming {} experts/layer over {} layers; cache {} MiB",
+        index.n_expert,
+        index.n_layer,
+        config.cache_bytes >> 20
+    );
     let mut display = DisplayText::default();
     let mut stdout = std::io::stdout().lock();
     let progress = args.progress;
@@ -350,6 +369,13 @@ fn run_streamed(model_path: &std::path::Path, prompt: &str, params: &GeneratePar
     let direct = (0..index.shards.len()).all(|s| streamer.lanes().is_direct(s));
     let (cache_used, counters) = (streamer.cache_used(), streamer.cache_counters());
     drop(streamer);
+    eprintln!(
+        "open: {:.3} s, {} read from storage ({:.1} MiB of dense weights by sluice's reader); first token after {:.3} s",
+        open_wall.as_secs_f64(),
+        open_read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64)),
+        session.dense_bytes_read as f64 / (1 << 20) as f64,
+        (open_wall + generation.prefill).as_secs_f64()
+    );
     eprintln!(
         "prompt: {} tokens in {:.3} s; generated {} tokens{}",
         generation.prompt_tokens.len(),
@@ -394,7 +420,9 @@ fn run_demo(a: &DemoArgs) -> Result<()> {
         size as f64 / (1 << 20) as f64,
         if created { ", generated just now" } else { ", from the cache" }
     );
-    eprintln!("The weights are random: the text below is noise, not language. It shows the model loading and generating.");
+    eprintln!(
+        "The weights are random: the text below is noise, not language. It shows the model loading and generating."
+    );
     eprintln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
     let params = GenerateParams { n_predict: a.n_predict, n_threads: a.threads.get() };
     let args = StreamArgs {
@@ -422,13 +450,25 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
         stream: StreamConfig {
             cache_bytes: 0,
             force_cache: true,
-            lanes: LaneConfig { lanes: a.io_lanes as usize, direct: !a.no_direct_io, max_request: read_size(None, &a.model), cpus: Vec::new() },
+            lanes: LaneConfig {
+                lanes: a.io_lanes as usize,
+                direct: !a.no_direct_io,
+                max_request: read_size(None, &a.model),
+                cpus: Vec::new(),
+            },
             dense: DensePolicy::Anon,
             trace_routes: false,
         },
     };
-    let size: u64 = ExpertIndex::open(&a.model)?.shards.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
-    eprintln!("bench: {} ({:.1} MiB), {} tokens per configuration, {} threads", a.model.display(), size as f64 / (1 << 20) as f64, a.n_predict, plan.n_threads);
+    let size: u64 =
+        ExpertIndex::open(&a.model)?.shards.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
+    eprintln!(
+        "bench: {} ({:.1} MiB), {} tokens per configuration, {} threads",
+        a.model.display(),
+        size as f64 / (1 << 20) as f64,
+        a.n_predict,
+        plan.n_threads
+    );
     let rows = sluice::bench::run(&plan)?;
     print!("{}", sluice::bench::table(&rows));
     if rows.iter().any(|r| r.tokens != rows[0].tokens) {
@@ -439,7 +479,8 @@ fn run_bench(a: &BenchArgs) -> Result<()> {
 
 fn run_synth(a: &SynthArgs) -> Result<()> {
     let spec = a.spec()?;
-    let out = synth::synthesize(&spec, &a.out, a.threads.get()).with_context(|| format!("writing {}", a.out.display()))?;
+    let out =
+        synth::synthesize(&spec, &a.out, a.threads.get()).with_context(|| format!("writing {}", a.out.display()))?;
     for f in &out.files {
         println!("{}", f.display());
     }

@@ -63,7 +63,14 @@ pub struct TokenRow {
 
 impl TokenRow {
     /// Builds a row from a decode's event, its streaming stats, and usage before and after.
-    pub fn new(index: usize, event: DecodeEvent, stats: DecodeStats, before: &Usage, after: &Usage, cache: CacheCounters) -> TokenRow {
+    pub fn new(
+        index: usize,
+        event: DecodeEvent,
+        stats: DecodeStats,
+        before: &Usage,
+        after: &Usage,
+        cache: CacheCounters,
+    ) -> TokenRow {
         TokenRow {
             index,
             prefill: event.prefill,

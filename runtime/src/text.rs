@@ -41,7 +41,10 @@ impl DisplayText {
             }
             let at_end = consumed + invalid.len() == self.pending.len();
             // An incomplete sequence at the very end may still be completed by the next token.
-            if at_end && invalid.len() < 4 && std::str::from_utf8(invalid).err().is_some_and(|e| e.error_len().is_none()) {
+            if at_end
+                && invalid.len() < 4
+                && std::str::from_utf8(invalid).err().is_some_and(|e| e.error_len().is_none())
+            {
                 break;
             }
             for b in invalid {

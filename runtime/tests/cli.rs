@@ -16,11 +16,7 @@ fn sluice(args: &[&str], cache: &Path) -> Output {
         }
         _ => Command::new(bin),
     };
-    cmd.args(args)
-        .env("SLUICE_CACHE_DIR", cache)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run sluice")
+    cmd.args(args).env("SLUICE_CACHE_DIR", cache).env_remove("RUST_LOG").output().expect("run sluice")
 }
 
 fn stderr(o: &Output) -> String {
@@ -137,7 +133,19 @@ fn synth_size_lands_just_under_the_target() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("sized.gguf");
     let o = sluice(
-        &["synth", "--out", out.to_str().unwrap(), "--size", "48MiB", "--layers", "4", "--experts", "16", "--embd", "256"],
+        &[
+            "synth",
+            "--out",
+            out.to_str().unwrap(),
+            "--size",
+            "48MiB",
+            "--layers",
+            "4",
+            "--experts",
+            "16",
+            "--embd",
+            "256",
+        ],
         dir.path(),
     );
     assert!(o.status.success(), "{}", stderr(&o));
@@ -151,7 +159,10 @@ fn run_streams_by_default_and_matches_resident() {
     let dir = tempfile::tempdir().unwrap();
     let model = small_model(dir.path());
     let csv = dir.path().join("t.csv");
-    let streamed = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "12", "--cache-mb", "0", "--csv", csv.to_str().unwrap()], dir.path());
+    let streamed = sluice(
+        &["run", "-m", &model, "-p", "Hello", "-n", "12", "--cache-mb", "0", "--csv", csv.to_str().unwrap()],
+        dir.path(),
+    );
     assert!(streamed.status.success(), "{}", stderr(&streamed));
     assert!(stderr(&streamed).contains("streamed decode: 11 tokens"), "{}", stderr(&streamed));
     let resident = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "12", "--resident"], dir.path());
@@ -168,13 +179,17 @@ fn run_streams_by_default_and_matches_resident() {
 fn a_cache_below_one_token_is_refused_with_the_minimum() {
     let dir = tempfile::tempdir().unwrap();
     let model = small_model(dir.path());
-    let synth = sluice(&["synth", "--out", dir.path().join("big.gguf").to_str().unwrap(), "--expert-ff", "2048"], dir.path());
+    let synth =
+        sluice(&["synth", "--out", dir.path().join("big.gguf").to_str().unwrap(), "--expert-ff", "2048"], dir.path());
     assert!(synth.status.success());
     let big = dir.path().join("big.gguf");
     let o = sluice(&["run", "-m", big.to_str().unwrap(), "-p", "hi", "--cache-mb", "1"], dir.path());
     assert_clean_error(&o, "below one token's routed demand");
     assert!(stderr(&o).contains("--cache-mb"), "{}", stderr(&o));
-    let forced = sluice(&["run", "-m", big.to_str().unwrap(), "-p", "hi", "-n", "4", "--cache-mb", "1", "--force-cache"], dir.path());
+    let forced = sluice(
+        &["run", "-m", big.to_str().unwrap(), "-p", "hi", "-n", "4", "--cache-mb", "1", "--force-cache"],
+        dir.path(),
+    );
     assert!(forced.status.success(), "{}", stderr(&forced));
     let _ = model;
 }
@@ -201,5 +216,8 @@ fn bench_compares_resident_and_streamed_in_one_run() {
     assert_eq!(rows.len(), 4, "header, resident and two streamed rows: {out}");
     assert!(rows[1].starts_with("resident-mmap"), "{out}");
     assert!(rows[2].starts_with("streamed cache 0%") && rows[3].starts_with("streamed cache 100%"), "{out}");
-    assert!(rows[1..].iter().all(|r| r.trim_end().ends_with("yes")), "every configuration generates the resident text: {out}");
+    assert!(
+        rows[1..].iter().all(|r| r.trim_end().ends_with("yes")),
+        "every configuration generates the resident text: {out}"
+    );
 }

@@ -51,7 +51,9 @@ impl Fixture {
             Fixture::Q8_0 => SynthSpec { out_type: OutputType::Q8_0, ..base },
             Fixture::Q4KM => SynthSpec { out_type: OutputType::Q4KM, ..base },
             Fixture::Q6K => SynthSpec { out_type: OutputType::Q6K, ..base },
-            Fixture::OddQ8_0 => SynthSpec { out_type: OutputType::Q8_0, embd: 96, heads: 3, kv_heads: 1, expert_ff: 96, ..base },
+            Fixture::OddQ8_0 => {
+                SynthSpec { out_type: OutputType::Q8_0, embd: 96, heads: 3, kv_heads: 1, expert_ff: 96, ..base }
+            }
             Fixture::Aligned4096 => SynthSpec { alignment: 4096, ..base },
             Fixture::Split => SynthSpec { split_max_tensors: Some(7), ..base },
         }
@@ -97,7 +99,12 @@ pub fn gate_fixtures() -> Vec<Fixture> {
 }
 
 /// A streaming configuration for the gates.
-pub fn stream_config(cache_bytes: u64, lanes: usize, direct: bool, dense: sluice::stream::DensePolicy) -> sluice::stream::StreamConfig {
+pub fn stream_config(
+    cache_bytes: u64,
+    lanes: usize,
+    direct: bool,
+    dense: sluice::stream::DensePolicy,
+) -> sluice::stream::StreamConfig {
     sluice::stream::StreamConfig {
         cache_bytes,
         force_cache: true,
@@ -123,7 +130,11 @@ pub struct StreamRun {
 }
 
 /// Generates greedily from [`PROMPT`] in an open streamed session.
-pub fn stream_generate(session: &mut sluice::stream::StreamedSession<'_>, model: &ggml_sys::Model, n_predict: u32) -> StreamRun {
+pub fn stream_generate(
+    session: &mut sluice::stream::StreamedSession<'_>,
+    model: &ggml_sys::Model,
+    n_predict: u32,
+) -> StreamRun {
     let prompt = generate::Session::prepare(model, PROMPT, n_predict).expect("prompt");
     let (generation, rows) = session.generate(&prompt, n_predict, |_, _| {}, |_| {}).expect("streamed generation");
     let s = session.streamer();
@@ -137,8 +148,14 @@ pub fn stream_generate(session: &mut sluice::stream::StreamedSession<'_>, model:
 }
 
 /// Opens a streamed session over `model` and generates once.
-pub fn streamed(model: &ggml_sys::Model, index: std::sync::Arc<sluice::stream::ExpertIndex>, config: &sluice::stream::StreamConfig, n_predict: u32) -> StreamRun {
+pub fn streamed(
+    model: &ggml_sys::Model,
+    index: std::sync::Arc<sluice::stream::ExpertIndex>,
+    config: &sluice::stream::StreamConfig,
+    n_predict: u32,
+) -> StreamRun {
     let prompt_len = generate::Session::prepare(model, PROMPT, n_predict).expect("prompt").len();
-    let mut session = sluice::stream::StreamedSession::open(model, index, config, prompt_len as u32 + n_predict, 2).expect("open streamed session");
+    let mut session = sluice::stream::StreamedSession::open(model, index, config, prompt_len as u32 + n_predict, 2)
+        .expect("open streamed session");
     stream_generate(&mut session, model, n_predict)
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use ggml_sys::GgufFile;
 use sluice::generate::load_model;
-use sluice::stream::{DensePolicy, ExpertIndex, StreamedSession};
+use sluice::stream::{load_streamed_model, DensePolicy, ExpertIndex, StreamedSession};
 use sluice_tests::{gate_fixtures, greedy_tokens, stream_config, stream_generate, streamed, Fixture};
 
 const N: u32 = 20;
@@ -39,7 +39,7 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
         ];
         for (what, config) in configs {
             // A fresh model per configuration: streaming rebinds the model's tensors.
-            let model = load_model(&files[0]).unwrap();
+            let model = load_streamed_model(&files[0], &index, config.dense).unwrap();
             let run = streamed(&model, Arc::clone(&index), &config, N);
             assert_eq!(run.tokens, reference, "{f:?}, {what}: streamed output differs from resident");
             assert!(run.bytes_read > 0, "{f:?}, {what}: nothing was streamed");
@@ -54,7 +54,9 @@ fn window_bytes(files: &[std::path::PathBuf], layer: u32, e: u32) -> u64 {
     let mut sum = 0;
     for f in files {
         let g = GgufFile::open(f).unwrap();
-        for t in g.tensors().iter().filter(|t| t.name.starts_with(&format!("blk.{layer}.")) && t.name.contains("_exps.")) {
+        for t in
+            g.tensors().iter().filter(|t| t.name.starts_with(&format!("blk.{layer}.")) && t.name.contains("_exps."))
+        {
             let stride = t.nb()[2];
             let start = (t.offset + u64::from(e) * stride) / page * page;
             let end = ((t.offset + u64::from(e + 1) * stride).div_ceil(page) * page).min(g.file_size());
@@ -70,20 +72,27 @@ fn bytes_read_match_the_routes_exactly() {
     for f in gate_fixtures() {
         let (files, index) = setup(f, dir.path());
         // No cache: every decode reads each layer's distinct routed experts once.
-        let model = load_model(&files[0]).unwrap();
+        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
         let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
-        let expected: u64 = run.trace.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).map(|(l, e)| window_bytes(&files, l, e)).sum();
+        let expected: u64 = run
+            .trace
+            .iter()
+            .flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e)))
+            .map(|(l, e)| window_bytes(&files, l, e))
+            .sum();
         assert_eq!(run.bytes_read, expected, "{f:?}: cache off");
         let routed: usize = run.trace.iter().map(|r| r.experts.len()).sum();
         assert_eq!(run.counters.misses as usize, routed, "{f:?}: with no cache every routed expert is a miss");
         // The routes vary across tokens: not every decode picks the same experts in layer 0.
-        let layer0: std::collections::BTreeSet<_> = run.trace.iter().filter(|r| r.layer == 0).map(|r| r.experts.clone()).collect();
+        let layer0: std::collections::BTreeSet<_> =
+            run.trace.iter().filter(|r| r.layer == 0).map(|r| r.experts.clone()).collect();
         assert!(layer0.len() > 1, "{f:?}: routing never changes");
 
         // An unbounded cache reads every expert at most once.
-        let model = load_model(&files[0]).unwrap();
+        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
         let run = streamed(&model, Arc::clone(&index), &stream_config(UNBOUNDED, 2, true, DensePolicy::Anon), N);
-        let distinct: std::collections::BTreeSet<(u32, u32)> = run.trace.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).collect();
+        let distinct: std::collections::BTreeSet<(u32, u32)> =
+            run.trace.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).collect();
         assert_eq!(run.counters.rereads, 0, "{f:?}");
         assert_eq!(run.counters.misses as usize, distinct.len(), "{f:?}");
         let expected: u64 = distinct.iter().map(|&(l, e)| window_bytes(&files, l, e)).sum();
@@ -99,7 +108,7 @@ fn a_warm_session_equals_cold_runs_and_survives_a_shrinking_budget() {
         let model = load_model(&files[0]).unwrap();
         let reference = greedy_tokens(&model, N, 2);
         drop(model);
-        let model = load_model(&files[0]).unwrap();
+        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
         let prompt_len = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap().len() as u32;
         let config = stream_config(UNBOUNDED, 2, true, DensePolicy::Anon);
         let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, prompt_len + N, 2).unwrap();
@@ -115,7 +124,10 @@ fn a_warm_session_equals_cold_runs_and_survives_a_shrinking_budget() {
         let third = stream_generate(&mut session, &model, N);
         assert_eq!(third.tokens, reference, "{f:?}: after shrinking the budget");
         assert!(third.counters.evictions > 0, "{f:?}: shrinking evicts");
-        assert!(session.streamer().cache_used() <= small.max(index.max_expert_window_bytes() * u64::from(index.n_expert)), "{f:?}: over budget");
+        assert!(
+            session.streamer().cache_used() <= small.max(index.max_expert_window_bytes() * u64::from(index.n_expert)),
+            "{f:?}: over budget"
+        );
     }
 }
 
@@ -131,7 +143,7 @@ fn the_model_on_tmpfs_streams_the_same() {
         let (files, index) = setup(f, dir.path());
         let model = load_model(&files[0]).unwrap();
         let reference = greedy_tokens(&model, N, 2);
-        let model = load_model(&files[0]).unwrap();
+        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
         // Direct I/O is asked for; where tmpfs rejects it the lanes fall back to buffered.
         let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
         assert_eq!(run.tokens, reference, "{f:?} on tmpfs (direct I/O: {})", run.direct);
@@ -155,7 +167,7 @@ fn streaming_from_corrupted_expert_bytes_changes_the_output() {
     std::fs::write(&corrupt, &bytes).unwrap();
     let mut bad_index = ExpertIndex::open(&files[0]).unwrap();
     bad_index.shards = vec![corrupt];
-    let model = load_model(&files[0]).unwrap();
+    let model = load_streamed_model(&files[0], &bad_index, DensePolicy::Mmap).unwrap();
     let run = streamed(&model, Arc::new(bad_index), &stream_config(0, 2, true, DensePolicy::Mmap), N);
     assert_ne!(run.tokens, reference, "streamed expert bytes do not reach the computation");
 }

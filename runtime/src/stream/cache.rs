@@ -80,7 +80,17 @@ impl ExpertCache {
         let n = (n_layer * n_expert) as usize;
         let sizes = (0..n as u32).map(|i| bytes(i / n_expert, i % n_expert)).collect();
         let slot = Slot { resident: false, ever_loaded: false, pinned_epoch: 0, prev: NIL, next: NIL };
-        ExpertCache { n_expert, bytes: sizes, slots: vec![slot; n], head: NIL, tail: NIL, budget, used: 0, epoch: 0, counters: CacheCounters::default() }
+        ExpertCache {
+            n_expert,
+            bytes: sizes,
+            slots: vec![slot; n],
+            head: NIL,
+            tail: NIL,
+            budget,
+            used: 0,
+            epoch: 0,
+            counters: CacheCounters::default(),
+        }
     }
 
     /// The byte budget.

@@ -1,9 +1,11 @@
 //! The streaming engine's state, driven from llama.cpp's eval callback.
 //!
 //! Capture (one warm-up decode): every graph node's sources are scanned for the model's weight
-//! tensors; nothing is isolated. Then every expert tensor is rebound into a page-congruent
-//! anonymous reservation (and, with dense `anon`, every resident weight is read once into its
-//! own and rebound too).
+//! tensors; nothing is isolated. The first time an expert tensor is seen, before any node that
+//! uses it computes, it is rebound into an empty page-congruent anonymous reservation, so the
+//! warm-up never faults expert bytes in from the file mapping; with dense `anon`, each resident
+//! weight is likewise read once by the lanes into its own reservation and rebound. (Asks run
+//! ahead of compute within a split, and the CPU backend computes synchronously.)
 //!
 //! Stream (every later decode): the callback asks for `ffn_moe_topk-<il>` only. When it has been
 //! computed, the layer's routed expert ids are read (stride-aware: the node is a view of the
@@ -66,8 +68,9 @@ pub struct Streamer<'m> {
     index: Arc<ExpertIndex>,
     mode: Mode,
     dense_anon: bool,
-    captured: Vec<Option<WeightTensor<'m>>>,
-    captured_dense: Vec<Option<WeightTensor<'m>>>,
+    pending: Vec<Option<Arc<Reservation>>>,
+    captured_dense: Vec<bool>,
+    dense_bytes_read: u64,
     reservations: Vec<Arc<Reservation>>,
     lanes: IoLanes,
     cache: ExpertCache,
@@ -91,8 +94,9 @@ impl<'m> Streamer<'m> {
         let n_expert = index.n_expert as usize;
         Streamer {
             model,
-            captured: vec![None; index.experts.len()],
-            captured_dense: vec![None; index.dense.len()],
+            pending: vec![None; index.experts.len()],
+            captured_dense: vec![false; index.dense.len()],
+            dense_bytes_read: 0,
             reservations: Vec::new(),
             lanes,
             cache,
@@ -161,7 +165,11 @@ impl<'m> Streamer<'m> {
     pub fn on_eval(&mut self, t: TensorView<'_>, phase: EvalPhase) -> bool {
         match (self.mode, phase) {
             (Mode::Capture, EvalPhase::Ask) => {
-                self.capture_sources(t);
+                if self.failure.is_none() {
+                    if let Err(e) = self.capture_sources(t) {
+                        self.failure = Some(e);
+                    }
+                }
                 false
             }
             (Mode::Capture, EvalPhase::Computed) => true,
@@ -181,62 +189,82 @@ impl<'m> Streamer<'m> {
         }
     }
 
-    fn capture_sources(&mut self, t: TensorView<'_>) {
+    fn capture_sources(&mut self, t: TensorView<'_>) -> Result<(), StreamError> {
         for i in 0..10 {
             let Some(src) = t.src(i) else { continue };
             let name = src.name();
             if let Some(k) = self.index.expert_by_name(name) {
-                if self.captured[k].is_none() {
-                    self.captured[k] = src.as_weight(self.model);
+                if self.pending[k].is_none() {
+                    if let Some(w) = src.as_weight(self.model) {
+                        self.pending[k] = Some(self.rebind_expert(k, w)?);
+                    }
                 }
             } else if self.dense_anon {
                 if let Some(k) = self.index.dense.iter().position(|d| d.name == name) {
-                    if self.captured_dense[k].is_none() {
-                        self.captured_dense[k] = src.as_weight(self.model);
+                    if !self.captured_dense[k] {
+                        if let Some(w) = src.as_weight(self.model) {
+                            self.read_dense(k, w)?;
+                            self.captured_dense[k] = true;
+                        }
                     }
                 }
             }
         }
+        Ok(())
     }
 
-    /// Ends capture: rebinds every expert tensor into an empty reservation and, with dense
-    /// `anon`, reads every captured resident weight into anonymous memory and rebinds it.
-    /// Returns the dense bytes read.
+    /// Checks the graph's expert tensor `k` against the file and rebinds it into an empty
+    /// reservation.
+    fn rebind_expert(&self, k: usize, w: WeightTensor<'m>) -> Result<Arc<Reservation>, StreamError> {
+        let t = &self.index.experts[k];
+        let view = w.view();
+        if view.n_bytes() as u64 != t.size || view.nb()[2] as u64 != t.stride {
+            return Err(StreamError::LayoutMismatch {
+                tensor: t.name.clone(),
+                detail: format!(
+                    "graph has {} bytes, stride {}; file has {} bytes, stride {}",
+                    view.n_bytes(),
+                    view.nb()[2],
+                    t.size,
+                    t.stride
+                ),
+            });
+        }
+        let r = Arc::new(Reservation::new(t.offset, t.size).map_err(StreamError::Reserve)?);
+        w.rebind(self.model, Arc::clone(&r));
+        Ok(r)
+    }
+
+    /// Reads dense tensor `k` once into anonymous memory through the lanes and rebinds it.
+    fn read_dense(&mut self, k: usize, w: WeightTensor<'m>) -> Result<(), StreamError> {
+        let d = &self.index.dense[k];
+        let r = Arc::new(Reservation::new(d.offset, d.size).map_err(StreamError::Reserve)?);
+        let (start, end) = r.window(0, d.size);
+        self.jobs.push(ReadJob {
+            target: Arc::clone(&r),
+            shard: d.shard,
+            start,
+            len: (end - start) as usize,
+            tag: (u32::MAX, k as u32),
+        });
+        let stats = self.lanes.read_all(&mut self.jobs)?;
+        self.dense_bytes_read += stats.bytes;
+        w.rebind(self.model, r);
+        Ok(())
+    }
+
+    /// Ends capture: checks that every expert tensor was found and rebound, and switches to
+    /// streaming. Returns the dense bytes read (dense `anon`).
     pub fn finish_capture(&mut self) -> Result<u64, StreamError> {
-        if let Some(k) = self.captured.iter().position(Option::is_none) {
+        if let Some(e) = self.failure.take() {
+            return Err(e);
+        }
+        if let Some(k) = self.pending.iter().position(Option::is_none) {
             return Err(StreamError::NotCaptured { tensor: self.index.experts[k].name.clone() });
         }
-        for (k, t) in self.index.experts.iter().enumerate() {
-            let captured = self.captured[k].expect("checked above");
-            let view = captured.view();
-            if view.n_bytes() as u64 != t.size || view.nb()[2] as u64 != t.stride {
-                return Err(StreamError::LayoutMismatch {
-                    tensor: t.name.clone(),
-                    detail: format!("graph has {} bytes, stride {}; file has {} bytes, stride {}", view.n_bytes(), view.nb()[2], t.size, t.stride),
-                });
-            }
-            let r = Arc::new(Reservation::new(t.offset, t.size).map_err(StreamError::Reserve)?);
-            captured.rebind(self.model, Arc::clone(&r));
-            self.reservations.push(r);
-        }
-        let mut dense_bytes = 0;
-        if self.dense_anon {
-            let mut rebinds = Vec::new();
-            for (k, d) in self.index.dense.iter().enumerate() {
-                let Some(w) = self.captured_dense[k] else { continue };
-                let r = Arc::new(Reservation::new(d.offset, d.size).map_err(StreamError::Reserve)?);
-                let (start, end) = r.window(0, d.size);
-                self.jobs.push(ReadJob { target: Arc::clone(&r), shard: d.shard, start, len: (end - start) as usize, tag: (u32::MAX, k as u32) });
-                rebinds.push((w, r));
-            }
-            let stats = self.lanes.read_all(&mut self.jobs).map_err(StreamError::Read)?;
-            dense_bytes = stats.bytes;
-            for (w, r) in rebinds {
-                w.rebind(self.model, r);
-            }
-        }
+        self.reservations = self.pending.drain(..).flatten().collect();
         self.mode = Mode::Stream;
-        Ok(dense_bytes)
+        Ok(self.dense_bytes_read)
     }
 
     fn on_topk(&mut self, t: TensorView<'_>) -> Result<(), StreamError> {
@@ -267,7 +295,13 @@ impl<'m> Streamer<'m> {
                 let r = &self.reservations[k];
                 let (a, b) = tensor.slice(e);
                 let (start, end) = r.window(a, b);
-                self.jobs.push(ReadJob { target: Arc::clone(r), shard: tensor.shard, start, len: (end - start) as usize, tag: (layer, e) });
+                self.jobs.push(ReadJob {
+                    target: Arc::clone(r),
+                    shard: tensor.shard,
+                    start,
+                    len: (end - start) as usize,
+                    tag: (layer, e),
+                });
             }
         }
         if self.jobs.is_empty() {
@@ -302,13 +336,14 @@ impl<'m> Streamer<'m> {
         for tok in 0..n_tokens as usize {
             for j in 0..k as usize {
                 let at = tok * nb1 + j * nb0;
-                let raw = bytes.get(at..at + 4).ok_or_else(|| StreamError::Graph(format!("{} is shorter than its shape", t.name())))?;
+                let raw = bytes
+                    .get(at..at + 4)
+                    .ok_or_else(|| StreamError::Graph(format!("{} is shorter than its shape", t.name())))?;
                 let id = i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
-                let e = u32::try_from(id).ok().filter(|&e| e < self.index.n_expert).ok_or(StreamError::BadExpertId {
-                    layer,
-                    id,
-                    n_expert: self.index.n_expert,
-                })?;
+                let e = u32::try_from(id)
+                    .ok()
+                    .filter(|&e| e < self.index.n_expert)
+                    .ok_or(StreamError::BadExpertId { layer, id, n_expert: self.index.n_expert })?;
                 if !self.seen[e as usize] {
                     self.seen[e as usize] = true;
                     self.ids.push(e);

@@ -111,7 +111,9 @@ pub fn shard_paths(first: &Path, g: &GgufFile) -> Result<Vec<PathBuf>, IndexErro
     let suffix = format!("-00001-of-{count:05}.gguf");
     let prefix = s.strip_suffix(&suffix).ok_or_else(|| IndexError::Metadata {
         path: first.into(),
-        what: format!("split.count is {count} but the file name does not end in {suffix}; pass the first file of the split"),
+        what: format!(
+            "split.count is {count} but the file name does not end in {suffix}; pass the first file of the split"
+        ),
     })?;
     Ok((1..=count).map(|i| PathBuf::from(format!("{prefix}-{i:05}-of-{count:05}.gguf"))).collect())
 }
@@ -128,7 +130,8 @@ impl ExpertIndex {
         let first = GgufFile::open(path)?;
         let meta_err = |what: String| IndexError::Metadata { path: path.into(), what };
         let arch = first.architecture().ok_or_else(|| meta_err("general.architecture is missing".into()))?;
-        let recipe = recipe::recipe_for(&arch).ok_or_else(|| IndexError::UnknownArch { path: path.into(), arch: arch.clone() })?;
+        let recipe = recipe::recipe_for(&arch)
+            .ok_or_else(|| IndexError::UnknownArch { path: path.into(), arch: arch.clone() })?;
         let key_u32 = |k: &str| first.get_u64(&format!("{arch}.{k}")).map(|v| v as u32);
         let n_layer = key_u32("block_count").ok_or_else(|| meta_err(format!("{arch}.block_count is missing")))?;
         let n_expert_used = key_u32("expert_used_count").unwrap_or(0);
@@ -204,7 +207,11 @@ impl ExpertIndex {
 
     /// The largest expert's window bytes over all layers.
     pub fn max_expert_window_bytes(&self) -> u64 {
-        (0..self.n_layer).flat_map(|l| (0..self.n_expert).map(move |e| (l, e))).map(|(l, e)| self.expert_window_bytes(l, e)).max().unwrap_or(0)
+        (0..self.n_layer)
+            .flat_map(|l| (0..self.n_expert).map(move |e| (l, e)))
+            .map(|(l, e)| self.expert_window_bytes(l, e))
+            .max()
+            .unwrap_or(0)
     }
 
     /// One token's routed demand: every layer's top-k experts resident at once.

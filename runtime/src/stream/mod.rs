@@ -108,6 +108,27 @@ pub struct StreamConfig {
     pub trace_routes: bool,
 }
 
+/// The tensors a streamed open keeps out of llama.cpp's load-time prefetch: the routed experts
+/// always (the engine reads them on demand), and with dense `anon` every tensor (the engine reads
+/// the dense ones itself, once, with its own reader).
+pub fn lazy_pattern(index: &ExpertIndex, dense: DensePolicy) -> String {
+    match dense {
+        DensePolicy::Anon => ".".to_string(),
+        DensePolicy::Mmap => format!(r"^blk\.[0-9]+\.({})\.weight$", index.recipe.expert_suffixes.join("|")),
+    }
+}
+
+/// Loads `path` for streaming: like [`crate::generate::load_model`], but without reading the
+/// tensors that [`lazy_pattern`] names (vendor patch 0002).
+pub fn load_streamed_model(
+    path: &std::path::Path,
+    index: &ExpertIndex,
+    dense: DensePolicy,
+) -> Result<Model, GenerateError> {
+    let params = ggml_sys::ModelParams { lazy_tensor_pattern: Some(lazy_pattern(index, dense)), ..Default::default() };
+    crate::generate::load_model_with(path, &params)
+}
+
 /// Checks `budget` against one token's routed demand.
 pub fn check_cache_budget(index: &ExpertIndex, budget: u64, force: bool) -> Result<(), StreamError> {
     let min = index.one_token_demand();
@@ -139,7 +160,13 @@ impl<'m> StreamedSession<'m> {
     /// Sets up streaming over `model` (loaded from `index`'s files): starts the lanes, creates a
     /// context with room for `n_ctx` positions, captures the weights in a warm-up decode, and
     /// rebinds them.
-    pub fn open(model: &'m Model, index: Arc<ExpertIndex>, config: &StreamConfig, n_ctx: u32, n_threads: u32) -> Result<Self, GenerateError> {
+    pub fn open(
+        model: &'m Model,
+        index: Arc<ExpertIndex>,
+        config: &StreamConfig,
+        n_ctx: u32,
+        n_threads: u32,
+    ) -> Result<Self, GenerateError> {
         let t0 = std::time::Instant::now();
         check_cache_budget(&index, config.cache_bytes, config.force_cache)?;
         let lanes = IoLanes::new(&index.shards, &config.lanes).map_err(StreamError::Lanes)?;

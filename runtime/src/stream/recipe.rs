@@ -46,13 +46,16 @@ pub fn recipe_for(arch: &str) -> Option<&'static Recipe> {
 
 /// The table as `sluice run --list-archs` prints it.
 pub fn table() -> String {
-    let mut out = format!("{:<12} {:<8} {:<52} {}\n", "arch", "layout", "streamed expert tensors", "resident shared experts");
+    let mut out =
+        format!("{:<12} {:<8} {:<52} {}\n", "arch", "layout", "streamed expert tensors", "resident shared experts");
     for r in RECIPES {
         let layout = if r.fused_gate_up { "fused" } else { "split" };
         let shared = if r.shared_suffixes.is_empty() { "-".to_string() } else { r.shared_suffixes.join(", ") };
         out.push_str(&format!("{:<12} {:<8} {:<52} {}\n", r.arch, layout, r.expert_suffixes.join(", "), shared));
     }
-    out.push_str("\nTo add an architecture, add a row to RECIPES in runtime/src/stream/recipe.rs and a gate fixture.\n");
+    out.push_str(
+        "\nTo add an architecture, add a row to RECIPES in runtime/src/stream/recipe.rs and a gate fixture.\n",
+    );
     out
 }
 

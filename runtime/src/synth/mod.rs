@@ -202,18 +202,27 @@ impl SynthSpec {
             }
         }
         if self.embd % self.heads != 0 || self.head_dim() % 2 != 0 {
-            return Err(invalid("heads", format!("--embd {} must split into {} heads of an even width", self.embd, self.heads)));
+            return Err(invalid(
+                "heads",
+                format!("--embd {} must split into {} heads of an even width", self.embd, self.heads),
+            ));
         }
         if self.heads % self.kv_heads != 0 {
             return Err(invalid("kv-heads", format!("{} does not divide --heads {}", self.kv_heads, self.heads)));
         }
         if self.experts_used > self.experts {
-            return Err(invalid("experts-used", format!("{} is more than --experts {}", self.experts_used, self.experts)));
+            return Err(invalid(
+                "experts-used",
+                format!("{} is more than --experts {}", self.experts_used, self.experts),
+            ));
         }
         let w = self.out_type.block_width();
         for (field, v) in [("embd", self.embd), ("expert-ff", self.expert_ff)] {
             if v % w != 0 {
-                return Err(invalid(field, format!("{v} is not a multiple of {w}, the block width of {:?}", self.out_type)));
+                return Err(invalid(
+                    field,
+                    format!("{v} is not a multiple of {w}, the block width of {:?}", self.out_type),
+                ));
             }
         }
         if self.alignment < 8 || !self.alignment.is_power_of_two() {

@@ -51,7 +51,15 @@ mod tests {
 
     #[test]
     fn fits_within_a_few_percent_and_respects_blocks() {
-        let spec = SynthSpec { layers: 8, embd: 512, heads: 8, kv_heads: 4, experts: 32, experts_used: 4, ..Default::default() };
+        let spec = SynthSpec {
+            layers: 8,
+            embd: 512,
+            heads: 8,
+            kv_heads: 4,
+            experts: 32,
+            experts_used: 4,
+            ..Default::default()
+        };
         let target = 2u64 << 30;
         let ff = fit_expert_ff(&spec, target).unwrap();
         let fitted = SynthSpec { expert_ff: ff, ..spec.clone() };
