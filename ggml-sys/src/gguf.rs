@@ -154,17 +154,21 @@ impl GgufFile {
     pub fn get_u64(&self, key: &str) -> Option<u64> {
         let id = self.key_id(key)?;
         let ctx = self.ctx;
-        // SAFETY (each arm): id belongs to ctx, and the getter matches the stored type.
-        let v: i128 = match self.kv_type(id) {
-            sys::GGUF_TYPE_UINT8 => unsafe { sys::gguf_get_val_u8(ctx, id) }.into(),
-            sys::GGUF_TYPE_INT8 => unsafe { sys::gguf_get_val_i8(ctx, id) }.into(),
-            sys::GGUF_TYPE_UINT16 => unsafe { sys::gguf_get_val_u16(ctx, id) }.into(),
-            sys::GGUF_TYPE_INT16 => unsafe { sys::gguf_get_val_i16(ctx, id) }.into(),
-            sys::GGUF_TYPE_UINT32 => unsafe { sys::gguf_get_val_u32(ctx, id) }.into(),
-            sys::GGUF_TYPE_INT32 => unsafe { sys::gguf_get_val_i32(ctx, id) }.into(),
-            sys::GGUF_TYPE_UINT64 => unsafe { sys::gguf_get_val_u64(ctx, id) }.into(),
-            sys::GGUF_TYPE_INT64 => unsafe { sys::gguf_get_val_i64(ctx, id) }.into(),
-            _ => return None,
+        let ty = self.kv_type(id);
+        // SAFETY: id belongs to ctx, and each getter is called only for its own stored type
+        // (ggml aborts on a mismatch).
+        let v: i128 = unsafe {
+            match ty {
+                sys::GGUF_TYPE_UINT8 => sys::gguf_get_val_u8(ctx, id).into(),
+                sys::GGUF_TYPE_INT8 => sys::gguf_get_val_i8(ctx, id).into(),
+                sys::GGUF_TYPE_UINT16 => sys::gguf_get_val_u16(ctx, id).into(),
+                sys::GGUF_TYPE_INT16 => sys::gguf_get_val_i16(ctx, id).into(),
+                sys::GGUF_TYPE_UINT32 => sys::gguf_get_val_u32(ctx, id).into(),
+                sys::GGUF_TYPE_INT32 => sys::gguf_get_val_i32(ctx, id).into(),
+                sys::GGUF_TYPE_UINT64 => sys::gguf_get_val_u64(ctx, id).into(),
+                sys::GGUF_TYPE_INT64 => sys::gguf_get_val_i64(ctx, id).into(),
+                _ => return None,
+            }
         };
         u64::try_from(v).ok()
     }

@@ -193,7 +193,7 @@ mod tests {
         assert_eq!((ws, we), (page, 2 * page));
         let n = r.read_window(std::os::fd::AsFd::as_fd(&file), ws, (we - ws) as usize).unwrap();
         assert_eq!(n as u64, we - ws);
-        // SAFETY (test): the window covering tensor bytes 100..200 was just read.
+        // SAFETY: the window covering tensor bytes 100..200 was just read into the live mapping.
         let got = unsafe { std::slice::from_raw_parts(r.base_ptr().add(100), 100) };
         assert_eq!(got, &data[(off + 100) as usize..(off + 200) as usize]);
         // Releasing a range smaller than a page frees nothing; a range covering a page frees it.

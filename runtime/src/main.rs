@@ -172,7 +172,7 @@ struct ThreadsArg {
 
 impl ThreadsArg {
     fn get(&self) -> u32 {
-        self.threads.unwrap_or_else(|| sluice_hal::cpu::default_threads())
+        self.threads.unwrap_or_else(sluice_hal::cpu::default_threads)
     }
 }
 
