@@ -79,7 +79,14 @@ impl Fixture {
 /// The prompt the gates generate from.
 pub const PROMPT: &str = "The quick brown fox jumps over the lazy dog.";
 
-/// Loads `model` resident and returns the greedy continuation of [`PROMPT`].
+/// Loads the model at `path` resident (llama.cpp's own load), returns its greedy continuation of
+/// [`PROMPT`], and frees it: the reference the streaming gates compare against.
+pub fn resident_reference(path: &Path, n_predict: u32) -> Vec<Token> {
+    let model = generate::load_model(path).expect("load the resident reference");
+    greedy_tokens(&model, n_predict, 2)
+}
+
+/// Returns the greedy continuation of [`PROMPT`] from an already loaded `model`.
 pub fn greedy_tokens(model: &ggml_sys::Model, n_predict: u32, n_threads: u32) -> Vec<Token> {
     let params = GenerateParams { n_predict, n_threads };
     generate::generate(model, PROMPT, &params, |_, _| {}).expect("generation").tokens

@@ -5,9 +5,8 @@
 use std::sync::Arc;
 
 use ggml_sys::GgufFile;
-use sluice::generate::load_model;
 use sluice::stream::{load_streamed_model, DensePolicy, ExpertIndex, StreamedSession};
-use sluice_tests::{gate_fixtures, greedy_tokens, stream_config, stream_generate, streamed, Fixture};
+use sluice_tests::{gate_fixtures, resident_reference, stream_config, stream_generate, streamed, Fixture};
 
 const N: u32 = 20;
 const UNBOUNDED: u64 = u64::MAX;
@@ -23,9 +22,7 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
     let dir = tempfile::tempdir().unwrap();
     for f in gate_fixtures() {
         let (files, index) = setup(f, dir.path());
-        let model = load_model(&files[0]).unwrap();
-        let reference = greedy_tokens(&model, N, 2);
-        drop(model);
+        let reference = resident_reference(&files[0], N);
         let tiny = 1; // evicts everything but the current layer, every layer
         let configs = [
             ("cache off", stream_config(0, 2, true, DensePolicy::Anon)),
@@ -105,9 +102,7 @@ fn a_warm_session_equals_cold_runs_and_survives_a_shrinking_budget() {
     let dir = tempfile::tempdir().unwrap();
     for f in gate_fixtures() {
         let (files, index) = setup(f, dir.path());
-        let model = load_model(&files[0]).unwrap();
-        let reference = greedy_tokens(&model, N, 2);
-        drop(model);
+        let reference = resident_reference(&files[0], N);
         let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
         let prompt_len = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap().len() as u32;
         let config = stream_config(UNBOUNDED, 2, true, DensePolicy::Anon);
@@ -141,8 +136,7 @@ fn the_model_on_tmpfs_streams_the_same() {
     let dir = tempfile::tempdir_in(shm).unwrap();
     for f in gate_fixtures().into_iter().take(2) {
         let (files, index) = setup(f, dir.path());
-        let model = load_model(&files[0]).unwrap();
-        let reference = greedy_tokens(&model, N, 2);
+        let reference = resident_reference(&files[0], N);
         let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
         // Direct I/O is asked for; where tmpfs rejects it the lanes fall back to buffered.
         let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
@@ -155,8 +149,7 @@ fn streaming_from_corrupted_expert_bytes_changes_the_output() {
     // The gates above can fail: if the engine streams the wrong bytes, the tokens change.
     let dir = tempfile::tempdir().unwrap();
     let (files, index) = setup(Fixture::F32, dir.path());
-    let model = load_model(&files[0]).unwrap();
-    let reference = greedy_tokens(&model, N, 2);
+    let reference = resident_reference(&files[0], N);
     let mut bytes = std::fs::read(&files[0]).unwrap();
     for t in &index.experts {
         for b in &mut bytes[t.offset as usize..(t.offset + t.size) as usize] {
