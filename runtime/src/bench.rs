@@ -157,10 +157,7 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
     let index = Arc::new(ExpertIndex::open(&plan.model).map_err(crate::stream::StreamError::from)?);
     let params = GenerateParams { n_predict: plan.n_predict, n_threads: plan.n_threads };
     let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params)?];
-    let all: u64 = (0..index.n_layer)
-        .flat_map(|l| (0..index.n_expert).map(move |e| (l, e)))
-        .map(|(l, e)| index.expert_window_bytes(l, e))
-        .sum();
+    let all = index.all_expert_window_bytes();
     for &pct in &plan.cache_percents {
         let cache_bytes = all * u64::from(pct) / 100;
         let config = StreamConfig { cache_bytes, force_cache: true, ..plan.stream.clone() };

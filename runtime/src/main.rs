@@ -129,10 +129,7 @@ fn read_size(read_kib: Option<u64>, model: &std::path::Path) -> usize {
 
 impl StreamArgs {
     fn config(&self, index: &ExpertIndex) -> StreamConfig {
-        let all = (0..index.n_layer)
-            .flat_map(|l| (0..index.n_expert).map(move |e| (l, e)))
-            .map(|(l, e)| index.expert_window_bytes(l, e))
-            .sum::<u64>();
+        let all = index.all_expert_window_bytes();
         let cache_bytes = match self.cache_mb {
             Some(mb) => mb.saturating_mul(1 << 20),
             None => sluice_hal::memory::mem_available()

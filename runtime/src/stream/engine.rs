@@ -200,7 +200,7 @@ impl<'m> Streamer<'m> {
                     }
                 }
             } else if self.dense_anon {
-                if let Some(k) = self.index.dense.iter().position(|d| d.name == name) {
+                if let Some(k) = self.index.dense_by_name(name) {
                     if !self.captured_dense[k] {
                         if let Some(w) = src.as_weight(self.model) {
                             self.read_dense(k, w)?;

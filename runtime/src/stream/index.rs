@@ -99,6 +99,7 @@ pub struct ExpertIndex {
     pub n_expert_used: u32,
     by_layer: Vec<Vec<usize>>,
     by_name: HashMap<String, usize>,
+    dense_by_name: HashMap<String, usize>,
 }
 
 /// The shard files of the model whose first file is `first`.
@@ -178,7 +179,19 @@ impl ExpertIndex {
             by_layer[t.layer as usize].push(i);
         }
         let by_name = experts.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
-        Ok(ExpertIndex { recipe, shards, experts, dense, n_layer, n_expert, n_expert_used, by_layer, by_name })
+        let dense_by_name = dense.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        Ok(ExpertIndex {
+            recipe,
+            shards,
+            experts,
+            dense,
+            n_layer,
+            n_expert,
+            n_expert_used,
+            by_layer,
+            by_name,
+            dense_by_name,
+        })
     }
 
     /// The expert tensors of `layer`.
@@ -189,6 +202,21 @@ impl ExpertIndex {
     /// The expert tensor named `name`.
     pub fn expert_by_name(&self, name: &str) -> Option<usize> {
         self.by_name.get(name).copied()
+    }
+
+    /// The resident tensor named `name`.
+    pub fn dense_by_name(&self, name: &str) -> Option<usize> {
+        self.dense_by_name.get(name).copied()
+    }
+
+    /// Every (layer, expert) pair.
+    fn all_experts(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        (0..self.n_layer).flat_map(move |l| (0..self.n_expert).map(move |e| (l, e)))
+    }
+
+    /// Window bytes of every expert: what a cache holding all of them accounts.
+    pub fn all_expert_window_bytes(&self) -> u64 {
+        self.all_experts().map(|(l, e)| self.expert_window_bytes(l, e)).sum()
     }
 
     /// Bytes of one expert's page-aligned read windows in `layer` (what reading it costs and
@@ -207,11 +235,7 @@ impl ExpertIndex {
 
     /// The largest expert's window bytes over all layers.
     pub fn max_expert_window_bytes(&self) -> u64 {
-        (0..self.n_layer)
-            .flat_map(|l| (0..self.n_expert).map(move |e| (l, e)))
-            .map(|(l, e)| self.expert_window_bytes(l, e))
-            .max()
-            .unwrap_or(0)
+        self.all_experts().map(|(l, e)| self.expert_window_bytes(l, e)).max().unwrap_or(0)
     }
 
     /// One token's routed demand: every layer's top-k experts resident at once.
