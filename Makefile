@@ -39,12 +39,12 @@ demo: build
 	$(CARGO) run --quiet --bin sluice -- demo
 
 test: build
-	$(CARGO) test --workspace
+	$(CARGO) test --workspace --no-fail-fast
 
 aarch64: vendor
 	@scripts/ensure-deps --rust-target $(AARCH64) $(ARM_DEBS)
 	$(ARM_ENV) $(CARGO) build --target $(AARCH64) --workspace --bins --tests
-	$(ARM_ENV) $(CARGO) test --target $(AARCH64) --workspace
+	$(ARM_ENV) $(CARGO) test --target $(AARCH64) --workspace --no-fail-fast
 
 lint: vendor
 	$(CARGO) fmt --all --check
