@@ -97,9 +97,10 @@ fn a_streamed_open_reads_no_experts_and_a_resident_open_reads_them_all() {
         )
         .unwrap();
         let cached = cached_expert_bytes(&path, &index);
-        if emulated() && dense_policy == DensePolicy::Mmap {
-            // qemu-user ignores MADV_RANDOM, so faults on the mapped dense pages read ahead into
-            // the neighbouring expert ranges; a real kernel honours the advice.
+        // qemu-user ignores MADV_RANDOM, so there faults on the mapped dense pages read ahead into
+        // the neighbouring expert ranges; a real kernel honours the advice.
+        let readahead_unchecked = emulated() && dense_policy == DensePolicy::Mmap;
+        if readahead_unchecked {
             eprintln!("{dense_policy:?}: expert page-cache bound not checked under an emulator ({cached} of {experts} cached)");
         } else {
             assert!(
@@ -107,10 +108,6 @@ fn a_streamed_open_reads_no_experts_and_a_resident_open_reads_them_all() {
                 "{dense_policy:?}: the open pulled {cached} of {experts} expert bytes into the page cache"
             );
         }
-        assert!(
-            cached * 100 <= experts * 5,
-            "{dense_policy:?}: the open pulled {cached} of {experts} expert bytes into the page cache"
-        );
         // The runtime's own counter: only dense bytes (page-rounded) were read by its reader.
         let page = ggml_sys::page_size();
         let slack = 2 * page * index.dense.len() as u64;
@@ -122,7 +119,9 @@ fn a_streamed_open_reads_no_experts_and_a_resident_open_reads_them_all() {
             ),
             DensePolicy::Mmap => assert_eq!(session.dense_bytes_read, 0),
         }
-        if let (Some(before), Some(after)) = (read_before, sluice_hal::storage::process_read_bytes()) {
+        if let (false, Some(before), Some(after)) =
+            (readahead_unchecked, read_before, sluice_hal::storage::process_read_bytes())
+        {
             let read = after - before;
             assert!(
                 read <= dense + slack + experts / 20 + (1 << 20),
