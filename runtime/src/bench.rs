@@ -6,11 +6,10 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
 
 use crate::generate::{self, GenerateError, GenerateParams, Session};
 use crate::stream::{ExpertIndex, StreamConfig, StreamedSession};
-use crate::telemetry::{Summary, Usage};
+use crate::telemetry::{PhaseMeter, Summary, Usage};
 
 /// One configuration's results.
 #[derive(Debug, Clone, PartialEq)]
@@ -77,11 +76,10 @@ fn run_resident(
     params: &GenerateParams,
 ) -> Result<BenchRow, GenerateError> {
     drop_cached(files);
-    let t0 = Instant::now();
-    let read0 = sluice_hal::storage::process_read_bytes().unwrap_or(0);
+    let meter = PhaseMeter::start();
     let model = generate::load_model(path)?;
-    let open_s = t0.elapsed().as_secs_f64();
-    let open_read = sluice_hal::storage::process_read_bytes().unwrap_or(0).saturating_sub(read0);
+    let (open_wall, open_read) = meter.finish();
+    let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let mut session = Session::new(&model, (tokens.len() + params.n_predict as usize) as u32, params.n_threads, None)?;
     let mut peak_rss = 0u64;
@@ -127,14 +125,13 @@ fn run_streamed(
     params: &GenerateParams,
 ) -> Result<BenchRow, GenerateError> {
     drop_cached(&index.shards);
-    let t0 = Instant::now();
-    let read0 = sluice_hal::storage::process_read_bytes().unwrap_or(0);
+    let meter = PhaseMeter::start();
     let model = crate::stream::load_streamed_model(path, index, config.dense)?;
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
     let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, params.n_threads)?;
-    let open_s = t0.elapsed().as_secs_f64();
-    let open_read = sluice_hal::storage::process_read_bytes().unwrap_or(0).saturating_sub(read0);
+    let (open_wall, open_read) = meter.finish();
+    let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
     let (g, rows) = session.generate(&tokens, params.n_predict, |_, _| {}, |_| {})?;
     let s = Summary::of(&rows);
     Ok(BenchRow {

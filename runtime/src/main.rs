@@ -326,14 +326,12 @@ fn run_streamed(model_path: &std::path::Path, prompt: &str, params: &GeneratePar
     generate::check_model_file(model_path)?;
     let index = Arc::new(ExpertIndex::open(model_path)?);
     let config = args.config(&index);
-    let t_open = std::time::Instant::now();
-    let read_before = sluice_hal::storage::process_read_bytes();
+    let meter = telemetry::PhaseMeter::start();
     let model = stream::load_streamed_model(model_path, &index, config.dense)?;
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
     let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, params.n_threads)?;
-    let open_wall = t_open.elapsed();
-    let open_read = read_before.and_then(|b| Some(sluice_hal::storage::process_read_bytes()?.saturating_sub(b)));
+    let (open_wall, open_read) = meter.finish();
     log::info!(
         "streaming {} experts/layer over {} layers; cache {} MiB",
         index.n_expert,

@@ -30,6 +30,28 @@ impl Usage {
     }
 }
 
+/// Measures one phase (opening a model): its wall time and the bytes this process read from
+/// storage meanwhile (`read_bytes` of `/proc/self/io`).
+#[derive(Debug, Clone, Copy)]
+pub struct PhaseMeter {
+    start: std::time::Instant,
+    read_before: Option<u64>,
+}
+
+impl PhaseMeter {
+    /// Starts measuring now.
+    pub fn start() -> PhaseMeter {
+        PhaseMeter { start: std::time::Instant::now(), read_before: sluice_hal::storage::process_read_bytes() }
+    }
+
+    /// Wall time and storage bytes read since [`PhaseMeter::start`] (`None` where the kernel
+    /// does not report `read_bytes`).
+    pub fn finish(&self) -> (Duration, Option<u64>) {
+        let read = self.read_before.and_then(|b| Some(sluice_hal::storage::process_read_bytes()?.saturating_sub(b)));
+        (self.start.elapsed(), read)
+    }
+}
+
 /// One decode's telemetry.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TokenRow {
