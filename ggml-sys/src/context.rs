@@ -6,6 +6,7 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use llama_cpp_sys_2 as sys;
 
+use crate::threadpool::{ThreadPool, Threads};
 use crate::{Batch, Error, Model, Result, TensorView, Token};
 
 /// When the eval callback is being called for a graph node.
@@ -33,14 +34,28 @@ pub struct ContextParams {
     pub n_batch: u32,
     /// Physical batch (ubatch) size.
     pub n_ubatch: u32,
-    /// Compute threads.
-    pub n_threads: u32,
+    /// Compute threads: how many, and where they run.
+    pub threads: Threads,
+}
+
+/// The bytes a context holds, as llama.cpp accounts them (vendor patch 0003), summed over every
+/// buffer type.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct MemorySizes {
+    /// Model weights in backend buffers (0 for weights left in the file mapping).
+    pub model: u64,
+    /// Context memory: the KV cache.
+    pub context: u64,
+    /// Compute buffers reserved for the graph.
+    pub compute: u64,
 }
 
 /// An inference context over a borrowed [`Model`].
 pub struct Context<'m> {
     raw: *mut sys::llama_context,
     n_vocab: usize,
+    // The thread pool attached to raw; dropped after raw is freed.
+    _pool: Option<ThreadPool>,
     // Owns the callback whose address llama.cpp holds as cb_eval_user_data; dropped after raw.
     _callback: Option<Box<EvalCallback<'m>>>,
     _model: PhantomData<&'m Model>,
@@ -84,8 +99,8 @@ impl<'m> Context<'m> {
         p.n_batch = params.n_batch;
         p.n_ubatch = params.n_ubatch;
         p.n_seq_max = 1;
-        p.n_threads = params.n_threads.max(1) as i32;
-        p.n_threads_batch = params.n_threads.max(1) as i32;
+        p.n_threads = params.threads.count.max(1) as i32;
+        p.n_threads_batch = p.n_threads;
         p.no_perf = true;
         let mut callback = callback.map(Box::new);
         if let Some(cb) = callback.as_mut() {
@@ -98,13 +113,37 @@ impl<'m> Context<'m> {
         if raw.is_null() {
             return Err(Error::ContextCreate { n_ctx: params.n_ctx, n_batch: params.n_batch });
         }
-        Ok(Context { raw, n_vocab: model.n_vocab(), _callback: callback, _model: PhantomData })
+        let pool = if params.threads.cpus.is_empty() {
+            None
+        } else {
+            let pool = match ThreadPool::new(&params.threads) {
+                Ok(pool) => pool,
+                Err(e) => {
+                    // SAFETY: raw is the live context just created and not yet shared.
+                    unsafe { sys::llama_free(raw) };
+                    return Err(e);
+                }
+            };
+            // SAFETY: raw is live; the pool outlives it (both owned by the returned Context, the
+            // pool dropped after llama_free). The same pool serves single-token and batch decodes.
+            unsafe { sys::llama_attach_threadpool(raw, pool.raw(), pool.raw()) };
+            Some(pool)
+        };
+        Ok(Context { raw, n_vocab: model.n_vocab(), _pool: pool, _callback: callback, _model: PhantomData })
     }
 
     /// The context length.
     pub fn n_ctx(&self) -> u32 {
         // SAFETY: live context.
         unsafe { sys::llama_n_ctx(self.raw) }
+    }
+
+    /// What this context and its model hold. Over a metadata-only model, the sizes the
+    /// allocations would have.
+    pub fn memory_sizes(&self) -> MemorySizes {
+        // SAFETY: live context; the call only reads its buffer bookkeeping.
+        let m = unsafe { sys::llama_get_memory_sizes(self.raw) };
+        MemorySizes { model: m.model as u64, context: m.context as u64, compute: m.compute as u64 }
     }
 
     /// Runs the model over `batch`.
@@ -151,7 +190,8 @@ impl<'m> Context<'m> {
 impl Drop for Context<'_> {
     fn drop(&mut self) {
         // SAFETY: raw came from llama_init_from_model and is freed exactly once, before the
-        // callback box it points into is dropped (fields drop after this body).
+        // thread pool and the callback box it points into are dropped (fields drop after this
+        // body).
         unsafe { sys::llama_free(self.raw) };
     }
 }

@@ -73,4 +73,18 @@ pub enum Error {
         /// Destination model.
         output: PathBuf,
     },
+    /// A CPU number beyond ggml's thread-pool mask.
+    #[error("CPU {cpu} is beyond ggml's CPU mask (CPUs 0..{max}); pick cores that exist on this board")]
+    CpuOutOfRange {
+        /// The CPU.
+        cpu: usize,
+        /// The mask's size.
+        max: usize,
+    },
+    /// ggml could not start its thread pool.
+    #[error("ggml could not create a thread pool of {count} threads")]
+    ThreadPool {
+        /// Threads asked for.
+        count: u32,
+    },
 }

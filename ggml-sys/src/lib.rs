@@ -14,19 +14,23 @@ mod model;
 mod pagecache;
 mod quantize;
 mod reservation;
+mod services;
 mod tensor;
+mod threadpool;
 mod types;
 
 pub use backend::{init, system_info};
 pub use batch::Batch;
-pub use context::{Context, ContextParams, EvalCallback, EvalPhase};
+pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes};
 pub use error::Error;
 pub use gguf::{GgufFile, GgufTensor};
 pub use model::{Model, ModelParams, Token};
 pub use pagecache::cached_bytes;
 pub use quantize::{quantize, QuantType};
 pub use reservation::{page_size, Reservation};
+pub use services::{backends, extension_services, supports_gpu_offload, ServiceLookup, EXTENSION_SERVICES};
 pub use tensor::{TensorView, WeightTensor};
+pub use threadpool::{SchedPriority, Threads};
 pub use types::GgmlType;
 
 /// The result type of this crate.

@@ -25,6 +25,14 @@ pub struct ModelParams {
     /// nothing read until touched. `None` keeps llama.cpp's stock behaviour (the whole file is
     /// populated at load).
     pub lazy_tensor_pattern: Option<String>,
+    /// Tensors whose names match this regular expression stay in CPU memory even in offloaded
+    /// layers (`tensor_buft_overrides` to the CPU buffer type), so a GPU build still streams
+    /// them. `None`: llama.cpp places every tensor of an offloaded layer on the GPU.
+    pub cpu_tensor_pattern: Option<String>,
+    /// Read only the metadata and simulate every allocation (`no_alloc`): no weight is read or
+    /// allocated, and contexts over the model report the sizes they would hold
+    /// ([`crate::Context::memory_sizes`]) without computing anything.
+    pub metadata_only: bool,
 }
 
 /// A loaded model. Read-only after load (except for weights rebound by the streaming engine);
@@ -52,13 +60,33 @@ impl Model {
         p.load_mode = sys::LLAMA_LOAD_MODE_MMAP;
         p.use_extra_bufts = false;
         p.n_gpu_layers = params.n_gpu_layers;
+        p.no_alloc = params.metadata_only;
         let pattern = match &params.lazy_tensor_pattern {
             Some(s) => Some(CString::new(s.as_str()).map_err(|e| Error::TextNul(e.nul_position()))?),
             None => None,
         };
         p.lazy_tensor_pattern = pattern.as_ref().map_or(std::ptr::null(), |c| c.as_ptr());
+        let cpu_pattern = match &params.cpu_tensor_pattern {
+            Some(s) => Some(CString::new(s.as_str()).map_err(|e| Error::TextNul(e.nul_position()))?),
+            None => None,
+        };
+        let overrides: Vec<sys::llama_model_tensor_buft_override> = match &cpu_pattern {
+            Some(c) => {
+                // SAFETY: returns the process-wide CPU buffer type, valid for the whole process.
+                let cpu = unsafe { sys::ggml_backend_cpu_buffer_type() };
+                vec![
+                    sys::llama_model_tensor_buft_override { pattern: c.as_ptr(), buft: cpu },
+                    sys::llama_model_tensor_buft_override { pattern: std::ptr::null(), buft: std::ptr::null_mut() },
+                ]
+            }
+            None => Vec::new(),
+        };
+        if !overrides.is_empty() {
+            p.tensor_buft_overrides = overrides.as_ptr();
+        }
         // SAFETY: c_path is NUL-terminated; p is a fully initialized parameter struct whose
-        // pointers are the library defaults (NULL) or `pattern`, which outlives the call.
+        // pointers are the library defaults (NULL), `pattern`, or `overrides` (NULL-terminated,
+        // its patterns in `cpu_pattern`), all of which outlive the call.
         let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), p) };
         if raw.is_null() {
             return Err(Error::ModelLoad { path: path.into() });

@@ -1,7 +1,13 @@
-//! Board facts for sluice: CPUs, thread pinning and memory (more of the board — storage,
-//! thermal — lands here as the runtime needs it). Pure Linux, no llama.cpp, no `unsafe`.
+//! Board facts for sluice: identity, CPU topology and pinning, storage, memory and cgroups,
+//! thermal state. Every probe reads under a [`root::SysRoot`] (`/` on a board, a fake tree in
+//! tests). Pure Linux, no llama.cpp, no `unsafe`.
 #![forbid(unsafe_code)]
 
+pub mod board;
 pub mod cpu;
+pub mod cpulist;
 pub mod memory;
+pub mod probe;
+pub mod root;
 pub mod storage;
+pub mod thermal;

@@ -49,7 +49,7 @@ pub struct BenchPlan {
     /// Tokens to generate per configuration.
     pub n_predict: u32,
     /// Compute threads.
-    pub n_threads: u32,
+    pub threads: ggml_sys::Threads,
     /// Expert cache sizes as percentages of all expert bytes.
     pub cache_percents: Vec<u32>,
     /// The streaming configuration (its cache size is replaced per row).
@@ -81,7 +81,7 @@ fn run_resident(
     let (open_wall, open_read) = meter.finish();
     let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
-    let mut session = Session::new(&model, (tokens.len() + params.n_predict as usize) as u32, params.n_threads, None)?;
+    let mut session = Session::new(&model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
     let mut peak_rss = 0u64;
     let mut faults = 0u64;
     let mut read = 0u64;
@@ -126,10 +126,10 @@ fn run_streamed(
 ) -> Result<BenchRow, GenerateError> {
     drop_cached(&index.shards);
     let meter = PhaseMeter::start();
-    let model = crate::stream::load_streamed_model(path, index, config.dense)?;
+    let model = crate::stream::load_streamed_model(path, index, config.dense, config.gpu_layers)?;
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
-    let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, params.n_threads)?;
+    let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, &params.threads)?;
     let (open_wall, open_read) = meter.finish();
     let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
     let (g, rows) = session.generate(&tokens, params.n_predict, |_, _| {}, |_| {})?;
@@ -152,7 +152,7 @@ fn run_streamed(
 /// Runs every configuration of `plan`, the resident reference first.
 pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
     let index = Arc::new(ExpertIndex::open(&plan.model).map_err(crate::stream::StreamError::from)?);
-    let params = GenerateParams { n_predict: plan.n_predict, n_threads: plan.n_threads };
+    let params = GenerateParams { n_predict: plan.n_predict, threads: plan.threads.clone() };
     let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params)?];
     let all = index.all_expert_window_bytes();
     for &pct in &plan.cache_percents {

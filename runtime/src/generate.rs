@@ -3,7 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use ggml_sys::{Batch, Context, ContextParams, EvalCallback, GgufFile, Model, ModelParams, Token};
+use ggml_sys::{Batch, Context, ContextParams, EvalCallback, GgufFile, Model, ModelParams, Threads, Token};
 
 /// Largest number of prompt tokens decoded in one batch.
 const MAX_BATCH: u32 = 512;
@@ -89,8 +89,8 @@ pub fn load_model_with(path: &Path, params: &ModelParams) -> Result<Model, Gener
 pub struct GenerateParams {
     /// Tokens to generate (at least 1).
     pub n_predict: u32,
-    /// Compute threads.
-    pub n_threads: u32,
+    /// Compute threads: how many, on which cores.
+    pub threads: Threads,
 }
 
 /// The result of one generation.
@@ -144,12 +144,12 @@ impl<'m> Session<'m> {
     pub fn new(
         model: &'m Model,
         n_ctx: u32,
-        n_threads: u32,
+        threads: &Threads,
         callback: Option<EvalCallback<'m>>,
     ) -> Result<Session<'m>, GenerateError> {
         let n_ctx = n_ctx.div_ceil(256).max(1) * 256;
         let n_batch = n_ctx.min(MAX_BATCH);
-        let params = ContextParams { n_ctx, n_batch, n_ubatch: n_batch, n_threads };
+        let params = ContextParams { n_ctx, n_batch, n_ubatch: n_batch, threads: threads.clone() };
         let ctx = Context::new(model, &params, callback)?;
         Ok(Session { model, ctx, batch: Batch::new(n_batch as usize) })
     }
@@ -263,6 +263,6 @@ pub fn generate(
     on_token: impl FnMut(Token, &[u8]),
 ) -> Result<Generation, GenerateError> {
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
-    let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, params.n_threads, None)?;
+    let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod board;
 pub mod demo;
 pub mod generate;
 pub mod stream;

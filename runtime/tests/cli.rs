@@ -221,3 +221,70 @@ fn bench_compares_resident_and_streamed_in_one_run() {
         "every configuration generates the resident text: {out}"
     );
 }
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn fake_board(name: &str) -> String {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/boards").join(name).to_string_lossy().into_owned()
+}
+
+#[test]
+fn probe_reports_a_fake_pi_5_completely() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = sluice(&["probe", "--root", &fake_board("rpi5-8gb")], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for line in [
+        "model: Raspberry Pi 5 Model B Rev 1.0",
+        "compatible: raspberrypi,5-model-b, brcm,bcm2712",
+        "cluster 0: cpus 0-3, capacity 1024, max 2400 MHz",
+        "MemTotal: 8052 MiB",
+        "limit 6144 MiB",
+        "device: mmcblk0, partition mmcblk0p2 (sd)",
+        "max request 1024 KiB",
+        "cpu-thermal: 48.5 °C",
+        "throttled: 0x0 (none)",
+        "ggml_ext_cpu_parallel_v1: absent",
+        "profile: rpi5-8gb",
+        "compute cores: 0-3  (4 threads",
+        "I/O cores: 3",
+        "read size: 1024 KiB (device queue/max_sectors_kb)",
+        "lanes: 1 (profile storage.lanes)",
+        "budget: 6144 MiB (memory cgroup limit",
+        "compute service: cpu",
+        "GGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16",
+    ] {
+        assert!(out.contains(line), "probe output lacks {line:?}:\n{out}");
+    }
+}
+
+#[test]
+fn probe_of_this_machine_measures_direct_reads_and_honours_overrides() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let o = sluice(&["--board", "qemu-aarch64", "probe", "--io", &model, "--io-lanes", "3"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    assert!(out.contains("profile: qemu-aarch64"), "{out}");
+    assert!(out.contains("lanes: 3 (--io-lanes)"), "{out}");
+    assert!(out.contains("read size: 512 KiB (profile storage.read_kib)"), "{out}");
+    let io = out.lines().find(|l| l.starts_with("io: ")).unwrap_or_else(|| panic!("no io line: {out}"));
+    assert!(io.contains("512 KiB requests, 3 lanes"), "{io}");
+}
+
+#[test]
+fn boards_lists_every_profile_and_bad_board_choices_are_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = sluice(&["boards"], dir.path());
+    assert!(o.status.success());
+    let out = stdout(&o);
+    for id in ["rpi4-4gb", "rpi5-16gb", "orin-nano-8gb", "orin-nx-16gb", "agx-orin-64gb", "generic", "qemu-aarch64"] {
+        assert!(out.contains(id), "{out}");
+    }
+    assert_clean_error(&sluice(&["--board", "rpi6", "probe"], dir.path()), "no built-in board profile \"rpi6\"");
+    let bad = dir.path().join("b.toml");
+    std::fs::write(&bad, "name = \"b\"\n[memory]\nbudget_gb = 1\n").unwrap();
+    assert_clean_error(&sluice(&["--board", bad.to_str().unwrap(), "probe"], dir.path()), "unknown field `budget_gb`");
+}

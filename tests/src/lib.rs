@@ -88,7 +88,7 @@ pub fn resident_reference(path: &Path, n_predict: u32) -> Vec<Token> {
 
 /// Returns the greedy continuation of [`PROMPT`] from an already loaded `model`.
 pub fn greedy_tokens(model: &ggml_sys::Model, n_predict: u32, n_threads: u32) -> Vec<Token> {
-    let params = GenerateParams { n_predict, n_threads };
+    let params = GenerateParams { n_predict, threads: ggml_sys::Threads::unpinned(n_threads) };
     generate::generate(model, PROMPT, &params, |_, _| {}).expect("generation").tokens
 }
 
@@ -118,6 +118,7 @@ pub fn stream_config(
         lanes: sluice::stream::LaneConfig { lanes, direct, max_request: 256 << 10, cpus: Vec::new() },
         dense,
         trace_routes: true,
+        gpu_layers: 0,
     }
 }
 
@@ -162,7 +163,13 @@ pub fn streamed(
     n_predict: u32,
 ) -> StreamRun {
     let prompt_len = generate::Session::prepare(model, PROMPT, n_predict).expect("prompt").len();
-    let mut session = sluice::stream::StreamedSession::open(model, index, config, prompt_len as u32 + n_predict, 2)
-        .expect("open streamed session");
+    let mut session = sluice::stream::StreamedSession::open(
+        model,
+        index,
+        config,
+        prompt_len as u32 + n_predict,
+        &ggml_sys::Threads::unpinned(2),
+    )
+    .expect("open streamed session");
     stream_generate(&mut session, model, n_predict)
 }

@@ -86,14 +86,14 @@ fn a_streamed_open_reads_no_experts_and_a_resident_open_reads_them_all() {
     for dense_policy in [DensePolicy::Anon, DensePolicy::Mmap] {
         drop_and_check(&path, &index);
         let read_before = sluice_hal::storage::process_read_bytes();
-        let model = load_streamed_model(&path, &index, dense_policy).unwrap();
+        let model = load_streamed_model(&path, &index, dense_policy, 0).unwrap();
         let prompt_len = sluice::generate::Session::prepare(&model, PROMPT, 12).unwrap().len() as u32;
         let mut session = StreamedSession::open(
             &model,
             Arc::clone(&index),
             &stream_config(0, 2, true, dense_policy),
             prompt_len + 12,
-            2,
+            &ggml_sys::Threads::unpinned(2),
         )
         .unwrap();
         let cached = cached_expert_bytes(&path, &index);

@@ -36,7 +36,7 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
         ];
         for (what, config) in configs {
             // A fresh model per configuration: streaming rebinds the model's tensors.
-            let model = load_streamed_model(&files[0], &index, config.dense).unwrap();
+            let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
             let run = streamed(&model, Arc::clone(&index), &config, N);
             assert_eq!(run.tokens, reference, "{f:?}, {what}: streamed output differs from resident");
             assert!(run.bytes_read > 0, "{f:?}, {what}: nothing was streamed");
@@ -69,7 +69,7 @@ fn bytes_read_match_the_routes_exactly() {
     for f in gate_fixtures() {
         let (files, index) = setup(f, dir.path());
         // No cache: every decode reads each layer's distinct routed experts once.
-        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
+        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
         let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
         let expected: u64 = run
             .trace
@@ -86,7 +86,7 @@ fn bytes_read_match_the_routes_exactly() {
         assert!(layer0.len() > 1, "{f:?}: routing never changes");
 
         // An unbounded cache reads every expert at most once.
-        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
+        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
         let run = streamed(&model, Arc::clone(&index), &stream_config(UNBOUNDED, 2, true, DensePolicy::Anon), N);
         let distinct: std::collections::BTreeSet<(u32, u32)> =
             run.trace.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).collect();
@@ -103,10 +103,12 @@ fn a_warm_session_equals_cold_runs_and_survives_a_shrinking_budget() {
     for f in gate_fixtures() {
         let (files, index) = setup(f, dir.path());
         let reference = resident_reference(&files[0], N);
-        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
+        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
         let prompt_len = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap().len() as u32;
         let config = stream_config(UNBOUNDED, 2, true, DensePolicy::Anon);
-        let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, prompt_len + N, 2).unwrap();
+        let mut session =
+            StreamedSession::open(&model, Arc::clone(&index), &config, prompt_len + N, &ggml_sys::Threads::unpinned(2))
+                .unwrap();
         let first = stream_generate(&mut session, &model, N);
         let second = stream_generate(&mut session, &model, N);
         assert_eq!(first.tokens, reference, "{f:?}: first generation");
@@ -137,7 +139,7 @@ fn the_model_on_tmpfs_streams_the_same() {
     for f in gate_fixtures().into_iter().take(2) {
         let (files, index) = setup(f, dir.path());
         let reference = resident_reference(&files[0], N);
-        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon).unwrap();
+        let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
         // Direct I/O is asked for; where tmpfs rejects it the lanes fall back to buffered.
         let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
         assert_eq!(run.tokens, reference, "{f:?} on tmpfs (direct I/O: {})", run.direct);
@@ -160,7 +162,7 @@ fn streaming_from_corrupted_expert_bytes_changes_the_output() {
     std::fs::write(&corrupt, &bytes).unwrap();
     let mut bad_index = ExpertIndex::open(&files[0]).unwrap();
     bad_index.shards = vec![corrupt];
-    let model = load_streamed_model(&files[0], &bad_index, DensePolicy::Mmap).unwrap();
+    let model = load_streamed_model(&files[0], &bad_index, DensePolicy::Mmap, 0).unwrap();
     let run = streamed(&model, Arc::new(bad_index), &stream_config(0, 2, true, DensePolicy::Mmap), N);
     assert_ne!(run.tokens, reference, "streamed expert bytes do not reach the computation");
 }

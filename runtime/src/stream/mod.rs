@@ -106,6 +106,13 @@ pub struct StreamConfig {
     pub dense: DensePolicy,
     /// Record every layer's routes (for tests and traces).
     pub trace_routes: bool,
+    /// Layers offloaded to a GPU (the `cuda` compute service; 0 on the CPU).
+    pub gpu_layers: u32,
+}
+
+/// A regular expression matching the routed expert tensors of `index`'s architecture.
+fn expert_pattern(index: &ExpertIndex) -> String {
+    format!(r"^blk\.[0-9]+\.({})\.weight$", index.recipe.expert_suffixes.join("|"))
 }
 
 /// The tensors a streamed open keeps out of llama.cpp's load-time prefetch: the routed experts
@@ -114,18 +121,26 @@ pub struct StreamConfig {
 pub fn lazy_pattern(index: &ExpertIndex, dense: DensePolicy) -> String {
     match dense {
         DensePolicy::Anon => ".".to_string(),
-        DensePolicy::Mmap => format!(r"^blk\.[0-9]+\.({})\.weight$", index.recipe.expert_suffixes.join("|")),
+        DensePolicy::Mmap => expert_pattern(index),
     }
 }
 
 /// Loads `path` for streaming: like [`crate::generate::load_model`], but without reading the
-/// tensors that [`lazy_pattern`] names (vendor patch 0002).
+/// tensors that [`lazy_pattern`] names (vendor patch 0002). With `gpu_layers > 0` (the `cuda`
+/// service) that many layers are offloaded, while the expert tensors stay in CPU buffers so they
+/// still stream; the dense weights are then llama.cpp's (use [`DensePolicy::Mmap`]).
 pub fn load_streamed_model(
     path: &std::path::Path,
     index: &ExpertIndex,
     dense: DensePolicy,
+    gpu_layers: u32,
 ) -> Result<Model, GenerateError> {
-    let params = ggml_sys::ModelParams { lazy_tensor_pattern: Some(lazy_pattern(index, dense)), ..Default::default() };
+    let params = ggml_sys::ModelParams {
+        lazy_tensor_pattern: Some(lazy_pattern(index, dense)),
+        n_gpu_layers: gpu_layers.min(i32::MAX as u32) as i32,
+        cpu_tensor_pattern: (gpu_layers > 0).then(|| expert_pattern(index)),
+        metadata_only: false,
+    };
     crate::generate::load_model_with(path, &params)
 }
 
@@ -165,7 +180,7 @@ impl<'m> StreamedSession<'m> {
         index: Arc<ExpertIndex>,
         config: &StreamConfig,
         n_ctx: u32,
-        n_threads: u32,
+        threads: &ggml_sys::Threads,
     ) -> Result<Self, GenerateError> {
         let t0 = std::time::Instant::now();
         check_cache_budget(&index, config.cache_bytes, config.force_cache)?;
@@ -177,7 +192,7 @@ impl<'m> StreamedSession<'m> {
         let streamer = Arc::new(Mutex::new(streamer));
         let cb_streamer = Arc::clone(&streamer);
         let callback: ggml_sys::EvalCallback<'m> = Box::new(move |t, phase| lock(&cb_streamer).on_eval(t, phase));
-        let mut session = Session::new(model, n_ctx, n_threads, Some(callback))?;
+        let mut session = Session::new(model, n_ctx, threads, Some(callback))?;
         session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0))?;
         let dense_bytes_read = lock(&streamer).finish_capture()?;
         Ok(StreamedSession { session, streamer, dense_bytes_read, open_time: t0.elapsed() })

@@ -1,0 +1,78 @@
+//! What the linked ggml offers beyond the CPU: GPU offload, and the backend extension services of
+//! the operator-extension mechanism, looked up by name on every registered backend.
+
+use std::ffi::{CStr, CString};
+
+use llama_cpp_sys_2 as sys;
+
+/// The extension services the runtime can use when the linked ggml provides them.
+pub const EXTENSION_SERVICES: [&str; 3] =
+    ["ggml_ext_cpu_parallel_v1", "ggml_ext_cuda_context_v1", "ggml_ext_cuda_device_v1"];
+
+/// One extension service and the backend that provides it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ServiceLookup {
+    /// The service's name.
+    pub name: &'static str,
+    /// The registered backend that returned an address for it (`None`: absent everywhere).
+    pub backend: Option<String>,
+}
+
+/// Looks up each of [`EXTENSION_SERVICES`] through `ggml_backend_reg_get_proc_address` on every
+/// registered backend.
+pub fn extension_services() -> Vec<ServiceLookup> {
+    crate::init();
+    // SAFETY: no preconditions once the backends are initialized.
+    let n = unsafe { sys::ggml_backend_reg_count() };
+    EXTENSION_SERVICES
+        .iter()
+        .map(|&name| {
+            let c_name = CString::new(name).expect("service names hold no NUL");
+            let backend = (0..n).find_map(|i| {
+                // SAFETY: i < ggml_backend_reg_count(); registrations live for the process.
+                let reg = unsafe { sys::ggml_backend_reg_get(i) };
+                // SAFETY: reg is a live registration; c_name is NUL-terminated. The returned
+                // address is only compared with NULL, never called.
+                let addr = unsafe { sys::ggml_backend_reg_get_proc_address(reg, c_name.as_ptr()) };
+                // SAFETY: reg_name returns a static NUL-terminated string.
+                (!addr.is_null())
+                    .then(|| unsafe { CStr::from_ptr(sys::ggml_backend_reg_name(reg)) }.to_string_lossy().into_owned())
+            });
+            ServiceLookup { name, backend }
+        })
+        .collect()
+}
+
+/// The registered backends' names (`CPU`, `CUDA`, ...).
+pub fn backends() -> Vec<String> {
+    crate::init();
+    // SAFETY: as in extension_services.
+    let n = unsafe { sys::ggml_backend_reg_count() };
+    (0..n)
+        .map(|i| {
+            // SAFETY: i is in range; the name is a static NUL-terminated string.
+            unsafe { CStr::from_ptr(sys::ggml_backend_reg_name(sys::ggml_backend_reg_get(i))) }
+                .to_string_lossy()
+                .into_owned()
+        })
+        .collect()
+}
+
+/// Whether this build can offload layers to a GPU (built with the `cuda` feature and a GPU
+/// backend registered).
+pub fn supports_gpu_offload() -> bool {
+    crate::init();
+    // SAFETY: no preconditions once the backends are initialized.
+    unsafe { sys::llama_supports_gpu_offload() }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_cpu_backend_is_registered_and_stock_ggml_has_no_extension_services() {
+        assert!(super::backends().iter().any(|b| b == "CPU"));
+        let found = super::extension_services();
+        assert_eq!(found.len(), 3);
+        assert!(found.iter().all(|s| s.backend.is_none()), "{found:?}");
+    }
+}

@@ -1,0 +1,240 @@
+//! The board profile file (`boards/<id>.toml`): its schema, strict parsing, and the checks that
+//! need no hardware. Every field is documented with its unit in `boards/README.md`.
+
+use serde::Deserialize;
+
+use super::BoardError;
+
+/// A parsed board profile.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BoardProfile {
+    /// Human-readable board name.
+    pub name: String,
+    /// How `--board auto` recognizes the board.
+    #[serde(default)]
+    pub identity: Identity,
+    /// Where compute and I/O threads run.
+    #[serde(default)]
+    pub cpu: CpuSection,
+    /// How experts are read.
+    #[serde(default)]
+    pub storage: StorageSection,
+    /// How much memory sluice may hold.
+    #[serde(default)]
+    pub memory: MemorySection,
+    /// Which compute service runs the graph.
+    #[serde(default)]
+    pub compute: ComputeSection,
+    /// How the binary for this board is built.
+    #[serde(default)]
+    pub build: BuildSection,
+}
+
+/// `[identity]`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Identity {
+    /// Device-tree `compatible` entries; the board matches when any one is present. Empty: the
+    /// profile is never chosen automatically.
+    #[serde(default)]
+    pub compatible: Vec<String>,
+    /// Nominal RAM in GiB; matches when `MemTotal` is above half of it and at most all of it.
+    pub ram_gib: Option<u32>,
+}
+
+/// Thread priority names of `cpu.priority`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Priority {
+    /// Below normal.
+    Low,
+    /// Normal.
+    #[default]
+    Normal,
+    /// Slightly raised.
+    Medium,
+    /// Raised.
+    High,
+    /// Real-time FIFO.
+    Realtime,
+}
+
+/// `[cpu]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct CpuSection {
+    /// CPUs the compute threads run on. Absent: every online CPU.
+    pub compute_cores: Option<Vec<usize>>,
+    /// CPUs the I/O lanes run on. Absent: the compute cores.
+    pub io_cores: Option<Vec<usize>>,
+    /// Compute thread priority.
+    #[serde(default)]
+    pub priority: Priority,
+    /// Busy-poll level of idle compute threads, 0 to 100.
+    #[serde(default = "default_poll")]
+    pub poll: u32,
+    /// One core per compute thread.
+    #[serde(default)]
+    pub strict_cpu: bool,
+}
+
+fn default_poll() -> u32 {
+    50
+}
+
+impl Default for CpuSection {
+    fn default() -> Self {
+        CpuSection {
+            compute_cores: None,
+            io_cores: None,
+            priority: Priority::Normal,
+            poll: default_poll(),
+            strict_cpu: false,
+        }
+    }
+}
+
+/// Medium names of `storage.medium`.
+#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum MediumName {
+    /// SD card.
+    Sd,
+    /// eMMC.
+    Emmc,
+    /// NVMe.
+    Nvme,
+    /// virtio disk.
+    Virtio,
+    /// Anything else.
+    Other,
+}
+
+/// `[storage]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StorageSection {
+    /// The medium the model is expected on (a different probed medium is logged).
+    pub medium: Option<MediumName>,
+    /// Largest single expert read in KiB. Absent: the device's `max_sectors_kb`.
+    pub read_kib: Option<u64>,
+    /// Parallel expert readers. Absent: chosen from the probed medium.
+    pub lanes: Option<u32>,
+    /// Read experts with `O_DIRECT`.
+    #[serde(default = "yes")]
+    pub direct_io: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+impl Default for StorageSection {
+    fn default() -> Self {
+        StorageSection { medium: None, read_kib: None, lanes: None, direct_io: true }
+    }
+}
+
+/// `[memory]`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct MemorySection {
+    /// The most sluice may hold, MiB. Absent: `MemTotal` minus `reserve_mib`.
+    pub budget_mib: Option<u64>,
+    /// Memory left to the OS and other services, MiB.
+    #[serde(default = "default_reserve")]
+    pub reserve_mib: u64,
+}
+
+fn default_reserve() -> u64 {
+    512
+}
+
+/// Service names of `compute.service`.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum ServiceName {
+    /// ggml's CPU thread pool.
+    #[default]
+    Cpu,
+    /// CUDA: dense layers on the GPU, experts streamed into CPU memory.
+    Cuda,
+}
+
+/// `[compute]`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ComputeSection {
+    /// The service.
+    #[serde(default)]
+    pub service: ServiceName,
+    /// Layers offloaded to the GPU (`cuda` only).
+    #[serde(default)]
+    pub n_gpu_layers: u32,
+    /// With `service = "cuda"`: run on the CPU service instead of failing when the build or the
+    /// board has no CUDA.
+    #[serde(default)]
+    pub cpu_fallback: bool,
+}
+
+/// `[build]`.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct BuildSection {
+    /// `GGML_CPU_ARM_ARCH` for cross builds for this board.
+    pub ggml_cpu_arm_arch: Option<String>,
+}
+
+impl BoardProfile {
+    /// Parses and checks a profile's text; `origin` (a path or `built-in <id>`) names it in
+    /// errors.
+    pub fn parse(text: &str, origin: &str) -> Result<BoardProfile, BoardError> {
+        let profile: BoardProfile = toml::from_str(text)
+            .map_err(|e| BoardError::Parse { origin: origin.into(), message: e.to_string().trim_end().into() })?;
+        profile.check(origin)?;
+        Ok(profile)
+    }
+
+    fn check(&self, origin: &str) -> Result<(), BoardError> {
+        let bad = |field: &str, fix: &str| {
+            Err(BoardError::Field { origin: origin.into(), field: field.into(), fix: fix.into() })
+        };
+        if self.cpu.compute_cores.as_ref().is_some_and(Vec::is_empty) {
+            return bad("cpu.compute_cores", "list at least one core, or remove the field to use every online core");
+        }
+        if self.cpu.io_cores.as_ref().is_some_and(Vec::is_empty) {
+            return bad("cpu.io_cores", "list at least one core, or remove the field to share the compute cores");
+        }
+        if self.cpu.poll > 100 {
+            return bad("cpu.poll", "use a value from 0 (sleep at once) to 100 (spin)");
+        }
+        if let Some(kib) = self.storage.read_kib {
+            if !(4..=65536).contains(&kib) || kib % 4 != 0 {
+                return bad(
+                    "storage.read_kib",
+                    "use a multiple of 4 KiB from 4 to 65536, or remove it to use the device's limit",
+                );
+            }
+        }
+        if self.storage.lanes.is_some_and(|l| !(1..=64).contains(&l)) {
+            return bad("storage.lanes", "use 1 to 64 lanes, or remove it to choose from the medium");
+        }
+        if self.identity.ram_gib == Some(0) {
+            return bad("identity.ram_gib", "give the board's nominal RAM in GiB (4, 8, 16, ...)");
+        }
+        if self.memory.budget_mib == Some(0) {
+            return bad(
+                "memory.budget_mib",
+                "give a budget in MiB, or remove it to use MemTotal minus memory.reserve_mib",
+            );
+        }
+        if self.compute.service == ServiceName::Cpu && self.compute.n_gpu_layers > 0 {
+            return bad(
+                "compute.n_gpu_layers",
+                "offloading needs service = \"cuda\"; remove n_gpu_layers for the cpu service",
+            );
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,272 @@
+//! A profile applied to the probed machine and the command line: the concrete cores, read size,
+//! lanes, budget and compute service a run uses, each with where it came from.
+
+use sluice_hal::cpulist;
+use sluice_hal::probe::HardwareProbe;
+use sluice_hal::storage::Medium;
+
+use super::profile::{MediumName, Priority, ServiceName};
+use super::select::SelectedBoard;
+use super::BoardError;
+
+/// Command-line values that override the profile.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Overrides {
+    /// `--threads`.
+    pub threads: Option<u32>,
+    /// `--io-lanes`.
+    pub io_lanes: Option<u32>,
+    /// `--read-kib`.
+    pub read_kib: Option<u64>,
+    /// `--no-direct-io`.
+    pub no_direct_io: bool,
+}
+
+/// The compute service a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ComputeService {
+    /// ggml's CPU thread pool on the compute cores.
+    Cpu,
+    /// Dense layers on the GPU, experts kept in CPU buffers and streamed.
+    Cuda {
+        /// Layers offloaded.
+        n_gpu_layers: u32,
+    },
+}
+
+/// A value and where it came from (`profile storage.lanes`, `--io-lanes`, `probe`, ...).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sourced<T> {
+    /// The value.
+    pub value: T,
+    /// Its source, for reports.
+    pub source: String,
+}
+
+fn sourced<T>(value: T, source: impl Into<String>) -> Sourced<T> {
+    Sourced { value, source: source.into() }
+}
+
+/// The resolved board.
+#[derive(Debug, Clone)]
+pub struct ResolvedBoard {
+    /// The profile chosen, and why.
+    pub selected: SelectedBoard,
+    /// CPUs the compute threads run on.
+    pub compute_cores: Vec<usize>,
+    /// CPUs the I/O lanes run on.
+    pub io_cores: Vec<usize>,
+    /// Compute threads.
+    pub threads: Sourced<u32>,
+    /// Compute thread priority.
+    pub priority: Priority,
+    /// Busy-poll level, 0 to 100.
+    pub poll: u32,
+    /// One core per compute thread.
+    pub strict_cpu: bool,
+    /// Largest single expert read, bytes.
+    pub read_bytes: Sourced<u64>,
+    /// Parallel expert readers.
+    pub lanes: Sourced<u32>,
+    /// Read experts with `O_DIRECT`.
+    pub direct_io: bool,
+    /// The most sluice may hold, bytes.
+    pub budget: Sourced<u64>,
+    /// The compute service.
+    pub compute: ComputeService,
+    /// Things the user should know (offline cores, a fallback taken, a medium mismatch).
+    pub notes: Vec<String>,
+}
+
+/// Lanes for a medium when the profile names none, and the most the medium rewards.
+fn lanes_for(medium: Medium) -> (u32, u32) {
+    match medium {
+        Medium::Sd => (1, 2),
+        Medium::Emmc => (2, 2),
+        Medium::Nvme => (4, 16),
+        Medium::Virtio => (2, 8),
+        Medium::Other => (2, 8),
+    }
+}
+
+fn medium_name(m: MediumName) -> &'static str {
+    match m {
+        MediumName::Sd => "sd",
+        MediumName::Emmc => "emmc",
+        MediumName::Nvme => "nvme",
+        MediumName::Virtio => "virtio",
+        MediumName::Other => "other",
+    }
+}
+
+/// Applies `selected` to the probed machine. `allowed` is the process's CPU affinity (cores
+/// outside it cannot be used; `None` for fake trees); `gpu` says whether this build can offload
+/// to a GPU.
+pub fn resolve(
+    selected: SelectedBoard,
+    probe: &HardwareProbe,
+    overrides: &Overrides,
+    allowed: Option<&[usize]>,
+    gpu: bool,
+) -> Result<ResolvedBoard, BoardError> {
+    let p = &selected.profile;
+    let origin = selected.origin.clone();
+    let mut notes = Vec::new();
+    let usable: Vec<usize> =
+        probe.cpu.online.iter().copied().filter(|c| allowed.is_none_or(|a| a.contains(c))).collect();
+    let cores = |field: &str, list: &Option<Vec<usize>>, notes: &mut Vec<String>| -> Result<Vec<usize>, BoardError> {
+        let Some(list) = list else { return Ok(usable.clone()) };
+        if let Some(&core) = list.iter().find(|c| !probe.cpu.possible.contains(c)) {
+            return Err(BoardError::NoSuchCore {
+                origin: origin.clone(),
+                field: field.into(),
+                core,
+                possible: cpulist::format(&probe.cpu.possible),
+            });
+        }
+        let (kept, dropped): (Vec<usize>, Vec<usize>) = list.iter().partition(|c| usable.contains(c));
+        if !dropped.is_empty() {
+            notes.push(format!(
+                "{field}: CPU {} offline or outside this process's affinity (power mode, taskset or CPUAffinity); using {}",
+                cpulist::format(&dropped),
+                if kept.is_empty() { "none of the listed".to_string() } else { cpulist::format(&kept) }
+            ));
+        }
+        Ok(kept)
+    };
+    let compute_cores = cores("cpu.compute_cores", &p.cpu.compute_cores, &mut notes)?;
+    if compute_cores.is_empty() {
+        return Err(BoardError::NoUsableCore {
+            origin,
+            field: "cpu.compute_cores".into(),
+            usable: cpulist::format(&usable),
+        });
+    }
+    let mut io_cores = match &p.cpu.io_cores {
+        Some(_) => cores("cpu.io_cores", &p.cpu.io_cores, &mut notes)?,
+        None => compute_cores.clone(),
+    };
+    if io_cores.is_empty() {
+        let last = *compute_cores.last().expect("non-empty");
+        notes.push(format!("cpu.io_cores: none usable; the I/O lanes share compute core {last}"));
+        io_cores = vec![last];
+    }
+    let threads = match overrides.threads {
+        Some(t) => sourced(t, "--threads"),
+        None => sourced(compute_cores.len() as u32, "one per compute core"),
+    };
+
+    let storage = probe.storage.as_ref();
+    let medium = storage.map_or(Medium::Other, |s| s.medium);
+    if let Some(expected) = p.storage.medium {
+        if medium_name(expected) != medium.name() {
+            notes.push(format!(
+                "storage.medium: the profile expects {} but the model is on {}",
+                medium_name(expected),
+                medium.name()
+            ));
+        }
+    }
+    let align = storage.map_or(4096, |s| s.direct_alignment()).max(4096);
+    let read_bytes = match (overrides.read_kib, p.storage.read_kib, storage.and_then(|s| s.max_request)) {
+        (Some(kib), _, _) => sourced(kib << 10, "--read-kib"),
+        (None, Some(kib), _) => sourced(kib << 10, "profile storage.read_kib"),
+        (None, None, Some(bytes)) => sourced(bytes, "device queue/max_sectors_kb"),
+        (None, None, None) => sourced(512 << 10, "default (no block device found)"),
+    };
+    let read_bytes = Sourced { value: (read_bytes.value / align).max(1) * align, ..read_bytes };
+    let (medium_lanes, medium_max) = lanes_for(medium);
+    let lanes = match (overrides.io_lanes, p.storage.lanes) {
+        (Some(l), _) => sourced(l, "--io-lanes"),
+        (None, Some(l)) if l > medium_max => {
+            notes.push(format!(
+                "storage.lanes = {l} is more than {} storage rewards; using {medium_max}",
+                medium.name()
+            ));
+            sourced(medium_max, format!("profile storage.lanes, clamped for {}", medium.name()))
+        }
+        (None, Some(l)) => sourced(l, "profile storage.lanes"),
+        (None, None) => sourced(medium_lanes, format!("chosen for {} storage", medium.name())),
+    };
+
+    let mib = |b: u64| b >> 20;
+    let total = probe.memory.total.ok_or_else(|| BoardError::NoMemInfo { root: probe.root.dir().into() })?;
+    let reserve = p.memory.reserve_mib << 20;
+    let mut budget = match p.memory.budget_mib {
+        Some(b) if b << 20 > total => {
+            return Err(BoardError::BudgetOverRam { origin, budget_mib: b, ram_mib: mib(total) });
+        }
+        Some(b) => sourced(b << 20, "profile memory.budget_mib"),
+        None => sourced(
+            total.saturating_sub(reserve),
+            format!("MemTotal {} MiB − memory.reserve_mib {}", mib(total), p.memory.reserve_mib),
+        ),
+    };
+    if let Some(limit) = probe.memory.cgroup.as_ref().and_then(|c| c.limit) {
+        if limit < budget.value {
+            budget = sourced(
+                limit,
+                format!("memory cgroup limit ({:?})", probe.memory.cgroup.as_ref().map(|c| c.version).expect("some")),
+            );
+        }
+    }
+    if let Some(avail) = probe.memory.available {
+        if avail < budget.value {
+            budget = sourced(avail, "MemAvailable");
+        }
+    }
+
+    let compute = match (p.compute.service, gpu) {
+        (ServiceName::Cpu, _) => ComputeService::Cpu,
+        (ServiceName::Cuda, true) => ComputeService::Cuda { n_gpu_layers: p.compute.n_gpu_layers },
+        (ServiceName::Cuda, false) if p.compute.cpu_fallback => {
+            notes.push("compute.service = \"cuda\" but this build has no CUDA; running on the cpu service (compute.cpu_fallback)".into());
+            ComputeService::Cpu
+        }
+        (ServiceName::Cuda, false) => return Err(BoardError::NoCuda { origin }),
+    };
+    Ok(ResolvedBoard {
+        compute_cores,
+        io_cores,
+        threads,
+        priority: p.cpu.priority,
+        poll: p.cpu.poll,
+        strict_cpu: p.cpu.strict_cpu,
+        read_bytes,
+        lanes,
+        direct_io: p.storage.direct_io && !overrides.no_direct_io,
+        budget,
+        compute,
+        notes,
+        selected,
+    })
+}
+
+impl ResolvedBoard {
+    /// The compute threads as ggml's thread pool should run them.
+    pub fn threads(&self) -> ggml_sys::Threads {
+        ggml_sys::Threads {
+            count: self.threads.value,
+            cpus: self.compute_cores.clone(),
+            strict_cpu: self.strict_cpu,
+            priority: match self.priority {
+                Priority::Low => ggml_sys::SchedPriority::Low,
+                Priority::Normal => ggml_sys::SchedPriority::Normal,
+                Priority::Medium => ggml_sys::SchedPriority::Medium,
+                Priority::High => ggml_sys::SchedPriority::High,
+                Priority::Realtime => ggml_sys::SchedPriority::Realtime,
+            },
+            poll: self.poll,
+        }
+    }
+
+    /// The I/O lanes as the streaming engine should run them.
+    pub fn lanes(&self) -> crate::stream::LaneConfig {
+        crate::stream::LaneConfig {
+            lanes: self.lanes.value as usize,
+            direct: self.direct_io,
+            max_request: self.read_bytes.value as usize,
+            cpus: self.io_cores.clone(),
+        }
+    }
+}

@@ -1,0 +1,100 @@
+//! Argument groups shared by several commands, and turning them (with the board profile) into
+//! engine configurations.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Result;
+use clap::Args;
+
+use sluice::board::{self, BoardChoice, ComputeService, Overrides, ResolvedBoard};
+use sluice::stream::{DensePolicy, ExpertIndex, StreamConfig};
+use sluice_hal::root::SysRoot;
+
+/// Values that override the board profile.
+#[derive(Args, Clone, Default)]
+pub struct TuningArgs {
+    /// Compute threads (default: one per compute core of the board profile).
+    #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub threads: Option<u32>,
+    /// Parallel expert readers (default: the profile's, else chosen from the storage medium).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub io_lanes: Option<u32>,
+    /// Largest single read in KiB (default: the profile's, else the storage device's maximum
+    /// request size, queue/max_sectors_kb).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(4..=65536))]
+    pub read_kib: Option<u64>,
+    /// Read experts through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    pub no_direct_io: bool,
+}
+
+impl TuningArgs {
+    /// The overrides these arguments make.
+    pub fn overrides(&self) -> Overrides {
+        Overrides {
+            threads: self.threads,
+            io_lanes: self.io_lanes,
+            read_kib: self.read_kib,
+            no_direct_io: self.no_direct_io,
+        }
+    }
+}
+
+/// Probes this machine, chooses the profile `choice` names, and applies `tuning`. `model` sizes
+/// the reads to the storage it lives on.
+pub fn board(choice: &BoardChoice, model: Option<&Path>, tuning: &TuningArgs) -> Result<ResolvedBoard> {
+    let (_, resolved) = board::board_for(&SysRoot::default(), choice, model, &tuning.overrides())?;
+    Ok(resolved)
+}
+
+/// How a streamed run is configured beyond the board.
+#[derive(Args)]
+pub struct StreamArgs {
+    /// Load everything with llama.cpp's own mmap and do not stream (the reference for
+    /// comparison).
+    #[arg(long)]
+    pub resident: bool,
+    /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: half of the
+    /// board's memory budget, at most all the experts.
+    #[arg(long)]
+    pub cache_mb: Option<u64>,
+    /// Accept a cache budget below one token's routed demand.
+    #[arg(long)]
+    pub force_cache: bool,
+    /// Where the dense (always-needed) weights live (the cuda service always uses mmap).
+    #[arg(long, value_enum, default_value_t = DensePolicy::Anon)]
+    pub dense: DensePolicy,
+    /// Write per-token telemetry to this CSV file.
+    #[arg(long)]
+    pub csv: Option<PathBuf>,
+    /// Show a live status line while generating.
+    #[arg(long)]
+    pub progress: bool,
+}
+
+impl StreamArgs {
+    /// The streaming configuration for `index` on `board`.
+    pub fn config(&self, index: &ExpertIndex, board: &ResolvedBoard) -> StreamConfig {
+        let all = index.all_expert_window_bytes();
+        let cache_bytes = match self.cache_mb {
+            Some(mb) => mb.saturating_mul(1 << 20),
+            None => (board.budget.value / 2).min(all).max(index.one_token_demand().min(all)),
+        };
+        stream_config(board, cache_bytes, self.force_cache, self.dense)
+    }
+}
+
+/// A streaming configuration on `board`: its lanes and compute service.
+pub fn stream_config(board: &ResolvedBoard, cache_bytes: u64, force_cache: bool, dense: DensePolicy) -> StreamConfig {
+    let gpu_layers = match board.compute {
+        ComputeService::Cpu => 0,
+        ComputeService::Cuda { n_gpu_layers } => n_gpu_layers,
+    };
+    let dense = if gpu_layers > 0 && dense == DensePolicy::Anon {
+        log::info!("cuda service: dense weights are loaded by llama.cpp (--dense mmap)");
+        DensePolicy::Mmap
+    } else {
+        dense
+    };
+    StreamConfig { cache_bytes, force_cache, lanes: board.lanes(), dense, trace_routes: false, gpu_layers }
+}

@@ -1,0 +1,218 @@
+//! `sluice run` and `sluice demo`: generate text, streamed (default) or resident.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+
+use sluice::board::{BoardChoice, ComputeService, ResolvedBoard};
+use sluice::generate::{self, GenerateParams, Generation, Session};
+use sluice::stream::{self, DensePolicy, ExpertIndex, StreamedSession};
+use sluice::synth;
+use sluice::telemetry::{self, Summary};
+use sluice::{demo, text::DisplayText};
+
+use super::args::{self, StreamArgs, TuningArgs};
+
+/// `sluice run` arguments.
+#[derive(Args)]
+pub struct RunArgs {
+    /// The model: a .gguf file (for a split model, its first file).
+    #[arg(short, long, required_unless_present = "list_archs")]
+    model: Option<PathBuf>,
+    /// The prompt.
+    #[arg(short, long, required_unless_present = "list_archs")]
+    prompt: Option<String>,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    n_predict: u32,
+    #[command(flatten)]
+    tuning: TuningArgs,
+    #[command(flatten)]
+    stream: StreamArgs,
+    /// Print the architectures that can be streamed, and exit.
+    #[arg(long)]
+    list_archs: bool,
+}
+
+/// `sluice demo` arguments.
+#[derive(Args)]
+pub struct DemoArgs {
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 48, value_parser = clap::value_parser!(u32).range(1..))]
+    n_predict: u32,
+    #[command(flatten)]
+    tuning: TuningArgs,
+}
+
+/// Generates while printing each token as it comes, then prints the timing summary.
+fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GenerateParams) -> Result<Generation> {
+    let mut display = DisplayText::default();
+    let mut stdout = std::io::stdout().lock();
+    let generation = generate::generate(model, prompt, params, |_, bytes| {
+        let _ = write!(stdout, "{}", display.push(bytes));
+        let _ = stdout.flush();
+    })?;
+    let _ = writeln!(stdout, "{}", display.finish());
+    drop(stdout);
+    eprintln!(
+        "prompt: {} tokens in {:.3} s ({:.1} tok/s); generated: {} tokens, decode {:.2} tok/s{}",
+        generation.prompt_tokens.len(),
+        generation.prefill.as_secs_f64(),
+        generation.prefill_tokens_per_s(),
+        generation.tokens.len(),
+        generation.decode_tokens_per_s(),
+        if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
+    );
+    Ok(generation)
+}
+
+/// Runs `sluice run`.
+pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
+    if a.list_archs {
+        print!("{}", stream::recipe::table());
+        return Ok(());
+    }
+    let (Some(model_path), Some(prompt)) = (&a.model, &a.prompt) else {
+        anyhow::bail!("--model and --prompt are required");
+    };
+    generate::check_model_file(model_path)?;
+    let board = args::board(choice, Some(model_path), &a.tuning)?;
+    let params = GenerateParams { n_predict: a.n_predict, threads: board.threads() };
+    if a.stream.resident {
+        let gpu_layers = match board.compute {
+            ComputeService::Cpu => 0,
+            ComputeService::Cuda { n_gpu_layers } => n_gpu_layers.min(i32::MAX as u32) as i32,
+        };
+        let model = generate::load_model_with(
+            model_path,
+            &ggml_sys::ModelParams { n_gpu_layers: gpu_layers, ..Default::default() },
+        )?;
+        generate_and_print(&model, prompt, &params)?;
+        return Ok(());
+    }
+    run_streamed(model_path, prompt, &params, &a.stream, &board)
+}
+
+/// Streams `model_path`: prints the continuation, the telemetry summary, and the CSV if asked.
+fn run_streamed(
+    model_path: &Path,
+    prompt: &str,
+    params: &GenerateParams,
+    args: &StreamArgs,
+    board: &ResolvedBoard,
+) -> Result<()> {
+    generate::check_model_file(model_path)?;
+    let index = Arc::new(ExpertIndex::open(model_path)?);
+    let config = args.config(&index, board);
+    let meter = telemetry::PhaseMeter::start();
+    let model = stream::load_streamed_model(model_path, &index, config.dense, config.gpu_layers)?;
+    let tokens = Session::prepare(&model, prompt, params.n_predict)?;
+    let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
+    let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &params.threads)?;
+    let (open_wall, open_read) = meter.finish();
+    log::info!(
+        "streaming {} experts/layer over {} layers; cache {} MiB",
+        index.n_expert,
+        index.n_layer,
+        config.cache_bytes >> 20
+    );
+    let mut display = DisplayText::default();
+    let mut stdout = std::io::stdout().lock();
+    let progress = args.progress;
+    let (generation, rows) = session.generate(
+        &tokens,
+        params.n_predict,
+        |_, bytes| {
+            let _ = write!(stdout, "{}", display.push(bytes));
+            let _ = stdout.flush();
+        },
+        |row| {
+            if progress {
+                eprint!("\r{}", row.progress_line());
+            }
+        },
+    )?;
+    let _ = writeln!(stdout, "{}", display.finish());
+    drop(stdout);
+    if progress {
+        eprintln!();
+    }
+    let summary = Summary::of(&rows);
+    let streamer = session.streamer();
+    let direct = (0..index.shards.len()).all(|s| streamer.lanes().is_direct(s));
+    let (cache_used, counters) = (streamer.cache_used(), streamer.cache_counters());
+    drop(streamer);
+    eprintln!(
+        "open: {:.3} s, {} read from storage ({:.1} MiB of dense weights by sluice's reader); first token after {:.3} s",
+        open_wall.as_secs_f64(),
+        open_read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64)),
+        session.dense_bytes_read as f64 / (1 << 20) as f64,
+        (open_wall + generation.prefill).as_secs_f64()
+    );
+    eprintln!(
+        "prompt: {} tokens in {:.3} s; generated {} tokens{}",
+        generation.prompt_tokens.len(),
+        generation.prefill.as_secs_f64(),
+        generation.tokens.len(),
+        if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
+    );
+    eprintln!("{}", summary.describe());
+    eprintln!(
+        "cache: {:.1} of {:.1} MiB used, {} evictions, {} re-reads; reads {}",
+        cache_used as f64 / (1 << 20) as f64,
+        config.cache_bytes.min(index.expert_bytes()) as f64 / (1 << 20) as f64,
+        counters.evictions,
+        counters.rereads,
+        if direct { "O_DIRECT" } else { "buffered" }
+    );
+    if let Some(path) = &args.csv {
+        let preamble = vec![
+            ("model".to_string(), model_path.display().to_string()),
+            ("cache_bytes".to_string(), config.cache_bytes.to_string()),
+            ("io_lanes".to_string(), config.lanes.lanes.to_string()),
+            ("direct_io".to_string(), direct.to_string()),
+            ("dense".to_string(), format!("{:?}", config.dense).to_lowercase()),
+            ("read_bytes_max".to_string(), config.lanes.max_request.to_string()),
+            ("threads".to_string(), params.threads.count.to_string()),
+            ("compute_cores".to_string(), sluice_hal::cpulist::format(&board.compute_cores)),
+            ("io_cores".to_string(), sluice_hal::cpulist::format(&board.io_cores)),
+            ("board".to_string(), board.selected.id.clone()),
+            ("n_predict".to_string(), params.n_predict.to_string()),
+        ];
+        let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+        telemetry::write_csv(&mut f, &preamble, &rows).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Runs `sluice demo`.
+pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
+    let dir = demo::cache_dir();
+    let (path, created) = demo::ensure_demo_model(&dir, sluice_hal::cpu::default_threads())?;
+    let board = args::board(choice, Some(&path), &a.tuning)?;
+    let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+    eprintln!(
+        "sluice demo: {} synthetic MoE model at {} ({:.1} MiB{})",
+        synth::ARCH,
+        path.display(),
+        size as f64 / (1 << 20) as f64,
+        if created { ", generated just now" } else { ", from the cache" }
+    );
+    eprintln!(
+        "The weights are random: the text below is noise, not language. It shows the model loading and generating."
+    );
+    eprintln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
+    let params = GenerateParams { n_predict: a.n_predict, threads: board.threads() };
+    let args = StreamArgs {
+        resident: false,
+        cache_mb: Some(0),
+        force_cache: false,
+        dense: DensePolicy::Anon,
+        csv: None,
+        progress: false,
+    };
+    run_streamed(&path, demo::DEMO_PROMPT, &params, &args, &board)
+}

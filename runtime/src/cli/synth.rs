@@ -1,0 +1,105 @@
+//! `sluice synth`: write a deterministic synthetic MoE model.
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+
+use sluice::synth::{self, OutputType, SynthSpec};
+
+/// `sluice synth` arguments.
+#[derive(Args)]
+pub struct SynthArgs {
+    /// Output file (.gguf). With --split-max-tensors, the files are named
+    /// <prefix>-0000K-of-0000N.gguf after it.
+    #[arg(short, long)]
+    out: PathBuf,
+    /// Transformer layers.
+    #[arg(long, default_value_t = SynthSpec::default().layers)]
+    layers: u32,
+    /// Embedding width.
+    #[arg(long, default_value_t = SynthSpec::default().embd)]
+    embd: u32,
+    /// Attention heads.
+    #[arg(long, default_value_t = SynthSpec::default().heads)]
+    heads: u32,
+    /// Key/value heads.
+    #[arg(long, default_value_t = SynthSpec::default().kv_heads)]
+    kv_heads: u32,
+    /// Routed experts per layer.
+    #[arg(long, default_value_t = SynthSpec::default().experts)]
+    experts: u32,
+    /// Experts each token is routed to.
+    #[arg(long, default_value_t = SynthSpec::default().experts_used)]
+    experts_used: u32,
+    /// Hidden width of each expert (ignored with --size, which picks it).
+    #[arg(long, default_value_t = SynthSpec::default().expert_ff)]
+    expert_ff: u32,
+    /// Training context length written to the file.
+    #[arg(long, default_value_t = SynthSpec::default().ctx_len)]
+    ctx: u32,
+    /// Random seed: the same arguments and seed give byte-identical files.
+    #[arg(long, default_value_t = SynthSpec::default().seed)]
+    seed: u64,
+    /// Weight type.
+    #[arg(long = "type", value_enum, default_value_t = OutputType::F16)]
+    out_type: OutputType,
+    /// Tensor data alignment in bytes (a power of two; 4096 page-aligns every tensor).
+    #[arg(long, default_value_t = SynthSpec::default().alignment)]
+    alignment: u64,
+    /// Target file size, e.g. 2GiB or 500MB: picks --expert-ff to come as close as possible
+    /// without going over.
+    #[arg(long)]
+    size: Option<bytesize::ByteSize>,
+    /// Split into files of at most N tensors each, after a first file holding only metadata.
+    #[arg(long, value_name = "N")]
+    split_max_tensors: Option<u32>,
+    /// Threads for quantizing (default: every CPU this process may run on).
+    #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
+    threads: Option<u32>,
+}
+
+impl SynthArgs {
+    pub fn spec(&self) -> Result<SynthSpec> {
+        let mut spec = SynthSpec {
+            layers: self.layers,
+            embd: self.embd,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            experts: self.experts,
+            experts_used: self.experts_used,
+            expert_ff: self.expert_ff,
+            ctx_len: self.ctx,
+            seed: self.seed,
+            out_type: self.out_type,
+            alignment: self.alignment,
+            split_max_tensors: self.split_max_tensors,
+        };
+        if let Some(size) = self.size {
+            spec.expert_ff = synth::fit_expert_ff(&spec, size.as_u64())?;
+        }
+        Ok(spec)
+    }
+}
+
+/// Runs `sluice synth`.
+pub fn run_synth(a: &SynthArgs) -> Result<()> {
+    let spec = a.spec()?;
+    let out = synth::synthesize(&spec, &a.out, a.threads.unwrap_or_else(sluice_hal::cpu::default_threads))
+        .with_context(|| format!("writing {}", a.out.display()))?;
+    for f in &out.files {
+        println!("{}", f.display());
+    }
+    eprintln!(
+        "wrote {} file(s), {:.1} MiB ({:.1} MiB of routed experts): {} layers, {} experts (top-{}), expert FFN {}, {:?}",
+        out.files.len(),
+        out.total_bytes as f64 / (1 << 20) as f64,
+        out.expert_bytes as f64 / (1 << 20) as f64,
+        spec.layers,
+        spec.experts,
+        spec.experts_used,
+        spec.expert_ff,
+        spec.out_type
+    );
+    Ok(())
+}
