@@ -18,13 +18,20 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	SLUICE_TEST_RUNNER=qemu-aarch64 \
 	SLUICE_GATE_FIXTURES=f32,q8_0
 
-.PHONY: help deps vendor build demo test aarch64 lint clean
+.PHONY: help deps vendor build demo test aarch64 lint bench clean
+
+# make bench: a synthetic model about 3x a small board's memory, streamed vs llama.cpp's mmap load,
+# each configuration in a memory cgroup of BENCH_BUDGET_MB (needs root).
+BENCH_DIR ?= target/bench
+BENCH_BUDGET_MB ?= 512
+BENCH_MODEL := $(BENCH_DIR)/moe-f16-1650mb.gguf
 
 help:
 	@echo "make demo     synthesize a small random-weight MoE model and run it"
 	@echo "make test     build and run the whole test suite"
 	@echo "make aarch64  cross-build for $(AARCH64) and run the tests under qemu-aarch64"
 	@echo "make lint     rustfmt check and clippy with warnings as errors"
+	@echo "make bench    streamed vs mmap on a model 3x a $(BENCH_BUDGET_MB) MiB memory cgroup (root)"
 
 deps:
 	@scripts/ensure-deps $(BUILD_DEBS)
@@ -45,6 +52,13 @@ aarch64: vendor
 	@scripts/ensure-deps --rust-target $(AARCH64) $(ARM_DEBS)
 	$(ARM_ENV) $(CARGO) build --target $(AARCH64) --workspace --bins --tests
 	$(ARM_ENV) $(CARGO) test --target $(AARCH64) --workspace --no-fail-fast
+
+bench: build
+	@mkdir -p $(BENCH_DIR)
+	@test -f $(BENCH_MODEL) || $(CARGO) run --quiet --bin sluice -- synth --out $(BENCH_MODEL) \
+		--size 1650MB --layers 8 --experts 32 --experts-used 4
+	$(CARGO) run --quiet --bin sluice -- bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
+		-n 32 --out $(BENCH_DIR)
 
 lint: vendor
 	$(CARGO) fmt --all --check

@@ -57,7 +57,8 @@ impl Model {
         let c_path = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::PathNul(path.into()))?;
         // SAFETY: returns a plain struct of defaults.
         let mut p = unsafe { sys::llama_model_default_params() };
-        p.load_mode = sys::LLAMA_LOAD_MODE_MMAP;
+        // A metadata-only load maps nothing (llama.cpp requires it): it reads no weight anyway.
+        p.load_mode = if params.metadata_only { sys::LLAMA_LOAD_MODE_NONE } else { sys::LLAMA_LOAD_MODE_MMAP };
         p.use_extra_bufts = false;
         p.n_gpu_layers = params.n_gpu_layers;
         p.no_alloc = params.metadata_only;

@@ -4,6 +4,7 @@
 #![forbid(unsafe_code)]
 
 pub mod board;
+pub mod cgroup;
 pub mod cpu;
 pub mod cpulist;
 pub mod memory;

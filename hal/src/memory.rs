@@ -68,13 +68,15 @@ impl MemoryProbe {
 }
 
 /// A mount of a cgroup hierarchy: where it is, and which cgroup path it shows as its root.
-struct CgroupMount {
-    point: String,
-    root: String,
+pub(crate) struct CgroupMount {
+    /// The mount point.
+    pub(crate) point: String,
+    /// The cgroup path shown at the mount point.
+    pub(crate) root: String,
 }
 
 /// The cgroup mounts of `/proc/self/mountinfo`: (v1 memory, v2).
-fn cgroup_mounts(mountinfo: &str) -> (Option<CgroupMount>, Option<CgroupMount>) {
+pub(crate) fn cgroup_mounts(mountinfo: &str) -> (Option<CgroupMount>, Option<CgroupMount>) {
     let (mut v1, mut v2) = (None, None);
     for line in mountinfo.lines() {
         let Some((pre, post)) = line.split_once(" - ") else { continue };

@@ -84,6 +84,14 @@ pub fn load_model_with(path: &Path, params: &ModelParams) -> Result<Model, Gener
     Ok(Model::load(path, params)?)
 }
 
+/// The context positions a run of `prompt` plus `n_predict` tokens needs, from a metadata-only
+/// load of `path` (its vocabulary; no weight is read).
+pub fn prompt_positions(path: &Path, prompt: &str, n_predict: u32) -> Result<u32, GenerateError> {
+    check_model_file(path)?;
+    let model = Model::load(path, &ModelParams { metadata_only: true, ..Default::default() })?;
+    Ok((Session::prepare(&model, prompt, n_predict)?.len() + n_predict as usize) as u32)
+}
+
 /// Generation settings.
 #[derive(Debug, Clone)]
 pub struct GenerateParams {
@@ -132,6 +140,14 @@ fn rate(n: usize, d: Duration) -> f64 {
     }
 }
 
+/// The context a session creates for `positions` positions: the context rounded up to a
+/// multiple of 256, prompt batches of at most 512 tokens. `sluice plan` sizes the same shape.
+pub fn context_params(positions: u32, threads: &Threads) -> ContextParams {
+    let n_ctx = positions.div_ceil(256).max(1) * 256;
+    let n_batch = n_ctx.min(MAX_BATCH);
+    ContextParams { n_ctx, n_batch, n_ubatch: n_batch, threads: threads.clone() }
+}
+
 /// A model plus a context sized for one prompt and continuation.
 pub struct Session<'m> {
     model: &'m Model,
@@ -147,11 +163,9 @@ impl<'m> Session<'m> {
         threads: &Threads,
         callback: Option<EvalCallback<'m>>,
     ) -> Result<Session<'m>, GenerateError> {
-        let n_ctx = n_ctx.div_ceil(256).max(1) * 256;
-        let n_batch = n_ctx.min(MAX_BATCH);
-        let params = ContextParams { n_ctx, n_batch, n_ubatch: n_batch, threads: threads.clone() };
+        let params = context_params(n_ctx, threads);
         let ctx = Context::new(model, &params, callback)?;
-        Ok(Session { model, ctx, batch: Batch::new(n_batch as usize) })
+        Ok(Session { model, ctx, batch: Batch::new(params.n_batch as usize) })
     }
 
     /// Tokenizes `prompt` and checks it fits with `n_predict` more tokens.

@@ -7,6 +7,7 @@
 
 pub mod bench;
 pub mod board;
+pub mod budget;
 pub mod demo;
 pub mod generate;
 pub mod stream;

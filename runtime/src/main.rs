@@ -38,6 +38,12 @@ enum Command {
     Probe(cli::probe::ProbeArgs),
     /// List the built-in board profiles.
     Boards,
+    /// Print the memory ledger of a run (what it would hold, against the budget) without
+    /// loading the weights.
+    Plan(cli::plan::PlanArgs),
+    /// One configuration of `sluice bench --budget-mb`, inside its memory cgroup (internal).
+    #[command(hide = true)]
+    BenchChild(cli::bench::BenchChildArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -68,6 +74,8 @@ fn dispatch(command: Command, board: &BoardChoice) -> Result<()> {
         Command::Synth(a) => cli::synth::run_synth(&a),
         Command::Bench(a) => cli::bench::run_bench(&a, board),
         Command::Probe(a) => cli::probe::run_probe(&a, board),
+        Command::Plan(a) => cli::plan::run_plan(&a, board),
+        Command::BenchChild(a) => cli::bench::run_bench_child(&a, board),
         Command::Boards => {
             cli::probe::run_boards();
             Ok(())

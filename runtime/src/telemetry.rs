@@ -16,6 +16,8 @@ pub struct Usage {
     pub rss_anon: u64,
     /// Resident file-backed memory, bytes.
     pub rss_file: u64,
+    /// The highest resident size so far (`VmHWM`), bytes.
+    pub rss_peak: u64,
 }
 
 impl Usage {
@@ -26,7 +28,7 @@ impl Usage {
             .unwrap_or(0);
         let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         let kb = |key: &str| sluice_hal::memory::meminfo_field(&status, key).unwrap_or(0);
-        Usage { major_faults, rss_anon: kb("RssAnon:"), rss_file: kb("RssFile:") }
+        Usage { major_faults, rss_anon: kb("RssAnon:"), rss_file: kb("RssFile:"), rss_peak: kb("VmHWM:") }
     }
 }
 
@@ -182,6 +184,11 @@ impl Summary {
         } else {
             self.tokens as f64 / self.wall.as_secs_f64()
         }
+    }
+
+    /// Expert bytes read per second of I/O wait, MiB/s (`None` when nothing was read).
+    pub fn read_mib_per_s(&self) -> Option<f64> {
+        (self.bytes_read > 0 && !self.io_wait.is_zero()).then(|| mib(self.bytes_read) / self.io_wait.as_secs_f64())
     }
 
     /// MiB read per generated token.

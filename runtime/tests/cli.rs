@@ -288,3 +288,47 @@ fn boards_lists_every_profile_and_bad_board_choices_are_clear() {
     std::fs::write(&bad, "name = \"b\"\n[memory]\nbudget_gb = 1\n").unwrap();
     assert_clean_error(&sluice(&["--board", bad.to_str().unwrap(), "probe"], dir.path()), "unknown field `budget_gb`");
 }
+
+#[test]
+fn plan_prints_the_ledger_as_text_and_json_and_refuses_what_does_not_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let o = sluice(&["--board", "qemu-aarch64", "plan", "-m", &model, "--ctx", "512"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = stdout(&o);
+    for line in [
+        "dense weights",
+        "KV cache",
+        "compute buffers",
+        "I/O staging",
+        "expert cache",
+        "runtime overhead",
+        "total held",
+    ] {
+        assert!(out.contains(line), "{line:?} missing:\n{out}");
+    }
+    assert!(out.contains("budget") && out.contains("profile memory.budget_mib"), "{out}");
+
+    let o = sluice(&["--board", "qemu-aarch64", "plan", "-m", &model, "--ctx", "512", "--json"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    assert_eq!(v["budget"], 2048u64 << 20);
+    assert_eq!(v["n_ctx"], 512);
+    let lines = v["lines"].as_array().unwrap();
+    assert_eq!(lines.len(), 6);
+    let sum: u64 = lines.iter().filter(|l| l["held"] == true).map(|l| l["bytes"].as_u64().unwrap()).sum();
+    assert_eq!(v["total"].as_u64().unwrap(), sum);
+
+    // A 64 MiB board cannot hold a 32768-position context for this model.
+    let board = dir.path().join("tiny.toml");
+    std::fs::write(&board, "name = \"tiny\"\n[memory]\nbudget_mib = 64\n").unwrap();
+    let o = sluice(&["--board", board.to_str().unwrap(), "plan", "-m", &model, "--ctx", "32768"], dir.path());
+    assert_clean_error(&o, "more than the budget of 64.0 MiB");
+    assert_clean_error(&o, "fits with: ");
+    assert_clean_error(&o, "a context of");
+    // run refuses a plan over budget the same way, before reading any weight.
+    std::fs::write(&board, "name = \"tiny\"\n[memory]\nbudget_mib = 24\n").unwrap();
+    let o = sluice(&["--board", board.to_str().unwrap(), "run", "-m", &model, "-p", "hi"], dir.path());
+    assert_clean_error(&o, "more than the budget of 24.0 MiB");
+    assert!(!stderr(&o).contains("open:"), "{}", stderr(&o));
+}

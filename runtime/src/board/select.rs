@@ -18,6 +18,17 @@ pub enum BoardChoice {
     Path(PathBuf),
 }
 
+impl std::fmt::Display for BoardChoice {
+    /// The choice as `--board` takes it.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BoardChoice::Auto => f.write_str("auto"),
+            BoardChoice::Id(id) => f.write_str(id),
+            BoardChoice::Path(p) => write!(f, "{}", p.display()),
+        }
+    }
+}
+
 impl std::str::FromStr for BoardChoice {
     type Err = std::convert::Infallible;
 

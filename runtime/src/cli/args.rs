@@ -7,7 +7,7 @@ use anyhow::Result;
 use clap::Args;
 
 use sluice::board::{self, BoardChoice, ComputeService, Overrides, ResolvedBoard};
-use sluice::stream::{DensePolicy, ExpertIndex, StreamConfig};
+use sluice::stream::{DensePolicy, StreamConfig};
 use sluice_hal::root::SysRoot;
 
 /// Values that override the board profile.
@@ -54,8 +54,9 @@ pub struct StreamArgs {
     /// comparison).
     #[arg(long)]
     pub resident: bool,
-    /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: half of the
-    /// board's memory budget, at most all the experts.
+    /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: what the
+    /// board's memory budget leaves after the rest of the ledger (`sluice plan`), at most all the
+    /// experts.
     #[arg(long)]
     pub cache_mb: Option<u64>,
     /// Accept a cache budget below one token's routed demand.
@@ -70,18 +71,6 @@ pub struct StreamArgs {
     /// Show a live status line while generating.
     #[arg(long)]
     pub progress: bool,
-}
-
-impl StreamArgs {
-    /// The streaming configuration for `index` on `board`.
-    pub fn config(&self, index: &ExpertIndex, board: &ResolvedBoard) -> StreamConfig {
-        let all = index.all_expert_window_bytes();
-        let cache_bytes = match self.cache_mb {
-            Some(mb) => mb.saturating_mul(1 << 20),
-            None => (board.budget.value / 2).min(all).max(index.one_token_demand().min(all)),
-        };
-        stream_config(board, cache_bytes, self.force_cache, self.dense)
-    }
 }
 
 /// A streaming configuration on `board`: its lanes and compute service.

@@ -1,10 +1,13 @@
-//! `sluice bench`: resident and streamed runs of one model, back to back.
+//! `sluice bench`: resident and streamed runs of one model, back to back, in one process or each
+//! in its own memory cgroup (`--budget-mb`); and `bench-child`, one configuration of the latter.
 
+use std::ffi::OsString;
 use std::path::PathBuf;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 use clap::Args;
 
+use sluice::bench::isolated::{self, ChildKind, IsolatedPlan};
 use sluice::board::BoardChoice;
 use sluice::generate;
 use sluice::stream::{DensePolicy, ExpertIndex};
@@ -23,16 +26,54 @@ pub struct BenchArgs {
     /// Tokens to generate per configuration.
     #[arg(short = 'n', long = "n-predict", default_value_t = 32, value_parser = clap::value_parser!(u32).range(2..))]
     n_predict: u32,
-    /// Expert cache sizes to stream with, as percentages of all expert bytes.
-    #[arg(long, value_delimiter = ',', default_value = "0,25,100")]
+    /// Expert cache sizes to stream with, as percentages of all expert bytes (one-process mode).
+    #[arg(long, value_delimiter = ',', default_value = "0,25,100", conflicts_with = "budget_mb")]
     cache_percents: Vec<u32>,
+    /// Run each configuration (mmap-resident, streamed without cache, streamed with the automatic
+    /// cache) and the storage ceiling in its own child process inside a memory cgroup of this many
+    /// MiB: a small board's RAM. Needs root.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(64..))]
+    budget_mb: Option<u64>,
+    /// With --budget-mb: where to write bench.csv and bench.svg.
+    #[arg(long, default_value = ".")]
+    out: PathBuf,
     #[command(flatten)]
     tuning: TuningArgs,
+}
+
+/// `sluice bench-child` arguments (started by `sluice bench --budget-mb`).
+#[derive(Args)]
+pub struct BenchChildArgs {
+    /// The memory cgroup directory to join before anything else.
+    #[arg(long)]
+    join_cgroup: PathBuf,
+    /// The configuration to run.
+    #[arg(long, value_enum)]
+    kind: ChildKind,
+    /// The model.
+    #[arg(short, long)]
+    model: PathBuf,
+    /// The prompt.
+    #[arg(short, long)]
+    prompt: String,
+    /// Tokens to generate.
+    #[arg(short = 'n', long = "n-predict")]
+    n_predict: u32,
+    #[command(flatten)]
+    tuning: TuningArgs,
+}
+
+fn model_mib(model: &std::path::Path) -> Result<f64> {
+    let size: u64 = ExpertIndex::open(model)?.shards.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
+    Ok(size as f64 / (1 << 20) as f64)
 }
 
 /// Runs `sluice bench`.
 pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     generate::check_model_file(&a.model)?;
+    if let Some(budget_mb) = a.budget_mb {
+        return run_isolated(a, choice, budget_mb);
+    }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     let plan = sluice::bench::BenchPlan {
         model: a.model.clone(),
@@ -42,12 +83,10 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         cache_percents: a.cache_percents.clone(),
         stream: args::stream_config(&board, 0, true, DensePolicy::Anon),
     };
-    let size: u64 =
-        ExpertIndex::open(&a.model)?.shards.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
     eprintln!(
         "bench: {} ({:.1} MiB), {} tokens per configuration, {} threads on CPUs {}, {} lanes, reads of {} KiB (board {})",
         a.model.display(),
-        size as f64 / (1 << 20) as f64,
+        model_mib(&a.model)?,
         a.n_predict,
         plan.threads.count,
         sluice_hal::cpulist::format(&board.compute_cores),
@@ -56,9 +95,96 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         board.selected.id
     );
     let rows = sluice::bench::run(&plan)?;
-    print!("{}", sluice::bench::table(&rows));
+    print!("{}", sluice::bench::table(&rows, None));
     if rows.iter().any(|r| r.tokens != rows[0].tokens) {
         anyhow::bail!("a streamed configuration generated different tokens from the resident run");
     }
+    Ok(())
+}
+
+/// The tuning flags as arguments for a child.
+fn tuning_args(t: &TuningArgs) -> Vec<OsString> {
+    let mut out: Vec<OsString> = Vec::new();
+    let mut push = |flag: &str, v: Option<String>| {
+        if let Some(v) = v {
+            out.push(flag.into());
+            out.push(v.into());
+        }
+    };
+    push("--threads", t.threads.map(|v| v.to_string()));
+    push("--io-lanes", t.io_lanes.map(|v| v.to_string()));
+    push("--read-kib", t.read_kib.map(|v| v.to_string()));
+    if t.no_direct_io {
+        out.push("--no-direct-io".into());
+    }
+    out
+}
+
+fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<()> {
+    let model = std::fs::canonicalize(&a.model).with_context(|| format!("{}", a.model.display()))?;
+    let board = args::board(choice, Some(&model), &a.tuning)?;
+    eprintln!(
+        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB, {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
+        model.display(),
+        model_mib(&model)?,
+        a.n_predict,
+        board.threads.value,
+        board.lanes.value,
+        board.read_bytes.value >> 10,
+        board.selected.id
+    );
+    let mut child_args: Vec<OsString> = vec![
+        "--model".into(),
+        model.clone().into(),
+        "--prompt".into(),
+        a.prompt.clone().into(),
+        "-n".into(),
+        a.n_predict.to_string().into(),
+    ];
+    child_args.extend(tuning_args(&a.tuning));
+    let plan = IsolatedPlan {
+        exe: std::env::current_exe().context("locating the sluice binary")?,
+        global_args: vec!["--board".into(), choice.to_string().into()],
+        child_args,
+        budget: budget_mb << 20,
+    };
+    let report = isolated::run_isolated(&plan)?;
+    let c = report.ceiling;
+    let table = sluice::bench::table(&report.rows, Some(c.single_mib_s));
+    print!("{table}");
+    println!(
+        "storage ceiling ({}): 1 reader × {} KiB requests {:.1} MiB/s; {} lanes × {} KiB {:.1} MiB/s",
+        if c.direct { "O_DIRECT" } else { "buffered: O_DIRECT refused" },
+        c.single_request >> 10,
+        c.single_mib_s,
+        c.lanes,
+        c.lanes_request >> 10,
+        c.lanes_mib_s
+    );
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let csv = a.out.join("bench.csv");
+    std::fs::write(&csv, sluice::bench::csv(&report.rows, Some(c.single_mib_s)))
+        .with_context(|| format!("writing {}", csv.display()))?;
+    let svg = a.out.join("bench.svg");
+    let title = format!(
+        "{} in {budget_mb} MiB",
+        model.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+    );
+    std::fs::write(&svg, sluice::bench::svg_bar_chart(&report.rows, &title))
+        .with_context(|| format!("writing {}", svg.display()))?;
+    eprintln!("wrote {} and {}", csv.display(), svg.display());
+    if report.rows.iter().any(|r| r.tokens != report.rows[0].tokens) {
+        anyhow::bail!("a streamed configuration generated different tokens from the resident run");
+    }
+    Ok(())
+}
+
+/// Runs `sluice bench-child`: joins the cgroup, runs one configuration, prints its result as one
+/// JSON line.
+pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
+    sluice_hal::cgroup::join(&a.join_cgroup).with_context(|| format!("joining {}", a.join_cgroup.display()))?;
+    let board = args::board(choice, Some(&a.model), &a.tuning)?;
+    let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board)?;
+    println!("{}", serde_json::to_string(&out)?);
     Ok(())
 }

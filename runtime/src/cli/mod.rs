@@ -2,6 +2,7 @@
 
 pub mod args;
 pub mod bench;
+pub mod plan;
 pub mod probe;
 pub mod run;
 pub mod synth;

@@ -8,6 +8,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::board::{BoardChoice, ComputeService, ResolvedBoard};
+use sluice::budget::{self, PlanRequest};
 use sluice::generate::{self, GenerateParams, Generation, Session};
 use sluice::stream::{self, DensePolicy, ExpertIndex, StreamedSession};
 use sluice::synth;
@@ -106,11 +107,22 @@ fn run_streamed(
 ) -> Result<()> {
     generate::check_model_file(model_path)?;
     let index = Arc::new(ExpertIndex::open(model_path)?);
-    let config = args.config(&index, board);
+    let mut config = args::stream_config(board, 0, args.force_cache, args.dense);
     let meter = telemetry::PhaseMeter::start();
+    // Every tensor is lazy here: loading reads the metadata and the vocabulary, no weight.
     let model = stream::load_streamed_model(model_path, &index, config.dense, config.gpu_layers)?;
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
+    let ledger = budget::plan_within_budget(&PlanRequest {
+        model: model_path,
+        index: &index,
+        positions: n_ctx,
+        dense: config.dense,
+        cache_bytes: args.cache_mb.map(|m| m.saturating_mul(1 << 20)),
+        budget: board.budget.clone(),
+    })?;
+    log::info!("{}", ledger.describe());
+    config.cache_bytes = ledger.cache_bytes();
     let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &params.threads)?;
     let (open_wall, open_read) = meter.finish();
     log::info!(
@@ -160,10 +172,20 @@ fn run_streamed(
         if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
     );
     eprintln!("{}", summary.describe());
+    let usage = telemetry::Usage::sample();
+    eprintln!(
+        "memory: peak RSS {:.1} MiB (now anon {:.1} + file {:.1} MiB), ledger total {:.1} MiB, budget {:.1} MiB ({})",
+        mib(usage.rss_peak),
+        mib(usage.rss_anon),
+        mib(usage.rss_file),
+        mib(ledger.total),
+        mib(ledger.budget),
+        ledger.budget_source
+    );
     eprintln!(
         "cache: {:.1} of {:.1} MiB used, {} evictions, {} re-reads; reads {}",
         cache_used as f64 / (1 << 20) as f64,
-        config.cache_bytes.min(index.expert_bytes()) as f64 / (1 << 20) as f64,
+        config.cache_bytes.min(index.all_expert_window_bytes()) as f64 / (1 << 20) as f64,
         counters.evictions,
         counters.rereads,
         if direct { "O_DIRECT" } else { "buffered" }
@@ -180,6 +202,9 @@ fn run_streamed(
             ("compute_cores".to_string(), sluice_hal::cpulist::format(&board.compute_cores)),
             ("io_cores".to_string(), sluice_hal::cpulist::format(&board.io_cores)),
             ("board".to_string(), board.selected.id.clone()),
+            ("ledger_total_bytes".to_string(), ledger.total.to_string()),
+            ("budget_bytes".to_string(), ledger.budget.to_string()),
+            ("peak_rss_bytes".to_string(), usage.rss_peak.to_string()),
             ("n_predict".to_string(), params.n_predict.to_string()),
         ];
         let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
@@ -215,4 +240,8 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         progress: false,
     };
     run_streamed(&path, demo::DEMO_PROMPT, &params, &args, &board)
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
 }

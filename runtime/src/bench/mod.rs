@@ -1,7 +1,14 @@
 //! `sluice bench`: the same model and prompt run resident (llama.cpp's own mmap load) and
-//! streamed at several expert-cache sizes, back to back in one process, each starting with the
-//! model dropped from the page cache. Only ratios within one run are meaningful: storage speed
-//! drifts between runs.
+//! streamed, back to back, each starting with the model dropped from the page cache. Only ratios
+//! within one run are meaningful: storage speed drifts between runs.
+//!
+//! Two modes: in one process at several expert-cache sizes ([`run`]), or each configuration in
+//! its own child process inside a memory cgroup of a small board's size ([`isolated`]).
+
+mod chart;
+pub mod isolated;
+
+pub use chart::svg_bar_chart;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -11,8 +18,35 @@ use crate::generate::{self, GenerateError, GenerateParams, Session};
 use crate::stream::{ExpertIndex, StreamConfig, StreamedSession};
 use crate::telemetry::{PhaseMeter, Summary, Usage};
 
+/// What can stop a benchmark.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// Loading or generating failed.
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+    /// The plan did not fit the budget.
+    #[error(transparent)]
+    Budget(#[from] crate::budget::BudgetError),
+    /// No memory cgroup could be made.
+    #[error("{0}; `sluice bench --budget-mb` runs each configuration in a memory cgroup and needs root")]
+    Cgroup(#[from] sluice_hal::cgroup::CgroupError),
+    /// A file operation failed.
+    #[error("{0}: {1}")]
+    Io(String, #[source] std::io::Error),
+    /// A child configuration failed.
+    #[error("the {kind} run failed ({status}): {stderr}")]
+    Child {
+        /// Which configuration.
+        kind: String,
+        /// Its exit status.
+        status: String,
+        /// What it said.
+        stderr: String,
+    },
+}
+
 /// One configuration's results.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct BenchRow {
     /// What ran (`resident-mmap`, `streamed cache 25%`, ...).
     pub label: String,
@@ -27,8 +61,15 @@ pub struct BenchRow {
     pub hit_rate: Option<f64>,
     /// Major page faults during decoding.
     pub major_faults: u64,
-    /// Peak RSS after a decode, bytes.
+    /// Peak RSS, bytes: the highest seen after a decode in one-process runs, the process's
+    /// `VmHWM` in isolated runs.
     pub peak_rss: u64,
+    /// Expert read throughput while the decode waited for it (streamed rows), MiB/s.
+    pub read_mib_s: Option<f64>,
+    /// The memory cgroup's peak usage, page cache included (isolated runs), bytes.
+    pub cgroup_peak: Option<u64>,
+    /// Times the cgroup's usage hit its limit (isolated runs).
+    pub limit_hits: Option<u64>,
     /// Time to open the model (load, and for streaming the capture and dense read), seconds.
     pub open_s: f64,
     /// Bytes read from storage while opening (the kernel's `read_bytes` for this process).
@@ -56,7 +97,7 @@ pub struct BenchPlan {
     pub stream: StreamConfig,
 }
 
-fn drop_cached(files: &[PathBuf]) {
+pub(crate) fn drop_cached(files: &[PathBuf]) {
     for f in files {
         if let Err(e) = sluice_hal::storage::drop_cached(f) {
             log::warn!("cannot drop {} from the page cache ({e}); the next run may start warm", f.display());
@@ -69,7 +110,7 @@ fn mib(b: u64) -> f64 {
 }
 
 /// Runs the resident reference.
-fn run_resident(
+pub(crate) fn run_resident(
     path: &Path,
     files: &[PathBuf],
     prompt: &str,
@@ -108,6 +149,9 @@ fn run_resident(
         hit_rate: None,
         major_faults: faults,
         peak_rss,
+        read_mib_s: None,
+        cgroup_peak: None,
+        limit_hits: None,
         open_s,
         open_read,
         ttft_s: open_s + g.prefill.as_secs_f64(),
@@ -116,7 +160,7 @@ fn run_resident(
 }
 
 /// Runs one streamed configuration.
-fn run_streamed(
+pub(crate) fn run_streamed(
     path: &Path,
     index: &Arc<ExpertIndex>,
     config: &StreamConfig,
@@ -142,6 +186,9 @@ fn run_streamed(
         hit_rate: Some(s.hit_rate),
         major_faults: s.major_faults,
         peak_rss: s.peak_rss,
+        read_mib_s: s.read_mib_per_s(),
+        cgroup_peak: None,
+        limit_hits: None,
         open_s,
         open_read,
         ttft_s: open_s + g.prefill.as_secs_f64(),
@@ -163,41 +210,93 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
     Ok(rows)
 }
 
-/// The results as a table, with each row's speed relative to the first (resident) row and
-/// whether its tokens equal the resident ones.
-pub fn table(rows: &[BenchRow]) -> String {
+/// One column of the results table: header and the cell of each row.
+struct Column {
+    header: &'static str,
+    cells: Vec<String>,
+}
+
+fn column(header: &'static str, rows: &[BenchRow], cell: impl Fn(&BenchRow) -> String) -> Column {
+    Column { header, cells: rows.iter().map(cell).collect() }
+}
+
+fn opt<T>(v: Option<T>, f: impl Fn(T) -> String) -> String {
+    v.map_or_else(|| "-".to_string(), f)
+}
+
+/// The results as a table: each row's speed relative to the first (the mmap-resident
+/// reference), whether its tokens equal the first's, and, when `ceiling` (the storage ceiling in
+/// MiB/s) is given, expert reads as a share of it. Cgroup columns appear for isolated runs.
+pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
     let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
-    let mut out = format!(
-        "{:<20} {:>10} {:>9} {:>9} {:>10} {:>8} {:>12} {:>13} {:>8} {:>13} {:>7} {:>10}\n",
-        "config",
-        "cache MiB",
-        "tok/s",
-        "x resid.",
-        "MiB/token",
-        "hit %",
-        "major faults",
-        "peak RSS MiB",
-        "open s",
-        "open read MiB",
-        "TTFT s",
-        "same text"
+    let first = rows.first().map(|r| r.tokens.clone()).unwrap_or_default();
+    let isolated = rows.iter().any(|r| r.cgroup_peak.is_some());
+    let mut cols = vec![
+        column("config", rows, |r| r.label.clone()),
+        column("cache MiB", rows, |r| opt(r.cache_bytes, |b| format!("{:.1}", mib(b)))),
+        column("tok/s", rows, |r| format!("{:.2}", r.tokens_per_s)),
+        column("x mmap", rows, |r| format!("{:.2}", if base > 0.0 { r.tokens_per_s / base } else { 0.0 })),
+        column("MiB/token", rows, |r| format!("{:.2}", r.mib_per_token)),
+        column("hit %", rows, |r| opt(r.hit_rate, |h| format!("{:.1}", 100.0 * h))),
+        column("major faults", rows, |r| r.major_faults.to_string()),
+        column("peak RSS MiB", rows, |r| format!("{:.1}", mib(r.peak_rss))),
+    ];
+    if isolated {
+        cols.push(column("cgroup peak MiB", rows, |r| opt(r.cgroup_peak, |b| format!("{:.1}", mib(b)))));
+        cols.push(column("limit hits", rows, |r| opt(r.limit_hits, |h| h.to_string())));
+    }
+    cols.push(column("read MiB/s", rows, |r| opt(r.read_mib_s, |v| format!("{v:.1}"))));
+    if let Some(c) = ceiling {
+        cols.push(column("% ceiling", rows, |r| opt(r.read_mib_s, |v| format!("{:.0}", 100.0 * v / c))));
+    }
+    cols.push(column("open s", rows, |r| format!("{:.2}", r.open_s)));
+    cols.push(column("TTFT s", rows, |r| format!("{:.2}", r.ttft_s)));
+    cols.push(column("same text", rows, |r| if r.tokens == first { "yes".into() } else { "NO".into() }));
+    let widths: Vec<usize> =
+        cols.iter().map(|c| c.cells.iter().map(String::len).chain([c.header.len()]).max().unwrap_or(0)).collect();
+    let mut out = String::new();
+    let line = |cells: Vec<&str>, out: &mut String| {
+        let parts: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .enumerate()
+            .map(|(i, (c, w))| if i == 0 { format!("{c:<w$}") } else { format!("{c:>w$}") })
+            .collect();
+        let _ = writeln!(out, "{}", parts.join("  "));
+    };
+    line(cols.iter().map(|c| c.header).collect(), &mut out);
+    for i in 0..rows.len() {
+        line(cols.iter().map(|c| c.cells[i].as_str()).collect(), &mut out);
+    }
+    out
+}
+
+/// The results as CSV (one header line, one line per configuration; sizes in MiB).
+pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
+    let mut out = String::from(
+        "config,cache_mib,tok_s,x_mmap,mib_per_token,hit_rate,major_faults,peak_rss_mib,cgroup_peak_mib,limit_hits,read_mib_s,share_of_ceiling,open_s,ttft_s,same_text\n",
     );
+    let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
+    let num = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
     for r in rows {
         let _ = writeln!(
             out,
-            "{:<20} {:>10} {:>9.2} {:>9.2} {:>10.2} {:>8} {:>12} {:>13.1} {:>8.2} {:>13.1} {:>7.2} {:>10}",
+            "{},{},{:.4},{:.4},{:.4},{},{},{:.1},{},{},{},{},{:.3},{:.3},{}",
             r.label,
-            r.cache_bytes.map_or("-".to_string(), |b| format!("{:.1}", mib(b))),
+            num(r.cache_bytes.map(mib)),
             r.tokens_per_s,
             if base > 0.0 { r.tokens_per_s / base } else { 0.0 },
             r.mib_per_token,
-            r.hit_rate.map_or("-".to_string(), |h| format!("{:.1}", 100.0 * h)),
+            num(r.hit_rate),
             r.major_faults,
             mib(r.peak_rss),
+            num(r.cgroup_peak.map(mib)),
+            r.limit_hits.map_or(String::new(), |h| h.to_string()),
+            num(r.read_mib_s),
+            num(r.read_mib_s.zip(ceiling).map(|(v, c)| v / c)),
             r.open_s,
-            mib(r.open_read),
             r.ttft_s,
-            if rows[0].tokens == r.tokens { "yes" } else { "NO" }
+            r.tokens == rows[0].tokens
         );
     }
     out

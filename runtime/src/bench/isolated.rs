@@ -1,0 +1,208 @@
+//! The benchmark under a small board's memory: each configuration runs in its own child process
+//! inside a fresh memory cgroup of the budget's size (page cache is charged to it), so llama.cpp's
+//! mmap load competes for the same RAM the streamer plans within. The children also measure the
+//! storage ceiling on the same file. The parent collects one JSON result line from each, with the
+//! cgroup's peak usage and how often it hit its limit.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use sluice_hal::cgroup::MemoryCgroup;
+use sluice_hal::root::SysRoot;
+use sluice_hal::storage::{measure_direct_read, StorageProbe};
+
+use super::{drop_cached, run_resident, run_streamed, BenchError, BenchRow};
+use crate::board::ResolvedBoard;
+use crate::budget::{self, PlanRequest};
+use crate::generate::{GenerateError, GenerateParams};
+use crate::stream::{DensePolicy, ExpertIndex, StreamConfig};
+use crate::telemetry::Usage;
+
+/// What one child runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
+pub enum ChildKind {
+    /// llama.cpp's own mmap load, no streaming.
+    Resident,
+    /// Streaming with no expert cache.
+    StreamedNoCache,
+    /// Streaming with the expert cache the budget leaves.
+    StreamedAuto,
+    /// The storage ceiling: O_DIRECT reads of the model file.
+    Ceiling,
+}
+
+/// The order the parent runs them in. The ceiling comes last: storage behind a cache of its own
+/// (a VM's host, a drive's DRAM) is then as warm for it as for the decodes before it, so the
+/// streamer's share of it is not flattered.
+pub const KINDS: [ChildKind; 4] =
+    [ChildKind::Resident, ChildKind::StreamedNoCache, ChildKind::StreamedAuto, ChildKind::Ceiling];
+
+/// The storage ceiling measured on the model file.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Ceiling {
+    /// One reader, requests of one expert slice: the reference for the streamer's reads.
+    pub single_mib_s: f64,
+    /// Its request size, bytes.
+    pub single_request: u64,
+    /// The profile's lanes and read size.
+    pub lanes_mib_s: f64,
+    /// Lanes.
+    pub lanes: u32,
+    /// Their request size, bytes.
+    pub lanes_request: u64,
+    /// Whether the reads bypassed the page cache.
+    pub direct: bool,
+}
+
+/// What a child reports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum ChildOutput {
+    /// A decode configuration's row.
+    Row(BenchRow),
+    /// The storage ceiling.
+    Ceiling(Ceiling),
+}
+
+/// The most of the file the ceiling reads (the whole file when smaller).
+const CEILING_LIMIT: u64 = 4 << 30;
+
+/// Child side: runs `kind` on `model` (the process has joined its cgroup, and `board` was
+/// resolved after that, so its budget is the cgroup's limit).
+pub fn run_child(
+    kind: ChildKind,
+    model: &Path,
+    prompt: &str,
+    n_predict: u32,
+    board: &ResolvedBoard,
+) -> Result<ChildOutput, BenchError> {
+    let index =
+        Arc::new(ExpertIndex::open(model).map_err(|e| GenerateError::from(crate::stream::StreamError::from(e)))?);
+    let params = GenerateParams { n_predict, threads: board.threads() };
+    let config = StreamConfig {
+        cache_bytes: 0,
+        force_cache: false,
+        lanes: board.lanes(),
+        dense: DensePolicy::Anon,
+        trace_routes: false,
+        gpu_layers: 0,
+    };
+    let mut row = match kind {
+        ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
+        ChildKind::Resident => run_resident(model, &index.shards, prompt, &params)?,
+        ChildKind::StreamedNoCache | ChildKind::StreamedAuto => {
+            let auto = kind == ChildKind::StreamedAuto;
+            let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
+            let ledger = budget::plan_within_budget(&PlanRequest {
+                model,
+                index: &index,
+                positions,
+                dense: config.dense,
+                cache_bytes: if auto { None } else { Some(0) },
+                budget: board.budget.clone(),
+            })?;
+            let config = StreamConfig { cache_bytes: ledger.cache_bytes(), ..config };
+            let label = if auto { "streamed, auto cache" } else { "streamed, no cache" };
+            run_streamed(model, &index, &config, label.into(), prompt, &params)?
+        }
+    };
+    row.peak_rss = Usage::sample().rss_peak;
+    Ok(ChildOutput::Row(row))
+}
+
+/// Reads the model's first file with one reader at the largest expert slice's size, then with
+/// the profile's lanes and read size.
+fn ceiling(model: &Path, index: &ExpertIndex, board: &ResolvedBoard) -> Result<Ceiling, BenchError> {
+    let page = ggml_sys::page_size();
+    let slice = index.experts.iter().map(|t| t.stride.div_ceil(page) * page).max().unwrap_or(page);
+    let align = StorageProbe::for_file(&SysRoot::default(), model).map_or(4096, |s| s.direct_alignment()) as usize;
+    let measure = |request: u64, lanes: u32| {
+        drop_cached(&index.shards);
+        measure_direct_read(model, request as usize, lanes as usize, align, CEILING_LIMIT)
+            .map_err(|e| BenchError::Io(format!("reading {}", model.display()), e))
+    };
+    let single = measure(slice, 1)?;
+    let lanes = measure(board.read_bytes.value, board.lanes.value)?;
+    Ok(Ceiling {
+        single_mib_s: single.mib_per_s(),
+        single_request: slice,
+        lanes_mib_s: lanes.mib_per_s(),
+        lanes: board.lanes.value,
+        lanes_request: board.read_bytes.value,
+        direct: single.direct && lanes.direct,
+    })
+}
+
+/// How the parent starts children.
+#[derive(Debug, Clone)]
+pub struct IsolatedPlan {
+    /// The `sluice` binary.
+    pub exe: PathBuf,
+    /// Arguments before the subcommand (`--board ...`).
+    pub global_args: Vec<OsString>,
+    /// Arguments after `bench-child` that every child gets (model, prompt, tokens, tuning).
+    pub child_args: Vec<OsString>,
+    /// The cgroup's memory limit, bytes.
+    pub budget: u64,
+}
+
+/// Everything an isolated benchmark measured.
+#[derive(Debug, Clone)]
+pub struct IsolatedReport {
+    /// The decode configurations, mmap-resident first.
+    pub rows: Vec<BenchRow>,
+    /// The storage ceiling.
+    pub ceiling: Ceiling,
+}
+
+/// Parent side: runs every kind of [`KINDS`] in its own child and cgroup.
+pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
+    let mut rows = Vec::new();
+    let mut ceiling = None;
+    for (i, kind) in KINDS.iter().enumerate() {
+        let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), plan.budget)?;
+        let kind_name = format!("{kind:?}");
+        log::info!("bench: {kind_name} in {} ({} MiB)", cg.dir().display(), plan.budget >> 20);
+        let out = Command::new(&plan.exe)
+            .args(&plan.global_args)
+            .arg("bench-child")
+            .arg("--join-cgroup")
+            .arg(cg.dir())
+            .arg("--kind")
+            .arg(clap::ValueEnum::to_possible_value(kind).map_or(kind_name.clone(), |v| v.get_name().to_string()))
+            .args(&plan.child_args)
+            .output()
+            .map_err(|e| BenchError::Io(format!("starting {}", plan.exe.display()), e))?;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        if !out.status.success() {
+            return Err(BenchError::Child {
+                kind: kind_name,
+                status: out.status.to_string(),
+                stderr: String::from_utf8_lossy(&out.stderr).trim().into(),
+            });
+        }
+        let line = stdout.lines().last().unwrap_or("");
+        let output: ChildOutput = serde_json::from_str(line).map_err(|e| BenchError::Child {
+            kind: kind_name.clone(),
+            status: format!("unreadable result ({e})"),
+            stderr: line.into(),
+        })?;
+        match output {
+            ChildOutput::Ceiling(c) => ceiling = Some(c),
+            ChildOutput::Row(mut row) => {
+                row.cgroup_peak = cg.peak();
+                row.limit_hits = cg.limit_hits();
+                rows.push(row);
+            }
+        }
+    }
+    let ceiling = ceiling.ok_or_else(|| BenchError::Child {
+        kind: "Ceiling".into(),
+        status: "no result".into(),
+        stderr: String::new(),
+    })?;
+    Ok(IsolatedReport { rows, ceiling })
+}

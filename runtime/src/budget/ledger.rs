@@ -1,0 +1,130 @@
+//! The workspace ledger: every byte the runtime will hold, by line, against the budget.
+
+use std::fmt::Write as _;
+
+use serde::Serialize;
+
+/// What a ledger line accounts for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Item {
+    /// The always-needed weights (attention, norms, router, embeddings, shared experts).
+    DenseWeights,
+    /// The KV cache.
+    KvCache,
+    /// ggml's compute buffers for the graph.
+    ComputeBuffers,
+    /// The current layer's routed experts beyond what the expert cache holds (they are read in
+    /// place, so this is their memory while the layer computes).
+    IoStaging,
+    /// The expert cache.
+    ExpertCache,
+    /// The process itself, llama.cpp's and the engine's own structures.
+    RuntimeOverhead,
+}
+
+impl Item {
+    /// The line's label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Item::DenseWeights => "dense weights",
+            Item::KvCache => "KV cache",
+            Item::ComputeBuffers => "compute buffers",
+            Item::IoStaging => "I/O staging",
+            Item::ExpertCache => "expert cache",
+            Item::RuntimeOverhead => "runtime overhead",
+        }
+    }
+}
+
+/// One line of the ledger.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct LedgerLine {
+    /// What it is.
+    pub item: Item,
+    /// Bytes.
+    pub bytes: u64,
+    /// How the number was found.
+    pub basis: String,
+    /// Whether it counts toward the total: `false` for memory the kernel may reclaim at will
+    /// (dense weights left in the file mapping with `--dense mmap`).
+    pub held: bool,
+}
+
+/// The ledger of one planned run.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Ledger {
+    /// The model's first file.
+    pub model: String,
+    /// Context positions the run sizes the KV cache for.
+    pub n_ctx: u32,
+    /// Largest batch a decode takes (prompt chunks).
+    pub n_batch: u32,
+    /// Where the dense weights live (`anon` or `mmap`).
+    pub dense: String,
+    /// The lines, in ledger order.
+    pub lines: Vec<LedgerLine>,
+    /// The budget, bytes.
+    pub budget: u64,
+    /// Where the budget came from.
+    pub budget_source: String,
+    /// Whether the expert cache was sized automatically (what the budget leaves).
+    pub cache_auto: bool,
+    /// One token's routed demand (layers × k × largest expert): the smallest useful cache.
+    pub one_token_min: u64,
+    /// All experts' window bytes (the most a cache can use).
+    pub all_experts: u64,
+    /// Bytes held: the sum of the held lines.
+    pub total: u64,
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+impl Ledger {
+    /// The bytes of `item`'s line.
+    pub fn bytes(&self, item: Item) -> u64 {
+        self.lines.iter().filter(|l| l.item == item).map(|l| l.bytes).sum()
+    }
+
+    /// Whether the held total is within the budget.
+    pub fn fits(&self) -> bool {
+        self.total <= self.budget
+    }
+
+    /// The expert cache the run will use, bytes.
+    pub fn cache_bytes(&self) -> u64 {
+        self.bytes(Item::ExpertCache)
+    }
+
+    /// The ledger as an aligned table.
+    pub fn describe(&self) -> String {
+        let mut o = format!(
+            "ledger for {} (context {} positions, batch {}, dense {}):\n",
+            self.model, self.n_ctx, self.n_batch, self.dense
+        );
+        for l in &self.lines {
+            let _ = writeln!(
+                o,
+                "  {:<17} {:>10.1} MiB{}  {}",
+                l.item.label(),
+                mib(l.bytes),
+                if l.held { "  " } else { " *" },
+                l.basis
+            );
+        }
+        let _ = writeln!(o, "  {:<17} {:>10.1} MiB", "total held", mib(self.total));
+        let _ = writeln!(o, "  {:<17} {:>10.1} MiB    {}", "budget", mib(self.budget), self.budget_source);
+        if self.lines.iter().any(|l| !l.held) {
+            let _ = writeln!(o, "  (* in the page cache, reclaimable: not counted in the total)");
+        }
+        let _ = writeln!(
+            o,
+            "  one token's routed demand: {:.1} MiB (the smallest useful expert cache); all experts: {:.1} MiB",
+            mib(self.one_token_min),
+            mib(self.all_experts)
+        );
+        o
+    }
+}

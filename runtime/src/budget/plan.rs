@@ -1,0 +1,228 @@
+//! Planning a run's memory before loading it: the ledger from the GGUF metadata and a
+//! metadata-only llama.cpp context (`no_alloc`: llama.cpp sizes the KV cache and the compute
+//! buffers without allocating or reading anything), the automatic expert cache, and the check
+//! against the budget with the smallest changes that would fit.
+
+use std::path::Path;
+
+use ggml_sys::{Context, Model, ModelParams, Threads};
+
+use crate::board::resolve::Sourced;
+use crate::generate::context_params;
+use crate::stream::{DensePolicy, ExpertIndex};
+use crate::telemetry::Usage;
+
+use super::ledger::{Item, Ledger, LedgerLine};
+use super::BudgetError;
+
+/// llama.cpp's own structures beyond its buffers (model and vocabulary metadata, graph
+/// bookkeeping, the output logits), the engine's (index, cache slots, lane threads' stacks), and
+/// allocator slack, on top of the process's resident size before loading.
+pub const OVERHEAD_BYTES: u64 = 32 << 20;
+
+/// What a run asks for.
+#[derive(Debug, Clone)]
+pub struct PlanRequest<'a> {
+    /// The model's first file.
+    pub model: &'a Path,
+    /// Its expert index.
+    pub index: &'a ExpertIndex,
+    /// Context positions needed (prompt plus tokens to generate, or `--ctx`).
+    pub positions: u32,
+    /// Where the dense weights live.
+    pub dense: DensePolicy,
+    /// A fixed expert cache in bytes, or `None` for what the budget leaves.
+    pub cache_bytes: Option<u64>,
+    /// The budget.
+    pub budget: Sourced<u64>,
+}
+
+/// llama.cpp's sizes for one context shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextSizes {
+    /// KV cache bytes.
+    pub kv: u64,
+    /// Compute buffer bytes.
+    pub compute: u64,
+}
+
+/// Sizes a context of `positions` over `model` without loading a weight: a metadata-only model
+/// and a context over it report what they would allocate.
+pub fn measure_context(model: &Path, positions: u32) -> Result<ContextSizes, BudgetError> {
+    let m = Model::load(model, &ModelParams { metadata_only: true, ..Default::default() })?;
+    let ctx = Context::new(&m, &context_params(positions, &Threads::unpinned(1)), None)?;
+    let s = ctx.memory_sizes();
+    Ok(ContextSizes { kv: s.context, compute: s.compute })
+}
+
+fn mib(b: u64) -> f64 {
+    b as f64 / (1u64 << 20) as f64
+}
+
+/// Page-aligned window bytes of `[offset, offset + size)`.
+fn window(offset: u64, size: u64, page: u64) -> u64 {
+    (offset + size).div_ceil(page) * page - offset / page * page
+}
+
+/// The ledger for `req` given llama.cpp's context sizes and the process's resident bytes
+/// before loading.
+pub fn ledger(req: &PlanRequest, sizes: ContextSizes, baseline: u64) -> Ledger {
+    let index = req.index;
+    let params = context_params(req.positions, &Threads::unpinned(1));
+    let page = ggml_sys::page_size();
+    let dense = match req.dense {
+        DensePolicy::Anon => LedgerLine {
+            item: Item::DenseWeights,
+            bytes: index.dense.iter().map(|t| window(t.offset, t.size, page)).sum(),
+            basis: format!("{} tensors read once into anonymous memory (page-aligned windows)", index.dense.len()),
+            held: true,
+        },
+        DensePolicy::Mmap => LedgerLine {
+            item: Item::DenseWeights,
+            bytes: index.dense_bytes(),
+            basis: format!("{} tensors in llama.cpp's file mapping (--dense mmap)", index.dense.len()),
+            held: false,
+        },
+    };
+    let dense_held = if dense.held { dense.bytes } else { 0 };
+    let overhead = baseline + OVERHEAD_BYTES;
+    let fixed = dense_held + sizes.kv + sizes.compute + overhead;
+    let all = index.all_expert_window_bytes();
+    let max_window = index.max_expert_window_bytes();
+    let in_flight = u64::from(index.n_expert.min(params.n_batch.saturating_mul(index.n_expert_used)));
+    let working = in_flight * max_window;
+    let (cache, cache_basis) = match req.cache_bytes {
+        Some(c) => (c.min(all), format!("--cache-mb {}", c >> 20)),
+        None => (
+            req.budget.value.saturating_sub(fixed).min(all),
+            "automatic: what the budget leaves, at most all experts".to_string(),
+        ),
+    };
+    let staging = working.saturating_sub(cache);
+    let lines = vec![
+        dense,
+        LedgerLine {
+            item: Item::KvCache,
+            bytes: sizes.kv,
+            basis: format!("llama.cpp's KV cache for {} positions", params.n_ctx),
+            held: true,
+        },
+        LedgerLine {
+            item: Item::ComputeBuffers,
+            bytes: sizes.compute,
+            basis: format!("llama.cpp's graph reservation for batches of {}", params.n_batch),
+            held: true,
+        },
+        LedgerLine {
+            item: Item::IoStaging,
+            bytes: staging,
+            basis: format!(
+                "a layer's routed experts beyond the cache while it computes ({in_flight} × {:.2} MiB in a batch of {})",
+                mib(max_window),
+                params.n_batch
+            ),
+            held: true,
+        },
+        LedgerLine { item: Item::ExpertCache, bytes: cache, basis: cache_basis, held: true },
+        LedgerLine {
+            item: Item::RuntimeOverhead,
+            bytes: overhead,
+            basis: format!("process before loading {:.1} MiB + llama.cpp and engine structures {} MiB", mib(baseline), OVERHEAD_BYTES >> 20),
+            held: true,
+        },
+    ];
+    let total = lines.iter().filter(|l| l.held).map(|l| l.bytes).sum();
+    Ledger {
+        model: req.model.display().to_string(),
+        n_ctx: params.n_ctx,
+        n_batch: params.n_batch,
+        dense: format!("{:?}", req.dense).to_lowercase(),
+        lines,
+        budget: req.budget.value,
+        budget_source: req.budget.source.clone(),
+        cache_auto: req.cache_bytes.is_none(),
+        one_token_min: index.one_token_demand().min(all),
+        all_experts: all,
+        total,
+    }
+}
+
+/// The process's resident bytes now.
+fn resident_now() -> u64 {
+    let u = Usage::sample();
+    u.rss_anon + u.rss_file
+}
+
+/// Plans `req` and refuses it when it does not fit: over budget, or an automatic cache below one
+/// token's routed demand. The error shows the ledger and the smallest changes that fit.
+pub fn plan_within_budget(req: &PlanRequest) -> Result<Ledger, BudgetError> {
+    let baseline = resident_now();
+    let sizes = measure_context(req.model, req.positions)?;
+    let l = ledger(req, sizes, baseline);
+    let cache_short = l.cache_auto && l.cache_bytes() < l.one_token_min;
+    if l.fits() && !cache_short {
+        return Ok(l);
+    }
+    let fixes = fixes(req, &l, sizes, baseline)?;
+    let fixes = if fixes.is_empty() {
+        "none of --cache-mb, --dense mmap or a smaller context is enough: raise the budget (the profile's memory.budget_mib, or the cgroup's limit) or use a smaller model".to_string()
+    } else {
+        fixes.join("; or ")
+    };
+    Err(if cache_short && l.fits() {
+        BudgetError::CacheBelowMinimum {
+            cache_mib: mib(l.cache_bytes()),
+            min_mib: mib(l.one_token_min),
+            ledger: Box::new(l),
+            fixes,
+        }
+    } else {
+        BudgetError::OverBudget { total_mib: mib(l.total), budget_mib: mib(l.budget), ledger: Box::new(l), fixes }
+    })
+}
+
+/// Whether a ledger is acceptable: within budget, and an automatic cache holds one token.
+fn acceptable(l: &Ledger) -> bool {
+    l.fits() && !(l.cache_auto && l.cache_bytes() < l.one_token_min)
+}
+
+/// The changes, smallest first, that make `l` acceptable.
+fn fixes(req: &PlanRequest, l: &Ledger, sizes: ContextSizes, baseline: u64) -> Result<Vec<String>, BudgetError> {
+    let mut out = Vec::new();
+    // A smaller cache, or none.
+    let without_cache = ledger(&PlanRequest { cache_bytes: Some(0), ..req.clone() }, sizes, baseline);
+    if without_cache.fits() {
+        let room = l.budget - without_cache.total;
+        let working = without_cache.bytes(Item::IoStaging);
+        let cache = if room + working >= l.one_token_min { (room + working).min(l.all_experts) } else { 0 };
+        if req.cache_bytes.is_some() && cache > 0 {
+            out.push(format!("--cache-mb {} (the most that fits)", cache >> 20));
+        } else {
+            out.push("--cache-mb 0 (stream every routed expert, no cache)".into());
+        }
+    }
+    // Dense weights in the page cache instead of anonymous memory.
+    if req.dense == DensePolicy::Anon {
+        let mmap = ledger(&PlanRequest { dense: DensePolicy::Mmap, ..req.clone() }, sizes, baseline);
+        if acceptable(&mmap) {
+            out.push(format!(
+                "--dense mmap (the {:.1} MiB of dense weights stay in the page cache, which the kernel may reclaim and re-read)",
+                mib(l.bytes(Item::DenseWeights))
+            ));
+        }
+    }
+    // A smaller context: halve until it fits.
+    let mut positions = req.positions / 2;
+    while positions >= 256 {
+        let smaller = PlanRequest { positions, ..req.clone() };
+        let s = measure_context(req.model, positions)?;
+        if acceptable(&ledger(&smaller, s, baseline)) {
+            out.push(format!(
+                "a context of {positions} positions (--ctx {positions}, or a shorter prompt and fewer tokens)"
+            ));
+            break;
+        }
+        positions /= 2;
+    }
+    Ok(out)
+}

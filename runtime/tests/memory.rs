@@ -1,0 +1,118 @@
+//! The memory budget as a board sees it: a streamed run inside a memory cgroup stays within its
+//! ledger (peak RSS at most the ledger total plus 5%) without hitting the cgroup's limit, and
+//! `sluice bench --budget-mb` completes and writes its CSV and SVG. Both need to create memory
+//! cgroups (root); they are skipped, saying so, where that is impossible, and under qemu-user,
+//! whose own translation memory is not the runtime's.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use sluice_hal::cgroup::MemoryCgroup;
+
+fn sluice(args: &[&str]) -> Command {
+    let mut c = Command::new(env!("CARGO_BIN_EXE_sluice"));
+    c.args(args).env_remove("RUST_LOG");
+    c
+}
+
+fn emulated() -> bool {
+    std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty())
+}
+
+fn synth(dir: &Path, size: &str) -> String {
+    let p = dir.join("m.gguf");
+    let o = sluice(&["synth", "--out", p.to_str().unwrap(), "--size", size, "--layers", "4"]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    p.to_string_lossy().into_owned()
+}
+
+/// A cgroup of `mib`, or the reason there is none.
+fn cgroup(name: &str, mib: u64) -> Option<MemoryCgroup> {
+    if emulated() {
+        eprintln!("skipped: under qemu-user the process's memory is the emulator's");
+        return None;
+    }
+    match MemoryCgroup::create(&format!("{name}-{}", std::process::id()), mib << 20) {
+        Ok(cg) => Some(cg),
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            None
+        }
+    }
+}
+
+fn check(o: &Output) -> String {
+    let err = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "sluice failed: {err}");
+    err
+}
+
+#[test]
+fn a_streamed_run_in_a_memory_cgroup_stays_within_its_ledger() {
+    let Some(cg) = cgroup("sluice-test-rss", 192) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path(), "300MiB");
+    let csv = dir.path().join("run.csv");
+    // The shell joins the cgroup, then becomes sluice: everything sluice holds is charged there.
+    let script = format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.dir().display());
+    let o = Command::new("sh")
+        .args([
+            "-c",
+            &script,
+            "sh",
+            env!("CARGO_BIN_EXE_sluice"),
+            "run",
+            "-m",
+            &model,
+            "-p",
+            "a board with little memory",
+        ])
+        .args(["-n", "24", "--csv", csv.to_str().unwrap()])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    let err = check(&o);
+    let text = std::fs::read_to_string(&csv).unwrap();
+    let field = |key: &str| -> u64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(&format!("# {key} = ")))
+            .unwrap_or_else(|| panic!("no {key} in the CSV: {text}"))
+            .parse()
+            .unwrap()
+    };
+    let (total, budget, peak) = (field("ledger_total_bytes"), field("budget_bytes"), field("peak_rss_bytes"));
+    assert_eq!(budget, 192 << 20, "the budget is the cgroup's limit: {err}");
+    assert!(total <= budget, "{err}");
+    assert!(peak as f64 <= total as f64 * 1.05, "peak RSS {peak} over the ledger total {total} + 5%: {err}");
+    assert!(field("cache_bytes") > 0, "the budget leaves room for a cache: {err}");
+    assert_eq!(cg.limit_hits(), Some(0), "the run leaned on reclaim: {err}");
+}
+
+#[test]
+fn bench_under_a_budget_writes_its_table_csv_and_chart() {
+    let Some(probe) = cgroup("sluice-test-bench-probe", 64) else { return };
+    drop(probe);
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path(), "200MiB");
+    let out = dir.path().join("out");
+    let o = sluice(&["bench", "-m", &model, "--budget-mb", "144", "-n", "6", "--out", out.to_str().unwrap()])
+        .output()
+        .unwrap();
+    check(&o);
+    let table = String::from_utf8_lossy(&o.stdout);
+    for needle in [
+        "resident-mmap",
+        "streamed, no cache",
+        "streamed, auto cache",
+        "cgroup peak MiB",
+        "% ceiling",
+        "storage ceiling",
+    ] {
+        assert!(table.contains(needle), "{needle:?} missing:\n{table}");
+    }
+    let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 4, "{csv}");
+    assert!(csv.lines().skip(1).all(|l| l.ends_with(",true")), "every configuration generates the same tokens:\n{csv}");
+    let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.matches("<rect x=").count() == 3, "{svg}");
+}
