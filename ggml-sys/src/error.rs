@@ -87,4 +87,7 @@ pub enum Error {
         /// Threads asked for.
         count: u32,
     },
+    /// The linked llama.cpp has no expert-ready hook (vendor patch 0004).
+    #[error("this build's llama.cpp has no expert-ready hook (vendor patch 0004)")]
+    NoExpertHook,
 }

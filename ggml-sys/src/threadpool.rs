@@ -23,6 +23,21 @@ pub enum SchedPriority {
 }
 
 impl SchedPriority {
+    /// The names [`SchedPriority::from_name`] takes, lowest first.
+    pub const NAMES: [&'static str; 5] = ["low", "normal", "medium", "high", "realtime"];
+
+    /// The priority named `name` (one of [`SchedPriority::NAMES`]).
+    pub fn from_name(name: &str) -> Option<SchedPriority> {
+        Some(match name {
+            "low" => SchedPriority::Low,
+            "normal" => SchedPriority::Normal,
+            "medium" => SchedPriority::Medium,
+            "high" => SchedPriority::High,
+            "realtime" => SchedPriority::Realtime,
+            _ => return None,
+        })
+    }
+
     fn raw(self) -> sys::ggml_sched_priority {
         match self {
             SchedPriority::Low => sys::GGML_SCHED_PRIO_LOW,

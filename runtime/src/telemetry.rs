@@ -65,8 +65,10 @@ pub struct TokenRow {
     pub n_tokens: usize,
     /// Wall time.
     pub wall: Duration,
-    /// Time waiting for expert reads.
+    /// Time waiting for expert reads (serial), or submitting and collecting them (overlap).
     pub io_wait: Duration,
+    /// Overlap: time compute threads were blocked waiting for an expert, averaged over them.
+    pub stall: Duration,
     /// Expert bytes read.
     pub bytes_read: u64,
     /// Distinct routed experts summed over layers.
@@ -101,6 +103,7 @@ impl TokenRow {
             n_tokens: event.n_tokens,
             wall: event.wall,
             io_wait: stats.io_wait,
+            stall: stats.stall,
             bytes_read: stats.bytes_read,
             experts_routed: stats.experts_routed,
             hits: stats.hits,
@@ -112,18 +115,19 @@ impl TokenRow {
         }
     }
 
-    /// Compute time: wall minus I/O wait.
+    /// Compute time: wall minus I/O wait and stall.
     pub fn compute(&self) -> Duration {
-        self.wall.saturating_sub(self.io_wait)
+        self.wall.saturating_sub(self.io_wait + self.stall)
     }
 
     /// A live one-line status.
     pub fn progress_line(&self) -> String {
         format!(
-            "token {:>4}  {:>7.1} ms  io {:>6.1} ms  read {:>7.2} MiB  hit {:>5.1}%  rss {:>7.1} MiB",
+            "token {:>4}  {:>7.1} ms  io {:>6.1} ms  stall {:>6.1} ms  read {:>7.2} MiB  hit {:>5.1}%  rss {:>7.1} MiB",
             self.index,
             ms(self.wall),
             ms(self.io_wait),
+            ms(self.stall),
             mib(self.bytes_read),
             100.0 * self.hit_rate,
             mib(self.rss_anon + self.rss_file)
@@ -148,6 +152,8 @@ pub struct Summary {
     pub wall: Duration,
     /// Their I/O wait.
     pub io_wait: Duration,
+    /// Their stall in the expert-ready hook (overlap).
+    pub stall: Duration,
     /// Their expert bytes read.
     pub bytes_read: u64,
     /// Their major faults.
@@ -171,6 +177,7 @@ impl Summary {
             s.tokens += 1;
             s.wall += r.wall;
             s.io_wait += r.io_wait;
+            s.stall += r.stall;
             s.bytes_read += r.bytes_read;
             s.major_faults += r.major_faults;
         }
@@ -186,9 +193,20 @@ impl Summary {
         }
     }
 
-    /// Expert bytes read per second of I/O wait, MiB/s (`None` when nothing was read).
+    /// Expert bytes read per second spent waiting for them (I/O wait plus stall), MiB/s
+    /// (`None` when nothing was read).
     pub fn read_mib_per_s(&self) -> Option<f64> {
-        (self.bytes_read > 0 && !self.io_wait.is_zero()).then(|| mib(self.bytes_read) / self.io_wait.as_secs_f64())
+        let waited = self.io_wait + self.stall;
+        (self.bytes_read > 0 && !waited.is_zero()).then(|| mib(self.bytes_read) / waited.as_secs_f64())
+    }
+
+    /// Stall in the expert-ready hook per generated token, ms.
+    pub fn stall_ms_per_token(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            ms(self.stall) / self.tokens as f64
+        }
     }
 
     /// MiB read per generated token.
@@ -203,11 +221,12 @@ impl Summary {
     /// A human-readable summary.
     pub fn describe(&self) -> String {
         format!(
-            "streamed decode: {} tokens, {:.2} tok/s, {:.2} MiB read/token, I/O wait {:.0}% of wall, cache hit rate {:.1}%, {} major faults, peak RSS {:.1} MiB",
+            "streamed decode: {} tokens, {:.2} tok/s, {:.2} MiB read/token, I/O wait {:.0}% of wall, stall {:.1} ms/token, cache hit rate {:.1}%, {} major faults, peak RSS {:.1} MiB",
             self.tokens,
             self.tokens_per_s(),
             self.mib_per_token(),
             if self.wall.is_zero() { 0.0 } else { 100.0 * self.io_wait.as_secs_f64() / self.wall.as_secs_f64() },
+            self.stall_ms_per_token(),
             100.0 * self.hit_rate,
             self.major_faults,
             mib(self.peak_rss)
@@ -220,16 +239,17 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
     for (k, v) in config {
         writeln!(out, "# {k} = {v}")?;
     }
-    writeln!(out, "index,prefill,n_tokens,wall_ms,io_wait_ms,compute_ms,bytes_read,experts_routed,hits,misses,hit_rate,major_faults,rss_anon,rss_file")?;
+    writeln!(out, "index,prefill,n_tokens,wall_ms,io_wait_ms,stall_ms,compute_ms,bytes_read,experts_routed,hits,misses,hit_rate,major_faults,rss_anon,rss_file")?;
     for r in rows {
         writeln!(
             out,
-            "{},{},{},{:.3},{:.3},{:.3},{},{},{},{},{:.4},{},{},{}",
+            "{},{},{},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{:.4},{},{},{}",
             r.index,
             u8::from(r.prefill),
             r.n_tokens,
             ms(r.wall),
             ms(r.io_wait),
+            ms(r.stall),
             ms(r.compute()),
             r.bytes_read,
             r.experts_routed,
@@ -255,6 +275,7 @@ mod tests {
             n_tokens: 1,
             wall: Duration::from_millis(ms_wall),
             io_wait: Duration::from_millis(ms_wall / 2),
+            stall: Duration::ZERO,
             bytes_read: bytes,
             experts_routed: 4,
             hits: 1,

@@ -319,13 +319,31 @@ fn plan_prints_the_ledger_as_text_and_json_and_refuses_what_does_not_fit() {
     let sum: u64 = lines.iter().filter(|l| l["held"] == true).map(|l| l["bytes"].as_u64().unwrap()).sum();
     assert_eq!(v["total"].as_u64().unwrap(), sum);
 
-    // A 64 MiB board cannot hold a 32768-position context for this model.
+    // A board whose budget lies between the plans of 256 and 4096 positions cannot hold 4096:
+    // the refusal names a context that fits.
+    let total = |ctx: &str| -> u64 {
+        let o = sluice(
+            &["--board", "qemu-aarch64", "plan", "-m", &model, "--ctx", ctx, "--json", "--cache-mb", "0"],
+            dir.path(),
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()["total"].as_u64().unwrap()
+    };
+    let (small, big) = (total("256"), total("4096"));
+    assert!(big > small + (4 << 20), "the KV cache grows with the context: {small} {big}");
+    let budget_mib = ((small + big) / 2) >> 20;
     let board = dir.path().join("tiny.toml");
-    std::fs::write(&board, "name = \"tiny\"\n[memory]\nbudget_mib = 64\n").unwrap();
-    let o = sluice(&["--board", board.to_str().unwrap(), "plan", "-m", &model, "--ctx", "32768"], dir.path());
-    assert_clean_error(&o, "more than the budget of 64.0 MiB");
+    std::fs::write(&board, format!("name = \"tiny\"\n[memory]\nbudget_mib = {budget_mib}\n")).unwrap();
+    let o = sluice(
+        &["--board", board.to_str().unwrap(), "plan", "-m", &model, "--ctx", "4096", "--cache-mb", "0"],
+        dir.path(),
+    );
+    assert_clean_error(&o, &format!("more than the budget of {budget_mib}.0 MiB"));
     assert_clean_error(&o, "fits with: ");
     assert_clean_error(&o, "a context of");
+    // Beyond the model's context length is its own clear error.
+    let o = sluice(&["plan", "-m", &model, "--ctx", "100000"], dir.path());
+    assert_clean_error(&o, "more than the model's context length 4096");
     // run refuses a plan over budget the same way, before reading any weight.
     std::fs::write(&board, "name = \"tiny\"\n[memory]\nbudget_mib = 24\n").unwrap();
     let o = sluice(&["--board", board.to_str().unwrap(), "run", "-m", &model, "-p", "hi"], dir.path());

@@ -115,10 +115,11 @@ pub fn stream_config(
     sluice::stream::StreamConfig {
         cache_bytes,
         force_cache: true,
-        lanes: sluice::stream::LaneConfig { lanes, direct, max_request: 256 << 10, cpus: Vec::new() },
+        lanes: sluice::stream::LaneConfig { lanes, direct, max_request: 256 << 10, cpus: Vec::new(), fail_read: None },
         dense,
         trace_routes: true,
         gpu_layers: 0,
+        overlap: None,
     }
 }
 

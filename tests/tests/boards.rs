@@ -4,7 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use sluice::board::{resolve, select, BoardChoice, BoardError, BoardProfile, Overrides, ResolvedBoard, BUILTIN};
+use sluice::board::{
+    resolve, select, BoardChoice, BoardError, BoardProfile, BuildCaps, Overrides, ResolvedBoard, BUILTIN,
+};
 use sluice_hal::probe::HardwareProbe;
 use sluice_hal::root::SysRoot;
 use sluice_hal::storage::{measure_direct_read, Medium, StorageProbe};
@@ -16,7 +18,7 @@ fn tree(name: &str) -> SysRoot {
 fn resolve_on(root: &SysRoot, choice: &BoardChoice, gpu: bool) -> Result<(HardwareProbe, ResolvedBoard), BoardError> {
     let probe = HardwareProbe::run(root, None);
     let selected = select(choice, &probe.identity)?;
-    let resolved = resolve(selected, &probe, &Overrides::default(), None, gpu)?;
+    let resolved = resolve(selected, &probe, &Overrides::default(), None, BuildCaps { gpu, expert_hook: true })?;
     Ok((probe, resolved))
 }
 

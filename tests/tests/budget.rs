@@ -4,7 +4,7 @@
 
 use ggml_sys::{Context, GgufFile, Threads};
 use sluice::board::resolve::Sourced;
-use sluice::budget::{self, BudgetError, ContextSizes, Item, PlanRequest, OVERHEAD_BYTES};
+use sluice::budget::{self, BudgetError, Item, PlanRequest, OVERHEAD_BYTES};
 use sluice::generate::{context_params, load_model};
 use sluice::stream::{DensePolicy, ExpertIndex};
 use sluice_tests::Fixture;
@@ -108,54 +108,54 @@ fn refusal(req: &PlanRequest) -> (String, BudgetError) {
 #[test]
 fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
     let dir = tempfile::tempdir().unwrap();
-    let files = Fixture::F16.write(dir.path());
-    let index = ExpertIndex::open(&files[0]).unwrap();
+    // Sixteen layers: the KV cache grows by megabytes with the context, and one token needs
+    // 16 × top-2 experts, far more than the 8 experts a prompt batch can hold at once.
+    let deep = sluice::synth::SynthSpec { layers: 16, ..Fixture::F16.spec() };
+    let path = dir.path().join("deep.gguf");
+    sluice::synth::synthesize(&deep, &path, 2).unwrap();
+    let index = ExpertIndex::open(&path).unwrap();
     let base = PlanRequest {
-        model: &files[0],
+        model: &path,
         index: &index,
         positions: 256,
         dense: DensePolicy::Anon,
         cache_bytes: None,
         budget: budget(4096),
     };
-    let fits = budget::plan_within_budget(&base).unwrap();
-    assert!(fits.fits() && fits.cache_bytes() == index.all_expert_window_bytes(), "a roomy budget caches every expert");
+    let roomy = budget::plan_within_budget(&base).unwrap();
+    assert!(
+        roomy.fits() && roomy.cache_bytes() == index.all_expert_window_bytes(),
+        "a roomy budget caches every expert"
+    );
+    let baseline = roomy.bytes(Item::RuntimeOverhead) - OVERHEAD_BYTES;
 
     // A context too big for the budget: the fix is a smaller context.
-    let sizes = |p| budget::measure_context(&files[0], p).unwrap();
-    let small: ContextSizes = sizes(256);
-    let big_positions = 32768;
-    let big = sizes(big_positions);
-    assert!(big.kv > 8 * small.kv);
-    let room = big.kv / 2 + small.kv + small.compute + (64 << 20);
+    let sizes = |p| budget::measure_context(&path, p).unwrap();
+    let no_cache = PlanRequest { cache_bytes: Some(0), ..base.clone() };
+    let small = budget::ledger(&no_cache, sizes(256), baseline).total;
+    let big = budget::ledger(&PlanRequest { positions: 4096, ..no_cache.clone() }, sizes(4096), baseline).total;
+    assert!(big > small + (8 << 20), "{small} {big}");
     let req = PlanRequest {
-        positions: big_positions,
-        budget: Sourced { value: room, source: "test".into() },
-        ..base.clone()
+        positions: 4096,
+        budget: Sourced { value: (small + big) / 2, source: "test".into() },
+        ..no_cache
     };
     let (msg, e) = refusal(&req);
     assert!(matches!(e, BudgetError::OverBudget { .. }), "{msg}");
     for needle in ["more than the budget", "KV cache", "total held", "fits with:", "a context of", "--ctx"] {
         assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
     }
+    let too_long = budget::plan_within_budget(&PlanRequest { positions: 100_000, ..base.clone() }).unwrap_err();
+    assert!(too_long.to_string().contains("more than the model's context length 4096"), "{too_long}");
 
-    // A budget that leaves the automatic cache less than one token's routed demand. With eight
-    // layers one token needs 8 × top-2 experts, more than the 8 experts a prompt batch can hold.
-    let deep = sluice::synth::SynthSpec { layers: 8, ..Fixture::F16.spec() };
-    let deep_path = dir.path().join("deep.gguf");
-    sluice::synth::synthesize(&deep, &deep_path, 2).unwrap();
-    let deep_index = ExpertIndex::open(&deep_path).unwrap();
-    let deep_base = PlanRequest { model: &deep_path, index: &deep_index, ..base.clone() };
-    let l = budget::plan_within_budget(&deep_base).unwrap();
-    let working = u64::from(deep.experts) * deep_index.max_expert_window_bytes();
-    assert!(working < l.one_token_min);
-    let tight = l.total - l.cache_bytes() + (working + l.one_token_min) / 2;
-    let req = PlanRequest { budget: Sourced { value: tight, source: "test".into() }, ..deep_base.clone() };
+    // A budget that leaves the automatic cache less than one token's routed demand.
+    let working = u64::from(deep.experts) * index.max_expert_window_bytes();
+    assert!(working < roomy.one_token_min);
+    let tight = roomy.total - roomy.cache_bytes() + (working + roomy.one_token_min) / 2;
+    let req = PlanRequest { budget: Sourced { value: tight, source: "test".into() }, ..base.clone() };
     let (msg, e) = refusal(&req);
     assert!(matches!(e, BudgetError::CacheBelowMinimum { .. }), "{msg}");
     for needle in ["below one token's routed demand", "expert cache", "--cache-mb 0"] {
         assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
     }
-    // That fix does fit.
-    budget::plan_within_budget(&PlanRequest { cache_bytes: Some(0), ..req }).unwrap();
 }

@@ -6,7 +6,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-use sluice::board::{resolve, select, BoardChoice, Overrides};
+use sluice::board::{resolve, select, BoardChoice, BuildCaps, Overrides};
 use sluice::stream::{load_streamed_model, ExpertIndex, StreamedSession};
 use sluice_hal::probe::HardwareProbe;
 use sluice_hal::root::SysRoot;
@@ -47,7 +47,7 @@ fn compute_threads_and_io_lanes_run_on_the_profile_cores() {
     let selected = select(&BoardChoice::Path(profile), &probe.identity).unwrap();
     // Two threads on one core: ggml starts one worker beside the calling thread.
     let overrides = Overrides { threads: Some(2), ..Default::default() };
-    let board = resolve(selected, &probe, &overrides, Some(&allowed), false).unwrap();
+    let board = resolve(selected, &probe, &overrides, Some(&allowed), BuildCaps::of_this_build()).unwrap();
     assert_eq!((board.compute_cores.as_slice(), board.io_cores.as_slice()), (&[compute][..], &[io][..]));
 
     let index = Arc::new(ExpertIndex::open(&files[0]).unwrap());

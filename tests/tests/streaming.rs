@@ -3,6 +3,7 @@
 //! themselves can fail (streaming from corrupted expert bytes changes the output).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use ggml_sys::GgufFile;
 use sluice::stream::{load_streamed_model, DensePolicy, ExpertIndex, StreamedSession};
@@ -41,6 +42,73 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
             assert_eq!(run.tokens, reference, "{f:?}, {what}: streamed output differs from resident");
             assert!(run.bytes_read > 0, "{f:?}, {what}: nothing was streamed");
         }
+    }
+}
+
+/// `config` with overlap on (each wait bounded by `bound`).
+fn overlapped(mut config: sluice::stream::StreamConfig, bound: Duration) -> sluice::stream::StreamConfig {
+    config.overlap = Some(bound);
+    config
+}
+
+#[test]
+fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
+    if !ggml_sys::expert_hook_available() {
+        eprintln!("skipped: this build's llama.cpp lacks the expert-ready hook (vendor patch 0004)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let bound = sluice::stream::READY_BOUND;
+    for f in gate_fixtures() {
+        let (files, index) = setup(f, dir.path());
+        let reference = resident_reference(&files[0], N);
+        let configs = [
+            ("cache off", stream_config(0, 2, true, DensePolicy::Anon)),
+            ("cache evicts every layer", stream_config(1, 2, true, DensePolicy::Anon)),
+            ("cache holds everything", stream_config(UNBOUNDED, 2, true, DensePolicy::Anon)),
+            ("1 lane", stream_config(0, 1, true, DensePolicy::Anon)),
+            ("4 lanes", stream_config(0, 4, true, DensePolicy::Anon)),
+            ("buffered reads", stream_config(0, 2, false, DensePolicy::Anon)),
+            ("buffered, evicting, dense mmap", stream_config(1, 1, false, DensePolicy::Mmap)),
+        ];
+        for (what, config) in configs {
+            let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+            let run = streamed(&model, Arc::clone(&index), &overlapped(config, bound), N);
+            assert_eq!(run.tokens, reference, "{f:?}, overlap, {what}: output differs from resident");
+            assert!(run.bytes_read > 0, "{f:?}, overlap, {what}: nothing was streamed");
+        }
+    }
+}
+
+#[test]
+fn a_failing_read_under_overlap_ends_the_generation_with_an_error_naming_the_expert() {
+    if !ggml_sys::expert_hook_available() {
+        eprintln!("skipped: this build's llama.cpp lacks the expert-ready hook (vendor patch 0004)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    for overlap in [true, false] {
+        let mut config = stream_config(0, 2, true, DensePolicy::Anon);
+        // Reads 1..=k come from the dense weights at open; fail one well into the decodes. A
+        // one-second bound: even a lost wake-up could not hang the test.
+        config.lanes.fail_read = Some(index.dense.len() as u64 + 40);
+        if overlap {
+            config = overlapped(config, Duration::from_secs(1));
+        }
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let prompt_len = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap().len() as u32;
+        let mut session =
+            StreamedSession::open(&model, Arc::clone(&index), &config, prompt_len + N, &ggml_sys::Threads::unpinned(2))
+                .unwrap();
+        let tokens = model.tokenize(sluice_tests::PROMPT, true).unwrap();
+        let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("the injected read failure must surface");
+        let msg = err.to_string();
+        assert!(msg.contains("reading expert") && msg.contains("of layer"), "overlap {overlap}: {msg}");
+        assert!(msg.contains("Input/output error"), "overlap {overlap}: the failure itself, not a timeout: {msg}");
+        // The session survives: the next generation (no more injected failures) matches resident.
+        let again = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens;
+        assert_eq!(again, resident_reference(&files[0], N), "overlap {overlap}: a failure must not poison the cache");
     }
 }
 

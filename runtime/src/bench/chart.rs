@@ -63,6 +63,7 @@ mod tests {
             major_faults: 0,
             peak_rss: 0,
             read_mib_s: None,
+            stall_ms: None,
             cgroup_peak: None,
             limit_hits: None,
             open_s: 0.0,

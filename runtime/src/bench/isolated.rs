@@ -27,10 +27,14 @@ use crate::telemetry::Usage;
 pub enum ChildKind {
     /// llama.cpp's own mmap load, no streaming.
     Resident,
-    /// Streaming with no expert cache.
+    /// Serial streaming with no expert cache.
     StreamedNoCache,
-    /// Streaming with the expert cache the budget leaves.
+    /// Overlapped streaming with no expert cache.
+    StreamedNoCacheOverlap,
+    /// Serial streaming with the expert cache the budget leaves.
     StreamedAuto,
+    /// Overlapped streaming with the expert cache the budget leaves.
+    StreamedAutoOverlap,
     /// The storage ceiling: O_DIRECT reads of the model file.
     Ceiling,
 }
@@ -38,8 +42,14 @@ pub enum ChildKind {
 /// The order the parent runs them in. The ceiling comes last: storage behind a cache of its own
 /// (a VM's host, a drive's DRAM) is then as warm for it as for the decodes before it, so the
 /// streamer's share of it is not flattered.
-pub const KINDS: [ChildKind; 4] =
-    [ChildKind::Resident, ChildKind::StreamedNoCache, ChildKind::StreamedAuto, ChildKind::Ceiling];
+pub const KINDS: [ChildKind; 6] = [
+    ChildKind::Resident,
+    ChildKind::StreamedNoCache,
+    ChildKind::StreamedNoCacheOverlap,
+    ChildKind::StreamedAuto,
+    ChildKind::StreamedAutoOverlap,
+    ChildKind::Ceiling,
+];
 
 /// The storage ceiling measured on the model file.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -89,12 +99,17 @@ pub fn run_child(
         dense: DensePolicy::Anon,
         trace_routes: false,
         gpu_layers: 0,
+        overlap: None,
     };
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
         ChildKind::Resident => run_resident(model, &index.shards, prompt, &params)?,
-        ChildKind::StreamedNoCache | ChildKind::StreamedAuto => {
-            let auto = kind == ChildKind::StreamedAuto;
+        ChildKind::StreamedNoCache
+        | ChildKind::StreamedNoCacheOverlap
+        | ChildKind::StreamedAuto
+        | ChildKind::StreamedAutoOverlap => {
+            let auto = matches!(kind, ChildKind::StreamedAuto | ChildKind::StreamedAutoOverlap);
+            let overlap = matches!(kind, ChildKind::StreamedNoCacheOverlap | ChildKind::StreamedAutoOverlap);
             let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
             let ledger = budget::plan_within_budget(&PlanRequest {
                 model,
@@ -104,9 +119,17 @@ pub fn run_child(
                 cache_bytes: if auto { None } else { Some(0) },
                 budget: board.budget.clone(),
             })?;
-            let config = StreamConfig { cache_bytes: ledger.cache_bytes(), ..config };
-            let label = if auto { "streamed, auto cache" } else { "streamed, no cache" };
-            run_streamed(model, &index, &config, label.into(), prompt, &params)?
+            let config = StreamConfig {
+                cache_bytes: ledger.cache_bytes(),
+                overlap: overlap.then_some(crate::stream::READY_BOUND),
+                ..config
+            };
+            let label = format!(
+                "streamed, {}, {}",
+                if auto { "auto cache" } else { "no cache" },
+                if overlap { "overlap" } else { "serial" }
+            );
+            run_streamed(model, &index, &config, label, prompt, &params)?
         }
     };
     row.peak_rss = Usage::sample().rss_peak;

@@ -66,6 +66,8 @@ pub struct BenchRow {
     pub peak_rss: u64,
     /// Expert read throughput while the decode waited for it (streamed rows), MiB/s.
     pub read_mib_s: Option<f64>,
+    /// Overlap: compute threads' stall waiting for experts per token, ms (streamed rows).
+    pub stall_ms: Option<f64>,
     /// The memory cgroup's peak usage, page cache included (isolated runs), bytes.
     pub cgroup_peak: Option<u64>,
     /// Times the cgroup's usage hit its limit (isolated runs).
@@ -150,6 +152,7 @@ pub(crate) fn run_resident(
         major_faults: faults,
         peak_rss,
         read_mib_s: None,
+        stall_ms: None,
         cgroup_peak: None,
         limit_hits: None,
         open_s,
@@ -187,6 +190,7 @@ pub(crate) fn run_streamed(
         major_faults: s.major_faults,
         peak_rss: s.peak_rss,
         read_mib_s: s.read_mib_per_s(),
+        stall_ms: config.overlap.map(|_| s.stall_ms_per_token()),
         cgroup_peak: None,
         limit_hits: None,
         open_s,
@@ -245,6 +249,9 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
         cols.push(column("cgroup peak MiB", rows, |r| opt(r.cgroup_peak, |b| format!("{:.1}", mib(b)))));
         cols.push(column("limit hits", rows, |r| opt(r.limit_hits, |h| h.to_string())));
     }
+    if rows.iter().any(|r| r.stall_ms.is_some()) {
+        cols.push(column("stall ms/tok", rows, |r| opt(r.stall_ms, |v| format!("{v:.1}"))));
+    }
     cols.push(column("read MiB/s", rows, |r| opt(r.read_mib_s, |v| format!("{v:.1}"))));
     if let Some(c) = ceiling {
         cols.push(column("% ceiling", rows, |r| opt(r.read_mib_s, |v| format!("{:.0}", 100.0 * v / c))));
@@ -274,14 +281,14 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
 /// The results as CSV (one header line, one line per configuration; sizes in MiB).
 pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
     let mut out = String::from(
-        "config,cache_mib,tok_s,x_mmap,mib_per_token,hit_rate,major_faults,peak_rss_mib,cgroup_peak_mib,limit_hits,read_mib_s,share_of_ceiling,open_s,ttft_s,same_text\n",
+        "config,cache_mib,tok_s,x_mmap,mib_per_token,hit_rate,major_faults,peak_rss_mib,cgroup_peak_mib,limit_hits,stall_ms_per_token,read_mib_s,share_of_ceiling,open_s,ttft_s,same_text\n",
     );
     let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
     let num = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
     for r in rows {
         let _ = writeln!(
             out,
-            "{},{},{:.4},{:.4},{:.4},{},{},{:.1},{},{},{},{},{:.3},{:.3},{}",
+            "{},{},{:.4},{:.4},{:.4},{},{},{:.1},{},{},{},{},{},{:.3},{:.3},{}",
             r.label,
             num(r.cache_bytes.map(mib)),
             r.tokens_per_s,
@@ -292,6 +299,7 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
             mib(r.peak_rss),
             num(r.cgroup_peak.map(mib)),
             r.limit_hits.map_or(String::new(), |h| h.to_string()),
+            num(r.stall_ms),
             num(r.read_mib_s),
             num(r.read_mib_s.zip(ceiling).map(|(v, c)| v / c)),
             r.open_s,

@@ -12,7 +12,7 @@ use std::path::PathBuf;
 pub use builtin::BUILTIN;
 pub use profile::BoardProfile;
 pub use report::{describe_probe, describe_resolved, list_profiles};
-pub use resolve::{resolve, ComputeService, Overrides, ResolvedBoard};
+pub use resolve::{resolve, BuildCaps, ComputeService, Overrides, ResolvedBoard};
 pub use select::{select, BoardChoice, SelectedBoard};
 
 use sluice_hal::probe::HardwareProbe;
@@ -93,6 +93,14 @@ pub enum BoardError {
         /// The root probed.
         root: PathBuf,
     },
+    /// Overlap asked for in a build without the expert-ready hook.
+    #[error("{origin}: overlap asked for ({asked_by}) but this build's llama.cpp lacks the expert-ready hook (vendor patch 0004); run vendor/sync and rebuild, or turn overlap off")]
+    NoOverlap {
+        /// The profile.
+        origin: String,
+        /// Who asked.
+        asked_by: String,
+    },
     /// CUDA asked for, not available, no fallback allowed.
     #[error("{origin}: compute.service = \"cuda\" but this sluice was built without CUDA; build with `--features cuda` on the board (or in NVIDIA's JetPack container), or set compute.cpu_fallback = true to run on the CPU")]
     NoCuda {
@@ -112,7 +120,7 @@ pub fn board_for(
     let probe = HardwareProbe::run(root, model);
     let selected = select(choice, &probe.identity)?;
     let allowed = if root.is_real() { sluice_hal::cpu::allowed_cpus().ok() } else { None };
-    let resolved = resolve(selected, &probe, overrides, allowed.as_deref(), ggml_sys::supports_gpu_offload())?;
+    let resolved = resolve(selected, &probe, overrides, allowed.as_deref(), BuildCaps::of_this_build())?;
     log::info!("board profile {} ({}): {}", resolved.selected.id, resolved.selected.origin, resolved.selected.reason);
     for note in &resolved.notes {
         log::warn!("board {}: {note}", resolved.selected.id);

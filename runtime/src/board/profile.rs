@@ -1,6 +1,7 @@
 //! The board profile file (`boards/<id>.toml`): its schema, strict parsing, and the checks that
 //! need no hardware. Every field is documented with its unit in `boards/README.md`.
 
+use ggml_sys::SchedPriority;
 use serde::Deserialize;
 
 use super::BoardError;
@@ -43,21 +44,10 @@ pub struct Identity {
     pub ram_gib: Option<u32>,
 }
 
-/// Thread priority names of `cpu.priority`.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum Priority {
-    /// Below normal.
-    Low,
-    /// Normal.
-    #[default]
-    Normal,
-    /// Slightly raised.
-    Medium,
-    /// Raised.
-    High,
-    /// Real-time FIFO.
-    Realtime,
+/// `cpu.priority`: one of [`SchedPriority::NAMES`].
+fn priority<'de, D: serde::Deserializer<'de>>(d: D) -> Result<SchedPriority, D::Error> {
+    let name = String::deserialize(d)?;
+    SchedPriority::from_name(&name).ok_or_else(|| serde::de::Error::unknown_variant(&name, &SchedPriority::NAMES))
 }
 
 /// `[cpu]`.
@@ -69,8 +59,8 @@ pub struct CpuSection {
     /// CPUs the I/O lanes run on. Absent: the compute cores.
     pub io_cores: Option<Vec<usize>>,
     /// Compute thread priority.
-    #[serde(default)]
-    pub priority: Priority,
+    #[serde(default, deserialize_with = "priority")]
+    pub priority: SchedPriority,
     /// Busy-poll level of idle compute threads, 0 to 100.
     #[serde(default = "default_poll")]
     pub poll: u32,
@@ -88,7 +78,7 @@ impl Default for CpuSection {
         CpuSection {
             compute_cores: None,
             io_cores: None,
-            priority: Priority::Normal,
+            priority: SchedPriority::Normal,
             poll: default_poll(),
             strict_cpu: false,
         }
@@ -124,6 +114,9 @@ pub struct StorageSection {
     /// Read experts with `O_DIRECT`.
     #[serde(default = "yes")]
     pub direct_io: bool,
+    /// Overlap expert reads with expert compute (the expert-ready hook). Absent: on where the
+    /// build has the hook.
+    pub overlap: Option<bool>,
 }
 
 fn yes() -> bool {
@@ -132,7 +125,7 @@ fn yes() -> bool {
 
 impl Default for StorageSection {
     fn default() -> Self {
-        StorageSection { medium: None, read_kib: None, lanes: None, direct_io: true }
+        StorageSection { medium: None, read_kib: None, lanes: None, direct_io: true, overlap: None }
     }
 }
 

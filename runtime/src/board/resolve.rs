@@ -5,7 +5,9 @@ use sluice_hal::cpulist;
 use sluice_hal::probe::HardwareProbe;
 use sluice_hal::storage::Medium;
 
-use super::profile::{MediumName, Priority, ServiceName};
+use ggml_sys::SchedPriority;
+
+use super::profile::{MediumName, ServiceName};
 use super::select::SelectedBoard;
 use super::BoardError;
 
@@ -20,6 +22,8 @@ pub struct Overrides {
     pub read_kib: Option<u64>,
     /// `--no-direct-io`.
     pub no_direct_io: bool,
+    /// `--overlap` (`Some(true)`) or `--no-overlap` (`Some(false)`).
+    pub overlap: Option<bool>,
 }
 
 /// The compute service a run uses.
@@ -59,7 +63,7 @@ pub struct ResolvedBoard {
     /// Compute threads.
     pub threads: Sourced<u32>,
     /// Compute thread priority.
-    pub priority: Priority,
+    pub priority: SchedPriority,
     /// Busy-poll level, 0 to 100.
     pub poll: u32,
     /// One core per compute thread.
@@ -70,6 +74,8 @@ pub struct ResolvedBoard {
     pub lanes: Sourced<u32>,
     /// Read experts with `O_DIRECT`.
     pub direct_io: bool,
+    /// Overlap expert reads with expert compute.
+    pub overlap: Sourced<bool>,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
     /// The compute service.
@@ -99,16 +105,32 @@ fn medium_name(m: MediumName) -> &'static str {
     }
 }
 
+/// What this build offers that a profile may ask for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BuildCaps {
+    /// GPU offload (the `cuda` feature and a GPU backend).
+    pub gpu: bool,
+    /// The expert-ready hook (overlap).
+    pub expert_hook: bool,
+}
+
+impl BuildCaps {
+    /// What the linked llama.cpp offers.
+    pub fn of_this_build() -> BuildCaps {
+        BuildCaps { gpu: ggml_sys::supports_gpu_offload(), expert_hook: ggml_sys::expert_hook_available() }
+    }
+}
+
 /// Applies `selected` to the probed machine. `allowed` is the process's CPU affinity (cores
-/// outside it cannot be used; `None` for fake trees); `gpu` says whether this build can offload
-/// to a GPU.
+/// outside it cannot be used; `None` for fake trees); `caps` says what this build can do.
 pub fn resolve(
     selected: SelectedBoard,
     probe: &HardwareProbe,
     overrides: &Overrides,
     allowed: Option<&[usize]>,
-    gpu: bool,
+    caps: BuildCaps,
 ) -> Result<ResolvedBoard, BoardError> {
+    let gpu = caps.gpu;
     let p = &selected.profile;
     let origin = selected.origin.clone();
     let mut notes = Vec::new();
@@ -216,6 +238,15 @@ pub fn resolve(
         }
     }
 
+    let overlap = match (overrides.overlap, p.storage.overlap) {
+        (Some(v), _) => sourced(v, if v { "--overlap" } else { "--no-overlap" }),
+        (None, Some(v)) => sourced(v, "profile storage.overlap"),
+        (None, None) => sourced(caps.expert_hook, "default: on where the build has the expert-ready hook"),
+    };
+    if overlap.value && !caps.expert_hook {
+        return Err(BoardError::NoOverlap { origin, asked_by: overlap.source });
+    }
+
     let compute = match (p.compute.service, gpu) {
         (ServiceName::Cpu, _) => ComputeService::Cpu,
         (ServiceName::Cuda, true) => ComputeService::Cuda { n_gpu_layers: p.compute.n_gpu_layers },
@@ -235,6 +266,7 @@ pub fn resolve(
         read_bytes,
         lanes,
         direct_io: p.storage.direct_io && !overrides.no_direct_io,
+        overlap,
         budget,
         compute,
         notes,
@@ -249,13 +281,7 @@ impl ResolvedBoard {
             count: self.threads.value,
             cpus: self.compute_cores.clone(),
             strict_cpu: self.strict_cpu,
-            priority: match self.priority {
-                Priority::Low => ggml_sys::SchedPriority::Low,
-                Priority::Normal => ggml_sys::SchedPriority::Normal,
-                Priority::Medium => ggml_sys::SchedPriority::Medium,
-                Priority::High => ggml_sys::SchedPriority::High,
-                Priority::Realtime => ggml_sys::SchedPriority::Realtime,
-            },
+            priority: self.priority,
             poll: self.poll,
         }
     }
@@ -267,6 +293,7 @@ impl ResolvedBoard {
             direct: self.direct_io,
             max_request: self.read_bytes.value as usize,
             cpus: self.io_cores.clone(),
+            fail_read: None,
         }
     }
 }

@@ -13,6 +13,14 @@ pub enum BudgetError {
     /// llama.cpp could not size the context.
     #[error(transparent)]
     Llama(#[from] ggml_sys::Error),
+    /// More positions than the model was trained for.
+    #[error("a context of {positions} positions is more than the model's context length {n_ctx_train}; ask for at most {n_ctx_train} (--ctx)")]
+    ContextTooLong {
+        /// Positions asked for.
+        positions: u32,
+        /// The model's context length.
+        n_ctx_train: u32,
+    },
     /// The held total is over the budget.
     #[error("the plan needs {total_mib:.1} MiB, more than the budget of {budget_mib:.1} MiB\n{}fits with: {fixes}", .ledger.describe())]
     OverBudget {
@@ -44,7 +52,7 @@ impl BudgetError {
     pub fn ledger(&self) -> Option<&Ledger> {
         match self {
             BudgetError::OverBudget { ledger, .. } | BudgetError::CacheBelowMinimum { ledger, .. } => Some(ledger),
-            BudgetError::Llama(_) => None,
+            BudgetError::Llama(_) | BudgetError::ContextTooLong { .. } => None,
         }
     }
 }

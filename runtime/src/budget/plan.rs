@@ -44,15 +44,20 @@ pub struct ContextSizes {
     pub kv: u64,
     /// Compute buffer bytes.
     pub compute: u64,
+    /// The model's training context length: the most positions a plan may ask for.
+    pub n_ctx_train: u32,
 }
 
 /// Sizes a context of `positions` over `model` without loading a weight: a metadata-only model
 /// and a context over it report what they would allocate.
 pub fn measure_context(model: &Path, positions: u32) -> Result<ContextSizes, BudgetError> {
     let m = Model::load(model, &ModelParams { metadata_only: true, ..Default::default() })?;
+    if positions > m.n_ctx_train() {
+        return Err(BudgetError::ContextTooLong { positions, n_ctx_train: m.n_ctx_train() });
+    }
     let ctx = Context::new(&m, &context_params(positions, &Threads::unpinned(1)), None)?;
     let s = ctx.memory_sizes();
-    Ok(ContextSizes { kv: s.context, compute: s.compute })
+    Ok(ContextSizes { kv: s.context, compute: s.compute, n_ctx_train: m.n_ctx_train() })
 }
 
 fn mib(b: u64) -> f64 {

@@ -26,6 +26,13 @@ pub struct TuningArgs {
     /// Read experts through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub no_direct_io: bool,
+    /// Overlap expert reads with expert compute (default: the profile's, else on where the build
+    /// has the expert-ready hook).
+    #[arg(long, conflicts_with = "no_overlap")]
+    pub overlap: bool,
+    /// Stream serially: read a layer's experts, then compute it.
+    #[arg(long)]
+    pub no_overlap: bool,
 }
 
 impl TuningArgs {
@@ -36,6 +43,13 @@ impl TuningArgs {
             io_lanes: self.io_lanes,
             read_kib: self.read_kib,
             no_direct_io: self.no_direct_io,
+            overlap: if self.overlap {
+                Some(true)
+            } else if self.no_overlap {
+                Some(false)
+            } else {
+                None
+            },
         }
     }
 }
@@ -85,5 +99,13 @@ pub fn stream_config(board: &ResolvedBoard, cache_bytes: u64, force_cache: bool,
     } else {
         dense
     };
-    StreamConfig { cache_bytes, force_cache, lanes: board.lanes(), dense, trace_routes: false, gpu_layers }
+    StreamConfig {
+        cache_bytes,
+        force_cache,
+        lanes: board.lanes(),
+        dense,
+        trace_routes: false,
+        gpu_layers,
+        overlap: board.overlap.value.then_some(sluice::stream::READY_BOUND),
+    }
 }

@@ -117,6 +117,12 @@ fn tuning_args(t: &TuningArgs) -> Vec<OsString> {
     if t.no_direct_io {
         out.push("--no-direct-io".into());
     }
+    if t.overlap {
+        out.push("--overlap".into());
+    }
+    if t.no_overlap {
+        out.push("--no-overlap".into());
+    }
     out
 }
 

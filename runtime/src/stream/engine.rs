@@ -12,7 +12,15 @@
 //! whole argsort), deduplicated, planned against the cache, evicted experts' pages released, and
 //! the missing slices read by the I/O lanes straight into place before the callback returns and
 //! the layer's expert matmuls run.
+//!
+//! Overlap (`--overlap`): the callback hands the layer's reads to the lanes and returns at once;
+//! the expert-ready hook ([`overlap_hook`]) makes each compute thread wait for just the expert
+//! slice it is about to use. The batch is collected at the next layer's top-k node (or at the
+//! end of the decode), before anything is evicted: by then the layer's matmuls have run, so no
+//! expert an in-flight layer needs is ever released.
 
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -35,8 +43,12 @@ pub enum Mode {
 /// Streaming work done since the last [`Streamer::take_stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct DecodeStats {
-    /// Time spent waiting for expert reads.
+    /// Time spent waiting for expert reads at the top-k node (serial), or submitting and
+    /// collecting them (overlap).
     pub io_wait: Duration,
+    /// Overlap: time compute threads spent blocked in the expert-ready hook, averaged over the
+    /// threads.
+    pub stall: Duration,
     /// Expert bytes read.
     pub bytes_read: u64,
     /// Of which through `O_DIRECT`.
@@ -62,6 +74,33 @@ pub struct RouteRecord {
     pub experts: Vec<u32>,
 }
 
+/// Overlap state: whether a batch is out with the lanes, and the hook's stall counter.
+struct Overlap {
+    in_flight: bool,
+    bound: Duration,
+    stall_ns: Arc<AtomicU64>,
+    threads: u32,
+}
+
+/// The expert-ready hook of an overlapped session: blocks the calling compute thread until the
+/// slice of `expert` of the weight tensor is in memory (at most `bound`; a failure or timeout is
+/// left in the lanes for the decode to report), and counts the time blocked in `stall_ns`.
+/// `tensors` maps each of this session's expert tensors' data address to its index: tensors of
+/// other sessions are ignored.
+pub fn overlap_hook(
+    tensors: HashMap<usize, usize>,
+    lanes: Arc<IoLanes>,
+    stall_ns: Arc<AtomicU64>,
+    bound: Duration,
+) -> ggml_sys::ExpertReadyHook {
+    Box::new(move |weights: TensorView<'_>, expert: u32| {
+        let Some(&k) = tensors.get(&weights.data_addr()) else { return };
+        let t0 = Instant::now();
+        lanes.wait_ready(k, expert, bound);
+        stall_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
+    })
+}
+
 /// The state shared between the eval callback and the session.
 pub struct Streamer<'m> {
     model: &'m Model,
@@ -72,9 +111,12 @@ pub struct Streamer<'m> {
     captured_dense: Vec<bool>,
     dense_bytes_read: u64,
     reservations: Vec<Arc<Reservation>>,
-    lanes: IoLanes,
+    lanes: Arc<IoLanes>,
+    overlap: Option<Overlap>,
     cache: ExpertCache,
     plan: LayerPlan,
+    /// The (layer, expert) pairs of the batch being read.
+    loading: Vec<(u32, u32)>,
     jobs: Vec<ReadJob>,
     ids: Vec<u32>,
     seen: Vec<bool>,
@@ -86,7 +128,13 @@ pub struct Streamer<'m> {
 
 impl<'m> Streamer<'m> {
     /// A streamer in capture mode.
-    pub fn new(model: &'m Model, index: Arc<ExpertIndex>, lanes: IoLanes, cache_budget: u64, dense_anon: bool) -> Self {
+    pub fn new(
+        model: &'m Model,
+        index: Arc<ExpertIndex>,
+        lanes: Arc<IoLanes>,
+        cache_budget: u64,
+        dense_anon: bool,
+    ) -> Self {
         let cache = {
             let idx = Arc::clone(&index);
             ExpertCache::new(index.n_layer, index.n_expert, cache_budget, move |l, e| idx.expert_window_bytes(l, e))
@@ -99,8 +147,10 @@ impl<'m> Streamer<'m> {
             dense_bytes_read: 0,
             reservations: Vec::new(),
             lanes,
+            overlap: None,
             cache,
             plan: LayerPlan::with_capacity(n_expert * index.n_layer as usize),
+            loading: Vec::with_capacity(n_expert),
             jobs: Vec::with_capacity(n_expert * 4),
             ids: Vec::with_capacity(n_expert),
             seen: vec![false; n_expert],
@@ -112,6 +162,18 @@ impl<'m> Streamer<'m> {
             dense_anon,
             index,
         }
+    }
+
+    /// Each expert tensor's data address (its reservation) and its index, after capture.
+    pub fn expert_addrs(&self) -> HashMap<usize, usize> {
+        self.reservations.iter().enumerate().map(|(k, r)| (r.base_addr(), k)).collect()
+    }
+
+    /// Streams with overlap from now on: reads are submitted at the top-k node and waited for by
+    /// the expert-ready hook, which adds its blocked time to `stall_ns` (summed over `threads`
+    /// compute threads). `bound` limits each collection of a batch.
+    pub fn enable_overlap(&mut self, stall_ns: Arc<AtomicU64>, threads: u32, bound: Duration) {
+        self.overlap = Some(Overlap { in_flight: false, bound, stall_ns, threads: threads.max(1) });
     }
 
     /// Records every layer's routed experts from now on.
@@ -146,6 +208,10 @@ impl<'m> Streamer<'m> {
 
     /// Returns and resets the work counted since the last call.
     pub fn take_stats(&mut self) -> DecodeStats {
+        if let Some(o) = &self.overlap {
+            let ns = o.stall_ns.swap(0, Ordering::Relaxed);
+            self.stats.stall = Duration::from_nanos(ns / u64::from(o.threads));
+        }
         std::mem::take(&mut self.stats)
     }
 
@@ -154,10 +220,45 @@ impl<'m> Streamer<'m> {
         self.failure.take()
     }
 
-    /// Marks the end of a decode (for the route trace's numbering).
+    /// Marks the end of a decode: collects the last batch of an overlapped decode (its failure,
+    /// if any, is then reported by [`Streamer::take_failure`]) and numbers the route trace.
     pub fn end_decode(&mut self) {
+        if let Err(e) = self.collect() {
+            self.failure.get_or_insert(e);
+        }
         if self.mode == Mode::Stream {
             self.decode_no += 1;
+        }
+    }
+
+    /// Overlap: waits for the batch out with the lanes and accounts it.
+    fn collect(&mut self) -> Result<(), StreamError> {
+        let Some(o) = self.overlap.as_mut() else { return Ok(()) };
+        if !std::mem::take(&mut o.in_flight) {
+            return Ok(());
+        }
+        let bound = o.bound;
+        let t0 = Instant::now();
+        let result = self.lanes.wait(&mut self.jobs, Some(bound));
+        self.stats.io_wait += t0.elapsed();
+        self.account(result)
+    }
+
+    /// Adds a finished batch's bytes to the stats; a failure marks the experts it was loading as
+    /// not resident.
+    fn account(&mut self, result: Result<ReadStats, super::io::ReadFailure>) -> Result<(), StreamError> {
+        match result {
+            Ok(ReadStats { bytes, direct_bytes }) => {
+                self.stats.bytes_read += bytes;
+                self.stats.direct_bytes += direct_bytes;
+                Ok(())
+            }
+            Err(f) => {
+                for &(l, e) in &self.loading {
+                    self.cache.mark_failed(l, e);
+                }
+                Err(StreamError::Read(f))
+            }
         }
     }
 
@@ -246,6 +347,7 @@ impl<'m> Streamer<'m> {
             start,
             len: (end - start) as usize,
             tag: (u32::MAX, k as u32),
+            tensor: usize::MAX,
         });
         let stats = self.lanes.read_all(&mut self.jobs)?;
         self.dense_bytes_read += stats.bytes;
@@ -273,6 +375,7 @@ impl<'m> Streamer<'m> {
             .strip_prefix("ffn_moe_topk-")
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| StreamError::Graph(format!("unexpected node name {}", t.name())))?;
+        self.collect()?;
         self.read_routed_ids(t, layer)?;
         if let Some(trace) = self.trace.as_mut() {
             trace.push(RouteRecord { decode: self.decode_no, layer, experts: self.ids.clone() });
@@ -301,28 +404,25 @@ impl<'m> Streamer<'m> {
                     start,
                     len: (end - start) as usize,
                     tag: (layer, e),
+                    tensor: k,
                 });
             }
         }
         if self.jobs.is_empty() {
             return Ok(());
         }
+        self.loading.clear();
+        self.loading.extend(self.plan.load.iter().map(|&e| (layer, e)));
         let t0 = Instant::now();
+        if let Some(o) = self.overlap.as_mut() {
+            self.lanes.submit(&mut self.jobs);
+            o.in_flight = true;
+            self.stats.io_wait += t0.elapsed();
+            return Ok(());
+        }
         let result = self.lanes.read_all(&mut self.jobs);
         self.stats.io_wait += t0.elapsed();
-        match result {
-            Ok(ReadStats { bytes, direct_bytes }) => {
-                self.stats.bytes_read += bytes;
-                self.stats.direct_bytes += direct_bytes;
-                Ok(())
-            }
-            Err(f) => {
-                for &e in &self.plan.load {
-                    self.cache.mark_failed(layer, e);
-                }
-                Err(StreamError::Read(f))
-            }
-        }
+        self.account(result)
     }
 
     /// Fills `self.ids` with the distinct expert ids of the top-k view `t` (`ne = [k, n_tokens]`,

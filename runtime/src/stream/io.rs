@@ -1,8 +1,10 @@
 //! I/O lanes: reader threads that read expert windows straight into their reservations.
 //!
 //! Each lane is a thread with its own descriptors for every shard (one `O_DIRECT`, one
-//! buffered). A layer's reads are handed to all lanes at once and [`IoLanes::read_all`] returns
-//! when every one has landed. Reads are split at the device's maximum request size.
+//! buffered). A layer's reads are handed to all lanes at once: [`IoLanes::read_all`] returns when
+//! every one has landed; with overlap, [`IoLanes::submit`] returns at once, compute threads wait
+//! for just the expert they need with [`IoLanes::wait_ready`], and [`IoLanes::wait`] collects the
+//! batch. Reads are split at the device's maximum request size.
 //!
 //! Direct I/O is verified per shard when the lanes open: one aligned block is read both ways and
 //! compared. `EINVAL` (tmpfs before Linux 6.6, some FUSE file systems) or a mismatch switches
@@ -13,9 +15,10 @@ use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use ggml_sys::Reservation;
 
@@ -32,6 +35,9 @@ pub struct ReadJob {
     pub len: usize,
     /// The (layer, expert) the read is for, for error reports.
     pub tag: (u32, u32),
+    /// The expert tensor's index in the [`super::ExpertIndex`] (`usize::MAX` for dense reads):
+    /// what [`IoLanes::wait_ready`] matches on.
+    pub tensor: usize,
 }
 
 /// A read that failed.
@@ -67,6 +73,10 @@ struct Shard {
 #[derive(Default)]
 struct Queue {
     jobs: Vec<ReadJob>,
+    /// Which of `jobs` have landed.
+    landed: Vec<bool>,
+    /// Batch number, so a read finishing after its batch was abandoned is not counted.
+    batch: u64,
     next: usize,
     finished: usize,
     stats: ReadStats,
@@ -80,6 +90,9 @@ struct Shared {
     queue: Mutex<Queue>,
     work: Condvar,
     done: Condvar,
+    /// Fault injection: the read with this number fails.
+    fail_read: Option<u64>,
+    reads: AtomicU64,
 }
 
 /// The reader threads.
@@ -99,6 +112,8 @@ pub struct LaneConfig {
     pub max_request: usize,
     /// CPUs to pin the lanes to (empty: no pinning).
     pub cpus: Vec<usize>,
+    /// Fault injection for tests: the Nth read (counting from 1 across lanes) fails with `EIO`.
+    pub fail_read: Option<u64>,
 }
 
 fn open_direct(path: &PathBuf) -> io::Result<File> {
@@ -145,6 +160,8 @@ impl IoLanes {
             queue: Mutex::new(Queue::default()),
             work: Condvar::new(),
             done: Condvar::new(),
+            fail_read: config.fail_read,
+            reads: AtomicU64::new(0),
         });
         let mut threads = Vec::new();
         for lane in 0..config.lanes.max(1) {
@@ -169,24 +186,97 @@ impl IoLanes {
         self.shared.shards[shard].direct.load(Ordering::Relaxed)
     }
 
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.shared.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Runs every job in `jobs` across the lanes and waits for all of them. `jobs` is emptied
     /// (its capacity kept). The first failure is returned after every job has finished.
     pub fn read_all(&self, jobs: &mut Vec<ReadJob>) -> Result<ReadStats, ReadFailure> {
-        let mut q = self.shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+        self.submit(jobs);
+        self.wait(jobs, None)
+    }
+
+    /// Hands `jobs` to the lanes and returns at once; `jobs` is left empty. Call [`IoLanes::wait`]
+    /// before the next submit.
+    pub fn submit(&self, jobs: &mut Vec<ReadJob>) {
+        let mut q = self.queue();
         std::mem::swap(&mut q.jobs, jobs);
+        let n = q.jobs.len();
+        q.landed.clear();
+        q.landed.resize(n, false);
+        q.batch += 1;
         q.next = 0;
         q.finished = 0;
         q.stats = ReadStats::default();
         q.failure = None;
         self.shared.work.notify_all();
+    }
+
+    /// Waits for the submitted batch and hands its job list back through `jobs` (emptied, its
+    /// capacity kept). The first failure is returned once every job has finished, or at once
+    /// when `bound` passes with reads still outstanding.
+    pub fn wait(&self, jobs: &mut Vec<ReadJob>, bound: Option<Duration>) -> Result<ReadStats, ReadFailure> {
+        let deadline = bound.map(|b| Instant::now() + b);
+        let mut q = self.queue();
         while q.finished < q.jobs.len() {
-            q = self.shared.done.wait(q).unwrap_or_else(|e| e.into_inner());
+            match deadline {
+                None => q = self.shared.done.wait(q).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let now = Instant::now();
+                    if now >= d {
+                        let i = q.landed.iter().position(|&l| !l).unwrap_or(0);
+                        let failure =
+                            q.failure.take().unwrap_or_else(|| self.timed_out(&q.jobs[i], bound.unwrap_or_default()));
+                        q.next = q.jobs.len(); // lanes take nothing more from this batch
+                        q.batch += 1; // and what they finish of it is not counted
+                        std::mem::swap(&mut q.jobs, jobs);
+                        jobs.clear();
+                        return Err(failure);
+                    }
+                    q = self.shared.done.wait_timeout(q, d - now).unwrap_or_else(|e| e.into_inner()).0;
+                }
+            }
         }
         std::mem::swap(&mut q.jobs, jobs);
         jobs.clear();
         match q.failure.take() {
             Some(f) => Err(f),
             None => Ok(q.stats),
+        }
+    }
+
+    /// Blocks until every submitted read of expert `expert` of expert tensor `tensor` has landed
+    /// (at once when none is outstanding). Returns `false` when the batch has failed, or when
+    /// `bound` passes, which then fails the batch naming this expert.
+    pub fn wait_ready(&self, tensor: usize, expert: u32, bound: Duration) -> bool {
+        let deadline = Instant::now() + bound;
+        let mut q = self.queue();
+        loop {
+            if q.failure.is_some() {
+                return false;
+            }
+            let pending =
+                q.jobs.iter().zip(&q.landed).position(|(j, &l)| !l && j.tensor == tensor && j.tag.1 == expert);
+            let Some(i) = pending else { return true };
+            let now = Instant::now();
+            if now >= deadline {
+                let failure = self.timed_out(&q.jobs[i], bound);
+                q.failure = Some(failure);
+                self.shared.done.notify_all();
+                return false;
+            }
+            q = self.shared.done.wait_timeout(q, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn timed_out(&self, job: &ReadJob, bound: Duration) -> ReadFailure {
+        ReadFailure {
+            layer: job.tag.0,
+            expert: job.tag.1,
+            path: self.shared.shards[job.shard].path.clone(),
+            offset: job.start,
+            source: io::Error::new(io::ErrorKind::TimedOut, format!("not read within {:.1} s", bound.as_secs_f64())),
         }
     }
 }
@@ -213,11 +303,15 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
             return;
         }
         if q.next < q.jobs.len() {
-            let job = q.jobs[q.next].clone();
+            let (i, batch) = (q.next, q.batch);
+            let job = q.jobs[i].clone();
             q.next += 1;
             drop(q);
             let result = read_job(shared, files, &job);
             q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            if q.batch != batch {
+                continue; // its batch was abandoned after a timeout
+            }
             match result {
                 Ok((bytes, direct)) => {
                     q.stats.bytes += bytes;
@@ -238,9 +332,9 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
                 }
             }
             q.finished += 1;
-            if q.finished == q.jobs.len() {
-                shared.done.notify_all();
-            }
+            q.landed[i] = true;
+            // Compute threads may be waiting for this very expert.
+            shared.done.notify_all();
         } else {
             q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
         }
@@ -250,6 +344,10 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
 /// Reads one job in chunks of at most `max_request` bytes. Returns the bytes read and whether
 /// they came through `O_DIRECT`.
 fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(u64, bool)> {
+    let n = shared.reads.fetch_add(1, Ordering::Relaxed) + 1;
+    if shared.fail_read == Some(n) {
+        return Err(io::Error::from_raw_os_error(libc::EIO));
+    }
     let shard = &shared.shards[job.shard];
     let f = &files[job.shard];
     let mut use_direct = shard.direct.load(Ordering::Relaxed) && f.direct.is_some();

@@ -12,6 +12,7 @@ pub mod index;
 pub mod io;
 pub mod recipe;
 
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -53,6 +54,12 @@ pub enum StreamError {
     /// The lanes could not be started.
     #[error("cannot start the I/O lanes: {0}")]
     Lanes(std::io::Error),
+    /// Overlap was asked for, but the linked llama.cpp has no expert-ready hook.
+    #[error("overlap needs the expert-ready hook of vendor patch 0004, which this build's llama.cpp lacks; run vendor/sync and rebuild, or stream without overlap (--no-overlap)")]
+    OverlapUnavailable,
+    /// The expert-ready hook could not be installed.
+    #[error("cannot install the expert-ready hook: {0}")]
+    Hook(ggml_sys::Error),
     /// The graph did not look as expected.
     #[error("unexpected graph: {0}")]
     Graph(String),
@@ -108,7 +115,13 @@ pub struct StreamConfig {
     pub trace_routes: bool,
     /// Layers offloaded to a GPU (the `cuda` compute service; 0 on the CPU).
     pub gpu_layers: u32,
+    /// Overlap expert reads with expert compute (the expert-ready hook), each wait for one
+    /// expert bounded by this long; `None` streams serially.
+    pub overlap: Option<Duration>,
 }
+
+/// How long a compute thread waits for one expert's slice before the decode fails naming it.
+pub const READY_BOUND: Duration = Duration::from_secs(30);
 
 /// A regular expression matching the routed expert tensors of `index`'s architecture.
 fn expert_pattern(index: &ExpertIndex) -> String {
@@ -163,6 +176,8 @@ pub fn check_cache_budget(index: &ExpertIndex, budget: u64, force: bool) -> Resu
 
 /// A session that streams routed experts.
 pub struct StreamedSession<'m> {
+    // Uninstalled first (no graph computes while the session is dropped), then the context.
+    _hook: Option<ggml_sys::ExpertHookGuard>,
     session: Session<'m>,
     streamer: Arc<Mutex<Streamer<'m>>>,
     /// Dense bytes read at open (dense `anon`).
@@ -184,8 +199,17 @@ impl<'m> StreamedSession<'m> {
     ) -> Result<Self, GenerateError> {
         let t0 = std::time::Instant::now();
         check_cache_budget(&index, config.cache_bytes, config.force_cache)?;
-        let lanes = IoLanes::new(&index.shards, &config.lanes).map_err(StreamError::Lanes)?;
-        let mut streamer = Streamer::new(model, index, lanes, config.cache_bytes, config.dense == DensePolicy::Anon);
+        if config.overlap.is_some() && !ggml_sys::expert_hook_available() {
+            return Err(StreamError::OverlapUnavailable.into());
+        }
+        let lanes = Arc::new(IoLanes::new(&index.shards, &config.lanes).map_err(StreamError::Lanes)?);
+        let mut streamer = Streamer::new(
+            model,
+            Arc::clone(&index),
+            Arc::clone(&lanes),
+            config.cache_bytes,
+            config.dense == DensePolicy::Anon,
+        );
         if config.trace_routes {
             streamer.enable_trace();
         }
@@ -195,7 +219,18 @@ impl<'m> StreamedSession<'m> {
         let mut session = Session::new(model, n_ctx, threads, Some(callback))?;
         session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0))?;
         let dense_bytes_read = lock(&streamer).finish_capture()?;
-        Ok(StreamedSession { session, streamer, dense_bytes_read, open_time: t0.elapsed() })
+        let hook = match config.overlap {
+            Some(bound) => {
+                let stall = Arc::new(AtomicU64::new(0));
+                let mut s = lock(&streamer);
+                s.enable_overlap(Arc::clone(&stall), threads.count, bound);
+                let hook = engine::overlap_hook(s.expert_addrs(), lanes, stall, bound);
+                drop(s);
+                Some(ggml_sys::ExpertHookGuard::install(hook).map_err(StreamError::Hook)?)
+            }
+            None => None,
+        };
+        Ok(StreamedSession { _hook: hook, session, streamer, dense_bytes_read, open_time: t0.elapsed() })
     }
 
     /// The streamer's state (counters, trace, budget).

@@ -1,0 +1,15 @@
+//! Detects the optional parts of the patched llama.cpp that the bindings may lack: with vendor
+//! patch 0004 (the expert-ready hook) applied, `cfg(expert_ready_hook)` is set. A build against
+//! an unpatched llama-cpp-sys-2 still compiles; `--overlap` then reports that it is unavailable.
+
+use std::path::PathBuf;
+
+fn main() {
+    println!("cargo::rustc-check-cfg=cfg(expert_ready_hook)");
+    let dir = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let header = dir.join("../vendor/llama-cpp-sys-2/llama.cpp/ggml/include/ggml-cpu.h");
+    println!("cargo::rerun-if-changed={}", header.display());
+    if std::fs::read_to_string(&header).is_ok_and(|t| t.contains("ggml_cpu_set_expert_ready_hook")) {
+        println!("cargo::rustc-cfg=expert_ready_hook");
+    }
+}
