@@ -1,5 +1,6 @@
 //! The `sluice` command line.
 
+#[macro_use]
 mod cli;
 
 use anyhow::Result;
@@ -81,11 +82,11 @@ fn dispatch(command: Command, board: &BoardChoice) -> Result<()> {
             Ok(())
         }
         Command::BuildInfo => {
-            println!("sluice {}", env!("CARGO_PKG_VERSION"));
-            println!("target: {}-{}", std::env::consts::ARCH, std::env::consts::OS);
-            println!("llama.cpp system info: {}", ggml_sys::system_info());
+            outln!("sluice {}", env!("CARGO_PKG_VERSION"));
+            outln!("target: {}-{}", std::env::consts::ARCH, std::env::consts::OS);
+            outln!("llama.cpp system info: {}", ggml_sys::system_info());
             for s in ggml_sys::extension_services() {
-                println!("{}: {}", s.name, if s.backend.is_some() { "present" } else { "absent" });
+                outln!("{}: {}", s.name, if s.backend.is_some() { "present" } else { "absent" });
             }
             Ok(())
         }

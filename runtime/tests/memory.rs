@@ -32,13 +32,21 @@ fn cgroup(name: &str, mib: u64) -> Option<MemoryCgroup> {
         eprintln!("skipped: under qemu-user the process's memory is the emulator's");
         return None;
     }
-    match MemoryCgroup::create(&format!("{name}-{}", std::process::id()), mib << 20) {
-        Ok(cg) => Some(cg),
+    let cg = match MemoryCgroup::create(&format!("{name}-{}", std::process::id()), mib << 20) {
+        Ok(cg) => cg,
         Err(e) => {
             eprintln!("skipped: {e}");
-            None
+            return None;
         }
+    };
+    // Some hierarchies (a container's, a v2 cgroup with processes of its own) refuse members.
+    let procs = cg.dir().join("cgroup.procs");
+    let joined = Command::new("sh").args(["-c", &format!("echo $$ > {}", procs.display())]).status();
+    if !joined.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: cannot move a process into {}", cg.dir().display());
+        return None;
     }
+    Some(cg)
 }
 
 fn check(o: &Output) -> String {

@@ -9,6 +9,7 @@ use clap::Args;
 
 use sluice::bench::isolated::{self, ChildKind, IsolatedPlan};
 use sluice::board::BoardChoice;
+use sluice::budget::{self, PlanRequest};
 use sluice::generate;
 use sluice::stream::{DensePolicy, ExpertIndex};
 
@@ -75,6 +76,20 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         return run_isolated(a, choice, budget_mb);
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
+    // Every streamed configuration must fit the board's budget, like a run.
+    let positions = generate::prompt_positions(&a.model, &a.prompt, a.n_predict)?;
+    let index = ExpertIndex::open(&a.model)?;
+    for &pct in &a.cache_percents {
+        budget::plan_within_budget(&PlanRequest {
+            model: &a.model,
+            index: &index,
+            positions,
+            dense: DensePolicy::Anon,
+            cache_bytes: Some(index.all_expert_window_bytes() * u64::from(pct) / 100),
+            budget: board.budget.clone(),
+        })
+        .with_context(|| format!("the streamed configuration with a {pct}% cache does not fit"))?;
+    }
     let plan = sluice::bench::BenchPlan {
         model: a.model.clone(),
         prompt: a.prompt.clone(),
@@ -95,7 +110,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         board.selected.id
     );
     let rows = sluice::bench::run(&plan)?;
-    print!("{}", sluice::bench::table(&rows, None));
+    out!("{}", sluice::bench::table(&rows, None));
     if rows.iter().any(|r| r.tokens != rows[0].tokens) {
         anyhow::bail!("a streamed configuration generated different tokens from the resident run");
     }
@@ -157,8 +172,8 @@ fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<(
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;
     let table = sluice::bench::table(&report.rows, Some(c.single_mib_s));
-    print!("{table}");
-    println!(
+    out!("{table}");
+    outln!(
         "storage ceiling ({}): 1 reader × {} KiB requests {:.1} MiB/s; {} lanes × {} KiB {:.1} MiB/s",
         if c.direct { "O_DIRECT" } else { "buffered: O_DIRECT refused" },
         c.single_request >> 10,
@@ -191,6 +206,6 @@ pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
     sluice_hal::cgroup::join(&a.join_cgroup).with_context(|| format!("joining {}", a.join_cgroup.display()))?;
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board)?;
-    println!("{}", serde_json::to_string(&out)?);
+    outln!("{}", serde_json::to_string(&out)?);
     Ok(())
 }

@@ -49,11 +49,11 @@ pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
         budget: board.budget.clone(),
     };
     match budget::plan_within_budget(&req) {
-        Ok(ledger) if a.json => println!("{}", serde_json::to_string_pretty(&ledger)?),
-        Ok(ledger) => print!("{}", ledger.describe()),
+        Ok(ledger) if a.json => outln!("{}", serde_json::to_string_pretty(&ledger)?),
+        Ok(ledger) => out!("{}", ledger.describe()),
         Err(e) => {
             if let (true, Some(ledger)) = (a.json, e.ledger()) {
-                println!("{}", serde_json::to_string_pretty(ledger)?);
+                outln!("{}", serde_json::to_string_pretty(ledger)?);
             }
             return Err(e.into());
         }

@@ -39,14 +39,14 @@ pub fn run_probe(a: &ProbeArgs, choice: &BoardChoice) -> Result<()> {
         std::fs::metadata(f).with_context(|| format!("{}: cannot read it", f.display()))?;
     }
     let (probe, resolved) = board::board_for(&root, choice, storage_file, &a.tuning.overrides())?;
-    print!("{}", board::describe_probe(&probe));
-    println!("ggml");
-    println!("  backends: {}", ggml_sys::backends().join(", "));
-    println!("  GPU offload: {}", if ggml_sys::supports_gpu_offload() { "yes" } else { "no (built without cuda)" });
+    out!("{}", board::describe_probe(&probe));
+    outln!("ggml");
+    outln!("  backends: {}", ggml_sys::backends().join(", "));
+    outln!("  GPU offload: {}", if ggml_sys::supports_gpu_offload() { "yes" } else { "no (built without cuda)" });
     for s in ggml_sys::extension_services() {
-        println!("  {}: {}", s.name, s.backend.map_or("absent".to_string(), |b| format!("present ({b})")));
+        outln!("  {}: {}", s.name, s.backend.map_or("absent".to_string(), |b| format!("present ({b})")));
     }
-    print!("{}", board::describe_resolved(&resolved));
+    out!("{}", board::describe_resolved(&resolved));
     if let Some(file) = &a.io {
         let align = StorageProbe::for_file(&SysRoot::default(), file).map_or(4096, |s| s.direct_alignment()) as usize;
         if let Err(e) = sluice_hal::storage::drop_cached(file) {
@@ -60,7 +60,7 @@ pub fn run_probe(a: &ProbeArgs, choice: &BoardChoice) -> Result<()> {
             a.io_mib << 20,
         )
         .with_context(|| format!("reading {}", file.display()))?;
-        println!(
+        outln!(
             "io: {} MiB of {} in {:.2} s = {:.1} MiB/s ({}, {} KiB requests, {} lanes, {} B alignment)",
             t.bytes >> 20,
             file.display(),
@@ -77,5 +77,5 @@ pub fn run_probe(a: &ProbeArgs, choice: &BoardChoice) -> Result<()> {
 
 /// Runs `sluice boards`.
 pub fn run_boards() {
-    print!("{}", board::list_profiles());
+    out!("{}", board::list_profiles());
 }

@@ -73,7 +73,7 @@ fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GeneratePa
 /// Runs `sluice run`.
 pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     if a.list_archs {
-        print!("{}", stream::recipe::table());
+        out!("{}", stream::recipe::table());
         return Ok(());
     }
     let (Some(model_path), Some(prompt)) = (&a.model, &a.prompt) else {

@@ -88,7 +88,7 @@ pub fn run_synth(a: &SynthArgs) -> Result<()> {
     let out = synth::synthesize(&spec, &a.out, a.threads.unwrap_or_else(sluice_hal::cpu::default_threads))
         .with_context(|| format!("writing {}", a.out.display()))?;
     for f in &out.files {
-        println!("{}", f.display());
+        outln!("{}", f.display());
     }
     eprintln!(
         "wrote {} file(s), {:.1} MiB ({:.1} MiB of routed experts): {} layers, {} experts (top-{}), expert FFN {}, {:?}",
