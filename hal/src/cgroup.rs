@@ -80,11 +80,6 @@ impl MemoryCgroup {
         &self.dir
     }
 
-    /// The hierarchy it is in.
-    pub fn version(&self) -> CgroupVersion {
-        self.version
-    }
-
     /// The highest usage seen (page cache included), bytes.
     pub fn peak(&self) -> Option<u64> {
         match self.version {

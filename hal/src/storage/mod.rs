@@ -162,12 +162,6 @@ fn medium_of(name: &str, dir: &Path) -> Medium {
     Medium::Other
 }
 
-/// The largest single request the device holding `path` accepts (`queue/max_sectors_kb`), in
-/// bytes.
-pub fn max_request_bytes(path: &Path) -> Option<u64> {
-    StorageProbe::for_file(&SysRoot::default(), path).ok()?.max_request
-}
-
 /// Asks the kernel to drop `path`'s clean pages from the page cache
 /// (`posix_fadvise(POSIX_FADV_DONTNEED)`), so the next read of it comes from the device.
 pub fn drop_cached(path: &Path) -> std::io::Result<()> {

@@ -183,9 +183,9 @@ fn run_streamed(
         ledger.budget_source
     );
     eprintln!(
-        "cache: {:.1} of {:.1} MiB used, {} evictions, {} re-reads; reads {}",
-        cache_used as f64 / (1 << 20) as f64,
+        "cache: budget {:.1} MiB, {:.1} MiB resident at the end (the last layer's experts included), {} evictions, {} re-reads; reads {}",
         config.cache_bytes.min(index.all_expert_window_bytes()) as f64 / (1 << 20) as f64,
+        cache_used as f64 / (1 << 20) as f64,
         counters.evictions,
         counters.rereads,
         if direct { "O_DIRECT" } else { "buffered" }
