@@ -386,3 +386,44 @@ impl Drop for IoLanes {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lanes over one file of `len` bytes of 7s, and a job reading all of it as expert 3 of
+    /// layer 5 (tensor 0).
+    fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
+        let path = dir.join("f");
+        std::fs::write(&path, vec![7u8; len]).unwrap();
+        let config = LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), fail_read: None };
+        let lanes = IoLanes::new(&[path], &config).unwrap();
+        let target = Arc::new(Reservation::new(0, len as u64).unwrap());
+        let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0 };
+        (lanes, vec![job])
+    }
+
+    #[test]
+    fn wait_ready_returns_once_the_expert_has_landed() {
+        let dir = tempfile::tempdir().unwrap();
+        let (lanes, mut jobs) = setup(dir.path(), 1 << 20);
+        lanes.submit(&mut jobs);
+        assert!(lanes.wait_ready(1, 3, Duration::from_secs(30)), "another tensor's expert is not waited for");
+        assert!(lanes.wait_ready(0, 3, Duration::from_secs(30)));
+        let stats = lanes.wait(&mut jobs, None).unwrap();
+        assert_eq!(stats.bytes, 1 << 20);
+    }
+
+    #[test]
+    fn a_wait_past_its_bound_fails_the_batch_naming_the_expert() {
+        let dir = tempfile::tempdir().unwrap();
+        // 64 MiB in 1 MiB requests on one lane: still in flight when the zero bound has passed.
+        let (lanes, mut jobs) = setup(dir.path(), 64 << 20);
+        lanes.submit(&mut jobs);
+        assert!(!lanes.wait_ready(0, 3, Duration::ZERO));
+        let failure = lanes.wait(&mut jobs, Some(Duration::from_secs(30))).unwrap_err();
+        assert_eq!((failure.layer, failure.expert), (5, 3));
+        assert_eq!(failure.source.kind(), io::ErrorKind::TimedOut);
+        assert!(failure.to_string().contains("expert 3 of layer 5"), "{failure}");
+    }
+}
