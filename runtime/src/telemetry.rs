@@ -139,7 +139,8 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-fn mib(b: u64) -> f64 {
+/// Bytes as MiB.
+pub fn mib(b: u64) -> f64 {
     b as f64 / (1u64 << 20) as f64
 }
 

@@ -26,6 +26,21 @@ pub enum Medium {
 }
 
 impl Medium {
+    /// The names [`Medium::from_name`] takes.
+    pub const NAMES: [&'static str; 5] = ["sd", "emmc", "nvme", "virtio", "other"];
+
+    /// The medium named `name` (one of [`Medium::NAMES`]).
+    pub fn from_name(name: &str) -> Option<Medium> {
+        Some(match name {
+            "sd" => Medium::Sd,
+            "emmc" => Medium::Emmc,
+            "nvme" => Medium::Nvme,
+            "virtio" => Medium::Virtio,
+            "other" => Medium::Other,
+            _ => return None,
+        })
+    }
+
     /// The lowercase name used in profiles and reports.
     pub fn name(self) -> &'static str {
         match self {

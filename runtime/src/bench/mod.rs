@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use crate::generate::{self, GenerateError, GenerateParams, Session};
 use crate::stream::{ExpertIndex, StreamConfig, StreamedSession};
-use crate::telemetry::{PhaseMeter, Summary, Usage};
+use crate::telemetry::{mib, PhaseMeter, Summary, Usage};
 
 /// What can stop a benchmark.
 #[derive(Debug, thiserror::Error)]
@@ -105,10 +105,6 @@ pub(crate) fn drop_cached(files: &[PathBuf]) {
             log::warn!("cannot drop {} from the page cache ({e}); the next run may start warm", f.display());
         }
     }
-}
-
-fn mib(b: u64) -> f64 {
-    b as f64 / (1u64 << 20) as f64
 }
 
 /// Runs the resident reference.

@@ -3,6 +3,7 @@
 
 use ggml_sys::SchedPriority;
 use serde::Deserialize;
+use sluice_hal::storage::Medium;
 
 use super::BoardError;
 
@@ -85,20 +86,10 @@ impl Default for CpuSection {
     }
 }
 
-/// Medium names of `storage.medium`.
-#[derive(Debug, Clone, Copy, Deserialize, PartialEq, Eq)]
-#[serde(rename_all = "lowercase")]
-pub enum MediumName {
-    /// SD card.
-    Sd,
-    /// eMMC.
-    Emmc,
-    /// NVMe.
-    Nvme,
-    /// virtio disk.
-    Virtio,
-    /// Anything else.
-    Other,
+/// `storage.medium`: one of [`Medium::NAMES`].
+fn medium<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Medium>, D::Error> {
+    let name = String::deserialize(d)?;
+    Medium::from_name(&name).map(Some).ok_or_else(|| serde::de::Error::unknown_variant(&name, &Medium::NAMES))
 }
 
 /// `[storage]`.
@@ -106,7 +97,8 @@ pub enum MediumName {
 #[serde(deny_unknown_fields)]
 pub struct StorageSection {
     /// The medium the model is expected on (a different probed medium is logged).
-    pub medium: Option<MediumName>,
+    #[serde(default, deserialize_with = "medium")]
+    pub medium: Option<Medium>,
     /// Largest single expert read in KiB. Absent: the device's `max_sectors_kb`.
     pub read_kib: Option<u64>,
     /// Parallel expert readers. Absent: chosen from the probed medium.

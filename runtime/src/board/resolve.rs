@@ -7,7 +7,7 @@ use sluice_hal::storage::Medium;
 
 use ggml_sys::SchedPriority;
 
-use super::profile::{MediumName, ServiceName};
+use super::profile::ServiceName;
 use super::select::SelectedBoard;
 use super::BoardError;
 
@@ -95,16 +95,6 @@ fn lanes_for(medium: Medium) -> (u32, u32) {
     }
 }
 
-fn medium_name(m: MediumName) -> &'static str {
-    match m {
-        MediumName::Sd => "sd",
-        MediumName::Emmc => "emmc",
-        MediumName::Nvme => "nvme",
-        MediumName::Virtio => "virtio",
-        MediumName::Other => "other",
-    }
-}
-
 /// What this build offers that a profile may ask for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BuildCaps {
@@ -181,10 +171,10 @@ pub fn resolve(
     let storage = probe.storage.as_ref();
     let medium = storage.map_or(Medium::Other, |s| s.medium);
     if let Some(expected) = p.storage.medium {
-        if medium_name(expected) != medium.name() {
+        if expected != medium {
             notes.push(format!(
                 "storage.medium: the profile expects {} but the model is on {}",
-                medium_name(expected),
+                expected.name(),
                 medium.name()
             ));
         }

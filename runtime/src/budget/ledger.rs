@@ -4,6 +4,8 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
+use crate::telemetry::mib;
+
 /// What a ledger line accounts for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -76,10 +78,6 @@ pub struct Ledger {
     pub all_experts: u64,
     /// Bytes held: the sum of the held lines.
     pub total: u64,
-}
-
-fn mib(b: u64) -> f64 {
-    b as f64 / (1u64 << 20) as f64
 }
 
 impl Ledger {

@@ -10,7 +10,7 @@ use ggml_sys::{Context, Model, ModelParams, Threads};
 use crate::board::resolve::Sourced;
 use crate::generate::context_params;
 use crate::stream::{DensePolicy, ExpertIndex};
-use crate::telemetry::Usage;
+use crate::telemetry::{mib, Usage};
 
 use super::ledger::{Item, Ledger, LedgerLine};
 use super::BudgetError;
@@ -60,25 +60,15 @@ pub fn measure_context(model: &Path, positions: u32) -> Result<ContextSizes, Bud
     Ok(ContextSizes { kv: s.context, compute: s.compute, n_ctx_train: m.n_ctx_train() })
 }
 
-fn mib(b: u64) -> f64 {
-    b as f64 / (1u64 << 20) as f64
-}
-
-/// Page-aligned window bytes of `[offset, offset + size)`.
-fn window(offset: u64, size: u64, page: u64) -> u64 {
-    (offset + size).div_ceil(page) * page - offset / page * page
-}
-
 /// The ledger for `req` given llama.cpp's context sizes and the process's resident bytes
 /// before loading.
 pub fn ledger(req: &PlanRequest, sizes: ContextSizes, baseline: u64) -> Ledger {
     let index = req.index;
     let params = context_params(req.positions, &Threads::unpinned(1));
-    let page = ggml_sys::page_size();
     let dense = match req.dense {
         DensePolicy::Anon => LedgerLine {
             item: Item::DenseWeights,
-            bytes: index.dense.iter().map(|t| window(t.offset, t.size, page)).sum(),
+            bytes: index.dense_window_bytes(),
             basis: format!("{} tensors read once into anonymous memory (page-aligned windows)", index.dense.len()),
             held: true,
         },
@@ -164,8 +154,7 @@ pub fn plan_within_budget(req: &PlanRequest) -> Result<Ledger, BudgetError> {
     let baseline = resident_now();
     let sizes = measure_context(req.model, req.positions)?;
     let l = ledger(req, sizes, baseline);
-    let cache_short = l.cache_auto && l.cache_bytes() < l.one_token_min;
-    if l.fits() && !cache_short {
+    if acceptable(&l) {
         return Ok(l);
     }
     let fixes = fixes(req, &l, sizes, baseline)?;
@@ -174,7 +163,8 @@ pub fn plan_within_budget(req: &PlanRequest) -> Result<Ledger, BudgetError> {
     } else {
         fixes.join("; or ")
     };
-    Err(if cache_short && l.fits() {
+    // Within budget but not acceptable: the automatic cache cannot hold one token.
+    Err(if l.fits() {
         BudgetError::CacheBelowMinimum {
             cache_mib: mib(l.cache_bytes()),
             min_mib: mib(l.one_token_min),

@@ -76,14 +76,14 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         return run_isolated(a, choice, budget_mb);
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
-    // Every streamed configuration must fit the board's budget, like a run.
-    let positions = generate::prompt_positions(&a.model, &a.prompt, a.n_predict)?;
-    let index = ExpertIndex::open(&a.model)?;
-    for &pct in &a.cache_percents {
+    // Every streamed configuration must fit the board's budget, like a run. A plan's total
+    // only grows with its cache, so the largest cache decides.
+    if let Some(&pct) = a.cache_percents.iter().max() {
+        let index = ExpertIndex::open(&a.model)?;
         budget::plan_within_budget(&PlanRequest {
             model: &a.model,
             index: &index,
-            positions,
+            positions: generate::prompt_positions(&a.model, &a.prompt, a.n_predict)?,
             dense: DensePolicy::Anon,
             cache_bytes: Some(index.all_expert_window_bytes() * u64::from(pct) / 100),
             budget: board.budget.clone(),

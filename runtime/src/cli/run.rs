@@ -12,7 +12,7 @@ use sluice::budget::{self, PlanRequest};
 use sluice::generate::{self, GenerateParams, Generation, Session};
 use sluice::stream::{self, DensePolicy, ExpertIndex, StreamedSession};
 use sluice::synth;
-use sluice::telemetry::{self, Summary};
+use sluice::telemetry::{self, mib, Summary};
 use sluice::{demo, text::DisplayText};
 
 use super::args::{self, StreamArgs, TuningArgs};
@@ -240,8 +240,4 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         progress: false,
     };
     run_streamed(&path, demo::DEMO_PROMPT, &params, &args, &board)
-}
-
-fn mib(b: u64) -> f64 {
-    b as f64 / (1u64 << 20) as f64
 }

@@ -222,15 +222,18 @@ impl ExpertIndex {
     /// Bytes of one expert's page-aligned read windows in `layer` (what reading it costs and
     /// what the cache accounts for it).
     pub fn expert_window_bytes(&self, layer: u32, e: u32) -> u64 {
-        let page = ggml_sys::page_size();
         self.layer_tensors(layer)
             .map(|(_, t)| {
                 let (a, b) = t.slice(e);
-                let start = (t.offset + a) / page * page;
-                let end = (t.offset + b).div_ceil(page) * page;
-                end - start
+                page_window(t.offset + a, t.offset + b)
             })
             .sum()
+    }
+
+    /// Bytes of the dense tensors' page-aligned windows: what reading them into anonymous
+    /// memory (dense `anon`) holds.
+    pub fn dense_window_bytes(&self) -> u64 {
+        self.dense.iter().map(|t| page_window(t.offset, t.offset + t.size)).sum()
     }
 
     /// The largest expert's window bytes over all layers.
@@ -252,6 +255,12 @@ impl ExpertIndex {
     pub fn dense_bytes(&self) -> u64 {
         self.dense.iter().map(|t| t.size).sum()
     }
+}
+
+/// Bytes of the page-aligned window around the file range `[start, end)`.
+fn page_window(start: u64, end: u64) -> u64 {
+    let page = ggml_sys::page_size();
+    end.div_ceil(page) * page - start / page * page
 }
 
 #[cfg(test)]
