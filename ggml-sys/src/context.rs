@@ -3,11 +3,13 @@
 use std::ffi::c_void;
 use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use llama_cpp_sys_2 as sys;
 
 use crate::threadpool::{ThreadPool, Threads};
-use crate::{Batch, Error, Model, Result, TensorView, Token};
+use crate::{Batch, Error, Model, Result, TensorView};
 
 /// When the eval callback is being called for a graph node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +60,8 @@ pub struct Context<'m> {
     _pool: Option<ThreadPool>,
     // Owns the callback whose address llama.cpp holds as cb_eval_user_data; dropped after raw.
     _callback: Option<Box<EvalCallback<'m>>>,
+    // The abort flag whose address llama.cpp holds as abort_callback_data; dropped after raw.
+    abort: Option<Arc<AtomicBool>>,
     _model: PhantomData<&'m Model>,
 }
 
@@ -79,6 +83,13 @@ unsafe extern "C" fn eval_trampoline(t: *mut sys::ggml_tensor, ask: bool, ud: *m
             false
         }
     }
+}
+
+unsafe extern "C" fn abort_trampoline(data: *mut c_void) -> bool {
+    // SAFETY: data is the address of the AtomicBool inside the Arc the Context holds in `abort`,
+    // which outlives every decode that can call this.
+    let flag = unsafe { &*data.cast::<AtomicBool>() };
+    flag.load(Ordering::Relaxed)
 }
 
 fn decode_meaning(status: i32) -> &'static str {
@@ -129,7 +140,7 @@ impl<'m> Context<'m> {
             unsafe { sys::llama_attach_threadpool(raw, pool.raw(), pool.raw()) };
             Some(pool)
         };
-        Ok(Context { raw, n_vocab: model.n_vocab(), _pool: pool, _callback: callback, _model: PhantomData })
+        Ok(Context { raw, n_vocab: model.n_vocab(), _pool: pool, _callback: callback, abort: None, _model: PhantomData })
     }
 
     /// The context length.
@@ -146,10 +157,28 @@ impl<'m> Context<'m> {
         MemorySizes { model: m.model as u64, context: m.context as u64, compute: m.compute as u64 }
     }
 
+    /// Makes every later decode check `flag` between graph nodes: once it is set, the decode
+    /// stops and returns [`Error::Aborted`]. `None` removes the check.
+    pub fn set_abort_flag(&mut self, flag: Option<Arc<AtomicBool>>) {
+        match &flag {
+            // SAFETY: live context; the flag's address stays valid while self.abort holds the
+            // Arc, which is replaced only here, after llama.cpp has been given the new address.
+            Some(f) => unsafe {
+                sys::llama_set_abort_callback(self.raw, Some(abort_trampoline), Arc::as_ptr(f).cast_mut().cast())
+            },
+            // SAFETY: live context; no callback, no data.
+            None => unsafe { sys::llama_set_abort_callback(self.raw, None, std::ptr::null_mut()) },
+        }
+        self.abort = flag;
+    }
+
     /// Runs the model over `batch`.
     pub fn decode(&mut self, batch: &Batch) -> Result<()> {
         // SAFETY: live context; the batch arrays are valid for batch.len() tokens.
         let status = unsafe { sys::llama_decode(self.raw, batch.raw()) };
+        if status == 2 && self.abort.as_ref().is_some_and(|f| f.load(Ordering::Relaxed)) {
+            return Err(Error::Aborted);
+        }
         if status != 0 {
             return Err(Error::Decode { status, meaning: decode_meaning(status) });
         }
@@ -166,18 +195,6 @@ impl<'m> Context<'m> {
         // SAFETY: a logits row holds n_vocab floats and stays valid until the next decode, which
         // needs &mut self.
         Ok(unsafe { std::slice::from_raw_parts(p, self.n_vocab) })
-    }
-
-    /// The greedy choice at batch position `i`: the highest logit, lowest id on ties.
-    pub fn greedy(&self, i: i32) -> Result<Token> {
-        let logits = self.logits(i)?;
-        let mut best = 0usize;
-        for (j, &v) in logits.iter().enumerate() {
-            if v > logits[best] {
-                best = j;
-            }
-        }
-        Ok(best as Token)
     }
 
     /// Forgets every cached position (KV cache cleared, data too).

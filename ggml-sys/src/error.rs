@@ -90,4 +90,13 @@ pub enum Error {
     /// The linked llama.cpp has no expert-ready hook (vendor patch 0004).
     #[error("this build's llama.cpp has no expert-ready hook (vendor patch 0004)")]
     NoExpertHook,
+    /// llama.cpp does not recognise a chat template.
+    #[error("llama.cpp does not support the chat template {template:?} (it knows a fixed list; see llama_chat_builtin_templates)")]
+    ChatTemplate {
+        /// The template's first characters.
+        template: String,
+    },
+    /// A decode was stopped by its abort flag.
+    #[error("the decode was aborted")]
+    Aborted,
 }

@@ -7,6 +7,7 @@
 
 mod backend;
 mod batch;
+mod chat;
 mod context;
 mod error;
 mod expert_hook;
@@ -22,6 +23,7 @@ mod types;
 
 pub use backend::{init, system_info};
 pub use batch::Batch;
+pub use chat::{apply_chat_template, ChatMessage};
 pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes};
 pub use error::Error;
 pub use expert_hook::{expert_hook_available, ExpertHookGuard, ExpertReadyHook};

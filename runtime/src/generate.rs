@@ -1,7 +1,11 @@
-//! Text generation over a loaded model: tokenize, prefill, greedy decode, timing.
+//! Text generation over a loaded model: tokenize, prefill, decode (greedy or sampled), timing.
 
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
+
+use rand_chacha::rand_core::{RngCore, SeedableRng};
+use rand_chacha::ChaCha8Rng;
 
 use ggml_sys::{Batch, Context, ContextParams, EvalCallback, GgufFile, Model, ModelParams, Threads, Token};
 
@@ -34,12 +38,107 @@ pub enum GenerateError {
         /// The model's context length.
         n_ctx_train: u32,
     },
+    /// The caller stopped the generation (its abort flag was set).
+    #[error("generation cancelled")]
+    Cancelled,
     /// llama.cpp reported an error.
     #[error(transparent)]
-    Llama(#[from] ggml_sys::Error),
+    Llama(ggml_sys::Error),
     /// The streaming engine failed during a decode.
     #[error(transparent)]
     Stream(#[from] crate::stream::StreamError),
+}
+
+impl From<ggml_sys::Error> for GenerateError {
+    fn from(e: ggml_sys::Error) -> Self {
+        match e {
+            ggml_sys::Error::Aborted => GenerateError::Cancelled,
+            e => GenerateError::Llama(e),
+        }
+    }
+}
+
+/// How the next token is chosen from the logits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Sampling {
+    /// The highest logit, lowest id on ties: the same text as a resident run, every time.
+    Greedy,
+    /// Softmax of logits / `temperature`, restricted to the smallest set of tokens whose
+    /// probability reaches `top_p`, drawn with a ChaCha8 generator seeded by `seed`: the same
+    /// seed gives the same text.
+    Random {
+        /// Above 0.
+        temperature: f32,
+        /// In (0, 1].
+        top_p: f32,
+        /// Generator seed.
+        seed: u64,
+    },
+}
+
+/// Chooses tokens as its [`Sampling`] says.
+#[derive(Debug)]
+pub struct Sampler {
+    sampling: Sampling,
+    rng: ChaCha8Rng,
+    scratch: Vec<(f32, u32)>,
+}
+
+impl Sampler {
+    /// A sampler for `sampling`.
+    pub fn new(sampling: Sampling) -> Sampler {
+        let seed = match sampling {
+            Sampling::Random { seed, .. } => seed,
+            Sampling::Greedy => 0,
+        };
+        Sampler { sampling, rng: ChaCha8Rng::seed_from_u64(seed), scratch: Vec::new() }
+    }
+
+    /// The token chosen from `logits`.
+    pub fn choose(&mut self, logits: &[f32]) -> Token {
+        let Sampling::Random { temperature, top_p, .. } = self.sampling else {
+            return argmax(logits);
+        };
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        self.scratch.clear();
+        let mut total = 0f64;
+        for (i, &l) in logits.iter().enumerate() {
+            let p = (((l - max) / temperature) as f64).exp();
+            total += p;
+            self.scratch.push((p as f32, i as u32));
+        }
+        // Most probable first; ties by id, so the order (and the draw) is deterministic.
+        self.scratch.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        let mut kept = 0;
+        let mut mass = 0f64;
+        for &(p, _) in &self.scratch {
+            kept += 1;
+            mass += p as f64;
+            if mass >= top_p as f64 * total {
+                break;
+            }
+        }
+        let draw = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * mass;
+        let mut acc = 0f64;
+        for &(p, id) in &self.scratch[..kept] {
+            acc += p as f64;
+            if draw < acc {
+                return id as Token;
+            }
+        }
+        self.scratch[kept - 1].1 as Token
+    }
+}
+
+/// The highest logit, lowest id on ties.
+fn argmax(logits: &[f32]) -> Token {
+    let mut best = 0usize;
+    for (j, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = j;
+        }
+    }
+    best as Token
 }
 
 /// One `llama_decode` call, as reported to a [`DecodeObserver`].
@@ -216,6 +315,37 @@ impl<'m> Session<'m> {
         mut on_token: impl FnMut(Token, &[u8]),
         observer: &mut DecodeObserver<'_>,
     ) -> Result<Generation, GenerateError> {
+        let mut sampler = Sampler::new(Sampling::Greedy);
+        self.generate_with(
+            prompt,
+            n_predict,
+            &mut sampler,
+            |t, b| {
+                on_token(t, b);
+                ControlFlow::Continue(())
+            },
+            observer,
+        )
+    }
+
+    /// Makes every later decode of this session stop as soon as `flag` is set (between graph
+    /// nodes): the generation then ends with [`GenerateError::Cancelled`].
+    pub fn set_abort_flag(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
+        self.ctx.set_abort_flag(flag);
+    }
+
+    /// Generates up to `n_predict` tokens after `prompt`, chosen by `sampler`. `on_token` gets
+    /// each token and its bytes as it is chosen and may end the generation early
+    /// ([`ControlFlow::Break`], e.g. at a stop sequence); `observer` runs after every decode.
+    /// Starts from an empty context every time.
+    pub fn generate_with(
+        &mut self,
+        prompt: &[Token],
+        n_predict: u32,
+        sampler: &mut Sampler,
+        mut on_token: impl FnMut(Token, &[u8]) -> ControlFlow<()>,
+        observer: &mut DecodeObserver<'_>,
+    ) -> Result<Generation, GenerateError> {
         self.ctx.clear_memory();
         let n_batch = self.batch_capacity();
         let t0 = Instant::now();
@@ -231,7 +361,7 @@ impl<'m> Session<'m> {
         }
         let prefill = t0.elapsed();
         let t1 = Instant::now();
-        let mut next = self.ctx.greedy(-1)?;
+        let mut next = sampler.choose(self.ctx.logits(-1)?);
         let mut out = Generation {
             prompt_tokens: prompt.to_vec(),
             tokens: Vec::new(),
@@ -247,10 +377,10 @@ impl<'m> Session<'m> {
                 break;
             }
             let piece = self.model.token_piece(next);
-            on_token(next, &piece);
+            let flow = on_token(next, &piece);
             out.tokens.push(next);
             out.bytes.extend_from_slice(&piece);
-            if i + 1 == n_predict {
+            if flow.is_break() || i + 1 == n_predict {
                 break;
             }
             self.batch.clear();
@@ -258,7 +388,7 @@ impl<'m> Session<'m> {
             self.timed_decode(false, observer)?;
             out.decoded += 1;
             pos += 1;
-            next = self.ctx.greedy(-1)?;
+            next = sampler.choose(self.ctx.logits(-1)?);
         }
         out.decode = t1.elapsed();
         Ok(out)

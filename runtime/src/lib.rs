@@ -10,6 +10,7 @@ pub mod board;
 pub mod budget;
 pub mod demo;
 pub mod generate;
+pub mod serve;
 pub mod stream;
 pub mod synth;
 pub mod telemetry;

@@ -42,6 +42,10 @@ enum Command {
     /// Print the memory ledger of a run (what it would hold, against the budget) without
     /// loading the weights.
     Plan(cli::plan::PlanArgs),
+    /// Serve the model over HTTP (OpenAI-compatible), as a systemd notify service.
+    Serve(cli::serve::ServeArgs),
+    /// Print the systemd drop-in (CPUAffinity, MemoryMax, ExecStart) for a board and model.
+    Unit(cli::serve::UnitArgs),
     /// One configuration of `sluice bench --budget-mb`, inside its memory cgroup (internal).
     #[command(hide = true)]
     BenchChild(cli::bench::BenchChildArgs),
@@ -76,6 +80,8 @@ fn dispatch(command: Command, board: &BoardChoice) -> Result<()> {
         Command::Bench(a) => cli::bench::run_bench(&a, board),
         Command::Probe(a) => cli::probe::run_probe(&a, board),
         Command::Plan(a) => cli::plan::run_plan(&a, board),
+        Command::Serve(a) => cli::serve::run_serve(&a, board),
+        Command::Unit(a) => cli::serve::run_unit(&a, board),
         Command::BenchChild(a) => cli::bench::run_bench_child(&a, board),
         Command::Boards => {
             cli::probe::run_boards();

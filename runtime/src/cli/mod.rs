@@ -30,4 +30,5 @@ pub mod bench;
 pub mod plan;
 pub mod probe;
 pub mod run;
+pub mod serve;
 pub mod synth;

@@ -196,6 +196,30 @@ impl ExpertCache {
         }
     }
 
+    /// Makes `(layer, e)` resident ahead of use (a warm start), as the coldest entry, if it is
+    /// not resident and fits the budget without evicting anything. Returns whether it was
+    /// admitted (the caller then reads it). Counts no hit or miss.
+    pub fn admit(&mut self, layer: u32, e: u32) -> bool {
+        let i = self.idx(layer, e);
+        let slot = self.slots[i as usize];
+        if slot.resident || self.used + self.bytes[i as usize] > self.budget {
+            return false;
+        }
+        self.slots[i as usize].resident = true;
+        self.slots[i as usize].ever_loaded = true;
+        self.used += self.bytes[i as usize];
+        self.slots[i as usize].next = NIL;
+        self.slots[i as usize].prev = self.tail;
+        if self.tail != NIL {
+            self.slots[self.tail as usize].next = i;
+        }
+        self.tail = i;
+        if self.head == NIL {
+            self.head = i;
+        }
+        true
+    }
+
     /// Forgets that `(layer, e)` was loaded (its read failed): it is no longer resident.
     pub fn mark_failed(&mut self, layer: u32, e: u32) {
         let i = self.idx(layer, e);
@@ -254,6 +278,22 @@ mod tests {
         assert!(p.evict.iter().all(|&(l, _)| l == 0));
         assert!(c.used() >= 40);
         assert!((0..4).all(|e| c.is_resident(1, e)));
+    }
+
+    #[test]
+    fn admitted_experts_fit_the_budget_and_are_evicted_hottest_last() {
+        let mut c = ExpertCache::new(2, 4, 30, |_, _| 10);
+        assert!(c.admit(0, 1));
+        assert!(c.admit(1, 2));
+        assert!(!c.admit(1, 2), "already resident");
+        assert!(c.admit(0, 3));
+        assert!(!c.admit(1, 0), "over the budget: admitting never evicts");
+        assert_eq!(c.used(), 30);
+        assert_eq!(c.counters(), CacheCounters::default());
+        // A hit on an admitted expert; a miss then evicts the coldest: the last admitted.
+        assert!(plan(&mut c, 0, &[1]).load.is_empty());
+        let p = plan(&mut c, 1, &[0]);
+        assert_eq!(p.evict, vec![(0, 3)]);
     }
 
     #[test]

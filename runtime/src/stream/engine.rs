@@ -124,6 +124,17 @@ pub struct Streamer<'m> {
     failure: Option<StreamError>,
     trace: Option<Vec<RouteRecord>>,
     decode_no: u64,
+    /// Times each (layer, expert) was routed, `layer * n_expert + expert`.
+    heat: Vec<u64>,
+}
+
+/// What a warm start read ahead of the first request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prefill {
+    /// Experts made resident.
+    pub experts: u64,
+    /// Bytes read.
+    pub bytes: u64,
 }
 
 impl<'m> Streamer<'m> {
@@ -158,6 +169,7 @@ impl<'m> Streamer<'m> {
             failure: None,
             trace: None,
             decode_no: 0,
+            heat: vec![0; n_expert * index.n_layer as usize],
             mode: Mode::Capture,
             dense_anon,
             index,
@@ -204,6 +216,60 @@ impl<'m> Streamer<'m> {
     /// Changes the cache budget (applies from the next layer on).
     pub fn set_cache_budget(&mut self, bytes: u64) {
         self.cache.set_budget(bytes);
+    }
+
+    /// How often each expert was routed (distinct per layer and decode), indexed
+    /// `layer * n_expert + expert`; includes what [`Streamer::add_heat`] added.
+    pub fn heat(&self) -> &[u64] {
+        &self.heat
+    }
+
+    /// Adds earlier counts (a saved heat map of the same model) to the heat map.
+    pub fn add_heat(&mut self, counts: &[u64]) {
+        for (h, c) in self.heat.iter_mut().zip(counts) {
+            *h = h.saturating_add(*c);
+        }
+    }
+
+    /// Reads the experts of `order` (`(layer, expert)`, most wanted first) into the cache while
+    /// they fit its budget, without evicting anything: a warm start. A failed read leaves the
+    /// experts of its batch not resident and is returned.
+    pub fn prefill(&mut self, order: &[(u32, u32)]) -> Result<Prefill, StreamError> {
+        const BATCH: usize = 32;
+        let mut done = Prefill::default();
+        for chunk in order.chunks(BATCH) {
+            self.loading.clear();
+            for &(layer, e) in chunk {
+                if layer >= self.index.n_layer || e >= self.index.n_expert || !self.cache.admit(layer, e) {
+                    continue;
+                }
+                self.loading.push((layer, e));
+                for (k, tensor) in self.index.layer_tensors(layer) {
+                    let r = &self.reservations[k];
+                    let (a, b) = tensor.slice(e);
+                    let (start, end) = r.window(a, b);
+                    self.jobs.push(ReadJob {
+                        target: Arc::clone(r),
+                        shard: tensor.shard,
+                        start,
+                        len: (end - start) as usize,
+                        tag: (layer, e),
+                        tensor: k,
+                    });
+                }
+            }
+            if self.jobs.is_empty() {
+                continue;
+            }
+            let result = self.lanes.read_all(&mut self.jobs);
+            let bytes = result.as_ref().map_or(0, |s| s.bytes);
+            self.account(result)?;
+            done.experts += self.loading.len() as u64;
+            done.bytes += bytes;
+        }
+        // The warm start is not the first request's work.
+        self.stats = DecodeStats::default();
+        Ok(done)
     }
 
     /// Returns and resets the work counted since the last call.
@@ -379,6 +445,10 @@ impl<'m> Streamer<'m> {
         self.read_routed_ids(t, layer)?;
         if let Some(trace) = self.trace.as_mut() {
             trace.push(RouteRecord { decode: self.decode_no, layer, experts: self.ids.clone() });
+        }
+        let row = (layer * self.index.n_expert) as usize;
+        for &e in &self.ids {
+            self.heat[row + e as usize] += 1;
         }
         let before = self.cache.counters();
         self.cache.plan_layer(layer, &self.ids, &mut self.plan);

@@ -12,13 +12,14 @@ pub mod index;
 pub mod io;
 pub mod recipe;
 
+use std::ops::ControlFlow;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use ggml_sys::{Model, Token};
 
-use crate::generate::{DecodeEvent, GenerateError, Generation, Session};
+use crate::generate::{DecodeEvent, GenerateError, Generation, Sampler, Sampling, Session};
 use crate::telemetry::{TokenRow, Usage};
 pub use cache::CacheCounters;
 pub use engine::{DecodeStats, RouteRecord, Streamer};
@@ -243,7 +244,29 @@ impl<'m> StreamedSession<'m> {
         &mut self,
         prompt: &[Token],
         n_predict: u32,
-        on_token: impl FnMut(Token, &[u8]),
+        mut on_token: impl FnMut(Token, &[u8]),
+        on_row: impl FnMut(&TokenRow),
+    ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
+        let mut sampler = Sampler::new(Sampling::Greedy);
+        self.generate_with(
+            prompt,
+            n_predict,
+            &mut sampler,
+            |t, b| {
+                on_token(t, b);
+                ControlFlow::Continue(())
+            },
+            on_row,
+        )
+    }
+
+    /// Generates like [`Session::generate_with`], returning per-decode telemetry rows too.
+    pub fn generate_with(
+        &mut self,
+        prompt: &[Token],
+        n_predict: u32,
+        sampler: &mut Sampler,
+        on_token: impl FnMut(Token, &[u8]) -> ControlFlow<()>,
         mut on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
         let streamer = Arc::clone(&self.streamer);
@@ -264,8 +287,14 @@ impl<'m> StreamedSession<'m> {
             rows.push(row);
             Ok(())
         };
-        let generation = self.session.generate(prompt, n_predict, on_token, &mut observer)?;
+        let generation = self.session.generate_with(prompt, n_predict, sampler, on_token, &mut observer)?;
         Ok((generation, rows))
+    }
+
+    /// Makes every later decode stop as soon as `flag` is set: the generation then ends with
+    /// [`GenerateError::Cancelled`] and the session stays usable.
+    pub fn set_abort_flag(&mut self, flag: Option<Arc<std::sync::atomic::AtomicBool>>) {
+        self.session.set_abort_flag(flag);
     }
 }
 

@@ -1,0 +1,126 @@
+//! `sluice serve` (the HTTP service) and `sluice unit` (its systemd drop-in).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+
+use sluice::board::{self, BoardChoice};
+use sluice::generate;
+use sluice::serve::engine::EngineConfig;
+use sluice::serve::unit::{self, UnitRequest};
+use sluice::serve::{self, ServeConfig};
+use sluice::stream::DensePolicy;
+use sluice_hal::root::SysRoot;
+
+use super::args::{self, TuningArgs};
+
+/// `sluice serve` arguments.
+#[derive(Args)]
+pub struct ServeArgs {
+    /// The model: a .gguf file (for a split model, its first file).
+    #[arg(short, long)]
+    model: PathBuf,
+    /// Address to serve HTTP on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Context positions per request, prompt and completion together (default: 4096, or the
+    /// model's length if shorter).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(16..))]
+    ctx: Option<u32>,
+    /// Generation requests that may wait while one runs; more are answered 503 with Retry-After.
+    #[arg(long, default_value_t = 8)]
+    queue: usize,
+    /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    #[arg(long, default_value_t = 30)]
+    drain_secs: u64,
+    /// Where the expert heat map is kept for warm restarts (default: $STATE_DIRECTORY, which
+    /// systemd's StateDirectory= sets; without either, no warm restarts).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// Seconds between saves of the heat map while serving (it is saved at shutdown too).
+    #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
+    save_secs: u64,
+    /// The model name clients give (default: the file name without .gguf).
+    #[arg(long)]
+    model_id: Option<String>,
+    /// Expert cache size in MiB (default: what the memory budget leaves; 0: no cache).
+    #[arg(long)]
+    cache_mb: Option<u64>,
+    /// Accept a cache smaller than one token's routed experts.
+    #[arg(long)]
+    force_cache: bool,
+    /// Where dense weights live.
+    #[arg(long, value_enum, default_value_t = DensePolicy::Anon)]
+    dense: DensePolicy,
+    /// Largest request body in KiB.
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    max_body_kib: u64,
+    #[command(flatten)]
+    tuning: TuningArgs,
+}
+
+/// Runs `sluice serve`.
+pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
+    generate::check_model_file(&a.model)?;
+    let board = args::board(choice, Some(&a.model), &a.tuning)?;
+    let state_dir = a.state_dir.clone().or_else(|| std::env::var_os("STATE_DIRECTORY").map(PathBuf::from));
+    if let Some(dir) = &state_dir {
+        std::fs::create_dir_all(dir).with_context(|| format!("state directory {}", dir.display()))?;
+    }
+    let model_id = a.model_id.clone().unwrap_or_else(|| {
+        let name = a.model.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+        name.strip_suffix(".gguf").unwrap_or(&name).to_string()
+    });
+    let engine = EngineConfig {
+        model: a.model.clone(),
+        stream: args::stream_config(&board, 0, a.force_cache, a.dense),
+        cache_bytes: a.cache_mb.map(|m| m.saturating_mul(1 << 20)),
+        threads: board.threads(),
+        budget: board.budget.clone(),
+        ctx: a.ctx,
+        state_dir,
+        save_every: Duration::from_secs(a.save_secs),
+    };
+    serve::serve(ServeConfig {
+        engine,
+        listen: a.listen,
+        queue: a.queue,
+        drain: Duration::from_secs(a.drain_secs),
+        model_id,
+        max_body: (a.max_body_kib as usize).saturating_mul(1024),
+    })
+    .with_context(|| format!("serving {}", a.model.display()))
+}
+
+/// `sluice unit` arguments.
+#[derive(Args)]
+pub struct UnitArgs {
+    /// The model the service serves (absolute path on the board).
+    #[arg(short, long)]
+    model: PathBuf,
+    /// Address the service listens on.
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    /// Where the sluice binary is installed on the board.
+    #[arg(long, default_value = "/usr/local/bin/sluice")]
+    exe: PathBuf,
+}
+
+/// Runs `sluice unit`: prints the drop-in for the chosen board.
+pub fn run_unit(a: &UnitArgs, choice: &BoardChoice) -> Result<()> {
+    let root = SysRoot::default();
+    let identity = sluice_hal::board::BoardIdentity::probe(&root);
+    let selected = board::select(choice, &identity)?;
+    let text = unit::drop_in(&UnitRequest {
+        board: &selected,
+        model: &a.model,
+        listen: a.listen,
+        exe: &a.exe,
+        mem_total: identity.mem_total,
+    })?;
+    out!("{text}");
+    Ok(())
+}

@@ -1,0 +1,347 @@
+//! The engine thread: loads the model once, then runs queued generation requests one at a time.
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Result;
+use ggml_sys::{Model, Token};
+
+use super::api::{chat_prompt, ApiError, GenerationRequest, PromptInput};
+use super::heat::{self, ModelIdentity};
+use super::metrics::GenerationCounts;
+use super::text::ResponseText;
+use super::{Shared, State};
+use crate::board::resolve::Sourced;
+use crate::budget::{self, PlanRequest};
+use crate::generate::{GenerateError, Sampler};
+use crate::stream::{self, ExpertIndex, StreamConfig, StreamedSession};
+
+/// Context length when `--ctx` is not given (or the model's, if shorter).
+pub const DEFAULT_CTX: u32 = 4096;
+/// How long the engine waits for a request before it reports that it is alive.
+const IDLE_BEAT: Duration = Duration::from_millis(250);
+
+/// What the engine serves, and how.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// The model's first file.
+    pub model: PathBuf,
+    /// Streaming settings (the cache size is set from the memory plan).
+    pub stream: StreamConfig,
+    /// A fixed expert cache in bytes; `None`: what the budget leaves.
+    pub cache_bytes: Option<u64>,
+    /// Compute threads.
+    pub threads: ggml_sys::Threads,
+    /// The memory budget.
+    pub budget: Sourced<u64>,
+    /// Context positions shared by prompt and completion; `None`: [`DEFAULT_CTX`] or the
+    /// model's own length if shorter.
+    pub ctx: Option<u32>,
+    /// Where the heat map is kept; `None`: no warm restarts.
+    pub state_dir: Option<PathBuf>,
+    /// How often the heat map is saved while serving.
+    pub save_every: Duration,
+}
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token or a stop sequence.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+}
+
+impl Finish {
+    /// OpenAI's `finish_reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+        }
+    }
+}
+
+/// What the engine tells the request's handler, in order: `Started`, any `Text`, then `Done`;
+/// or `Failed` at any point.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The prompt fits and generation begins.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+    },
+    /// Text that is final.
+    Text(String),
+    /// The generation ended.
+    Done {
+        /// Why.
+        finish: Finish,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+    },
+    /// The request failed.
+    Failed(ApiError),
+}
+
+/// A queued generation request.
+#[derive(Debug)]
+pub struct Job {
+    /// What to generate.
+    pub request: GenerationRequest,
+    /// Where the events go.
+    pub events: Sender<Event>,
+    /// Set when the client goes away (or the server stops): the generation ends at the next
+    /// graph node.
+    pub cancel: Arc<AtomicBool>,
+}
+
+/// Loads the model, reports ready, and serves `jobs` until every sender is gone; saves the heat
+/// map at the end. Errors are load failures.
+pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()> {
+    shared.loading_step("indexing the model's experts");
+    let index = Arc::new(ExpertIndex::open(&cfg.model)?);
+    let mut config = cfg.stream.clone();
+    shared.loading_step("loading the model's metadata and vocabulary");
+    let model = stream::load_streamed_model(&cfg.model, &index, config.dense, config.gpu_layers)?;
+    let n_ctx = match cfg.ctx {
+        Some(c) if c > model.n_ctx_train() => anyhow::bail!(
+            "--ctx {c} is beyond the model's context length {}; give at most --ctx {}",
+            model.n_ctx_train(),
+            model.n_ctx_train()
+        ),
+        Some(c) => c,
+        None => model.n_ctx_train().min(DEFAULT_CTX),
+    };
+    shared.loading_step("planning memory");
+    let ledger = budget::plan_within_budget(&PlanRequest {
+        model: &cfg.model,
+        index: &index,
+        positions: n_ctx,
+        dense: config.dense,
+        cache_bytes: cfg.cache_bytes,
+        budget: cfg.budget.clone(),
+    })?;
+    log::info!("{}", ledger.describe());
+    shared.metrics.set_ledger(&ledger);
+    config.cache_bytes = ledger.cache_bytes();
+    shared.loading_step("reading dense weights and warming up");
+    let session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &cfg.threads)?;
+    let identity = ModelIdentity::of(&index);
+    let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
+    let mut engine = Engine {
+        model: &model,
+        session,
+        shared,
+        n_ctx,
+        template: model.chat_template(),
+        identity,
+        heat_path,
+        heat_dirty: false,
+    };
+    engine.warm_start(&index);
+    shared.set_ready(&format!(
+        "ready: {} ({} positions, expert cache {} MiB of {} MiB)",
+        cfg.model.display(),
+        n_ctx,
+        config.cache_bytes.min(index.all_expert_window_bytes()) >> 20,
+        index.all_expert_window_bytes() >> 20
+    ));
+    let mut last_save = Instant::now();
+    loop {
+        shared.beat();
+        match jobs.recv_timeout(IDLE_BEAT) {
+            Ok(job) => engine.handle(job),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        if last_save.elapsed() >= cfg.save_every {
+            engine.save_heat();
+            last_save = Instant::now();
+        }
+    }
+    engine.save_heat();
+    Ok(())
+}
+
+/// The loaded model and its session.
+struct Engine<'m, 's> {
+    model: &'m Model,
+    session: StreamedSession<'m>,
+    shared: &'s Shared,
+    n_ctx: u32,
+    template: Option<String>,
+    identity: ModelIdentity,
+    heat_path: Option<PathBuf>,
+    heat_dirty: bool,
+}
+
+impl Engine<'_, '_> {
+    /// Reads the saved heat map (if any) and fills the cache with its hottest experts.
+    fn warm_start(&mut self, index: &ExpertIndex) {
+        let Some(path) = &self.heat_path else { return };
+        let counts = match heat::load(path, &self.identity) {
+            Ok(Some(c)) => c,
+            Ok(None) => {
+                log::info!("no heat map at {}: the cache starts cold", path.display());
+                return;
+            }
+            Err(e) => {
+                log::warn!("{e}");
+                return;
+            }
+        };
+        self.shared.loading_step("pre-filling the expert cache from the saved heat map");
+        let order = heat::warm_order(&counts, index.n_expert);
+        let mut streamer = self.session.streamer();
+        streamer.add_heat(&counts);
+        match streamer.prefill(&order) {
+            Ok(p) => {
+                log::info!(
+                    "warm start: {} experts ({:.1} MiB) read from the heat map at {}",
+                    p.experts,
+                    p.bytes as f64 / (1 << 20) as f64,
+                    path.display()
+                );
+                self.shared.metrics.warm_start(p.bytes);
+            }
+            Err(e) => log::warn!("warm start stopped: {e}; serving with what was read"),
+        }
+    }
+
+    /// Saves the heat map if it changed.
+    fn save_heat(&mut self) {
+        let Some(path) = &self.heat_path else { return };
+        if !self.heat_dirty {
+            return;
+        }
+        let counts = self.session.streamer().heat().to_vec();
+        match heat::save(path, &self.identity, &counts) {
+            Ok(()) => {
+                self.heat_dirty = false;
+                log::info!("heat map saved to {}", path.display());
+            }
+            Err(e) => log::warn!("cannot save the heat map: {e}"),
+        }
+    }
+
+    /// The prompt's tokens.
+    fn tokenize(&self, prompt: &PromptInput) -> Result<Vec<Token>, ApiError> {
+        let tokens = match prompt {
+            PromptInput::Text(t) => self.model.tokenize(t, true),
+            PromptInput::Chat(messages) => {
+                let (text, templated) = chat_prompt(self.template.as_deref(), messages);
+                self.model.tokenize_with(&text, true, templated)
+            }
+        };
+        tokens.map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))
+    }
+
+    /// Runs one request, sending its events.
+    fn handle(&mut self, job: Job) {
+        let Job { request, events, cancel } = job;
+        self.shared.dequeued();
+        if cancel.load(Ordering::Relaxed) {
+            self.shared.metrics.cancelled();
+            return;
+        }
+        if self.shared.state() == State::Draining && self.shared.cancelling() {
+            let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
+            return;
+        }
+        let tokens = match self.tokenize(&request.prompt) {
+            Ok(t) => t,
+            Err(e) => {
+                let _ = events.send(Event::Failed(e));
+                return;
+            }
+        };
+        let room = (self.n_ctx as usize).saturating_sub(tokens.len());
+        let max_tokens = request.max_tokens.map_or(room, |m| m as usize);
+        if max_tokens == 0 || tokens.len() + max_tokens > self.n_ctx as usize {
+            let param = if request.max_tokens.is_some() { "max_tokens" } else { "messages" };
+            let e = ApiError::invalid(
+                format!(
+                    "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
+                    self.n_ctx,
+                    tokens.len() + max_tokens.max(1),
+                    tokens.len(),
+                    max_tokens.max(1)
+                ),
+                Some(param),
+            )
+            .with_code("context_length_exceeded");
+            let _ = events.send(Event::Failed(e));
+            return;
+        }
+        let _ = events.send(Event::Started { prompt_tokens: tokens.len() });
+        self.shared.set_current(Some(Arc::clone(&cancel)));
+        self.session.set_abort_flag(Some(Arc::clone(&cancel)));
+        let mut text = ResponseText::new(&request.stop);
+        let mut sampler = Sampler::new(request.sampling);
+        let shared = self.shared;
+        let result = self.session.generate_with(
+            &tokens,
+            max_tokens as u32,
+            &mut sampler,
+            |_, bytes| {
+                let t = text.push(bytes);
+                if !t.is_empty() && events.send(Event::Text(t)).is_err() {
+                    cancel.store(true, Ordering::Relaxed);
+                    return ControlFlow::Break(());
+                }
+                if text.stopped() {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            },
+            |row| {
+                shared.beat();
+                shared.metrics.decode_row(row);
+            },
+        );
+        self.session.set_abort_flag(None);
+        self.shared.set_current(None);
+        self.heat_dirty = true;
+        match result {
+            Ok((g, _)) => {
+                let rest = text.finish();
+                if !rest.is_empty() {
+                    let _ = events.send(Event::Text(rest));
+                }
+                self.shared.metrics.generation(GenerationCounts {
+                    prompt_tokens: tokens.len() as u64,
+                    completion_tokens: g.tokens.len() as u64,
+                    decode: g.decode,
+                    decoded: u64::from(g.decoded),
+                });
+                if cancel.load(Ordering::Relaxed) {
+                    self.shared.metrics.cancelled();
+                    return;
+                }
+                let finish = if text.stopped() || g.stopped_at_eog { Finish::Stop } else { Finish::Length };
+                let _ = events.send(Event::Done {
+                    finish,
+                    prompt_tokens: tokens.len(),
+                    completion_tokens: g.tokens.len(),
+                });
+            }
+            Err(GenerateError::Cancelled) => {
+                self.shared.metrics.cancelled();
+                log::info!("generation cancelled after its client went away or the server began stopping");
+                let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the generation was cancelled")));
+            }
+            Err(e) => {
+                log::error!("generation failed: {e}");
+                let _ = events.send(Event::Failed(ApiError::new(500, "server_error", format!("generation failed: {e}"))));
+            }
+        }
+    }
+}

@@ -1,0 +1,194 @@
+//! Warm restarts: the expert heat map (how often each layer's experts were routed), kept in the
+//! state directory so the next start can fill the cache with the experts that will be wanted.
+//!
+//! File: `SLUICEHM` magic, a postcard body ([`HeatFile`]: format version, the model's identity,
+//! the counts), and a little-endian CRC-32 of everything before it. It is written to a
+//! temporary file, synced, and renamed over the old one, so a crash leaves the old file or the
+//! new one, never half of one. A file that fails any check is reported and not used.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::stream::ExpertIndex;
+
+const MAGIC: &[u8; 8] = b"SLUICEHM";
+/// The format version written; files of another version are not used.
+pub const VERSION: u32 = 1;
+/// The state file's name inside the state directory.
+pub const FILE_NAME: &str = "expert-heat.bin";
+
+/// Which model a heat map belongs to: its expert layout, so a map is never applied to another
+/// model (or to the same name re-quantized).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelIdentity {
+    /// Layers with experts.
+    pub n_layer: u32,
+    /// Experts per layer.
+    pub n_expert: u32,
+    /// CRC-32 of every expert tensor's name, type, offset and size.
+    pub layout_crc: u32,
+}
+
+impl ModelIdentity {
+    /// The identity of the model `index` describes.
+    pub fn of(index: &ExpertIndex) -> ModelIdentity {
+        let mut h = crc32fast::Hasher::new();
+        for t in &index.experts {
+            h.update(t.name.as_bytes());
+            h.update(format!(":{:?}:{}:{}:{};", t.ty, t.shard, t.offset, t.size).as_bytes());
+        }
+        ModelIdentity { n_layer: index.n_layer, n_expert: index.n_expert, layout_crc: h.finalize() }
+    }
+}
+
+/// The saved state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct HeatFile {
+    /// [`VERSION`] when written.
+    pub version: u32,
+    /// The model.
+    pub model: ModelIdentity,
+    /// Route counts, `layer * n_expert + expert`.
+    pub counts: Vec<u64>,
+}
+
+/// Why a state file is not used.
+#[derive(Debug, thiserror::Error)]
+pub enum HeatError {
+    /// It cannot be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: std::io::Error,
+    },
+    /// It is not a sluice heat map, or it is damaged.
+    #[error("{path}: not a valid sluice heat map ({why}); ignoring it, the cache starts cold")]
+    Corrupt {
+        /// The file.
+        path: PathBuf,
+        /// What check failed.
+        why: String,
+    },
+    /// It belongs to another model or format version.
+    #[error("{path}: saved for {what}; ignoring it, the cache starts cold")]
+    Foreign {
+        /// The file.
+        path: PathBuf,
+        /// Whose it is.
+        what: String,
+    },
+}
+
+/// The state file in `dir`.
+pub fn path_in(dir: &Path) -> PathBuf {
+    dir.join(FILE_NAME)
+}
+
+/// Reads the counts saved at `path` for `model`. `Ok(None)`: no file (a first start).
+pub fn load(path: &Path, model: &ModelIdentity) -> Result<Option<Vec<u64>>, HeatError> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(HeatError::Io { path: path.into(), source }),
+    };
+    let corrupt = |why: &str| HeatError::Corrupt { path: path.into(), why: why.into() };
+    if bytes.len() < MAGIC.len() + 4 || &bytes[..MAGIC.len()] != MAGIC {
+        return Err(corrupt("no SLUICEHM header"));
+    }
+    let (body, crc) = bytes.split_at(bytes.len() - 4);
+    if crc32fast::hash(body).to_le_bytes() != crc {
+        return Err(corrupt("checksum mismatch"));
+    }
+    let file: HeatFile = postcard::from_bytes(&body[MAGIC.len()..]).map_err(|e| corrupt(&e.to_string()))?;
+    if file.version != VERSION {
+        return Err(HeatError::Foreign { path: path.into(), what: format!("format version {}", file.version) });
+    }
+    if &file.model != model {
+        return Err(HeatError::Foreign {
+            path: path.into(),
+            what: format!(
+                "another model ({} layers x {} experts, layout {:08x}; this one: {} x {}, {:08x})",
+                file.model.n_layer,
+                file.model.n_expert,
+                file.model.layout_crc,
+                model.n_layer,
+                model.n_expert,
+                model.layout_crc
+            ),
+        });
+    }
+    if file.counts.len() != (model.n_layer * model.n_expert) as usize {
+        return Err(corrupt("count table of the wrong size"));
+    }
+    Ok(Some(file.counts))
+}
+
+/// Saves `counts` for `model` at `path`: temporary file, fsync, rename, directory fsync.
+pub fn save(path: &Path, model: &ModelIdentity, counts: &[u64]) -> Result<(), HeatError> {
+    let io = |source| HeatError::Io { path: path.into(), source };
+    let file = HeatFile { version: VERSION, model: model.clone(), counts: counts.to_vec() };
+    let mut bytes = MAGIC.to_vec();
+    bytes.extend(postcard::to_allocvec(&file).map_err(|e| io(std::io::Error::other(e)))?);
+    bytes.extend(crc32fast::hash(&bytes).to_le_bytes());
+    let tmp = path.with_extension("tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(io)?;
+    f.write_all(&bytes).and_then(|()| f.sync_all()).map_err(io)?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
+    }
+    Ok(())
+}
+
+/// The experts worth reading at start, most routed first: `(layer, expert)` of every non-zero
+/// count.
+pub fn warm_order(counts: &[u64], n_expert: u32) -> Vec<(u32, u32)> {
+    let mut order: Vec<(u64, u32)> = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, &c)| (c, i as u32)).collect();
+    order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
+    order.into_iter().map(|(_, i)| (i / n_expert, i % n_expert)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id() -> ModelIdentity {
+        ModelIdentity { n_layer: 2, n_expert: 3, layout_crc: 0xabcd }
+    }
+
+    #[test]
+    fn a_saved_map_loads_back_and_orders_the_hottest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = path_in(dir.path());
+        assert!(load(&path, &id()).unwrap().is_none());
+        save(&path, &id(), &[0, 5, 1, 9, 0, 5]).unwrap();
+        let counts = load(&path, &id()).unwrap().unwrap();
+        assert_eq!(counts, [0, 5, 1, 9, 0, 5]);
+        assert_eq!(warm_order(&counts, 3), [(1, 0), (0, 1), (1, 2), (0, 2)]);
+        assert!(!path.with_extension("tmp").exists());
+    }
+
+    #[test]
+    fn damaged_and_foreign_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = path_in(dir.path());
+        save(&path, &id(), &[1; 6]).unwrap();
+        let good = std::fs::read(&path).unwrap();
+        let mut flipped = good.clone();
+        flipped[12] ^= 1;
+        std::fs::write(&path, &flipped).unwrap();
+        assert!(matches!(load(&path, &id()), Err(HeatError::Corrupt { .. })));
+        std::fs::write(&path, b"garbage").unwrap();
+        assert!(matches!(load(&path, &id()), Err(HeatError::Corrupt { .. })));
+        std::fs::write(&path, &good).unwrap();
+        let other = ModelIdentity { layout_crc: 1, ..id() };
+        let e = load(&path, &other).unwrap_err();
+        assert!(matches!(e, HeatError::Foreign { .. }), "{e}");
+        assert!(e.to_string().contains("another model"), "{e}");
+    }
+}

@@ -1,0 +1,157 @@
+//! Counters of the server, rendered as Prometheus text for `GET /metrics`.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::budget::Ledger;
+use crate::telemetry::{TokenRow, Usage};
+
+/// What one finished (or cancelled) generation did.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct GenerationCounts {
+    /// Prompt tokens.
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    pub completion_tokens: u64,
+    /// Time spent in single-token decodes.
+    pub decode: Duration,
+    /// Single-token decodes.
+    pub decoded: u64,
+}
+
+/// The server's counters; every method takes `&self`.
+#[derive(Debug, Default)]
+pub struct Metrics {
+    requests: Mutex<BTreeMap<(String, u16), u64>>,
+    prompt_tokens: AtomicU64,
+    completion_tokens: AtomicU64,
+    decode_ns: AtomicU64,
+    decoded: AtomicU64,
+    last_tok_per_s_milli: AtomicU64,
+    cancelled: AtomicU64,
+    hits: AtomicU64,
+    misses: AtomicU64,
+    bytes_read: AtomicU64,
+    warm_bytes: AtomicU64,
+    ledger: Mutex<Vec<(String, u64)>>,
+    budget: AtomicU64,
+}
+
+impl Metrics {
+    /// Counts a request answered with `status` on `endpoint`.
+    pub fn request(&self, endpoint: &str, status: u16) {
+        let mut r = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        *r.entry((endpoint.to_string(), status)).or_default() += 1;
+    }
+
+    /// The number of requests answered with `status` on `endpoint`.
+    pub fn requests(&self, endpoint: &str, status: u16) -> u64 {
+        let r = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+        r.get(&(endpoint.to_string(), status)).copied().unwrap_or(0)
+    }
+
+    /// Adds a decode's expert traffic.
+    pub fn decode_row(&self, row: &TokenRow) {
+        self.hits.fetch_add(row.hits, Ordering::Relaxed);
+        self.misses.fetch_add(row.misses, Ordering::Relaxed);
+        self.bytes_read.fetch_add(row.bytes_read, Ordering::Relaxed);
+    }
+
+    /// Adds a generation's tokens and decode time.
+    pub fn generation(&self, g: GenerationCounts) {
+        self.prompt_tokens.fetch_add(g.prompt_tokens, Ordering::Relaxed);
+        self.completion_tokens.fetch_add(g.completion_tokens, Ordering::Relaxed);
+        self.decode_ns.fetch_add(g.decode.as_nanos() as u64, Ordering::Relaxed);
+        self.decoded.fetch_add(g.decoded, Ordering::Relaxed);
+        if g.decoded > 0 && !g.decode.is_zero() {
+            let rate = g.decoded as f64 / g.decode.as_secs_f64();
+            self.last_tok_per_s_milli.store((rate * 1000.0) as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Counts a generation stopped because its client went away or the server stopped.
+    pub fn cancelled(&self) {
+        self.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Records the bytes a warm start read.
+    pub fn warm_start(&self, bytes: u64) {
+        self.warm_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Records the memory plan the engine runs under.
+    pub fn set_ledger(&self, ledger: &Ledger) {
+        let lines = ledger.lines.iter().map(|l| (l.item.label().to_string(), l.bytes)).collect();
+        *self.ledger.lock().unwrap_or_else(|e| e.into_inner()) = lines;
+        self.budget.store(ledger.budget, Ordering::Relaxed);
+    }
+
+    /// The Prometheus text exposition (format 0.0.4), with the server `state` and `queued`
+    /// requests.
+    pub fn render(&self, state: &str, queued: usize) -> String {
+        let mut out = String::new();
+        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
+            let _ = writeln!(out, "# HELP sluice_{name} {help}\n# TYPE sluice_{name} {kind}");
+            for (labels, v) in samples {
+                let _ = writeln!(out, "sluice_{name}{labels} {v}");
+            }
+        };
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
+        let one = |v: f64| vec![(String::new(), v)];
+        let requests: Vec<(String, f64)> = {
+            let r = self.requests.lock().unwrap_or_else(|e| e.into_inner());
+            r.iter().map(|((e, s), c)| (format!("{{endpoint=\"{e}\",status=\"{s}\"}}"), *c as f64)).collect()
+        };
+        metric("requests_total", "counter", "HTTP requests answered, by endpoint and status.", &requests);
+        let states = ["loading", "ready", "draining"];
+        let state_samples: Vec<(String, f64)> = states
+            .iter()
+            .map(|s| (format!("{{state=\"{s}\"}}"), if *s == state { 1.0 } else { 0.0 }))
+            .collect();
+        metric("state", "gauge", "The server's state (1 for the current one).", &state_samples);
+        metric("queued_requests", "gauge", "Generation requests waiting for the engine.", &one(queued as f64));
+        metric("prompt_tokens_total", "counter", "Prompt tokens processed.", &one(n(&self.prompt_tokens)));
+        metric("completion_tokens_total", "counter", "Tokens generated.", &one(n(&self.completion_tokens)));
+        metric(
+            "generations_cancelled_total",
+            "counter",
+            "Generations stopped because the client disconnected or the server stopped.",
+            &one(n(&self.cancelled)),
+        );
+        metric("decode_seconds_total", "counter", "Time spent decoding generated tokens.", &one(n(&self.decode_ns) / 1e9));
+        metric("decode_tokens_total", "counter", "Single-token decodes.", &one(n(&self.decoded)));
+        let avg = if self.decode_ns.load(Ordering::Relaxed) == 0 { 0.0 } else { n(&self.decoded) * 1e9 / n(&self.decode_ns) };
+        metric("decode_tokens_per_second", "gauge", "Decode speed over all generations.", &one(avg));
+        metric(
+            "last_decode_tokens_per_second",
+            "gauge",
+            "Decode speed of the last generation.",
+            &one(n(&self.last_tok_per_s_milli) / 1000.0),
+        );
+        let (hits, misses) = (n(&self.hits), n(&self.misses));
+        metric("expert_cache_hits_total", "counter", "Routed experts found in the cache.", &one(hits));
+        metric("expert_cache_misses_total", "counter", "Routed experts read from storage.", &one(misses));
+        let ratio = if hits + misses == 0.0 { 0.0 } else { hits / (hits + misses) };
+        metric("expert_cache_hit_ratio", "gauge", "Hits over routed experts, since start.", &one(ratio));
+        metric("expert_bytes_read_total", "counter", "Expert bytes read from storage.", &one(n(&self.bytes_read)));
+        metric("warm_start_bytes", "gauge", "Expert bytes read at start from the saved heat map.", &one(n(&self.warm_bytes)));
+        let ledger: Vec<(String, f64)> = {
+            let l = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
+            l.iter().map(|(item, b)| (format!("{{item=\"{item}\"}}"), *b as f64)).collect()
+        };
+        metric("ledger_bytes", "gauge", "The memory plan, by item.", &ledger);
+        metric("budget_bytes", "gauge", "The memory budget the plan fits.", &one(n(&self.budget)));
+        let usage = Usage::sample();
+        metric(
+            "resident_memory_bytes",
+            "gauge",
+            "Resident set size (anonymous + file).",
+            &one((usage.rss_anon + usage.rss_file) as f64),
+        );
+        metric("resident_memory_peak_bytes", "gauge", "Peak resident set size (VmHWM).", &one(usage.rss_peak as f64));
+        out
+    }
+}

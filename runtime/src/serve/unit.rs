@@ -1,0 +1,214 @@
+//! `sluice unit`: the systemd drop-in that fits `systemd/sluice.service` to one board and model.
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use crate::board::profile::ServiceName;
+use crate::board::SelectedBoard;
+
+/// The Jetson GPU's device nodes (JetPack 5 names, then JetPack 6's `nvgpu/igpu0` ones); nodes a
+/// board lacks are skipped by systemd with a warning.
+const JETSON_GPU_DEVICES: &[&str] = &[
+    "/dev/nvmap",
+    "/dev/nvhost-ctrl",
+    "/dev/nvhost-ctrl-gpu",
+    "/dev/nvhost-prof-gpu",
+    "/dev/nvhost-gpu",
+    "/dev/nvhost-as-gpu",
+    "/dev/nvhost-dbg-gpu",
+    "/dev/nvhost-tsg-gpu",
+    "/dev/nvhost-ctxsw-gpu",
+    "/dev/nvhost-sched-gpu",
+    "/dev/host1x-fence",
+    "/dev/nvgpu/igpu0/as",
+    "/dev/nvgpu/igpu0/channel",
+    "/dev/nvgpu/igpu0/ctrl",
+    "/dev/nvgpu/igpu0/ctxsw",
+    "/dev/nvgpu/igpu0/dbg",
+    "/dev/nvgpu/igpu0/power",
+    "/dev/nvgpu/igpu0/prof",
+    "/dev/nvgpu/igpu0/sched",
+    "/dev/nvgpu/igpu0/tsg",
+];
+
+/// What the drop-in is made from.
+#[derive(Debug, Clone)]
+pub struct UnitRequest<'a> {
+    /// The board profile, with its id.
+    pub board: &'a SelectedBoard,
+    /// The model's first file, absolute.
+    pub model: &'a Path,
+    /// The address to serve on.
+    pub listen: SocketAddr,
+    /// The installed binary.
+    pub exe: &'a Path,
+    /// `MemTotal` of this machine, for a profile that names no RAM size.
+    pub mem_total: Option<u64>,
+}
+
+/// Why no drop-in can be made.
+#[derive(Debug, thiserror::Error)]
+pub enum UnitError {
+    /// A path is relative: the service runs from `/`.
+    #[error("{what} {path} is relative; give an absolute path (the service runs from /)")]
+    Relative {
+        /// Which path.
+        what: &'static str,
+        /// The path.
+        path: String,
+    },
+    /// The profile gives no budget and no RAM size, and this machine's is unknown.
+    #[error("board {0}: the profile sets neither memory.budget_mib nor identity.ram_gib; add one so MemoryMax can be set")]
+    NoMemory(String),
+}
+
+/// Quotes one argument for an `ExecStart=` line: `%` doubled (systemd specifiers), and quotes
+/// around anything with spaces, quotes or backslashes.
+fn exec_arg(s: &str) -> String {
+    let s = s.replace('%', "%%");
+    if s.chars().any(|c| c.is_whitespace() || c == '"' || c == '\'' || c == '\\' || c == ';') {
+        format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+    } else {
+        s
+    }
+}
+
+/// The memory limit and why: the profile's budget, else its RAM less the reserve.
+fn memory_max(req: &UnitRequest<'_>) -> Result<(u64, String), UnitError> {
+    let p = &req.board.profile;
+    if let Some(b) = p.memory.budget_mib {
+        return Ok((b, "memory.budget_mib".into()));
+    }
+    let (ram_mib, from) = match (p.identity.ram_gib, req.mem_total) {
+        (Some(g), _) => (u64::from(g) * 1024, format!("identity.ram_gib {g} GiB")),
+        (None, Some(t)) => (t >> 20, format!("this machine's MemTotal {} MiB", t >> 20)),
+        (None, None) => return Err(UnitError::NoMemory(req.board.id.clone())),
+    };
+    let reserve = p.memory.reserve_mib;
+    Ok((ram_mib.saturating_sub(reserve), format!("{from} - memory.reserve_mib {reserve} MiB")))
+}
+
+/// The drop-in text (`/etc/systemd/system/sluice.service.d/board.conf`).
+pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
+    for (what, path) in [("--model", req.model), ("--exe", req.exe)] {
+        if !path.is_absolute() {
+            return Err(UnitError::Relative { what, path: path.display().to_string() });
+        }
+    }
+    let p = &req.board.profile;
+    let board_arg = if req.board.origin == "built-in" { req.board.id.clone() } else { req.board.origin.clone() };
+    let mut out = String::new();
+    let _ = writeln!(out, "# sluice.service drop-in for board {} ({}), made by `sluice unit`.", req.board.id, p.name);
+    let _ = writeln!(out, "# Install as /etc/systemd/system/sluice.service.d/board.conf, then `systemctl daemon-reload`.");
+    let _ = writeln!(out, "[Service]");
+    let _ = writeln!(out, "ExecStart=");
+    let args = [
+        req.exe.display().to_string(),
+        "-v".into(),
+        "serve".into(),
+        "--model".into(),
+        req.model.display().to_string(),
+        "--board".into(),
+        board_arg,
+        "--listen".into(),
+        req.listen.to_string(),
+    ];
+    let _ = writeln!(out, "ExecStart={}", args.iter().map(|a| exec_arg(a)).collect::<Vec<_>>().join(" "));
+    let mut cores: Vec<usize> = p.cpu.compute_cores.iter().chain(p.cpu.io_cores.iter()).flatten().copied().collect();
+    cores.sort_unstable();
+    cores.dedup();
+    if !cores.is_empty() {
+        let list = sluice_hal::cpulist::format(&cores);
+        let _ = writeln!(out, "# The profile's compute and I/O cores (cpu.compute_cores, cpu.io_cores).");
+        let _ = writeln!(out, "CPUAffinity={}", list.replace(',', " "));
+    }
+    let (mib, why) = memory_max(req)?;
+    let _ = writeln!(out, "# The memory budget: {why}. sluice plans its memory within this cgroup limit.");
+    let _ = writeln!(out, "MemoryMax={mib}M");
+    let _ = writeln!(out, "MemorySwapMax=0");
+    let model_dir = req.model.parent().unwrap_or(Path::new("/"));
+    let _ = writeln!(out, "# The model (and the other files of a split model) is only read.");
+    let _ = writeln!(out, "ReadOnlyPaths={}", exec_arg(&model_dir.display().to_string()));
+    if home_or_tmp(model_dir) {
+        let _ = writeln!(out, "# The model lies under a directory the base unit hides; let the service see it.");
+        let _ = writeln!(out, "ProtectHome=read-only");
+        let _ = writeln!(out, "PrivateTmp=no");
+    }
+    if !req.listen.ip().is_loopback() {
+        let _ = writeln!(out, "# --listen {} is not a loopback address: accept connections from other hosts.", req.listen);
+        let _ = writeln!(out, "IPAddressDeny=");
+    }
+    if p.compute.service == ServiceName::Cuda {
+        let _ = writeln!(out, "# compute.service = \"cuda\": the Jetson GPU's device nodes, through the video and render groups");
+        let _ = writeln!(out, "# (a user namespace would hide those groups), and executable memory for CUDA's loaded kernels.");
+        let _ = writeln!(out, "PrivateDevices=no");
+        let _ = writeln!(out, "PrivateUsers=no");
+        let _ = writeln!(out, "MemoryDenyWriteExecute=no");
+        let _ = writeln!(out, "SupplementaryGroups=video render");
+        for dev in JETSON_GPU_DEVICES {
+            let _ = writeln!(out, "DeviceAllow={dev} rw");
+        }
+    }
+    Ok(out)
+}
+
+fn home_or_tmp(dir: &Path) -> bool {
+    ["/home", "/root", "/run/user", "/tmp", "/var/tmp"].iter().any(|p| dir.starts_with(p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::board::{select, BoardChoice};
+
+    fn board(id: &str) -> SelectedBoard {
+        select(&BoardChoice::Id(id.into()), &Default::default()).unwrap()
+    }
+
+    fn unit(id: &str, model: &str, listen: &str) -> String {
+        let b = board(id);
+        drop_in(&UnitRequest {
+            board: &b,
+            model: Path::new(model),
+            listen: listen.parse().unwrap(),
+            exe: Path::new("/usr/local/bin/sluice"),
+            mem_total: None,
+        })
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pi_gets_its_cores_and_memory() {
+        let u = unit("rpi5-8gb", "/srv/models/m.gguf", "127.0.0.1:8080");
+        assert!(u.contains("ExecStart=\nExecStart=/usr/local/bin/sluice -v serve --model /srv/models/m.gguf --board rpi5-8gb --listen 127.0.0.1:8080\n"), "{u}");
+        assert!(u.contains("\nCPUAffinity=0-3\n"), "{u}");
+        assert!(u.contains("\nMemoryMax=7168M\n"), "{u}");
+        assert!(u.contains("\nReadOnlyPaths=/srv/models\n"), "{u}");
+        assert!(!u.contains("DeviceAllow") && !u.contains("IPAddressDeny"), "{u}");
+    }
+
+    #[test]
+    fn a_jetson_gets_its_gpu_and_other_hosts_when_asked() {
+        let u = unit("orin-nano-8gb", "/home/me/my models/m%1.gguf", "0.0.0.0:8080");
+        assert!(u.contains("DeviceAllow=/dev/nvmap rw\n") && u.contains("PrivateDevices=no\n"), "{u}");
+        assert!(u.contains("\nIPAddressDeny=\n"), "{u}");
+        assert!(u.contains("--model \"/home/me/my models/m%%1.gguf\""), "{u}");
+        assert!(u.contains("ProtectHome=read-only"), "{u}");
+        assert!(u.contains("\nMemoryMax=6656M\n"), "{u}");
+    }
+
+    #[test]
+    fn relative_paths_are_refused() {
+        let b = board("generic");
+        let e = drop_in(&UnitRequest {
+            board: &b,
+            model: Path::new("m.gguf"),
+            listen: "127.0.0.1:1".parse().unwrap(),
+            exe: Path::new("/usr/local/bin/sluice"),
+            mem_total: Some(8 << 30),
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("--model m.gguf is relative"), "{e}");
+    }
+}

@@ -1,0 +1,483 @@
+//! `sluice serve` end to end, as systemd and an HTTP client see it: notifications on a
+//! `NOTIFY_SOCKET`, OpenAI-compatible requests (plain, streamed, chat, bad), the bounded queue,
+//! a client that disconnects mid-stream, a clean stop on SIGTERM, and warm restarts.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// How long a test waits for anything; generous for qemu.
+const PATIENCE: Duration = Duration::from_secs(180);
+
+fn sluice_command() -> Command {
+    let bin = env!("CARGO_BIN_EXE_sluice");
+    match std::env::var("SLUICE_TEST_RUNNER") {
+        Ok(runner) if !runner.is_empty() => {
+            let mut c = Command::new(runner);
+            c.arg(bin);
+            c
+        }
+        _ => Command::new(bin),
+    }
+}
+
+fn synth(dir: &Path) -> PathBuf {
+    let p = dir.join("m.gguf");
+    let o = sluice_command().args(["synth", "--out", p.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    p
+}
+
+fn free_port() -> SocketAddr {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
+}
+
+/// A running `sluice serve` with its notification socket and log.
+struct Server {
+    child: Child,
+    addr: SocketAddr,
+    notes: Arc<Mutex<Vec<(Instant, String)>>>,
+    log: PathBuf,
+}
+
+impl Server {
+    fn start(dir: &Path, model: &Path, extra: &[&str]) -> Server {
+        let addr = free_port();
+        let sock_path = dir.join(format!("notify-{}.sock", addr.port()));
+        let sock = UnixDatagram::bind(&sock_path).unwrap();
+        sock.set_read_timeout(Some(Duration::from_millis(200))).unwrap();
+        let notes = Arc::new(Mutex::new(Vec::new()));
+        {
+            let notes = Arc::clone(&notes);
+            std::thread::spawn(move || {
+                let mut buf = [0u8; 4096];
+                loop {
+                    match sock.recv(&mut buf) {
+                        Ok(n) => {
+                            let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+                            let mut n = notes.lock().unwrap();
+                            for line in text.lines() {
+                                n.push((Instant::now(), line.to_string()));
+                            }
+                        }
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
+                            if Arc::strong_count(&notes) == 1 {
+                                return;
+                            }
+                        }
+                        Err(_) => return,
+                    }
+                }
+            });
+        }
+        let log = dir.join(format!("serve-{}.log", addr.port()));
+        let child = sluice_command()
+            .args(["-v", "serve", "--model", model.to_str().unwrap(), "--listen", &addr.to_string(), "--threads", "1"])
+            .args(extra)
+            .env("NOTIFY_SOCKET", &sock_path)
+            .env("WATCHDOG_USEC", "400000")
+            .env_remove("WATCHDOG_PID")
+            .env_remove("STATE_DIRECTORY")
+            .env_remove("RUST_LOG")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        Server { child, addr, notes, log }
+    }
+
+    fn notes(&self) -> Vec<String> {
+        self.notes.lock().unwrap().iter().map(|(_, s)| s.clone()).collect()
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits for a notification line equal to `line`.
+    fn wait_note(&mut self, line: &str) {
+        let t0 = Instant::now();
+        while !self.notes().iter().any(|n| n == line) {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("sluice serve exited ({status}) before {line}; log:\n{}", self.log());
+            }
+            assert!(t0.elapsed() < PATIENCE, "no {line} after {PATIENCE:?}; notes {:?}; log:\n{}", self.notes(), self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Sends SIGTERM and waits for the exit.
+    fn stop(mut self) -> (ExitStatus, Duration, Vec<String>, String) {
+        let t0 = Instant::now();
+        nix_kill(self.child.id());
+        let status = loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                break s;
+            }
+            assert!(t0.elapsed() < PATIENCE, "sluice serve did not exit after SIGTERM; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let elapsed = t0.elapsed();
+        (status, elapsed, self.notes(), self.log())
+    }
+
+    fn request(&self, method: &str, path: &str, body: Option<&str>) -> Response {
+        request(self.addr, method, path, body)
+    }
+
+    fn metric(&self, name: &str) -> f64 {
+        let m = self.request("GET", "/metrics", None);
+        assert_eq!(m.status, 200);
+        m.body
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')).map(|v| v.trim().parse().unwrap()))
+            .unwrap_or_else(|| panic!("no metric {name} in:\n{}", m.body))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn nix_kill(pid: u32) {
+    let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success();
+    assert!(ok, "kill -TERM {pid}");
+}
+
+/// An HTTP response, chunked bodies decoded.
+#[derive(Debug)]
+struct Response {
+    status: u16,
+    head: String,
+    body: String,
+}
+
+impl Response {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.body))
+    }
+
+    fn header(&self, name: &str) -> Option<String> {
+        self.head.lines().find_map(|l| {
+            let (k, v) = l.split_once(':')?;
+            k.trim().eq_ignore_ascii_case(name).then(|| v.trim().to_string())
+        })
+    }
+}
+
+fn send(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(PATIENCE)).unwrap();
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    s
+}
+
+fn read_head(r: &mut impl BufRead) -> (u16, String) {
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        r.read_line(&mut line).unwrap();
+        if line == "\r\n" || line.is_empty() {
+            break;
+        }
+        head.push_str(&line);
+    }
+    let status = head.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    (status, head)
+}
+
+/// Reads one chunk of a chunked body (`None` at the end).
+fn read_chunk(r: &mut impl BufRead) -> Option<String> {
+    let mut size = String::new();
+    r.read_line(&mut size).unwrap();
+    let n = usize::from_str_radix(size.trim(), 16).unwrap_or(0);
+    if n == 0 {
+        return None;
+    }
+    let mut buf = vec![0u8; n + 2];
+    r.read_exact(&mut buf).unwrap();
+    buf.truncate(n);
+    Some(String::from_utf8(buf).unwrap())
+}
+
+fn request(addr: SocketAddr, method: &str, path: &str, body: Option<&str>) -> Response {
+    let mut r = BufReader::new(send(addr, method, path, body));
+    let (status, head) = read_head(&mut r);
+    let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
+    let mut body = String::new();
+    if chunked {
+        while let Some(c) = read_chunk(&mut r) {
+            body.push_str(&c);
+        }
+    } else {
+        r.read_to_string(&mut body).unwrap();
+    }
+    Response { status, head, body }
+}
+
+/// The `data:` payloads of a server-sent event stream.
+fn sse_data(body: &str) -> Vec<String> {
+    body.split("\n\n").filter_map(|e| e.strip_prefix("data: ")).map(str::to_string).collect()
+}
+
+/// The text of a streamed completion, and its finish reason.
+fn streamed_text(body: &str, chat: bool) -> (String, String) {
+    let data = sse_data(body);
+    assert_eq!(data.last().map(String::as_str), Some("[DONE]"), "{body}");
+    let mut text = String::new();
+    let mut finish = String::new();
+    for d in &data[..data.len() - 1] {
+        let v: Value = serde_json::from_str(d).unwrap();
+        let c = &v["choices"][0];
+        let piece = if chat { c["delta"]["content"].as_str() } else { c["text"].as_str() };
+        text.push_str(piece.unwrap_or(""));
+        if let Some(f) = c["finish_reason"].as_str() {
+            finish = f.to_string();
+        }
+    }
+    (text, finish)
+}
+
+fn assert_api_error(r: &Response, status: u16, param: Option<&str>, needle: &str) {
+    assert_eq!(r.status, status, "{}", r.body);
+    let v = r.json();
+    assert!(v["error"]["type"].as_str().is_some(), "{}", r.body);
+    assert_eq!(v["error"]["param"].as_str(), param, "{}", r.body);
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
+}
+
+const GREEDY: &str = r#"{"prompt":"The quick brown fox","max_tokens":24,"temperature":0}"#;
+
+#[test]
+fn serve_answers_openai_requests_notifies_systemd_and_stops_cleanly() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let mut server = Server::start(dir.path(), &model, &["--drain-secs", "5"]);
+    server.wait_note("READY=1");
+    let notes = server.notes();
+    let ready_at = notes.iter().position(|n| n == "READY=1").unwrap();
+    assert!(
+        notes[..ready_at].iter().any(|n| n.starts_with("STATUS=loading: reading dense weights")),
+        "READY=1 must follow the load: {notes:?}"
+    );
+    assert!(notes[..ready_at].iter().any(|n| n.starts_with("EXTEND_TIMEOUT_USEC=")), "{notes:?}");
+    assert!(server.log().contains("INFO  sluice::serve] ready"), "{}", server.log());
+
+    let health = server.request("GET", "/health", None);
+    assert_eq!((health.status, health.json()["status"].as_str()), (200, Some("ready")));
+    let models = server.request("GET", "/v1/models", None).json();
+    assert_eq!(models["data"][0]["id"], "m");
+
+    // Completions: greedy is deterministic; streamed chunks join to the same text.
+    let plain = server.request("POST", "/v1/completions", Some(GREEDY));
+    assert_eq!(plain.status, 200, "{}", plain.body);
+    let v = plain.json();
+    let text = v["choices"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(v["object"], "text_completion");
+    assert_eq!(v["choices"][0]["finish_reason"], "length");
+    assert_eq!(v["usage"]["completion_tokens"], 24);
+    assert!(!text.is_empty());
+    let again = server.request("POST", "/v1/completions", Some(GREEDY)).json();
+    assert_eq!(again["choices"][0]["text"].as_str().unwrap(), text);
+    let streamed = server.request(
+        "POST",
+        "/v1/completions",
+        Some(r#"{"prompt":"The quick brown fox","max_tokens":24,"temperature":0,"stream":true}"#),
+    );
+    assert_eq!(streamed.status, 200);
+    assert_eq!(streamed.header("content-type").as_deref(), Some("text/event-stream"));
+    assert!(sse_data(&streamed.body).len() > 3, "one event per token: {}", streamed.body);
+    assert_eq!(streamed_text(&streamed.body, false), (text.clone(), "length".to_string()));
+
+    // A stop sequence taken from the greedy text ends it there.
+    let cut: String = text.chars().skip(3).take(2).collect();
+    let stop_body = serde_json::json!({"prompt":"The quick brown fox","max_tokens":24,"temperature":0,"stop":[cut]});
+    let stopped = server.request("POST", "/v1/completions", Some(&stop_body.to_string())).json();
+    let expected = &text[..text.find(&cut).unwrap()];
+    assert_eq!(stopped["choices"][0]["text"].as_str().unwrap(), expected);
+    assert_eq!(stopped["choices"][0]["finish_reason"], "stop");
+
+    // Sampling with a seed repeats; temperature 0 is greedy.
+    let seeded = r#"{"prompt":"The quick brown fox","max_tokens":16,"temperature":0.8,"seed":42}"#;
+    let a = server.request("POST", "/v1/completions", Some(seeded)).json();
+    let b = server.request("POST", "/v1/completions", Some(seeded)).json();
+    assert_eq!(a["choices"][0]["text"], b["choices"][0]["text"]);
+
+    // Chat, plain and streamed.
+    let chat = r#"{"messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hello"}],"max_tokens":12,"temperature":0}"#;
+    let c = server.request("POST", "/v1/chat/completions", Some(chat));
+    assert_eq!(c.status, 200, "{}", c.body);
+    let c = c.json();
+    assert_eq!(c["object"], "chat.completion");
+    assert_eq!(c["choices"][0]["message"]["role"], "assistant");
+    let chat_text = c["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+    let chat_stream = chat.replace("\"temperature\":0", "\"temperature\":0,\"stream\":true");
+    let cs = server.request("POST", "/v1/chat/completions", Some(&chat_stream));
+    let first: Value = serde_json::from_str(&sse_data(&cs.body)[0]).unwrap();
+    assert_eq!(first["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(streamed_text(&cs.body, true).0, chat_text);
+
+    // Bad input: a 4xx with an OpenAI error body, every time, and the server carries on.
+    let bad = [
+        ("/v1/completions", r#"{"prompt":"hi""#, 400, None, "not valid JSON"),
+        ("/v1/completions", r#"{"prompt":"hi","max_tokens":"many"}"#, 400, Some("max_tokens"), "invalid type"),
+        ("/v1/completions", r#"{"prompt":5}"#, 400, Some("prompt"), "a string or an array of one string"),
+        ("/v1/completions", r#"{"prompt":"hi","logit_bias":{}}"#, 400, Some("logit_bias"), "Unrecognized request argument"),
+        ("/v1/completions", r#"{"prompt":"hi","max_tokens":100000}"#, 400, Some("max_tokens"), "maximum context length is 4096"),
+        ("/v1/completions", r#"{"prompt":"hi","temperature":-1}"#, 400, Some("temperature"), "out of range"),
+        ("/v1/completions", r#"{"prompt":"hi","model":"gpt-4"}"#, 404, Some("model"), "does not exist"),
+        ("/v1/chat/completions", r#"{"messages":[{"role":"user"}]}"#, 400, Some("messages[0]"), "missing field `content`"),
+        ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"x","extra":1}]}"#, 400, Some("messages[0].extra"), "Unrecognized"),
+        ("/v1/chat/completions", r#"[1,2]"#, 400, None, "must be a JSON object"),
+        ("/v1/chat/completions", r#"{"model":"m"}"#, 400, None, "missing field `messages`"),
+    ];
+    for (path, body, status, param, needle) in bad {
+        let r = server.request("POST", path, Some(body));
+        assert_api_error(&r, status, param, needle);
+    }
+    let long_prompt = serde_json::json!({ "prompt": "fox ".repeat(5000), "max_tokens": 4 }).to_string();
+    let r = server.request("POST", "/v1/completions", Some(&long_prompt));
+    assert_api_error(&r, 400, Some("max_tokens"), "maximum context length");
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
+    assert_api_error(&server.request("GET", "/v1/nothing", None), 404, None, "no such endpoint");
+    assert_api_error(&server.request("GET", "/v1/completions", None), 405, None, "does not take GET");
+    let after = server.request("POST", "/v1/completions", Some(GREEDY)).json();
+    assert_eq!(after["choices"][0]["text"].as_str().unwrap(), text, "bad requests must not disturb the next");
+
+    let metrics = server.request("GET", "/metrics", None);
+    for needle in [
+        "sluice_requests_total{endpoint=\"/v1/completions\",status=\"200\"}",
+        "sluice_requests_total{endpoint=\"/v1/completions\",status=\"400\"}",
+        "sluice_completion_tokens_total",
+        "sluice_decode_tokens_per_second",
+        "sluice_expert_cache_hit_ratio",
+        "sluice_expert_bytes_read_total",
+        "sluice_ledger_bytes{item=\"KV cache\"}",
+        "sluice_resident_memory_bytes",
+        "sluice_state{state=\"ready\"} 1",
+    ] {
+        assert!(metrics.body.contains(needle), "/metrics lacks {needle}:\n{}", metrics.body);
+    }
+    assert!(server.metric("sluice_expert_bytes_read_total") > 0.0);
+
+    // The watchdog is pinged while the engine is alive (every 0.2 s for WATCHDOG_USEC 0.4 s).
+    let t0 = Instant::now();
+    while server.notes().iter().filter(|n| *n == "WATCHDOG=1").count() < 3 {
+        assert!(t0.elapsed() < PATIENCE, "no WATCHDOG=1 pings: {:?}", server.notes());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    let (status, _, notes, log) = server.stop();
+    assert!(status.success(), "exit {status}; log:\n{log}");
+    assert!(notes.iter().any(|n| n == "STOPPING=1"), "{notes:?}");
+    assert!(log.contains("stopped"), "{log}");
+    assert!(!log.contains("panicked"), "{log}");
+}
+
+/// Starts a long streamed generation and returns its connection once the first token arrived.
+fn long_stream(addr: SocketAddr) -> BufReader<TcpStream> {
+    let body = r#"{"prompt":"The quick brown fox","max_tokens":3000,"temperature":0,"stream":true}"#;
+    let mut r = BufReader::new(send(addr, "POST", "/v1/completions", Some(body)));
+    let (status, _) = read_head(&mut r);
+    assert_eq!(status, 200);
+    let first = read_chunk(&mut r).expect("a first event");
+    assert!(first.starts_with("data: "), "{first}");
+    r
+}
+
+#[test]
+fn a_full_queue_gets_503_and_a_disconnect_cancels_without_harming_the_next_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let mut server = Server::start(dir.path(), &model, &["--queue", "1", "--drain-secs", "5"]);
+    server.wait_note("READY=1");
+    let reference = server.request("POST", "/v1/completions", Some(GREEDY)).json()["choices"][0]["text"].clone();
+
+    // One running, one queued, the third is turned away at once.
+    let running = long_stream(server.addr);
+    let queued = {
+        let addr = server.addr;
+        std::thread::spawn(move || request(addr, "POST", "/v1/completions", Some(GREEDY)))
+    };
+    let t0 = Instant::now();
+    while server.metric("sluice_queued_requests") < 1.0 {
+        assert!(t0.elapsed() < PATIENCE, "the second request never queued");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let busy = server.request("POST", "/v1/completions", Some(GREEDY));
+    assert_api_error(&busy, 503, None, "queue is full");
+    assert_eq!(busy.header("retry-after").as_deref(), Some("1"));
+
+    // The running client goes away mid-stream: its generation is cancelled, the queued request
+    // then runs and gets the same text as before.
+    drop(running);
+    let q = queued.join().unwrap();
+    assert_eq!(q.status, 200, "{}", q.body);
+    assert_eq!(q.json()["choices"][0]["text"], reference);
+    assert_eq!(server.metric("sluice_generations_cancelled_total"), 1.0);
+    let completed = server.metric("sluice_completion_tokens_total");
+    assert!(completed < 3000.0 + 2.0 * 24.0, "the cancelled stream ran to its end ({completed} tokens)");
+    let next = server.request("POST", "/v1/completions", Some(GREEDY));
+    assert_eq!(next.json()["choices"][0]["text"], reference);
+
+    // SIGTERM during a generation: the drain lets it finish or cancels it within the bound.
+    let _in_flight = long_stream(server.addr);
+    let (status, elapsed, notes, log) = server.stop();
+    assert!(status.success(), "exit {status}; log:\n{log}");
+    assert!(notes.iter().any(|n| n == "STOPPING=1"), "{notes:?}");
+    assert!(elapsed < Duration::from_secs(5 + 20), "took {elapsed:?} to stop with a 5 s drain bound");
+}
+
+fn first_request_hit_ratio(dir: &Path, model: &Path, state: &Path) -> (f64, f64, String) {
+    let mut server =
+        Server::start(dir, model, &["--state-dir", state.to_str().unwrap(), "--cache-mb", "4", "--drain-secs", "5"]);
+    server.wait_note("READY=1");
+    let warm = server.metric("sluice_warm_start_bytes");
+    let r = server.request("POST", "/v1/completions", Some(GREEDY));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let ratio = server.metric("sluice_expert_cache_hit_ratio");
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+    (ratio, warm, log)
+}
+
+#[test]
+fn a_restart_is_warm_and_a_corrupt_state_file_is_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let state = dir.path().join("state");
+    let (cold, warm_bytes, log) = first_request_hit_ratio(dir.path(), &model, &state);
+    assert_eq!(warm_bytes, 0.0, "nothing to warm from on a first start");
+    assert!(log.contains("heat map saved"), "{log}");
+    let heat = state.join("expert-heat.bin");
+    assert!(heat.is_file());
+
+    let (warm, warm_bytes, log) = first_request_hit_ratio(dir.path(), &model, &state);
+    assert!(warm_bytes > 0.0, "the saved heat map pre-fills the cache; log:\n{log}");
+    assert!(warm > cold, "first-request hit rate warm {warm} must beat cold {cold}");
+
+    let mut bytes = std::fs::read(&heat).unwrap();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x5a;
+    std::fs::write(&heat, &bytes).unwrap();
+    let (ratio, warm_bytes, log) = first_request_hit_ratio(dir.path(), &model, &state);
+    assert_eq!(warm_bytes, 0.0, "a corrupt heat map is not used");
+    assert!(log.contains("not a valid sluice heat map (checksum mismatch)"), "{log}");
+    assert_eq!(ratio, cold, "a corrupt file starts as cold as a first start");
+}
