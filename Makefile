@@ -5,7 +5,8 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eu -o pipefail -c
 CARGO ?= cargo
 
-BUILD_DEBS := cmake clang libclang-dev patch make
+# systemd: systemd-analyze, which the service-file tests run on systemd/sluice.service.
+BUILD_DEBS := cmake clang libclang-dev patch make systemd
 ARM_DEBS := gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 AARCH64 := aarch64-unknown-linux-gnu
 

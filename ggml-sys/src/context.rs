@@ -140,7 +140,14 @@ impl<'m> Context<'m> {
             unsafe { sys::llama_attach_threadpool(raw, pool.raw(), pool.raw()) };
             Some(pool)
         };
-        Ok(Context { raw, n_vocab: model.n_vocab(), _pool: pool, _callback: callback, abort: None, _model: PhantomData })
+        Ok(Context {
+            raw,
+            n_vocab: model.n_vocab(),
+            _pool: pool,
+            _callback: callback,
+            abort: None,
+            _model: PhantomData,
+        })
     }
 
     /// The context length.

@@ -66,7 +66,10 @@ impl Server {
                                 n.push((Instant::now(), line.to_string()));
                             }
                         }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock || e.kind() == std::io::ErrorKind::TimedOut => {
+                        Err(e)
+                            if e.kind() == std::io::ErrorKind::WouldBlock
+                                || e.kind() == std::io::ErrorKind::TimedOut =>
+                        {
                             if Arc::strong_count(&notes) == 1 {
                                 return;
                             }
@@ -107,7 +110,12 @@ impl Server {
             if let Some(status) = self.child.try_wait().unwrap() {
                 panic!("sluice serve exited ({status}) before {line}; log:\n{}", self.log());
             }
-            assert!(t0.elapsed() < PATIENCE, "no {line} after {PATIENCE:?}; notes {:?}; log:\n{}", self.notes(), self.log());
+            assert!(
+                t0.elapsed() < PATIENCE,
+                "no {line} after {PATIENCE:?}; notes {:?}; log:\n{}",
+                self.notes(),
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -338,12 +346,36 @@ fn serve_answers_openai_requests_notifies_systemd_and_stops_cleanly() {
         ("/v1/completions", r#"{"prompt":"hi""#, 400, None, "not valid JSON"),
         ("/v1/completions", r#"{"prompt":"hi","max_tokens":"many"}"#, 400, Some("max_tokens"), "invalid type"),
         ("/v1/completions", r#"{"prompt":5}"#, 400, Some("prompt"), "a string or an array of one string"),
-        ("/v1/completions", r#"{"prompt":"hi","logit_bias":{}}"#, 400, Some("logit_bias"), "Unrecognized request argument"),
-        ("/v1/completions", r#"{"prompt":"hi","max_tokens":100000}"#, 400, Some("max_tokens"), "maximum context length is 4096"),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","logit_bias":{}}"#,
+            400,
+            Some("logit_bias"),
+            "Unrecognized request argument",
+        ),
+        (
+            "/v1/completions",
+            r#"{"prompt":"hi","max_tokens":100000}"#,
+            400,
+            Some("max_tokens"),
+            "maximum context length is 4096",
+        ),
         ("/v1/completions", r#"{"prompt":"hi","temperature":-1}"#, 400, Some("temperature"), "out of range"),
         ("/v1/completions", r#"{"prompt":"hi","model":"gpt-4"}"#, 404, Some("model"), "does not exist"),
-        ("/v1/chat/completions", r#"{"messages":[{"role":"user"}]}"#, 400, Some("messages[0]"), "missing field `content`"),
-        ("/v1/chat/completions", r#"{"messages":[{"role":"user","content":"x","extra":1}]}"#, 400, Some("messages[0].extra"), "Unrecognized"),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user"}]}"#,
+            400,
+            Some("messages[0]"),
+            "missing field `content`",
+        ),
+        (
+            "/v1/chat/completions",
+            r#"{"messages":[{"role":"user","content":"x","extra":1}]}"#,
+            400,
+            Some("messages[0].extra"),
+            "Unrecognized",
+        ),
         ("/v1/chat/completions", r#"[1,2]"#, 400, None, "must be a JSON object"),
         ("/v1/chat/completions", r#"{"model":"m"}"#, 400, None, "missing field `messages`"),
     ];

@@ -184,8 +184,8 @@ const MAX_STOPS: usize = 4;
 
 /// Parses a JSON body into `T`, naming the field at fault.
 fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let value: serde_json::Value =
-        serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    let value: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
     if !value.is_object() {
         return Err(ApiError::invalid("the request body must be a JSON object", None));
     }
@@ -239,7 +239,10 @@ impl Common {
         }
         for (name, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
             if v.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid(format!("{name}: not supported by sluice; leave it out or use 0"), Some(name)));
+                return Err(ApiError::invalid(
+                    format!("{name}: not supported by sluice; leave it out or use 0"),
+                    Some(name),
+                ));
             }
         }
         let temperature = self.temperature.unwrap_or(1.0);
@@ -251,7 +254,10 @@ impl Common {
         }
         let top_p = self.top_p.unwrap_or(1.0);
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid(format!("top_p: {top_p} is out of range; use a value in (0, 1]"), Some("top_p")));
+            return Err(ApiError::invalid(
+                format!("top_p: {top_p} is out of range; use a value in (0, 1]"),
+                Some("top_p"),
+            ));
         }
         let sampling = if temperature == 0.0 {
             Sampling::Greedy
@@ -264,7 +270,10 @@ impl Common {
             Some(StopField::Many(v)) => v,
         };
         if stop.len() > MAX_STOPS {
-            return Err(ApiError::invalid(format!("stop: at most {MAX_STOPS} sequences, got {}", stop.len()), Some("stop")));
+            return Err(ApiError::invalid(
+                format!("stop: at most {MAX_STOPS} sequences, got {}", stop.len()),
+                Some("stop"),
+            ));
         }
         if stop.iter().any(String::is_empty) {
             return Err(ApiError::invalid("stop: a stop sequence is empty", Some("stop")));

@@ -327,11 +327,8 @@ impl Engine<'_, '_> {
                     return;
                 }
                 let finish = if text.stopped() || g.stopped_at_eog { Finish::Stop } else { Finish::Length };
-                let _ = events.send(Event::Done {
-                    finish,
-                    prompt_tokens: tokens.len(),
-                    completion_tokens: g.tokens.len(),
-                });
+                let _ =
+                    events.send(Event::Done { finish, prompt_tokens: tokens.len(), completion_tokens: g.tokens.len() });
             }
             Err(GenerateError::Cancelled) => {
                 self.shared.metrics.cancelled();
@@ -340,7 +337,8 @@ impl Engine<'_, '_> {
             }
             Err(e) => {
                 log::error!("generation failed: {e}");
-                let _ = events.send(Event::Failed(ApiError::new(500, "server_error", format!("generation failed: {e}"))));
+                let _ =
+                    events.send(Event::Failed(ApiError::new(500, "server_error", format!("generation failed: {e}"))));
             }
         }
     }

@@ -148,7 +148,8 @@ pub fn save(path: &Path, model: &ModelIdentity, counts: &[u64]) -> Result<(), He
 /// The experts worth reading at start, most routed first: `(layer, expert)` of every non-zero
 /// count.
 pub fn warm_order(counts: &[u64], n_expert: u32) -> Vec<(u32, u32)> {
-    let mut order: Vec<(u64, u32)> = counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, &c)| (c, i as u32)).collect();
+    let mut order: Vec<(u64, u32)> =
+        counts.iter().enumerate().filter(|(_, &c)| c > 0).map(|(i, &c)| (c, i as u32)).collect();
     order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     order.into_iter().map(|(_, i)| (i / n_expert, i % n_expert)).collect()
 }

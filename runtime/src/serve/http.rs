@@ -63,7 +63,8 @@ pub fn handle(req: Request, shared: &Shared) {
 }
 
 fn respond_json(req: Request, status: u16, body: &str, retry: bool) -> u16 {
-    let mut r = Response::from_string(body).with_status_code(status).with_header(header("Content-Type", "application/json"));
+    let mut r =
+        Response::from_string(body).with_status_code(status).with_header(header("Content-Type", "application/json"));
     if retry {
         r.add_header(header("Retry-After", "1"));
     }
@@ -205,7 +206,9 @@ impl Reply {
     fn chunk(&self, delta: Value, text: Option<&str>, finish: Option<Finish>) -> Value {
         let finish = finish.map(Finish::as_str);
         let choice = match self.kind {
-            Kind::Completion => json!({ "text": text.unwrap_or(""), "index": 0, "logprobs": null, "finish_reason": finish }),
+            Kind::Completion => {
+                json!({ "text": text.unwrap_or(""), "index": 0, "logprobs": null, "finish_reason": finish })
+            }
             Kind::Chat => json!({ "index": 0, "delta": delta, "logprobs": null, "finish_reason": finish }),
         };
         json!({
@@ -232,7 +235,8 @@ fn stream_events(mut w: Box<dyn Write + Send>, reply: &Reply, events: &Receiver<
     let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nTransfer-Encoding: chunked\r\n\r\n";
     let mut result = w.write_all(head.as_bytes()).and_then(|()| w.flush());
     if result.is_ok() && reply.kind == Kind::Chat {
-        result = send_event(&mut w, &reply.chunk(json!({ "role": "assistant", "content": "" }), None, None).to_string());
+        result =
+            send_event(&mut w, &reply.chunk(json!({ "role": "assistant", "content": "" }), None, None).to_string());
     }
     while result.is_ok() {
         result = match events.recv() {

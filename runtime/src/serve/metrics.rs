@@ -107,10 +107,8 @@ impl Metrics {
         };
         metric("requests_total", "counter", "HTTP requests answered, by endpoint and status.", &requests);
         let states = ["loading", "ready", "draining"];
-        let state_samples: Vec<(String, f64)> = states
-            .iter()
-            .map(|s| (format!("{{state=\"{s}\"}}"), if *s == state { 1.0 } else { 0.0 }))
-            .collect();
+        let state_samples: Vec<(String, f64)> =
+            states.iter().map(|s| (format!("{{state=\"{s}\"}}"), if *s == state { 1.0 } else { 0.0 })).collect();
         metric("state", "gauge", "The server's state (1 for the current one).", &state_samples);
         metric("queued_requests", "gauge", "Generation requests waiting for the engine.", &one(queued as f64));
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", &one(n(&self.prompt_tokens)));
@@ -121,9 +119,15 @@ impl Metrics {
             "Generations stopped because the client disconnected or the server stopped.",
             &one(n(&self.cancelled)),
         );
-        metric("decode_seconds_total", "counter", "Time spent decoding generated tokens.", &one(n(&self.decode_ns) / 1e9));
+        metric(
+            "decode_seconds_total",
+            "counter",
+            "Time spent decoding generated tokens.",
+            &one(n(&self.decode_ns) / 1e9),
+        );
         metric("decode_tokens_total", "counter", "Single-token decodes.", &one(n(&self.decoded)));
-        let avg = if self.decode_ns.load(Ordering::Relaxed) == 0 { 0.0 } else { n(&self.decoded) * 1e9 / n(&self.decode_ns) };
+        let avg =
+            if self.decode_ns.load(Ordering::Relaxed) == 0 { 0.0 } else { n(&self.decoded) * 1e9 / n(&self.decode_ns) };
         metric("decode_tokens_per_second", "gauge", "Decode speed over all generations.", &one(avg));
         metric(
             "last_decode_tokens_per_second",
@@ -137,7 +141,12 @@ impl Metrics {
         let ratio = if hits + misses == 0.0 { 0.0 } else { hits / (hits + misses) };
         metric("expert_cache_hit_ratio", "gauge", "Hits over routed experts, since start.", &one(ratio));
         metric("expert_bytes_read_total", "counter", "Expert bytes read from storage.", &one(n(&self.bytes_read)));
-        metric("warm_start_bytes", "gauge", "Expert bytes read at start from the saved heat map.", &one(n(&self.warm_bytes)));
+        metric(
+            "warm_start_bytes",
+            "gauge",
+            "Expert bytes read at start from the saved heat map.",
+            &one(n(&self.warm_bytes)),
+        );
         let ledger: Vec<(String, f64)> = {
             let l = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
             l.iter().map(|(item, b)| (format!("{{item=\"{item}\"}}"), *b as f64)).collect()

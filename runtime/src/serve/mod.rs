@@ -218,8 +218,9 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(signal, Arc::clone(&stop))?;
     }
-    let server = tiny_http::Server::http(cfg.listen)
-        .map_err(|e| anyhow!("cannot listen on {}: {e} (is another server using the port? pick another with --listen)", cfg.listen))?;
+    let server = tiny_http::Server::http(cfg.listen).map_err(|e| {
+        anyhow!("cannot listen on {}: {e} (is another server using the port? pick another with --listen)", cfg.listen)
+    })?;
     log::info!("listening on http://{}", cfg.listen);
     let (tx, rx) = sync_channel::<Job>(cfg.queue);
     let shared = Arc::new(Shared::new(cfg.model_id.clone(), cfg.max_body, tx));
@@ -251,6 +252,9 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     if engine.is_finished() && !stop.load(Ordering::SeqCst) {
         pinger_done.store(true, Ordering::SeqCst);
         let result = engine.join().map_err(|_| anyhow!("the engine thread panicked"))?;
+        if let Err(e) = &result {
+            notify::status(&format!("failed: {e}"));
+        }
         result?;
         anyhow::bail!("the engine stopped unexpectedly");
     }
@@ -291,7 +295,10 @@ fn watchdog(shared: &Shared, done: &AtomicBool, interval: Duration) {
         if shared.since_beat() < interval {
             notify::watchdog();
         } else if shared.state() == State::Ready {
-            log::warn!("the engine made no progress for {:.1} s: not pinging the watchdog", shared.since_beat().as_secs_f64());
+            log::warn!(
+                "the engine made no progress for {:.1} s: not pinging the watchdog",
+                shared.since_beat().as_secs_f64()
+            );
         }
         let until = Instant::now() + period;
         while Instant::now() < until && !done.load(Ordering::SeqCst) {

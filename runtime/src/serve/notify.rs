@@ -13,7 +13,10 @@ fn send(states: &[NotifyState<'_>]) {
 
 /// `STATUS=` plus `EXTEND_TIMEOUT_USEC=`: a loading step that may take up to `allow`.
 pub fn loading(status: &str, allow: Duration) {
-    send(&[NotifyState::Status(status), NotifyState::ExtendTimeoutUsec(allow.as_micros().min(u32::MAX as u128) as u32)]);
+    send(&[
+        NotifyState::Status(status),
+        NotifyState::ExtendTimeoutUsec(allow.as_micros().min(u32::MAX as u128) as u32),
+    ]);
 }
 
 /// `READY=1` with a status line.

@@ -59,7 +59,9 @@ pub enum UnitError {
         path: String,
     },
     /// The profile gives no budget and no RAM size, and this machine's is unknown.
-    #[error("board {0}: the profile sets neither memory.budget_mib nor identity.ram_gib; add one so MemoryMax can be set")]
+    #[error(
+        "board {0}: the profile sets neither memory.budget_mib nor identity.ram_gib; add one so MemoryMax can be set"
+    )]
     NoMemory(String),
 }
 
@@ -100,7 +102,8 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
     let board_arg = if req.board.origin == "built-in" { req.board.id.clone() } else { req.board.origin.clone() };
     let mut out = String::new();
     let _ = writeln!(out, "# sluice.service drop-in for board {} ({}), made by `sluice unit`.", req.board.id, p.name);
-    let _ = writeln!(out, "# Install as /etc/systemd/system/sluice.service.d/board.conf, then `systemctl daemon-reload`.");
+    let _ =
+        writeln!(out, "# Install as /etc/systemd/system/sluice.service.d/board.conf, then `systemctl daemon-reload`.");
     let _ = writeln!(out, "[Service]");
     let _ = writeln!(out, "ExecStart=");
     let args = [
@@ -136,12 +139,19 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
         let _ = writeln!(out, "PrivateTmp=no");
     }
     if !req.listen.ip().is_loopback() {
-        let _ = writeln!(out, "# --listen {} is not a loopback address: accept connections from other hosts.", req.listen);
+        let _ =
+            writeln!(out, "# --listen {} is not a loopback address: accept connections from other hosts.", req.listen);
         let _ = writeln!(out, "IPAddressDeny=");
     }
     if p.compute.service == ServiceName::Cuda {
-        let _ = writeln!(out, "# compute.service = \"cuda\": the Jetson GPU's device nodes, through the video and render groups");
-        let _ = writeln!(out, "# (a user namespace would hide those groups), and executable memory for CUDA's loaded kernels.");
+        let _ = writeln!(
+            out,
+            "# compute.service = \"cuda\": the Jetson GPU's device nodes, through the video and render groups"
+        );
+        let _ = writeln!(
+            out,
+            "# (a user namespace would hide those groups), and executable memory for CUDA's loaded kernels."
+        );
         let _ = writeln!(out, "PrivateDevices=no");
         let _ = writeln!(out, "PrivateUsers=no");
         let _ = writeln!(out, "MemoryDenyWriteExecute=no");

@@ -1,0 +1,133 @@
+//! The systemd side of `sluice serve`: the shipped unit passes `systemd-analyze verify` and
+//! scores at most 3.0 on `systemd-analyze security`, alone and with the drop-ins `sluice unit`
+//! makes; and `serve` refuses a memory plan over the board's budget before listening.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn sluice(args: &[&str]) -> Output {
+    let bin = env!("CARGO_BIN_EXE_sluice");
+    let mut cmd = match std::env::var("SLUICE_TEST_RUNNER") {
+        Ok(runner) if !runner.is_empty() => {
+            let mut c = Command::new(runner);
+            c.arg(bin);
+            c
+        }
+        _ => Command::new(bin),
+    };
+    cmd.args(args).env_remove("RUST_LOG").output().expect("run sluice")
+}
+
+fn unit_file() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd/sluice.service")
+}
+
+/// A root directory holding systemd's own units (for the targets the unit depends on), the unit,
+/// an optional drop-in, and an executable where ExecStart points.
+fn unit_root(drop_in: Option<&str>) -> tempfile::TempDir {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    let system = r.join("etc/systemd/system");
+    std::fs::create_dir_all(system.join("sluice.service.d")).unwrap();
+    std::fs::create_dir_all(r.join("usr/local/bin")).unwrap();
+    std::fs::create_dir_all(r.join("usr/lib/systemd")).unwrap();
+    let ok = Command::new("cp")
+        .args(["-r", "/usr/lib/systemd/system"])
+        .arg(r.join("usr/lib/systemd/"))
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "copying /usr/lib/systemd/system");
+    std::fs::copy(unit_file(), system.join("sluice.service")).unwrap();
+    if let Some(text) = drop_in {
+        std::fs::write(system.join("sluice.service.d/board.conf"), text).unwrap();
+    }
+    let exe = r.join("usr/local/bin/sluice");
+    std::fs::write(&exe, "#!/bin/sh\n").unwrap();
+    let mut perms = std::fs::metadata(&exe).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o755);
+    std::fs::set_permissions(&exe, perms).unwrap();
+    root
+}
+
+/// Runs `systemd-analyze verify` and `security --offline=true` under `root`; returns the score.
+fn analyze(root: &Path) -> f64 {
+    let verify = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(format!("--root={}", root.display()))
+        .arg("sluice.service")
+        .output()
+        .expect("systemd-analyze (Debian package systemd; make deps installs it)");
+    let err = String::from_utf8_lossy(&verify.stderr);
+    assert!(verify.status.success() && err.trim().is_empty(), "systemd-analyze verify: {err}");
+    let security = Command::new("systemd-analyze")
+        .args(["security", "--offline=true", "--no-pager"])
+        .arg(format!("--root={}", root.display()))
+        .arg("sluice.service")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&security.stdout);
+    let score = out
+        .lines()
+        .find_map(|l| l.strip_prefix("→ Overall exposure level for sluice.service: "))
+        .and_then(|r| r.split_whitespace().next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or_else(|| panic!("no exposure score in:\n{out}\n{}", String::from_utf8_lossy(&security.stderr)));
+    println!("exposure {score}");
+    score
+}
+
+fn drop_in(board: &str, listen: &str) -> String {
+    let o = sluice(&["--board", board, "unit", "--model", "/srv/models/m.gguf", "--listen", listen]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout).unwrap()
+}
+
+#[test]
+fn the_unit_verifies_and_is_hardened() {
+    let score = analyze(unit_root(None).path());
+    assert!(score <= 3.0, "exposure {score} > 3.0");
+}
+
+#[test]
+fn board_drop_ins_verify_and_keep_the_unit_hardened() {
+    let pi = drop_in("rpi5-8gb", "127.0.0.1:8080");
+    assert!(pi.contains("CPUAffinity=0-3\n") && pi.contains("MemoryMax=7168M\n"), "{pi}");
+    let score = analyze(unit_root(Some(&pi)).path());
+    assert!(score <= 3.0, "rpi5-8gb: exposure {score} > 3.0");
+    let jetson = drop_in("orin-nano-8gb", "0.0.0.0:8080");
+    assert!(jetson.contains("DeviceAllow=/dev/nvmap rw\n"), "{jetson}");
+    let score = analyze(unit_root(Some(&jetson)).path());
+    assert!(score <= 3.0, "orin-nano-8gb (GPU devices, other hosts): exposure {score} > 3.0");
+}
+
+#[test]
+fn unit_refuses_a_relative_model_path() {
+    let o = sluice(&["--board", "rpi5-8gb", "unit", "--model", "models/m.gguf"]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("--model models/m.gguf is relative; give an absolute path"), "{err}");
+}
+
+#[test]
+fn serve_refuses_a_plan_over_the_budget_before_listening() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("m.gguf");
+    let o = sluice(&["synth", "--out", model.to_str().unwrap()]);
+    assert!(o.status.success());
+    let profile = dir.path().join("tiny.toml");
+    std::fs::write(&profile, "name = \"tiny\"\n[memory]\nbudget_mib = 30\n").unwrap();
+    let o = sluice(&[
+        "--board",
+        profile.to_str().unwrap(),
+        "serve",
+        "--model",
+        model.to_str().unwrap(),
+        "--listen",
+        "127.0.0.1:0",
+    ]);
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("more than the budget of 30.0 MiB") && err.contains("raise the budget"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
