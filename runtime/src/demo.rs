@@ -19,6 +19,7 @@ pub fn demo_spec() -> SynthSpec {
         out_type: OutputType::F16,
         alignment: 32,
         split_max_tensors: None,
+        chat_template: None,
     }
 }
 

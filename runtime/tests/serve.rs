@@ -513,3 +513,26 @@ fn a_restart_is_warm_and_a_corrupt_state_file_is_ignored() {
     assert!(log.contains("not a valid sluice heat map (checksum mismatch)"), "{log}");
     assert_eq!(ratio, cold, "a corrupt file starts as cold as a first start");
 }
+
+#[test]
+fn chat_prompts_use_the_models_own_template() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("chatml.gguf");
+    let o = sluice_command()
+        .args(["synth", "--out", model.to_str().unwrap(), "--chat-template", "chatml"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut server = Server::start(dir.path(), &model, &[]);
+    server.wait_note("READY=1");
+    let chat = r#"{"messages":[{"role":"user","content":"Hello"}],"max_tokens":12,"temperature":0}"#;
+    let c = server.request("POST", "/v1/chat/completions", Some(chat)).json();
+    // The same text as a completion of the prompt ChatML makes of the message.
+    let formatted =
+        r#"{"prompt":"<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n","max_tokens":12,"temperature":0}"#;
+    let p = server.request("POST", "/v1/completions", Some(formatted)).json();
+    assert_eq!(c["usage"]["prompt_tokens"], p["usage"]["prompt_tokens"]);
+    assert_eq!(c["choices"][0]["message"]["content"], p["choices"][0]["text"]);
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}

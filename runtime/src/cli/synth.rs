@@ -54,6 +54,9 @@ pub struct SynthArgs {
     /// Split into files of at most N tensors each, after a first file holding only metadata.
     #[arg(long, value_name = "N")]
     split_max_tensors: Option<u32>,
+    /// Store a chat template (`tokenizer.chat_template`), e.g. `chatml` or a template's text.
+    #[arg(long)]
+    chat_template: Option<String>,
     /// Threads for quantizing (default: every CPU this process may run on).
     #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
@@ -74,6 +77,7 @@ impl SynthArgs {
             out_type: self.out_type,
             alignment: self.alignment,
             split_max_tensors: self.split_max_tensors,
+            chat_template: self.chat_template.clone(),
         };
         if let Some(size) = self.size {
             spec.expert_ff = synth::fit_expert_ff(&spec, size.as_u64())?;

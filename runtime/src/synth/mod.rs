@@ -115,6 +115,9 @@ pub struct SynthSpec {
     pub alignment: u64,
     /// Split into files of at most this many tensors (the first file holds only metadata).
     pub split_max_tensors: Option<u32>,
+    /// A chat template stored as `tokenizer.chat_template` (llama.cpp recognises templates by
+    /// their text, or by a name such as `chatml`).
+    pub chat_template: Option<String>,
 }
 
 impl Default for SynthSpec {
@@ -132,6 +135,7 @@ impl Default for SynthSpec {
             out_type: OutputType::F16,
             alignment: 32,
             split_max_tensors: None,
+            chat_template: None,
         }
     }
 }
@@ -301,6 +305,9 @@ impl SynthSpec {
             meta.push(("general.alignment".to_string(), Value::U32(self.alignment as u32)));
         }
         meta.extend(vocab::metadata());
+        if let Some(t) = &self.chat_template {
+            meta.push(("tokenizer.chat_template".to_string(), Value::Str(t.clone())));
+        }
         meta
     }
 
