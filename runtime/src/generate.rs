@@ -130,6 +130,14 @@ impl Sampler {
     }
 }
 
+/// A token callback that never stops the generation, from one that only watches.
+pub fn to_end(mut on_token: impl FnMut(Token, &[u8])) -> impl FnMut(Token, &[u8]) -> ControlFlow<()> {
+    move |t, b| {
+        on_token(t, b);
+        ControlFlow::Continue(())
+    }
+}
+
 /// The highest logit, lowest id on ties.
 fn argmax(logits: &[f32]) -> Token {
     let mut best = 0usize;
@@ -312,20 +320,10 @@ impl<'m> Session<'m> {
         &mut self,
         prompt: &[Token],
         n_predict: u32,
-        mut on_token: impl FnMut(Token, &[u8]),
+        on_token: impl FnMut(Token, &[u8]),
         observer: &mut DecodeObserver<'_>,
     ) -> Result<Generation, GenerateError> {
-        let mut sampler = Sampler::new(Sampling::Greedy);
-        self.generate_with(
-            prompt,
-            n_predict,
-            &mut sampler,
-            |t, b| {
-                on_token(t, b);
-                ControlFlow::Continue(())
-            },
-            observer,
-        )
+        self.generate_with(prompt, n_predict, &mut Sampler::new(Sampling::Greedy), to_end(on_token), observer)
     }
 
     /// Makes every later decode of this session stop as soon as `flag` is set (between graph

@@ -2,21 +2,14 @@
 //! (never a panic), the demo works from an empty cache, and `synth --size` hits its target.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Output;
 
-/// Runs the built binary; under a cross build, through the emulator named by `SLUICE_TEST_RUNNER`
-/// (`make aarch64` sets it to qemu-aarch64).
+mod common;
+use common::sluice_command;
+
+/// Runs the built binary with `cache` as its model cache.
 fn sluice(args: &[&str], cache: &Path) -> Output {
-    let bin = env!("CARGO_BIN_EXE_sluice");
-    let mut cmd = match std::env::var("SLUICE_TEST_RUNNER") {
-        Ok(runner) if !runner.is_empty() => {
-            let mut c = Command::new(runner);
-            c.arg(bin);
-            c
-        }
-        _ => Command::new(bin),
-    };
-    cmd.args(args).env("SLUICE_CACHE_DIR", cache).env_remove("RUST_LOG").output().expect("run sluice")
+    sluice_command().args(args).env("SLUICE_CACHE_DIR", cache).output().expect("run sluice")
 }
 
 fn stderr(o: &Output) -> String {

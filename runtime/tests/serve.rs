@@ -12,20 +12,11 @@ use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
+mod common;
+use common::sluice_command;
+
 /// How long a test waits for anything; generous for qemu.
 const PATIENCE: Duration = Duration::from_secs(180);
-
-fn sluice_command() -> Command {
-    let bin = env!("CARGO_BIN_EXE_sluice");
-    match std::env::var("SLUICE_TEST_RUNNER") {
-        Ok(runner) if !runner.is_empty() => {
-            let mut c = Command::new(runner);
-            c.arg(bin);
-            c
-        }
-        _ => Command::new(bin),
-    }
-}
 
 fn synth(dir: &Path) -> PathBuf {
     let p = dir.join("m.gguf");
@@ -87,7 +78,6 @@ impl Server {
             .env("WATCHDOG_USEC", "400000")
             .env_remove("WATCHDOG_PID")
             .env_remove("STATE_DIRECTORY")
-            .env_remove("RUST_LOG")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -377,7 +367,7 @@ fn serve_answers_openai_requests_notifies_systemd_and_stops_cleanly() {
             "Unrecognized",
         ),
         ("/v1/chat/completions", r#"[1,2]"#, 400, None, "must be a JSON object"),
-        ("/v1/chat/completions", r#"{"model":"m"}"#, 400, None, "missing field `messages`"),
+        ("/v1/chat/completions", r#"{"model":"m"}"#, 400, Some("messages"), "missing field `messages`"),
     ];
     for (path, body, status, param, needle) in bad {
         let r = server.request("POST", path, Some(body));

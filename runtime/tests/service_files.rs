@@ -5,17 +5,11 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+mod common;
+use common::sluice_command;
+
 fn sluice(args: &[&str]) -> Output {
-    let bin = env!("CARGO_BIN_EXE_sluice");
-    let mut cmd = match std::env::var("SLUICE_TEST_RUNNER") {
-        Ok(runner) if !runner.is_empty() => {
-            let mut c = Command::new(runner);
-            c.arg(bin);
-            c
-        }
-        _ => Command::new(bin),
-    };
-    cmd.args(args).env_remove("RUST_LOG").output().expect("run sluice")
+    sluice_command().args(args).output().expect("run sluice")
 }
 
 fn unit_file() -> PathBuf {

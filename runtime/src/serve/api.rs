@@ -71,25 +71,6 @@ pub enum StopField {
     Many(Vec<String>),
 }
 
-/// `POST /v1/completions`.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CompletionRequest {
-    model: Option<String>,
-    prompt: PromptField,
-    max_tokens: Option<u32>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    n: Option<u32>,
-    stream: Option<bool>,
-    stop: Option<StopField>,
-    seed: Option<u64>,
-    #[allow(dead_code)] // accepted for compatibility; it does not change the generation
-    user: Option<String>,
-    frequency_penalty: Option<f32>,
-    presence_penalty: Option<f32>,
-}
-
 /// A chat message's content: a string, or text parts.
 #[derive(Debug, Deserialize)]
 #[serde(untagged, expecting = "a string or an array of {\"type\": \"text\", \"text\": ...} parts")]
@@ -133,12 +114,14 @@ pub enum Role {
     Assistant,
 }
 
-/// `POST /v1/chat/completions`.
+/// The body of `POST /v1/completions` (`prompt`) and `POST /v1/chat/completions` (`messages`):
+/// the fields OpenAI defines that sluice honours or accepts.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ChatRequest {
+pub struct RequestBody {
     model: Option<String>,
-    messages: Vec<ChatMessageField>,
+    prompt: Option<PromptField>,
+    messages: Option<Vec<ChatMessageField>>,
     max_tokens: Option<u32>,
     max_completion_tokens: Option<u32>,
     temperature: Option<f32>,
@@ -211,21 +194,10 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     })
 }
 
-/// The fields both endpoints share, checked.
-struct Common {
-    model: Option<String>,
-    temperature: Option<f32>,
-    top_p: Option<f32>,
-    n: Option<u32>,
-    stop: Option<StopField>,
-    seed: Option<u64>,
-    frequency_penalty: Option<f32>,
-    presence_penalty: Option<f32>,
-}
-
-impl Common {
-    fn check(self, served: &str) -> Result<(Sampling, Vec<String>), ApiError> {
-        if let Some(m) = self.model.filter(|m| m != served) {
+impl RequestBody {
+    /// Checks the fields both endpoints share; returns the sampling and the stop sequences.
+    fn sampling_and_stop(&mut self, served: &str) -> Result<(Sampling, Vec<String>), ApiError> {
+        if let Some(m) = self.model.take().filter(|m| m != served) {
             return Err(ApiError {
                 status: 404,
                 message: format!("The model `{m}` does not exist: this server serves `{served}` (GET /v1/models)"),
@@ -264,7 +236,7 @@ impl Common {
         } else {
             Sampling::Random { temperature, top_p, seed: self.seed.unwrap_or_else(random_seed) }
         };
-        let stop = match self.stop {
+        let stop = match self.stop.take() {
             None => Vec::new(),
             Some(StopField::One(s)) => vec![s],
             Some(StopField::Many(v)) => v,
@@ -282,6 +254,14 @@ impl Common {
     }
 }
 
+/// A field the other endpoint takes, sent to this one.
+fn wrong_endpoint(field: &str, endpoint: &str) -> ApiError {
+    ApiError::invalid(
+        format!("Unrecognized request argument supplied: {field} ({endpoint} does not take it)"),
+        Some(field),
+    )
+}
+
 /// A seed for a request that gives none.
 fn random_seed() -> u64 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
@@ -297,11 +277,19 @@ fn check_max_tokens(v: Option<u32>, param: &str) -> Result<Option<u32>, ApiError
 
 /// Parses and checks a `/v1/completions` body for the model `served`.
 pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiError> {
-    let r: CompletionRequest = parse(body)?;
-    let prompt = match r.prompt {
-        PromptField::One(p) => p,
-        PromptField::Many(mut v) if v.len() == 1 => v.remove(0),
-        PromptField::Many(v) => {
+    let mut r: RequestBody = parse(body)?;
+    for (field, sent) in
+        [("messages", r.messages.is_some()), ("max_completion_tokens", r.max_completion_tokens.is_some())]
+    {
+        if sent {
+            return Err(wrong_endpoint(field, "/v1/completions"));
+        }
+    }
+    let prompt = match r.prompt.take() {
+        None => return Err(ApiError::invalid("missing field `prompt`", Some("prompt"))),
+        Some(PromptField::One(p)) => p,
+        Some(PromptField::Many(mut v)) if v.len() == 1 => v.remove(0),
+        Some(PromptField::Many(v)) => {
             return Err(ApiError::invalid(
                 format!("prompt: an array must hold exactly one string (got {}); send one request per prompt", v.len()),
                 Some("prompt"),
@@ -312,17 +300,7 @@ pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest
         return Err(ApiError::invalid("prompt: the prompt is empty", Some("prompt")));
     }
     let max_tokens = Some(check_max_tokens(r.max_tokens, "max_tokens")?.unwrap_or(DEFAULT_COMPLETION_TOKENS));
-    let (sampling, stop) = Common {
-        model: r.model,
-        temperature: r.temperature,
-        top_p: r.top_p,
-        n: r.n,
-        stop: r.stop,
-        seed: r.seed,
-        frequency_penalty: r.frequency_penalty,
-        presence_penalty: r.presence_penalty,
-    }
-    .check(served)?;
+    let (sampling, stop) = r.sampling_and_stop(served)?;
     Ok(GenerationRequest {
         prompt: PromptInput::Text(prompt),
         max_tokens,
@@ -334,12 +312,18 @@ pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest
 
 /// Parses and checks a `/v1/chat/completions` body for the model `served`.
 pub fn chat_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiError> {
-    let r: ChatRequest = parse(body)?;
-    if r.messages.is_empty() {
+    let mut r: RequestBody = parse(body)?;
+    if r.prompt.is_some() {
+        return Err(wrong_endpoint("prompt", "/v1/chat/completions"));
+    }
+    let Some(fields) = r.messages.take() else {
+        return Err(ApiError::invalid("missing field `messages`", Some("messages")));
+    };
+    if fields.is_empty() {
         return Err(ApiError::invalid("messages: at least one message is needed", Some("messages")));
     }
-    let mut messages = Vec::with_capacity(r.messages.len());
-    for (i, m) in r.messages.into_iter().enumerate() {
+    let mut messages = Vec::with_capacity(fields.len());
+    for (i, m) in fields.into_iter().enumerate() {
         let content = match m.content {
             ContentField::Text(t) => t,
             ContentField::Parts(parts) => {
@@ -368,17 +352,7 @@ pub fn chat_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiE
         (Some(v), _) => check_max_tokens(Some(v), "max_completion_tokens")?,
         (None, v) => check_max_tokens(v, "max_tokens")?,
     };
-    let (sampling, stop) = Common {
-        model: r.model,
-        temperature: r.temperature,
-        top_p: r.top_p,
-        n: r.n,
-        stop: r.stop,
-        seed: r.seed,
-        frequency_penalty: r.frequency_penalty,
-        presence_penalty: r.presence_penalty,
-    }
-    .check(served)?;
+    let (sampling, stop) = r.sampling_and_stop(served)?;
     Ok(GenerationRequest {
         prompt: PromptInput::Chat(messages),
         max_tokens,
@@ -443,6 +417,7 @@ mod tests {
         assert!(e.message.contains("Unrecognized request argument supplied: bogus"), "{}", e.message);
         assert!(err(r#"{"prompt":"hi""#).message.contains("not valid JSON"));
         assert!(err(r#"{"max_tokens":3}"#).message.contains("missing field `prompt`"));
+        assert_eq!(err(r#"{"prompt":"hi","messages":[]}"#).param.as_deref(), Some("messages"));
         assert_eq!(err(r#"{"prompt":"hi","temperature":3}"#).param.as_deref(), Some("temperature"));
         assert_eq!(err(r#"{"prompt":"hi","n":2}"#).param.as_deref(), Some("n"));
         assert_eq!(err(r#"{"prompt":"hi","max_tokens":0}"#).param.as_deref(), Some("max_tokens"));

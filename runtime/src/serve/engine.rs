@@ -14,7 +14,7 @@ use super::api::{chat_prompt, ApiError, GenerationRequest, PromptInput};
 use super::heat::{self, ModelIdentity};
 use super::metrics::GenerationCounts;
 use super::text::ResponseText;
-use super::{Shared, State};
+use super::Shared;
 use crate::board::resolve::Sourced;
 use crate::budget::{self, PlanRequest};
 use crate::generate::{GenerateError, Sampler};
@@ -251,7 +251,7 @@ impl Engine<'_, '_> {
             self.shared.metrics.cancelled();
             return;
         }
-        if self.shared.state() == State::Draining && self.shared.cancelling() {
+        if self.shared.cancelling() {
             let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
             return;
         }

@@ -101,6 +101,24 @@ pub fn overlap_hook(
     })
 }
 
+/// Adds the reads that make expert `e` of `layer` resident: its slice of each of the layer's
+/// expert tensors, page-aligned within the tensor's reservation.
+fn expert_reads(index: &ExpertIndex, reservations: &[Arc<Reservation>], layer: u32, e: u32, jobs: &mut Vec<ReadJob>) {
+    for (k, tensor) in index.layer_tensors(layer) {
+        let r = &reservations[k];
+        let (a, b) = tensor.slice(e);
+        let (start, end) = r.window(a, b);
+        jobs.push(ReadJob {
+            target: Arc::clone(r),
+            shard: tensor.shard,
+            start,
+            len: (end - start) as usize,
+            tag: (layer, e),
+            tensor: k,
+        });
+    }
+}
+
 /// The state shared between the eval callback and the session.
 pub struct Streamer<'m> {
     model: &'m Model,
@@ -244,19 +262,7 @@ impl<'m> Streamer<'m> {
                     continue;
                 }
                 self.loading.push((layer, e));
-                for (k, tensor) in self.index.layer_tensors(layer) {
-                    let r = &self.reservations[k];
-                    let (a, b) = tensor.slice(e);
-                    let (start, end) = r.window(a, b);
-                    self.jobs.push(ReadJob {
-                        target: Arc::clone(r),
-                        shard: tensor.shard,
-                        start,
-                        len: (end - start) as usize,
-                        tag: (layer, e),
-                        tensor: k,
-                    });
-                }
+                expert_reads(&self.index, &self.reservations, layer, e, &mut self.jobs);
             }
             if self.jobs.is_empty() {
                 continue;
@@ -464,19 +470,7 @@ impl<'m> Streamer<'m> {
             }
         }
         for &e in &self.plan.load {
-            for (k, tensor) in self.index.layer_tensors(layer) {
-                let r = &self.reservations[k];
-                let (a, b) = tensor.slice(e);
-                let (start, end) = r.window(a, b);
-                self.jobs.push(ReadJob {
-                    target: Arc::clone(r),
-                    shard: tensor.shard,
-                    start,
-                    len: (end - start) as usize,
-                    tag: (layer, e),
-                    tensor: k,
-                });
-            }
+            expert_reads(&self.index, &self.reservations, layer, e, &mut self.jobs);
         }
         if self.jobs.is_empty() {
             return Ok(());

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use ggml_sys::{Model, Token};
 
-use crate::generate::{DecodeEvent, GenerateError, Generation, Sampler, Sampling, Session};
+use crate::generate::{to_end, DecodeEvent, GenerateError, Generation, Sampler, Sampling, Session};
 use crate::telemetry::{TokenRow, Usage};
 pub use cache::CacheCounters;
 pub use engine::{DecodeStats, RouteRecord, Streamer};
@@ -244,20 +244,10 @@ impl<'m> StreamedSession<'m> {
         &mut self,
         prompt: &[Token],
         n_predict: u32,
-        mut on_token: impl FnMut(Token, &[u8]),
+        on_token: impl FnMut(Token, &[u8]),
         on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
-        let mut sampler = Sampler::new(Sampling::Greedy);
-        self.generate_with(
-            prompt,
-            n_predict,
-            &mut sampler,
-            |t, b| {
-                on_token(t, b);
-                ControlFlow::Continue(())
-            },
-            on_row,
-        )
+        self.generate_with(prompt, n_predict, &mut Sampler::new(Sampling::Greedy), to_end(on_token), on_row)
     }
 
     /// Generates like [`Session::generate_with`], returning per-decode telemetry rows too.
