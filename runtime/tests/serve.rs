@@ -266,7 +266,12 @@ const GREEDY: &str = r#"{"prompt":"The quick brown fox","max_tokens":24,"tempera
 fn serve_answers_openai_requests_notifies_systemd_and_stops_cleanly() {
     let dir = tempfile::tempdir().unwrap();
     let model = synth(dir.path());
-    let mut server = Server::start(dir.path(), &model, &["--drain-secs", "5"]);
+    let state = dir.path().join("state");
+    let mut server = Server::start(
+        dir.path(),
+        &model,
+        &["--drain-secs", "5", "--state-dir", state.to_str().unwrap(), "--save-secs", "1"],
+    );
     server.wait_note("READY=1");
     let notes = server.notes();
     let ready_at = notes.iter().position(|n| n == "READY=1").unwrap();
@@ -402,6 +407,13 @@ fn serve_answers_openai_requests_notifies_systemd_and_stops_cleanly() {
     let t0 = Instant::now();
     while server.notes().iter().filter(|n| *n == "WATCHDOG=1").count() < 3 {
         assert!(t0.elapsed() < PATIENCE, "no WATCHDOG=1 pings: {:?}", server.notes());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+
+    // The heat map is saved while serving (every --save-secs), not only at the end.
+    let t0 = Instant::now();
+    while !state.join("expert-heat.bin").is_file() {
+        assert!(t0.elapsed() < PATIENCE, "no periodic heat-map save; log:\n{}", server.log());
         std::thread::sleep(Duration::from_millis(50));
     }
 

@@ -232,7 +232,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     let pinger_done = Arc::new(AtomicBool::new(false));
     let pinger = notify::watchdog_interval().map(|interval| {
         let (shared, done) = (Arc::clone(&shared), Arc::clone(&pinger_done));
-        std::thread::spawn(move || watchdog(&shared, &done, interval))
+        std::thread::spawn(move || watchdog(&shared, &done, interval, notify::watchdog))
     });
     let handlers = Arc::new(AtomicUsize::new(0));
     let accept = |timeout: Duration| -> Result<()> {
@@ -287,13 +287,13 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     Ok(())
 }
 
-/// Sends `WATCHDOG=1` every half interval while the engine's heartbeat is younger than the
-/// interval.
-fn watchdog(shared: &Shared, done: &AtomicBool, interval: Duration) {
+/// Calls `ping` (`WATCHDOG=1`) every half interval while the engine's heartbeat is younger than
+/// the interval, until `done`.
+fn watchdog(shared: &Shared, done: &AtomicBool, interval: Duration, ping: impl Fn()) {
     let period = interval / 2;
     while !done.load(Ordering::SeqCst) {
         if shared.since_beat() < interval {
-            notify::watchdog();
+            ping();
         } else if shared.state() == State::Ready {
             log::warn!(
                 "the engine made no progress for {:.1} s: not pinging the watchdog",
@@ -302,7 +302,49 @@ fn watchdog(shared: &Shared, done: &AtomicBool, interval: Duration) {
         }
         let until = Instant::now() + period;
         while Instant::now() < until && !done.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(50).min(period));
+            std::thread::sleep(Duration::from_millis(10).min(period));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_watchdog_is_pinged_only_while_the_engine_beats() {
+        let (tx, _rx) = sync_channel(1);
+        let shared = Arc::new(Shared::new("m".into(), 1, tx));
+        let done = Arc::new(AtomicBool::new(false));
+        let pings = Arc::new(AtomicUsize::new(0));
+        let pinger = {
+            let (shared, done, pings) = (Arc::clone(&shared), Arc::clone(&done), Arc::clone(&pings));
+            std::thread::spawn(move || {
+                watchdog(&shared, &done, Duration::from_millis(100), || {
+                    pings.fetch_add(1, Ordering::SeqCst);
+                })
+            })
+        };
+        // Beating: pings flow.
+        let t0 = Instant::now();
+        while pings.load(Ordering::SeqCst) < 3 {
+            shared.beat();
+            assert!(t0.elapsed() < Duration::from_secs(60), "no pings while beating");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        // Stuck: once the last beat is older than the interval, no ping is sent.
+        std::thread::sleep(Duration::from_millis(150));
+        let stalled = pings.load(Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(pings.load(Ordering::SeqCst), stalled, "pinged while the engine made no progress");
+        // Progress again: pings resume.
+        let t0 = Instant::now();
+        while pings.load(Ordering::SeqCst) == stalled {
+            shared.beat();
+            assert!(t0.elapsed() < Duration::from_secs(60), "pings did not resume");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        done.store(true, Ordering::SeqCst);
+        pinger.join().unwrap();
     }
 }
