@@ -1,8 +1,10 @@
 //! sluice: runs Mixture-of-Experts language models bigger than a board's RAM.
 //!
 //! This crate is the runtime behind the `sluice` binary: synthetic model generation
-//! ([`synth`]), text generation ([`generate`]), terminal-safe output ([`text`]) and the
-//! out-of-the-box demo ([`demo`]). llama.cpp is reached only through `ggml-sys`.
+//! ([`synth`]), text generation ([`generate`]), the streaming engine ([`stream`]), board
+//! profiles ([`board`]), the memory ledger ([`budget`]), the HTTP service ([`serve`]),
+//! terminal-safe output ([`text`]) and the out-of-the-box demo ([`demo`]). llama.cpp is
+//! reached only through `ggml-sys`.
 #![forbid(unsafe_code)]
 
 pub mod bench;

@@ -47,12 +47,6 @@ impl Metrics {
         *r.entry((endpoint.to_string(), status)).or_default() += 1;
     }
 
-    /// The number of requests answered with `status` on `endpoint`.
-    pub fn requests(&self, endpoint: &str, status: u16) -> u64 {
-        let r = self.requests.lock().unwrap_or_else(|e| e.into_inner());
-        r.get(&(endpoint.to_string(), status)).copied().unwrap_or(0)
-    }
-
     /// Adds a decode's expert traffic.
     pub fn decode_row(&self, row: &TokenRow) {
         self.hits.fetch_add(row.hits, Ordering::Relaxed);

@@ -28,7 +28,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{anyhow, Result};
 
-pub use engine::{EngineConfig, Event, Finish, Job};
+use engine::{EngineConfig, Job};
 use metrics::Metrics;
 
 /// How long one loading step may take before systemd's start timeout applies again
