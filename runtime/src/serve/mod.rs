@@ -1,7 +1,7 @@
 //! `sluice serve`: an OpenAI-compatible HTTP server over one streamed model, run as a systemd
 //! `Type=notify` service.
 //!
-//! Threads: the accept loop (main), one short-lived thread per HTTP request ([`http`]), the
+//! Threads: the accept loop (main), one short-lived thread per HTTP request (`http`), the
 //! engine ([`engine`]: owns the model, runs one generation at a time from a bounded queue), and
 //! a watchdog pinger that sends `WATCHDOG=1` only while the engine's heartbeat is fresh: the
 //! engine beats after every decode and every idle quarter second, so a decode stuck on storage
