@@ -6,7 +6,7 @@ use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ExitStatus, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -147,8 +147,8 @@ impl Drop for Server {
 }
 
 fn nix_kill(pid: u32) {
-    let ok = Command::new("kill").args(["-TERM", &pid.to_string()]).status().unwrap().success();
-    assert!(ok, "kill -TERM {pid}");
+    let pid = nix::unistd::Pid::from_raw(pid as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).expect("SIGTERM to sluice serve");
 }
 
 /// An HTTP response, chunked bodies decoded.
