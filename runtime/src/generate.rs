@@ -107,8 +107,11 @@ impl Sampler {
             total += p;
             self.scratch.push((p as f32, i as u32));
         }
-        // Most probable first; ties by id, so the order (and the draw) is deterministic.
-        self.scratch.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        // Nucleus sampling needs the most probable first (ties by id, so the order and the draw
+        // stay deterministic); without it, id order serves and a vocabulary-sized sort is saved.
+        if top_p < 1.0 {
+            self.scratch.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        }
         let mut kept = 0;
         let mut mass = 0f64;
         for &(p, _) in &self.scratch {
@@ -407,4 +410,27 @@ pub fn generate(
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
     let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling_is_seeded_and_top_p_keeps_the_likeliest() {
+        let logits = [0.0, 5.0, 4.9, -3.0];
+        assert_eq!(Sampler::new(Sampling::Greedy).choose(&logits), 1);
+        let draw = |seed, top_p| {
+            let mut s = Sampler::new(Sampling::Random { temperature: 1.0, top_p, seed });
+            (0..200).map(|_| s.choose(&logits)).collect::<Vec<_>>()
+        };
+        assert_eq!(draw(7, 1.0), draw(7, 1.0), "the same seed gives the same tokens");
+        assert_ne!(draw(7, 1.0), draw(8, 1.0));
+        let all = draw(7, 1.0);
+        assert!(all.contains(&1) && all.contains(&2), "both likely tokens are drawn");
+        // Tokens 1 and 2 hold ~99.6% of the mass: top_p 0.9 never draws 0 or 3.
+        assert!(draw(7, 0.9).iter().all(|&t| t == 1 || t == 2));
+        // top_p so small that only the most probable token is left: greedy.
+        assert!(draw(7, 0.01).iter().all(|&t| t == 1));
+    }
 }
