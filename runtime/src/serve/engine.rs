@@ -110,15 +110,8 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     let mut config = cfg.stream.clone();
     shared.loading_step("loading the model's metadata and vocabulary");
     let model = stream::load_streamed_model(&cfg.model, &index, config.dense, config.gpu_layers)?;
-    let n_ctx = match cfg.ctx {
-        Some(c) if c > model.n_ctx_train() => anyhow::bail!(
-            "--ctx {c} is beyond the model's context length {}; give at most --ctx {}",
-            model.n_ctx_train(),
-            model.n_ctx_train()
-        ),
-        Some(c) => c,
-        None => model.n_ctx_train().min(DEFAULT_CTX),
-    };
+    // A --ctx beyond the model's own length is refused by the plan (BudgetError::ContextTooLong).
+    let n_ctx = cfg.ctx.unwrap_or_else(|| model.n_ctx_train().min(DEFAULT_CTX));
     shared.loading_step("planning memory");
     let ledger = budget::plan_within_budget(&PlanRequest {
         model: &cfg.model,

@@ -150,6 +150,25 @@ impl ExpertCache {
         }
     }
 
+    fn push_back(&mut self, i: u32) {
+        self.slots[i as usize].next = NIL;
+        self.slots[i as usize].prev = self.tail;
+        if self.tail != NIL {
+            self.slots[self.tail as usize].next = i;
+        }
+        self.tail = i;
+        if self.head == NIL {
+            self.head = i;
+        }
+    }
+
+    /// Counts entry `i` as resident (and as loaded once); the caller links it into the LRU list.
+    fn make_resident(&mut self, i: u32) {
+        self.slots[i as usize].resident = true;
+        self.slots[i as usize].ever_loaded = true;
+        self.used += self.bytes[i as usize];
+    }
+
     /// Plans `layer` for its distinct routed experts `ids`: hits are refreshed, misses go into
     /// `plan.load` (and count as resident from now on), and least-recently-used experts of other
     /// layers go into `plan.evict` until the budget holds (or only pinned experts remain).
@@ -189,9 +208,7 @@ impl ExpertCache {
         }
         for &e in &plan.load {
             let i = self.idx(layer, e);
-            self.slots[i as usize].resident = true;
-            self.slots[i as usize].ever_loaded = true;
-            self.used += self.bytes[i as usize];
+            self.make_resident(i);
             self.push_front(i);
         }
     }
@@ -205,18 +222,8 @@ impl ExpertCache {
         if slot.resident || self.used + self.bytes[i as usize] > self.budget {
             return false;
         }
-        self.slots[i as usize].resident = true;
-        self.slots[i as usize].ever_loaded = true;
-        self.used += self.bytes[i as usize];
-        self.slots[i as usize].next = NIL;
-        self.slots[i as usize].prev = self.tail;
-        if self.tail != NIL {
-            self.slots[self.tail as usize].next = i;
-        }
-        self.tail = i;
-        if self.head == NIL {
-            self.head = i;
-        }
+        self.make_resident(i);
+        self.push_back(i);
         true
     }
 
