@@ -212,6 +212,22 @@ impl Model {
         Err(Error::Tokenize("llama_tokenize kept asking for a larger buffer".into()))
     }
 
+    /// The longest text any token of the vocabulary stands for, in bytes (control tokens as
+    /// their text, which a chat template's prompt spells out).
+    pub fn max_token_bytes(&self) -> usize {
+        let mut buf = vec![0u8; 256];
+        let mut longest = 0;
+        for token in 0..self.n_vocab() as Token {
+            // SAFETY: buf is writable for its length; llama.cpp writes at most `length` bytes
+            // and returns the negated size needed when that is too short.
+            let n = unsafe {
+                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, true)
+            };
+            longest = longest.max(n.unsigned_abs() as usize);
+        }
+        longest
+    }
+
     /// The bytes a token stands for (byte tokens give single raw bytes, so a piece can be part
     /// of a UTF-8 sequence). Control tokens give nothing.
     pub fn token_piece(&self, token: Token) -> Vec<u8> {

@@ -9,7 +9,9 @@ use clap::Args;
 
 use sluice::board::{self, BoardChoice};
 use sluice::generate;
+use sluice::serve::access::{Access, KeySources};
 use sluice::serve::engine::EngineConfig;
+use sluice::serve::http::HttpLimits;
 use sluice::serve::unit::{self, UnitRequest};
 use sluice::serve::{self, ServeConfig};
 use sluice::stream::DensePolicy;
@@ -55,9 +57,36 @@ pub struct ServeArgs {
     /// Where dense weights live.
     #[arg(long, value_enum, default_value_t = DensePolicy::Anon)]
     dense: DensePolicy,
-    /// Largest request body in KiB.
-    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u64).range(1..))]
+    /// Largest request body in KiB (larger: 413).
+    #[arg(long, default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     max_body_kib: u64,
+    /// Largest request head (request line and headers) in KiB (larger: 431).
+    #[arg(long, default_value_t = 32, value_parser = clap::value_parser!(u64).range(1..=1024))]
+    max_header_kib: u64,
+    /// Connections open at once (also capped by the open-file limit); at the cap the least
+    /// recently active idle connection is closed, and when none is idle the new one gets 503.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
+    max_connections: u64,
+    /// Seconds a request head may take to arrive, and an idle keep-alive connection stays open.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    header_timeout_secs: u64,
+    /// Seconds a request body may take to arrive, and a client may leave its response unread.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    idle_timeout_secs: u64,
+    /// Require this API key as `Authorization: Bearer KEY` (visible to local users in the
+    /// process list: prefer SLUICE_API_KEY, --api-key-file, or a systemd credential named
+    /// `api-key`, which is read from $CREDENTIALS_DIRECTORY, else from the state directory).
+    #[arg(long, env = "SLUICE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Read the API key from this file.
+    #[arg(long, conflicts_with = "api_key")]
+    api_key_file: Option<PathBuf>,
+    /// With an API key, require it for /metrics too (/health stays open).
+    #[arg(long)]
+    metrics_need_key: bool,
+    /// Allow browser requests from this origin (CORS); repeat for several, `*` for any.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
+    cors_origins: Vec<String>,
     #[command(flatten)]
     tuning: TuningArgs,
 }
@@ -81,8 +110,22 @@ pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
         threads: board.threads(),
         budget: board.budget.clone(),
         ctx: a.ctx,
-        state_dir,
+        state_dir: state_dir.clone(),
         save_every: Duration::from_secs(a.save_secs),
+    };
+    let keys = KeySources {
+        key: a.api_key.clone(),
+        file: a.api_key_file.clone(),
+        credentials_dir: std::env::var_os("CREDENTIALS_DIRECTORY").map(PathBuf::from),
+        state_dir: state_dir.clone(),
+    };
+    let access = Access::new(&keys, a.metrics_need_key, &a.cors_origins)?;
+    let limits = HttpLimits {
+        max_connections: a.max_connections as usize,
+        header_bytes: a.max_header_kib as usize * 1024,
+        body_bytes: a.max_body_kib as usize * 1024,
+        header_timeout: Duration::from_secs(a.header_timeout_secs),
+        idle_timeout: Duration::from_secs(a.idle_timeout_secs),
     };
     serve::serve(ServeConfig {
         engine,
@@ -90,7 +133,8 @@ pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
         queue: a.queue,
         drain: Duration::from_secs(a.drain_secs),
         model_id,
-        max_body: (a.max_body_kib as usize).saturating_mul(1024),
+        limits,
+        access,
     })
     .with_context(|| format!("serving {}", a.model.display()))
 }

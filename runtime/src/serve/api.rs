@@ -160,6 +160,44 @@ pub enum PromptInput {
     Chat(Vec<ggml_sys::ChatMessage>),
 }
 
+/// The most bytes of text a prompt can have and still fit the context: every token stands for
+/// at most `max_token_bytes` bytes, so a longer text needs more than `n_ctx` tokens. A prompt
+/// over it is refused before it is tokenized (tokenizing megabytes takes long).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromptBound {
+    /// Context positions; 0 until the model is loaded (no bound).
+    pub n_ctx: u32,
+    /// The longest text any token stands for, in bytes.
+    pub max_token_bytes: usize,
+}
+
+impl PromptBound {
+    /// The bound in bytes, if known.
+    pub fn bytes(&self) -> Option<usize> {
+        (self.n_ctx > 0).then(|| (self.n_ctx as usize).saturating_mul(self.max_token_bytes.max(1)))
+    }
+
+    /// 400 `context_length_exceeded` when `request`'s prompt text is over the bound.
+    pub fn check(&self, request: &GenerationRequest) -> Result<(), ApiError> {
+        let Some(limit) = self.bytes() else { return Ok(()) };
+        let (bytes, param) = match &request.prompt {
+            PromptInput::Text(t) => (t.len(), "prompt"),
+            PromptInput::Chat(m) => (m.iter().map(|m| m.content.len() + m.role.len()).sum(), "messages"),
+        };
+        if bytes <= limit {
+            return Ok(());
+        }
+        Err(ApiError::invalid(
+            format!(
+                "This model's maximum context length is {} tokens. However, your prompt of {bytes} bytes needs more than that (no token of this model stands for more than {} bytes). Please reduce the prompt.",
+                self.n_ctx, self.max_token_bytes
+            ),
+            Some(param),
+        )
+        .with_code("context_length_exceeded"))
+    }
+}
+
 /// Tokens a completion generates when `max_tokens` is absent (OpenAI's default).
 pub const DEFAULT_COMPLETION_TOKENS: u32 = 16;
 /// Most stop sequences a request may give (OpenAI's limit).
@@ -442,6 +480,23 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         let e = chat_request(br#"{"messages":[]}"#, "m").unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages"));
+    }
+
+    #[test]
+    fn prompts_over_the_byte_bound_are_refused_before_tokenizing() {
+        let bound = PromptBound { n_ctx: 16, max_token_bytes: 4 };
+        let ok = completion_request(&serde_json::to_vec(&serde_json::json!({"prompt": "x".repeat(64)})).unwrap(), "m");
+        assert!(bound.check(&ok.unwrap()).is_ok());
+        let long = completion_request(&serde_json::to_vec(&serde_json::json!({"prompt": "x".repeat(65)})).unwrap(), "m");
+        let e = bound.check(&long.unwrap()).unwrap_err();
+        assert_eq!((e.status, e.code, e.param.as_deref()), (400, Some("context_length_exceeded"), Some("prompt")));
+        assert!(e.message.contains("maximum context length is 16 tokens"), "{}", e.message);
+        let chat = chat_request(
+            &serde_json::to_vec(&serde_json::json!({"messages": [{"role": "user", "content": "y".repeat(70)}]})).unwrap(),
+            "m",
+        );
+        assert_eq!(bound.check(&chat.unwrap()).unwrap_err().param.as_deref(), Some("messages"));
+        assert!(PromptBound::default().check(&completion_request(br#"{"prompt":"hi"}"#, "m").unwrap()).is_ok());
     }
 
     #[test]

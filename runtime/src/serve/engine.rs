@@ -3,14 +3,16 @@
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
 use ggml_sys::{Model, Token};
 
-use super::api::{chat_prompt, ApiError, GenerationRequest, PromptInput};
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::api::{chat_prompt, ApiError, GenerationRequest, PromptBound, PromptInput};
 use super::heat::{self, ModelIdentity};
 use super::metrics::GenerationCounts;
 use super::text::ResponseText;
@@ -96,7 +98,7 @@ pub struct Job {
     /// What to generate.
     pub request: GenerationRequest,
     /// Where the events go.
-    pub events: Sender<Event>,
+    pub events: UnboundedSender<Event>,
     /// Set when the client goes away (or the server stops): the generation ends at the next
     /// graph node.
     pub cancel: Arc<AtomicBool>,
@@ -109,9 +111,10 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     let index = Arc::new(ExpertIndex::open(&cfg.model)?);
     let mut config = cfg.stream.clone();
     shared.loading_step("loading the model's metadata and vocabulary");
-    let model = stream::load_streamed_model(&cfg.model, &index, config.dense, config.gpu_layers)?;
+    let model = Arc::new(stream::load_streamed_model(&cfg.model, &index, config.dense, config.gpu_layers)?);
     // A --ctx beyond the model's own length is refused by the plan (BudgetError::ContextTooLong).
     let n_ctx = cfg.ctx.unwrap_or_else(|| model.n_ctx_train().min(DEFAULT_CTX));
+    shared.set_prompt_bound(PromptBound { n_ctx, max_token_bytes: model.max_token_bytes() });
     shared.loading_step("planning memory");
     let ledger = budget::plan_within_budget(&PlanRequest {
         model: &cfg.model,
@@ -128,12 +131,12 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     let session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &cfg.threads)?;
     let identity = ModelIdentity::of(&index);
     let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
+    let tokenizer = Tokenizer::start(Arc::clone(&model))?;
     let mut engine = Engine {
-        model: &model,
+        tokenizer,
         session,
         shared,
         n_ctx,
-        template: model.chat_template(),
         identity,
         heat_path,
         heat_dirty: false,
@@ -163,13 +166,73 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     Ok(())
 }
 
+/// A prompt to tokenize, and where the tokens go.
+type TokenizeJob = (PromptInput, Sender<Result<Vec<Token>, ApiError>>);
+
+/// Tokenizes prompts on a thread of its own, so that the engine keeps beating and notices a
+/// cancelled request or a stop while a long prompt is tokenized (llama.cpp's tokenizer cannot
+/// be interrupted). A prompt abandoned that way finishes tokenizing in the background.
+struct Tokenizer {
+    jobs: Sender<TokenizeJob>,
+}
+
+/// Why a prompt has no tokens.
+enum TokenizeError {
+    /// The prompt cannot be tokenized.
+    Invalid(ApiError),
+    /// The request was cancelled, or the server is stopping, while it was tokenized.
+    Interrupted,
+}
+
+impl Tokenizer {
+    /// Starts the tokenizer thread for `model` (with its own chat template).
+    fn start(model: Arc<Model>) -> std::io::Result<Tokenizer> {
+        let (jobs, rx) = channel::<TokenizeJob>();
+        std::thread::Builder::new().name("sluice-tokenize".into()).spawn(move || {
+            let template = model.chat_template();
+            for (prompt, reply) in rx {
+                let tokens = match &prompt {
+                    PromptInput::Text(t) => model.tokenize(t, true),
+                    PromptInput::Chat(messages) => {
+                        let (text, templated) = chat_prompt(template.as_deref(), messages);
+                        model.tokenize_with(&text, true, templated)
+                    }
+                };
+                let tokens = tokens
+                    .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")));
+                let _ = reply.send(tokens);
+            }
+        })?;
+        Ok(Tokenizer { jobs })
+    }
+
+    /// The prompt's tokens. While they are computed the engine beats, and gives up when
+    /// `cancel` is set or the server cancels everything.
+    fn tokenize(&self, prompt: PromptInput, shared: &Shared, cancel: &AtomicBool) -> Result<Vec<Token>, TokenizeError> {
+        let (reply, tokens) = channel();
+        let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
+        self.jobs.send((prompt, reply)).map_err(|_| gone())?;
+        loop {
+            match tokens.recv_timeout(IDLE_BEAT) {
+                Ok(t) => return t.map_err(TokenizeError::Invalid),
+                Err(RecvTimeoutError::Timeout) => {
+                    shared.beat();
+                    if cancel.load(Ordering::Relaxed) || shared.cancelling() {
+                        return Err(TokenizeError::Interrupted);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(gone()),
+            }
+        }
+    }
+}
+
 /// The loaded model and its session.
 struct Engine<'m, 's> {
-    model: &'m Model,
+    tokenizer: Tokenizer,
     session: StreamedSession<'m>,
     shared: &'s Shared,
     n_ctx: u32,
-    template: Option<String>,
     identity: ModelIdentity,
     heat_path: Option<PathBuf>,
     heat_dirty: bool,
@@ -224,18 +287,6 @@ impl Engine<'_, '_> {
         }
     }
 
-    /// The prompt's tokens.
-    fn tokenize(&self, prompt: &PromptInput) -> Result<Vec<Token>, ApiError> {
-        let tokens = match prompt {
-            PromptInput::Text(t) => self.model.tokenize(t, true),
-            PromptInput::Chat(messages) => {
-                let (text, templated) = chat_prompt(self.template.as_deref(), messages);
-                self.model.tokenize_with(&text, true, templated)
-            }
-        };
-        tokens.map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")))
-    }
-
     /// Runs one request, sending its events.
     fn handle(&mut self, job: Job) {
         let Job { request, events, cancel } = job;
@@ -248,10 +299,16 @@ impl Engine<'_, '_> {
             let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
             return;
         }
-        let tokens = match self.tokenize(&request.prompt) {
+        let tokens = match self.tokenizer.tokenize(request.prompt, self.shared, &cancel) {
             Ok(t) => t,
-            Err(e) => {
+            Err(TokenizeError::Invalid(e)) => {
                 let _ = events.send(Event::Failed(e));
+                return;
+            }
+            Err(TokenizeError::Interrupted) => {
+                self.shared.metrics.cancelled();
+                log::info!("a prompt's tokenization was abandoned: its client went away or the server is stopping");
+                let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the generation was cancelled")));
                 return;
             }
         };

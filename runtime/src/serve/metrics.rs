@@ -38,6 +38,10 @@ pub struct Metrics {
     warm_bytes: AtomicU64,
     ledger: Mutex<Vec<(String, u64)>>,
     budget: AtomicU64,
+    connections_open: AtomicU64,
+    connections_total: AtomicU64,
+    connections_refused: AtomicU64,
+    accept_errors: AtomicU64,
 }
 
 impl Metrics {
@@ -69,6 +73,27 @@ impl Metrics {
     /// Counts a generation stopped because its client went away or the server stopped.
     pub fn cancelled(&self) {
         self.cancelled.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A connection was admitted.
+    pub fn connection_opened(&self) {
+        self.connections_open.fetch_add(1, Ordering::Relaxed);
+        self.connections_total.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// An admitted connection closed.
+    pub fn connection_closed(&self) {
+        self.connections_open.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A connection was refused with 503: every open one was in a request.
+    pub fn connection_refused(&self) {
+        self.connections_refused.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `accept` failed for want of file descriptors or memory.
+    pub fn accept_error(&self) {
+        self.accept_errors.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Records the bytes a warm start read.
@@ -104,6 +129,20 @@ impl Metrics {
         let state_samples: Vec<(String, f64)> =
             states.iter().map(|s| (format!("{{state=\"{s}\"}}"), if *s == state { 1.0 } else { 0.0 })).collect();
         metric("state", "gauge", "The server's state (1 for the current one).", &state_samples);
+        metric("connections_open", "gauge", "HTTP connections open.", &one(n(&self.connections_open)));
+        metric("connections_total", "counter", "HTTP connections admitted.", &one(n(&self.connections_total)));
+        metric(
+            "connections_refused_total",
+            "counter",
+            "HTTP connections refused with 503 because every open one was in a request.",
+            &one(n(&self.connections_refused)),
+        );
+        metric(
+            "accept_errors_total",
+            "counter",
+            "Accepts that failed for want of file descriptors or memory (accepting paused).",
+            &one(n(&self.accept_errors)),
+        );
         metric("queued_requests", "gauge", "Generation requests waiting for the engine.", &one(queued as f64));
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", &one(n(&self.prompt_tokens)));
         metric("completion_tokens_total", "counter", "Tokens generated.", &one(n(&self.completion_tokens)));

@@ -1,20 +1,22 @@
 //! `sluice serve`: an OpenAI-compatible HTTP server over one streamed model, run as a systemd
 //! `Type=notify` service.
 //!
-//! Threads: the accept loop (main), one short-lived thread per HTTP request (`http`), the
-//! engine ([`engine`]: owns the model, runs one generation at a time from a bounded queue), and
-//! a watchdog pinger that sends `WATCHDOG=1` only while the engine's heartbeat is fresh: the
-//! engine beats after every decode and every idle quarter second, so a decode stuck on storage
-//! stops the pings and systemd restarts the service.
+//! Threads: the HTTP front (the main thread: hyper on a tokio current-thread runtime, every
+//! connection a task, see [`http`]), the engine ([`engine`]: owns the model, runs one
+//! generation at a time from a bounded queue), and a watchdog pinger that sends `WATCHDOG=1`
+//! only while both the engine's and the acceptor's heartbeats are fresh: the engine beats after
+//! every decode and every idle quarter second, the acceptor every quarter second, so a decode
+//! stuck on storage or a wedged front stops the pings and systemd restarts the service.
 //!
 //! Stop (SIGTERM or SIGINT): `STOPPING=1`, new requests get 503, queued and running requests
 //! finish within the drain bound, then whatever still runs is cancelled; the heat map is saved
 //! and the process exits 0.
 
+pub mod access;
 pub mod api;
 pub mod engine;
 pub mod heat;
-mod http;
+pub mod http;
 pub mod metrics;
 pub mod notify;
 pub mod text;
@@ -26,16 +28,23 @@ use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context as _, Result};
 
+use access::Access;
+use api::PromptBound;
 use engine::{EngineConfig, Job};
+use http::{Front, HttpLimits};
 use metrics::Metrics;
 
 /// How long one loading step may take before systemd's start timeout applies again
 /// (`EXTEND_TIMEOUT_USEC`).
 const LOAD_STEP_ALLOWANCE: Duration = Duration::from_secs(300);
-/// How often the accept loop looks at the stop flag.
+/// How often the server looks at the stop flag and the engine.
 const POLL: Duration = Duration::from_millis(100);
+/// How long responses may take to be written after the engine stopped.
+const LAST_WRITES: Duration = Duration::from_secs(2);
+/// File descriptors kept for everything but connections (model files, reader lanes, logs).
+const FD_RESERVE: usize = 64;
 
 /// The server's life cycle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,15 +81,19 @@ pub struct ServeConfig {
     pub drain: Duration,
     /// The model name clients use (`/v1/models`).
     pub model_id: String,
-    /// Largest request body accepted.
-    pub max_body: usize,
+    /// The HTTP front's limits.
+    pub limits: HttpLimits,
+    /// API key and CORS.
+    pub access: Access,
 }
 
-/// State shared by the accept loop, the request threads, the engine and the watchdog.
+/// State shared by the HTTP front, the engine and the watchdog.
 pub struct Shared {
     state: AtomicU8,
     started: Instant,
     heartbeat_ms: AtomicU64,
+    acceptor_ms: AtomicU64,
+    prompt_bound: Mutex<PromptBound>,
     queue: Mutex<Option<SyncSender<Job>>>,
     queued: AtomicUsize,
     current: Mutex<Option<Arc<AtomicBool>>>,
@@ -90,18 +103,20 @@ pub struct Shared {
     pub metrics: Metrics,
     /// The model name.
     pub model_id: String,
-    /// Unix time the server started (`created` in responses).
+    /// Unix time the server started (`created` of the model in `/v1/models`).
     pub created: u64,
-    /// Largest request body accepted.
-    pub max_body: usize,
+    /// API key and CORS.
+    pub access: Access,
 }
 
 impl Shared {
-    fn new(model_id: String, max_body: usize, queue: SyncSender<Job>) -> Shared {
+    fn new(model_id: String, access: Access, queue: SyncSender<Job>) -> Shared {
         Shared {
             state: AtomicU8::new(State::Loading as u8),
             started: Instant::now(),
             heartbeat_ms: AtomicU64::new(0),
+            acceptor_ms: AtomicU64::new(0),
+            prompt_bound: Mutex::new(PromptBound::default()),
             queue: Mutex::new(Some(queue)),
             queued: AtomicUsize::new(0),
             current: Mutex::new(None),
@@ -110,8 +125,27 @@ impl Shared {
             metrics: Metrics::default(),
             model_id,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
-            max_body,
+            access,
         }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// The HTTP acceptor is alive.
+    pub fn acceptor_beat(&self) {
+        self.acceptor_ms.store(self.now_ms(), Ordering::SeqCst);
+    }
+
+    /// The bound a prompt's size must keep (set once the model is loaded).
+    pub fn prompt_bound(&self) -> PromptBound {
+        *self.prompt_bound.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sets the prompt bound of the loaded model.
+    pub fn set_prompt_bound(&self, bound: PromptBound) {
+        *self.prompt_bound.lock().unwrap_or_else(|e| e.into_inner()) = bound;
     }
 
     /// The current state.
@@ -145,13 +179,14 @@ impl Shared {
 
     /// The engine is alive and making progress.
     pub fn beat(&self) {
-        self.heartbeat_ms.store(self.started.elapsed().as_millis() as u64, Ordering::SeqCst);
+        self.heartbeat_ms.store(self.now_ms(), Ordering::SeqCst);
     }
 
-    /// How long since the engine last made progress.
+    /// How long since the engine last made progress, and since the acceptor last ran: the
+    /// older of the two.
     fn since_beat(&self) -> Duration {
-        let now = self.started.elapsed().as_millis() as u64;
-        Duration::from_millis(now.saturating_sub(self.heartbeat_ms.load(Ordering::SeqCst)))
+        let oldest = self.heartbeat_ms.load(Ordering::SeqCst).min(self.acceptor_ms.load(Ordering::SeqCst));
+        Duration::from_millis(self.now_ms().saturating_sub(oldest))
     }
 
     /// Queues `job`: `Err` with the reason when the queue is full or closed.
@@ -218,12 +253,20 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
         signal_hook::flag::register(signal, Arc::clone(&stop))?;
     }
-    let server = tiny_http::Server::http(cfg.listen).map_err(|e| {
+    let fd_room = http::fd_room(FD_RESERVE);
+    let listener = std::net::TcpListener::bind(cfg.listen).map_err(|e| {
         anyhow!("cannot listen on {}: {e} (is another server using the port? pick another with --listen)", cfg.listen)
     })?;
+    listener.set_nonblocking(true)?;
     log::info!("listening on http://{}", cfg.listen);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_io()
+        .enable_time()
+        .build()
+        .context("cannot start the HTTP runtime")?;
     let (tx, rx) = sync_channel::<Job>(cfg.queue);
-    let shared = Arc::new(Shared::new(cfg.model_id.clone(), cfg.max_body, tx));
+    let shared = Arc::new(Shared::new(cfg.model_id.clone(), cfg.access.clone(), tx));
+    shared.acceptor_beat();
     let engine = {
         let shared = Arc::clone(&shared);
         let engine_cfg = cfg.engine.clone();
@@ -232,58 +275,67 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     let pinger_done = Arc::new(AtomicBool::new(false));
     let pinger = notify::watchdog_interval().map(|interval| {
         let (shared, done) = (Arc::clone(&shared), Arc::clone(&pinger_done));
-        std::thread::spawn(move || watchdog(&shared, &done, interval, notify::watchdog))
+        std::thread::Builder::new()
+            .name("sluice-watchdog".into())
+            .spawn(move || watchdog(&shared, &done, interval, notify::watchdog))
     });
-    let handlers = Arc::new(AtomicUsize::new(0));
-    let accept = |timeout: Duration| -> Result<()> {
-        if let Some(request) = server.recv_timeout(timeout)? {
-            let (shared, handlers) = (Arc::clone(&shared), Arc::clone(&handlers));
-            handlers.fetch_add(1, Ordering::SeqCst);
-            std::thread::spawn(move || {
-                http::handle(request, &shared);
-                handlers.fetch_sub(1, Ordering::SeqCst);
-            });
-        }
-        Ok(())
-    };
+    let pinger = pinger.transpose()?;
+    let front = Arc::new(Front::new(cfg.limits.clone(), Arc::clone(&shared), fd_room));
+    let result = runtime.block_on(async {
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        let acceptor = tokio::spawn(Arc::clone(&front).accept_loop(listener));
+        let result = run_until_stopped(&shared, &front, &engine, &stop, cfg.drain).await;
+        acceptor.abort();
+        result
+    });
+    pinger_done.store(true, Ordering::SeqCst);
+    let engine_result = engine.join().map_err(|_| anyhow!("the engine thread panicked"))?;
+    if let Some(p) = pinger {
+        let _ = p.join();
+    }
+    if let Err(e) = &engine_result {
+        notify::status(&format!("failed: {e}"));
+    }
+    engine_result?;
+    result?;
+    log::info!("stopped");
+    Ok(())
+}
+
+/// Serves until a stop signal (then drains: in-flight requests get `drain` to finish, then are
+/// cancelled) or until the engine ends by itself (an error: it failed to load).
+async fn run_until_stopped(
+    shared: &Shared,
+    front: &Front,
+    engine: &std::thread::JoinHandle<Result<()>>,
+    stop: &AtomicBool,
+    drain: Duration,
+) -> Result<()> {
+    let mut tick = tokio::time::interval(POLL);
     while !stop.load(Ordering::SeqCst) && !engine.is_finished() {
-        accept(POLL)?;
+        tick.tick().await;
     }
-    if engine.is_finished() && !stop.load(Ordering::SeqCst) {
-        pinger_done.store(true, Ordering::SeqCst);
-        let result = engine.join().map_err(|_| anyhow!("the engine thread panicked"))?;
-        if let Err(e) = &result {
-            notify::status(&format!("failed: {e}"));
-        }
-        result?;
-        anyhow::bail!("the engine stopped unexpectedly");
+    if !stop.load(Ordering::SeqCst) {
+        return Ok(()); // the engine ended: its result says why
     }
-    // Drain.
     shared.state.store(State::Draining as u8, Ordering::SeqCst);
-    notify::stopping(&format!("draining: finishing in-flight requests (at most {} s)", cfg.drain.as_secs()));
-    log::info!("stopping: draining in-flight requests for at most {:.0} s", cfg.drain.as_secs_f64());
+    notify::stopping(&format!("draining: finishing in-flight requests (at most {} s)", drain.as_secs()));
+    log::info!("stopping: draining in-flight requests for at most {:.0} s", drain.as_secs_f64());
     shared.queue.lock().unwrap_or_else(|e| e.into_inner()).take();
-    let deadline = Instant::now() + cfg.drain;
+    let deadline = Instant::now() + drain;
     while !engine.is_finished() {
         if Instant::now() >= deadline && !shared.cancelling() {
             log::warn!("drain bound reached: cancelling what still runs");
             notify::status("draining: cancelling in-flight requests");
             shared.cancel_everything();
         }
-        accept(POLL)?;
+        tick.tick().await;
     }
-    pinger_done.store(true, Ordering::SeqCst);
-    let result = engine.join().map_err(|_| anyhow!("the engine thread panicked"))?;
-    // Let the request threads write their last bytes.
-    let until = Instant::now() + Duration::from_secs(2);
-    while handlers.load(Ordering::SeqCst) > 0 && Instant::now() < until {
-        accept(POLL)?;
+    // Let the connections write their last bytes.
+    let until = Instant::now() + LAST_WRITES;
+    while front.registry().busy() > 0 && Instant::now() < until {
+        tick.tick().await;
     }
-    if let Some(p) = pinger {
-        let _ = p.join();
-    }
-    result?;
-    log::info!("stopped");
     Ok(())
 }
 
@@ -295,8 +347,10 @@ fn watchdog(shared: &Shared, done: &AtomicBool, interval: Duration, ping: impl F
         if shared.since_beat() < interval {
             ping();
         } else if shared.state() == State::Ready {
+            let engine = shared.now_ms().saturating_sub(shared.heartbeat_ms.load(Ordering::SeqCst));
+            let acceptor = shared.now_ms().saturating_sub(shared.acceptor_ms.load(Ordering::SeqCst));
             log::warn!(
-                "the engine made no progress for {:.1} s: not pinging the watchdog",
+                "no progress for {:.1} s (engine: last beat {engine} ms ago, HTTP acceptor: {acceptor} ms ago): not pinging the watchdog",
                 shared.since_beat().as_secs_f64()
             );
         }
@@ -312,9 +366,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_watchdog_is_pinged_only_while_the_engine_beats() {
+    fn the_watchdog_is_pinged_only_while_the_engine_and_the_acceptor_beat() {
         let (tx, _rx) = sync_channel(1);
-        let shared = Arc::new(Shared::new("m".into(), 1, tx));
+        let shared = Arc::new(Shared::new("m".into(), Access::default(), tx));
         let done = Arc::new(AtomicBool::new(false));
         let pings = Arc::new(AtomicUsize::new(0));
         let pinger = {
@@ -325,22 +379,40 @@ mod tests {
                 })
             })
         };
-        // Beating: pings flow.
-        let t0 = Instant::now();
-        while pings.load(Ordering::SeqCst) < 3 {
+        let both = || {
             shared.beat();
-            assert!(t0.elapsed() < Duration::from_secs(60), "no pings while beating");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        // Stuck: once the last beat is older than the interval, no ping is sent.
-        std::thread::sleep(Duration::from_millis(150));
+            shared.acceptor_beat();
+        };
+        let pings_while = |beat: &dyn Fn()| {
+            // Beating: pings flow.
+            let t0 = Instant::now();
+            let before = pings.load(Ordering::SeqCst);
+            while pings.load(Ordering::SeqCst) < before + 3 {
+                both();
+                assert!(t0.elapsed() < Duration::from_secs(60), "no pings while both beat");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            // One side stuck: once its last beat is older than the interval, no ping is sent.
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_millis(150) {
+                beat();
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let stalled = pings.load(Ordering::SeqCst);
+            let t0 = Instant::now();
+            while t0.elapsed() < Duration::from_millis(300) {
+                beat();
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            pings.load(Ordering::SeqCst) - stalled
+        };
+        assert_eq!(pings_while(&|| shared.acceptor_beat()), 0, "pinged while the engine made no progress");
+        assert_eq!(pings_while(&|| shared.beat()), 0, "pinged while the acceptor was wedged");
+        // Both again: pings resume.
+        let t0 = Instant::now();
         let stalled = pings.load(Ordering::SeqCst);
-        std::thread::sleep(Duration::from_millis(300));
-        assert_eq!(pings.load(Ordering::SeqCst), stalled, "pinged while the engine made no progress");
-        // Progress again: pings resume.
-        let t0 = Instant::now();
         while pings.load(Ordering::SeqCst) == stalled {
-            shared.beat();
+            both();
             assert!(t0.elapsed() < Duration::from_secs(60), "pings did not resume");
             std::thread::sleep(Duration::from_millis(10));
         }

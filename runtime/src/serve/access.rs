@@ -1,0 +1,218 @@
+//! Who may use the server: an API key checked as `Authorization: Bearer`, and the browser
+//! origins allowed by CORS.
+//!
+//! The key comes from `--api-key` (or `SLUICE_API_KEY`), `--api-key-file`, or else a file named
+//! `api-key` in systemd's credentials directory (`LoadCredential=api-key:...`) or the state
+//! directory. `/health` is always open; `/metrics` is open unless `--metrics-need-key`.
+
+use std::path::{Path, PathBuf};
+
+use hyper::header::HeaderValue;
+use subtle::ConstantTimeEq as _;
+
+use super::api::ApiError;
+
+/// The name of the key file in the credentials and state directories.
+pub const KEY_FILE: &str = "api-key";
+
+/// Why the access settings cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum AccessError {
+    /// The key file cannot be read.
+    #[error("cannot read the API key file {path}: {source}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The key is empty or not printable ASCII.
+    #[error("the API key from {from} is {what}; use a non-empty key of printable ASCII characters (no spaces)")]
+    BadKey {
+        /// Where it came from.
+        from: String,
+        /// What is wrong.
+        what: &'static str,
+    },
+    /// A CORS origin is not a valid header value.
+    #[error("--cors-origin {0:?} is not an origin; use `*` or a scheme and host such as https://example.org")]
+    BadOrigin(String),
+}
+
+/// The access settings.
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    key: Option<String>,
+    metrics_keyed: bool,
+    cors: Vec<HeaderValue>,
+    cors_any: bool,
+}
+
+/// Where the key may come from, first found wins.
+#[derive(Debug, Clone, Default)]
+pub struct KeySources {
+    /// `--api-key` (or `SLUICE_API_KEY`).
+    pub key: Option<String>,
+    /// `--api-key-file`.
+    pub file: Option<PathBuf>,
+    /// `$CREDENTIALS_DIRECTORY`.
+    pub credentials_dir: Option<PathBuf>,
+    /// The state directory.
+    pub state_dir: Option<PathBuf>,
+}
+
+impl KeySources {
+    /// The key, and where it came from; `None` when no source has one.
+    fn resolve(&self) -> Result<Option<(String, String)>, AccessError> {
+        if let Some(k) = &self.key {
+            return Ok(Some((k.clone(), "--api-key".into())));
+        }
+        let read = |path: &Path| -> Result<(String, String), AccessError> {
+            let text = std::fs::read_to_string(path)
+                .map_err(|source| AccessError::Read { path: path.to_path_buf(), source })?;
+            Ok((text.trim().to_string(), path.display().to_string()))
+        };
+        if let Some(f) = &self.file {
+            return read(f).map(Some);
+        }
+        for dir in [&self.credentials_dir, &self.state_dir].into_iter().flatten() {
+            let path = dir.join(KEY_FILE);
+            if path.is_file() {
+                return read(&path).map(Some);
+            }
+        }
+        Ok(None)
+    }
+}
+
+impl Access {
+    /// Access with the key from `keys` (none: open to all), `/metrics` keyed when
+    /// `metrics_keyed`, and CORS for `origins` (`*`: any).
+    pub fn new(keys: &KeySources, metrics_keyed: bool, origins: &[String]) -> Result<Access, AccessError> {
+        let key = match keys.resolve()? {
+            None => None,
+            Some((key, from)) => {
+                let what = if key.is_empty() {
+                    Some("empty")
+                } else if !key.bytes().all(|b| b.is_ascii_graphic()) {
+                    Some("not printable ASCII")
+                } else {
+                    None
+                };
+                if let Some(what) = what {
+                    return Err(AccessError::BadKey { from, what });
+                }
+                log::info!("API key from {from}: requests need Authorization: Bearer");
+                Some(key)
+            }
+        };
+        let mut cors = Vec::new();
+        let mut cors_any = false;
+        for o in origins {
+            if o == "*" {
+                cors_any = true;
+            } else {
+                let v = HeaderValue::from_str(o.trim_end_matches('/'))
+                    .ok()
+                    .filter(|_| o.contains("://"))
+                    .ok_or_else(|| AccessError::BadOrigin(o.clone()))?;
+                cors.push(v);
+            }
+        }
+        Ok(Access { key, metrics_keyed, cors, cors_any })
+    }
+
+    /// Whether a key is required.
+    pub fn keyed(&self) -> bool {
+        self.key.is_some()
+    }
+
+    /// Checks a request for `path` with its `Authorization` header: 401 when a key is
+    /// required and not given, or wrong.
+    pub fn authorize(&self, path: &str, authorization: Option<&HeaderValue>) -> Result<(), ApiError> {
+        let Some(key) = &self.key else { return Ok(()) };
+        if path == "/health" || (path == "/metrics" && !self.metrics_keyed) {
+            return Ok(());
+        }
+        let given = authorization.and_then(|v| v.to_str().ok()).and_then(|v| {
+            let (scheme, token) = v.trim().split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
+        });
+        let message = match given {
+            None => "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY`.",
+            Some(t) if bool::from(t.as_bytes().ct_eq(key.as_bytes())) => return Ok(()),
+            Some(_) => "Incorrect API key provided.",
+        };
+        Err(ApiError::new(401, "invalid_request_error", message).with_code("invalid_api_key"))
+    }
+
+    /// The `Access-Control-Allow-Origin` value for a request from `origin`, if CORS allows it.
+    pub fn cors_allows(&self, origin: Option<&HeaderValue>) -> Option<HeaderValue> {
+        let origin = origin?;
+        if self.cors_any {
+            return Some(HeaderValue::from_static("*"));
+        }
+        self.cors.iter().find(|o| *o == origin).cloned()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keyed(key: &str, metrics: bool) -> Access {
+        Access::new(&KeySources { key: Some(key.into()), ..Default::default() }, metrics, &[]).unwrap()
+    }
+
+    fn h(v: &str) -> HeaderValue {
+        HeaderValue::from_str(v).unwrap()
+    }
+
+    #[test]
+    fn a_key_is_checked_as_a_bearer_token_except_on_health() {
+        let a = keyed("s3cret", false);
+        assert!(a.authorize("/v1/completions", Some(&h("Bearer s3cret"))).is_ok());
+        assert!(a.authorize("/v1/completions", Some(&h("bearer  s3cret "))).is_ok());
+        let e = a.authorize("/v1/completions", Some(&h("Bearer s3cre"))).unwrap_err();
+        assert_eq!((e.status, e.code, e.message.as_str()), (401, Some("invalid_api_key"), "Incorrect API key provided."));
+        assert!(a.authorize("/v1/models", None).unwrap_err().message.contains("didn't provide"));
+        assert!(a.authorize("/v1/models", Some(&h("Basic czNjcmV0"))).is_err());
+        assert!(a.authorize("/health", None).is_ok());
+        assert!(a.authorize("/metrics", None).is_ok());
+        assert!(keyed("s3cret", true).authorize("/metrics", None).is_err());
+        assert!(Access::default().authorize("/v1/completions", None).is_ok());
+    }
+
+    #[test]
+    fn the_key_comes_from_the_first_source_that_has_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let creds = dir.path().join("creds");
+        let state = dir.path().join("state");
+        std::fs::create_dir_all(&creds).unwrap();
+        std::fs::create_dir_all(&state).unwrap();
+        std::fs::write(state.join(KEY_FILE), "from-state\n").unwrap();
+        let mut s = KeySources { credentials_dir: Some(creds.clone()), state_dir: Some(state), ..Default::default() };
+        assert_eq!(s.resolve().unwrap().unwrap().0, "from-state");
+        std::fs::write(creds.join(KEY_FILE), "from-creds").unwrap();
+        assert_eq!(s.resolve().unwrap().unwrap().0, "from-creds");
+        s.file = Some(dir.path().join("missing"));
+        let e = Access::new(&s, false, &[]).unwrap_err().to_string();
+        assert!(e.contains("cannot read the API key file") && e.contains("missing"), "{e}");
+        let empty = dir.path().join("empty");
+        std::fs::write(&empty, " \n").unwrap();
+        s.file = Some(empty);
+        assert!(Access::new(&s, false, &[]).unwrap_err().to_string().contains("is empty"));
+        assert!(Access::new(&KeySources::default(), false, &[]).unwrap().key.is_none());
+    }
+
+    #[test]
+    fn cors_allows_listed_origins_or_any() {
+        let a = Access::new(&KeySources::default(), false, &["https://a.example/".into()]).unwrap();
+        assert_eq!(a.cors_allows(Some(&h("https://a.example"))), Some(h("https://a.example")));
+        assert_eq!(a.cors_allows(Some(&h("https://b.example"))), None);
+        assert_eq!(a.cors_allows(None), None);
+        let any = Access::new(&KeySources::default(), false, &["*".into()]).unwrap();
+        assert_eq!(any.cors_allows(Some(&h("https://b.example"))), Some(h("*")));
+        assert!(Access::new(&KeySources::default(), false, &["not an origin".into()]).is_err());
+    }
+}

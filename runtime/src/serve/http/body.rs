@@ -1,0 +1,149 @@
+//! Response bodies: a whole body, or a generation's server-sent events. Either holds its
+//! connection's [`RequestGuard`], so the connection counts as in a request until the body is
+//! sent or dropped.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use hyper::body::{Body as HttpBody, Frame, SizeHint};
+use serde_json::json;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+use super::conn::RequestGuard;
+use super::reply::{Kind, Reply};
+use crate::serve::engine::Event;
+
+/// A response body.
+pub struct Body {
+    inner: Inner,
+    guard: Option<RequestGuard>,
+}
+
+enum Inner {
+    Full(Option<Bytes>),
+    Events(Box<EventStream>),
+}
+
+impl Body {
+    /// A whole body.
+    pub fn full(bytes: impl Into<Bytes>) -> Body {
+        Body { inner: Inner::Full(Some(bytes.into())), guard: None }
+    }
+
+    /// The events of a generation, as server-sent events.
+    pub fn events(stream: EventStream) -> Body {
+        Body { inner: Inner::Events(Box::new(stream)), guard: None }
+    }
+
+    /// Keeps `guard` until the body is sent or dropped.
+    pub fn hold(&mut self, guard: RequestGuard) {
+        self.guard = Some(guard);
+    }
+}
+
+impl HttpBody for Body {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let frame = match &mut self.inner {
+            Inner::Full(bytes) => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+            Inner::Events(stream) => stream.poll_next(cx).map(|b| b.map(|b| Ok(Frame::data(b)))),
+        };
+        if matches!(frame, Poll::Ready(None)) {
+            self.guard = None;
+        }
+        frame
+    }
+
+    fn is_end_stream(&self) -> bool {
+        matches!(&self.inner, Inner::Full(None))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            Inner::Full(Some(b)) => SizeHint::with_exact(b.len() as u64),
+            Inner::Full(None) => SizeHint::with_exact(0),
+            Inner::Events(_) => SizeHint::default(),
+        }
+    }
+}
+
+/// Sets a generation's cancel flag when dropped, whatever the path: a client that is gone no
+/// longer needs its tokens, and a queued request whose client left is not run.
+#[derive(Debug)]
+pub struct CancelOnDrop(pub Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+}
+
+/// A future that completes when the client has gone away.
+pub type Gone = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A generation streamed as server-sent events, one per piece of text. It ends the stream when
+/// the client goes away; dropping it (hyper does when a write fails) cancels the generation.
+pub struct EventStream {
+    reply: Reply,
+    events: UnboundedReceiver<Event>,
+    gone: Gone,
+    _cancel: CancelOnDrop,
+    started: bool,
+    ended: bool,
+}
+
+impl EventStream {
+    /// The stream of `events`, formatted as `reply`, cancelled through `cancel`.
+    pub fn new(reply: Reply, events: UnboundedReceiver<Event>, cancel: CancelOnDrop, gone: Gone) -> EventStream {
+        EventStream { reply, events, gone, _cancel: cancel, started: false, ended: false }
+    }
+
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        if !self.started {
+            self.started = true;
+            if self.reply.kind == Kind::Chat {
+                let role = self.reply.chunk(json!({ "role": "assistant", "content": "" }), None, None);
+                return Poll::Ready(Some(event(&role.to_string())));
+            }
+        }
+        if self.gone.as_mut().poll(cx).is_ready() {
+            log::info!("client went away mid-stream: cancelling its generation");
+            self.ended = true;
+            return Poll::Ready(None);
+        }
+        loop {
+            let Some(e) = std::task::ready!(self.events.poll_recv(cx)) else {
+                self.ended = true;
+                return Poll::Ready(None);
+            };
+            let out = match e {
+                Event::Text(t) => event(&self.reply.chunk(json!({ "content": t }), Some(&t), None).to_string()),
+                Event::Done { finish, .. } => {
+                    self.ended = true;
+                    let last = self.reply.chunk(json!({}), None, Some(finish)).to_string();
+                    Bytes::from(format!("data: {last}\n\ndata: [DONE]\n\n"))
+                }
+                Event::Failed(e) => {
+                    self.ended = true;
+                    event(&e.body())
+                }
+                Event::Started { .. } => continue,
+            };
+            return Poll::Ready(Some(out));
+        }
+    }
+}
+
+/// One server-sent event.
+fn event(data: &str) -> Bytes {
+    Bytes::from(format!("data: {data}\n\n"))
+}

@@ -1,0 +1,256 @@
+//! Request handling: routing, access control, CORS, request bodies, and responses (JSON, or
+//! server-sent events).
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::BodyExt as _;
+use hyper::body::Incoming;
+use hyper::header::{self, HeaderValue};
+use hyper::{Method, Request, Response, StatusCode};
+use serde_json::json;
+use tokio::net::TcpStream;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::body::{Body, CancelOnDrop, EventStream, Gone};
+use super::conn::ConnState;
+use super::reply::{Kind, Reply};
+use super::transport::peer_gone;
+use super::Front;
+use crate::serve::api::{self, ApiError, GenerationRequest};
+use crate::serve::engine::{Event, Job};
+use crate::serve::State;
+
+const ENDPOINTS: [&str; 5] = ["/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"];
+
+/// Answers one request; counts it in the metrics.
+pub async fn handle(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, conn: &Arc<ConnState>) -> Response<Body> {
+    let guard = conn.begin_request();
+    let shared = front.shared();
+    let path = req.uri().path().to_string();
+    let endpoint = if ENDPOINTS.contains(&path.as_str()) { path.as_str() } else { "other" };
+    let origin = req.headers().get(header::ORIGIN).cloned();
+    let access = &shared.access;
+    let mut response = if req.method() == Method::OPTIONS && access.cors_allows(origin.as_ref()).is_some() {
+        preflight(&req)
+    } else if let Err(e) = access.authorize(&path, req.headers().get(header::AUTHORIZATION)) {
+        error(&e)
+    } else {
+        route(req, &path, endpoint, front, tcp).await
+    };
+    if let Some(allowed) = access.cors_allows(origin.as_ref()) {
+        let h = response.headers_mut();
+        h.insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, allowed);
+        h.append(header::VARY, HeaderValue::from_static("Origin"));
+    }
+    shared.metrics.request(endpoint, response.status().as_u16());
+    response.body_mut().hold(guard);
+    response
+}
+
+async fn route(req: Request<Incoming>, path: &str, endpoint: &str, front: &Front, tcp: &Arc<TcpStream>) -> Response<Body> {
+    let shared = front.shared();
+    match (req.method(), path) {
+        (&Method::GET, "/health") => {
+            let state = shared.state();
+            let code = if state == State::Ready { 200 } else { 503 };
+            let mut r = json_response(code, json!({ "status": state.as_str() }).to_string());
+            if state == State::Loading {
+                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            r
+        }
+        (&Method::GET, "/metrics") => {
+            let body = shared.metrics.render(shared.state().as_str(), shared.queued());
+            let mut r = Response::new(Body::full(body));
+            r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; version=0.0.4"));
+            r
+        }
+        (&Method::GET, "/v1/models") => {
+            let body = json!({
+                "object": "list",
+                "data": [{ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "sluice" }]
+            });
+            json_response(200, body.to_string())
+        }
+        (&Method::POST, "/v1/completions") => generate(req, front, tcp, Kind::Completion).await,
+        (&Method::POST, "/v1/chat/completions") => generate(req, front, tcp, Kind::Chat).await,
+        (m, _) if endpoint != "other" => {
+            error(&ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}")))
+        }
+        _ => error(&ApiError::new(
+            404,
+            "not_found_error",
+            format!("no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)"),
+        )),
+    }
+}
+
+fn json_response(status: u16, body: String) -> Response<Body> {
+    let mut r = Response::new(Body::full(body));
+    *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r
+}
+
+/// An error response. 503 says when to retry; 401 how to authenticate; a 4xx that may have
+/// left a request body unread closes the connection, so no unread byte is taken for the next
+/// request.
+fn error(e: &ApiError) -> Response<Body> {
+    let mut r = json_response(e.status, e.body());
+    let h = r.headers_mut();
+    match e.status {
+        503 => {
+            h.insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        401 => {
+            h.insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+        }
+        400 | 408 | 411 | 413 => {
+            h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+        }
+        _ => {}
+    }
+    r
+}
+
+/// A CORS preflight from an allowed origin.
+fn preflight(req: &Request<Incoming>) -> Response<Body> {
+    let mut r = Response::new(Body::full(Bytes::new()));
+    *r.status_mut() = StatusCode::NO_CONTENT;
+    let h = r.headers_mut();
+    h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
+    let asked = req.headers().get(header::ACCESS_CONTROL_REQUEST_HEADERS).cloned();
+    h.insert(
+        header::ACCESS_CONTROL_ALLOW_HEADERS,
+        asked.unwrap_or_else(|| HeaderValue::from_static("authorization, content-type")),
+    );
+    h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
+    r
+}
+
+/// Reads a request body within the limits: `Content-Length` only, at most the body limit,
+/// within the idle timeout, and only while the budget for bodies being read has room.
+async fn read_body(req: Request<Incoming>, front: &Front) -> Result<Vec<u8>, ApiError> {
+    let limit = front.limits().body_bytes;
+    let too_large =
+        || ApiError::new(413, "invalid_request_error", format!("the request body is over {limit} bytes; send a shorter prompt"));
+    if req.headers().contains_key(header::TRANSFER_ENCODING) {
+        return Err(ApiError::invalid(
+            "Transfer-Encoding request bodies are not accepted (with Content-Length too, the request could be smuggled): send the body with Content-Length alone",
+            None,
+        ));
+    }
+    let Some(length) = req.headers().get(header::CONTENT_LENGTH) else {
+        return Err(ApiError::new(411, "invalid_request_error", "the request has no Content-Length; send the JSON body with one"));
+    };
+    let length: usize = length.to_str().ok().and_then(|l| l.parse().ok()).ok_or_else(|| ApiError::invalid("Content-Length is not a number", None))?;
+    if length > limit {
+        return Err(too_large());
+    }
+    let Ok(permit) = Arc::clone(front.body_budget()).try_acquire_many_owned(length as u32) else {
+        return Err(ApiError::new(503, "server_error", "the server is busy reading other requests; retry shortly"));
+    };
+    let read = async {
+        let mut body = Vec::with_capacity(length);
+        let mut incoming = req.into_body();
+        while let Some(frame) = incoming.frame().await {
+            let frame = frame.map_err(|e| ApiError::invalid(format!("cannot read the request body: {e}"), None))?;
+            if let Ok(data) = frame.into_data() {
+                if body.len() + data.len() > limit {
+                    return Err(too_large());
+                }
+                body.extend_from_slice(&data);
+            }
+        }
+        Ok(body)
+    };
+    let timeout = front.limits().idle_timeout;
+    let body = tokio::time::timeout(timeout, read).await.map_err(|_| {
+        ApiError::new(408, "invalid_request_error", format!("the request body did not arrive within {} s", timeout.as_secs()))
+    })?;
+    drop(permit);
+    body
+}
+
+/// Checks, parses and queues a generation request: whether it streams, its events, and the
+/// flag that cancels it.
+async fn enqueue(req: Request<Incoming>, front: &Front, kind: Kind) -> Result<(bool, UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
+    let shared = front.shared();
+    match shared.state() {
+        State::Ready => {}
+        State::Loading => return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly")),
+        State::Draining => return Err(ApiError::new(503, "server_error", "the server is shutting down")),
+    }
+    let body = read_body(req, front).await?;
+    let request: GenerationRequest = match kind {
+        Kind::Completion => api::completion_request(&body, &shared.model_id)?,
+        Kind::Chat => api::chat_request(&body, &shared.model_id)?,
+    };
+    drop(body);
+    shared.prompt_bound().check(&request)?;
+    let stream = request.stream;
+    let (tx, events) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    shared
+        .enqueue(Job { request, events: tx, cancel: Arc::clone(&cancel) })
+        .map_err(|why| ApiError::new(503, "server_error", why))?;
+    Ok((stream, events, CancelOnDrop(cancel)))
+}
+
+/// A generation request, answered.
+async fn generate(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, kind: Kind) -> Response<Body> {
+    let shared = front.shared();
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (stream, mut events, cancel) = match enqueue(req, front, kind).await {
+        Ok(q) => q,
+        Err(e) => return error(&e),
+    };
+    let mut gone: Gone = {
+        let tcp = Arc::clone(tcp);
+        Box::pin(async move { peer_gone(&tcp).await })
+    };
+    // Wait for the engine to take the request (a client that leaves meanwhile drops it).
+    let prompt_tokens = tokio::select! {
+        e = events.recv() => match e {
+            Some(Event::Started { prompt_tokens }) => prompt_tokens,
+            Some(Event::Failed(e)) => return error(&e),
+            Some(other) => return error(&ApiError::new(500, "server_error", format!("unexpected engine event {other:?}"))),
+            None => return error(&ApiError::new(503, "server_error", "the server is shutting down")),
+        },
+        () = &mut gone => {
+            log::info!("client went away while its request was queued: dropping it");
+            return error(&ApiError::new(499, "invalid_request_error", "client closed the request"));
+        }
+    };
+    let reply = Reply { kind, id: format!("{}-{:x}{:04x}", kind.id_prefix(), created, shared.next_id()), created, model: shared.model_id.clone() };
+    if stream {
+        let mut r = Response::new(Body::events(EventStream::new(reply, events, cancel, gone)));
+        let h = r.headers_mut();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+        return r;
+    }
+    let _cancel = cancel;
+    let mut text = String::new();
+    loop {
+        let e = tokio::select! {
+            e = events.recv() => e,
+            () = &mut gone => {
+                log::info!("client went away mid-generation: cancelling it");
+                return error(&ApiError::new(499, "invalid_request_error", "client closed the request"));
+            }
+        };
+        match e {
+            Some(Event::Text(t)) => text.push_str(&t),
+            Some(Event::Done { finish, completion_tokens, .. }) => {
+                return json_response(200, reply.full(&text, finish, prompt_tokens, completion_tokens).to_string());
+            }
+            Some(Event::Failed(e)) => return error(&e),
+            Some(Event::Started { .. }) => {}
+            None => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
+        }
+    }
+}
