@@ -6,9 +6,15 @@ SHELL := /bin/bash
 CARGO ?= cargo
 
 # systemd: systemd-analyze, which the service-file tests run on systemd/sluice.service.
-BUILD_DEBS := cmake clang libclang-dev patch make systemd
+# util-linux: prlimit, which gives a test server a small open-file limit. python3-venv: the
+# official openai client for the API test (scripts/ensure-openai).
+BUILD_DEBS := cmake clang libclang-dev patch make systemd util-linux python3-venv
 ARM_DEBS := gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 AARCH64 := aarch64-unknown-linux-gnu
+
+# The official openai Python client, for the API test (target/openai-venv).
+OPENAI_VENV := $(CURDIR)/target/openai-venv
+OPENAI_ENV := SLUICE_OPENAI_PYTHON=$(OPENAI_VENV)/bin/python
 
 # Cross-building for aarch64 with Debian's toolchain; the tests run under qemu-aarch64.
 ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
@@ -47,12 +53,14 @@ demo: build
 	$(CARGO) run --quiet --bin sluice -- demo
 
 test: build
-	$(CARGO) test --workspace --no-fail-fast
+	@scripts/ensure-openai $(OPENAI_VENV)
+	$(OPENAI_ENV) $(CARGO) test --workspace --no-fail-fast
 
 aarch64: vendor
 	@scripts/ensure-deps --rust-target $(AARCH64) $(ARM_DEBS)
 	$(ARM_ENV) $(CARGO) build --target $(AARCH64) --workspace --bins --tests
-	$(ARM_ENV) $(CARGO) test --target $(AARCH64) --workspace --no-fail-fast
+	@scripts/ensure-openai $(OPENAI_VENV)
+	$(ARM_ENV) $(OPENAI_ENV) $(CARGO) test --target $(AARCH64) --workspace --no-fail-fast
 
 bench: build
 	@mkdir -p $(BENCH_DIR)

@@ -71,7 +71,8 @@ fn oversized_heads_bodies_and_prompts_are_refused_with_json_errors() {
     // Prompts that cannot fit the context are refused before tokenizing, whatever their size.
     for mib in [1, 4] {
         let prompt = serde_json::json!({ "prompt": "fox ".repeat(mib << 18), "max_tokens": 4 }).to_string();
-        let r = exchange(server.addr, post("/v1/completions", &format!("Content-Length: {}\r\n", prompt.len()), &prompt));
+        let r =
+            exchange(server.addr, post("/v1/completions", &format!("Content-Length: {}\r\n", prompt.len()), &prompt));
         assert_json_error(&r, 400, "maximum context length is 4096 tokens");
         assert_eq!(r.json()["error"]["code"], "context_length_exceeded");
     }
@@ -101,7 +102,8 @@ fn smuggling_malformed_and_foreign_requests_get_an_answer_or_a_close() {
     assert_json_error(&exchange(addr, post("/v1/completions", "", "")), 411, "no Content-Length");
     let r = exchange(addr, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Caf\xc3\xa9: 1\r\n\r\n".to_vec());
     assert_json_error(&r, 400, "malformed HTTP request");
-    let r = exchange(addr, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Name: caf\xc3\xa9\r\n\r\n".to_vec());
+    let r =
+        exchange(addr, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\nX-Name: caf\xc3\xa9\r\n\r\n".to_vec());
     assert_eq!(r.status, 200, "a non-ASCII header value is answered: {}", r.head);
     assert_json_error(&exchange(addr, b"GET /\x01 HTTP/1.1\r\n\r\n".to_vec()), 400, "malformed");
 
@@ -165,8 +167,12 @@ fn thousands_of_stalled_connections_under_a_small_file_limit_do_not_starve_clien
     assert!(hard >= 2100, "the test needs 2100 open files, the hard limit is {hard}");
     let dir = tempfile::tempdir().unwrap();
     let model = synth(dir.path());
-    let mut server =
-        Server::start_under(dir.path(), &model, &["--header-timeout-secs", "60"], &["prlimit", "--nofile=1024:1024", "--"]);
+    let mut server = Server::start_under(
+        dir.path(),
+        &model,
+        &["--header-timeout-secs", "60"],
+        &["prlimit", "--nofile=1024:1024", "--"],
+    );
     server.wait_note("READY=1");
     let reference = server.request("POST", "/v1/completions", Some(GREEDY)).json()["choices"][0]["text"].clone();
     let mut stalled = Vec::new();
@@ -266,7 +272,11 @@ fn a_client_that_leaves_cancels_its_generation_whether_streaming_waiting_or_queu
     drop(running);
     let next = server.request("POST", "/v1/completions", Some(GREEDY));
     assert_eq!(next.json()["choices"][0]["text"], reference);
-    assert_eq!(server.metric("sluice_generations_cancelled_total"), cancelled + 2.0, "the stream and the queued request");
+    assert_eq!(
+        server.metric("sluice_generations_cancelled_total"),
+        cancelled + 2.0,
+        "the stream and the queued request"
+    );
     let generated = server.metric("sluice_completion_tokens_total") - tokens_before;
     assert!(generated < 3000.0, "the queued request of a departed client ran ({generated} tokens)");
 }
@@ -298,7 +308,10 @@ fn an_api_key_guards_the_api_and_cors_admits_listed_origins() {
         addr,
         post(
             "/v1/completions",
-            &format!("Authorization: Bearer s3cret-key\r\nOrigin: https://app.example\r\nContent-Length: {}\r\n", GREEDY.len()),
+            &format!(
+                "Authorization: Bearer s3cret-key\r\nOrigin: https://app.example\r\nContent-Length: {}\r\n",
+                GREEDY.len()
+            ),
             GREEDY,
         ),
     );
@@ -320,7 +333,8 @@ fn an_api_key_guards_the_api_and_cors_admits_listed_origins() {
 
     // With --metrics-need-key, /metrics is keyed too; the key can come from the environment.
     let model = dir.path().join("m.gguf");
-    let mut keyed = Server::start_with_env(dir.path(), &model, &["--metrics-need-key"], &[("SLUICE_API_KEY", "env-key")]);
+    let mut keyed =
+        Server::start_with_env(dir.path(), &model, &["--metrics-need-key"], &[("SLUICE_API_KEY", "env-key")]);
     keyed.wait_note("READY=1");
     assert_eq!(keyed.request("GET", "/metrics", None).status, 401);
     assert_eq!(keyed.request("GET", "/health", None).status, 200);
@@ -336,10 +350,7 @@ fn sigterm_while_a_long_prompt_is_tokenized_stops_within_the_drain_bound() {
     server.wait_note("READY=1");
     // Admissible (under the byte bound), and long to tokenize and evaluate.
     let prompt = serde_json::json!({ "prompt": "fox ".repeat(240_000), "max_tokens": 1 }).to_string();
-    let s = send_raw(
-        server.addr,
-        &post("/v1/completions", &format!("Content-Length: {}\r\n", prompt.len()), &prompt),
-    );
+    let s = send_raw(server.addr, &post("/v1/completions", &format!("Content-Length: {}\r\n", prompt.len()), &prompt));
     std::thread::sleep(Duration::from_millis(500));
     let (status, elapsed, notes, log) = server.stop();
     drop(s);

@@ -292,3 +292,26 @@ fn chat_prompts_use_the_models_own_template() {
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
 }
+
+#[test]
+fn the_official_openai_client_parses_every_response() {
+    // `make test` puts the client in a virtual environment and names its Python here.
+    let python = std::env::var("SLUICE_OPENAI_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has_client = std::process::Command::new(&python).args(["-c", "import openai"]).output();
+    if !has_client.is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: {python} cannot import openai (pip install openai, or set SLUICE_OPENAI_PYTHON)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let mut server = Server::start_with_env(dir.path(), &model, &[], &[("SLUICE_API_KEY", "test-key")]);
+    server.wait_note("READY=1");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/openai-check.py");
+    let o = std::process::Command::new(&python)
+        .args([script, &format!("http://{}/v1", server.addr), "test-key", "m"])
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(out.contains("7 passed, 0 failed"), "{out}");
+}

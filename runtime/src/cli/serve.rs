@@ -151,6 +151,10 @@ pub struct UnitArgs {
     /// Where the sluice binary is installed on the board.
     #[arg(long, default_value = "/usr/local/bin/sluice")]
     exe: PathBuf,
+    /// A file on the board (absolute path, readable by root) holding the API key: passed to
+    /// the service as the systemd credential `api-key` (LoadCredential=).
+    #[arg(long)]
+    api_key_file: Option<PathBuf>,
 }
 
 /// Runs `sluice unit`: prints the drop-in for the chosen board.
@@ -164,6 +168,7 @@ pub fn run_unit(a: &UnitArgs, choice: &BoardChoice) -> Result<()> {
         listen: a.listen,
         exe: &a.exe,
         mem_total: identity.mem_total,
+        api_key_file: a.api_key_file.as_deref(),
     })?;
     out!("{text}");
     Ok(())

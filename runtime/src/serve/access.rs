@@ -122,11 +122,6 @@ impl Access {
         Ok(Access { key, metrics_keyed, cors, cors_any })
     }
 
-    /// Whether a key is required.
-    pub fn keyed(&self) -> bool {
-        self.key.is_some()
-    }
-
     /// Checks a request for `path` with its `Authorization` header: 401 when a key is
     /// required and not given, or wrong.
     pub fn authorize(&self, path: &str, authorization: Option<&HeaderValue>) -> Result<(), ApiError> {
@@ -174,7 +169,10 @@ mod tests {
         assert!(a.authorize("/v1/completions", Some(&h("Bearer s3cret"))).is_ok());
         assert!(a.authorize("/v1/completions", Some(&h("bearer  s3cret "))).is_ok());
         let e = a.authorize("/v1/completions", Some(&h("Bearer s3cre"))).unwrap_err();
-        assert_eq!((e.status, e.code, e.message.as_str()), (401, Some("invalid_api_key"), "Incorrect API key provided."));
+        assert_eq!(
+            (e.status, e.code, e.message.as_str()),
+            (401, Some("invalid_api_key"), "Incorrect API key provided.")
+        );
         assert!(a.authorize("/v1/models", None).unwrap_err().message.contains("didn't provide"));
         assert!(a.authorize("/v1/models", Some(&h("Basic czNjcmV0"))).is_err());
         assert!(a.authorize("/health", None).is_ok());

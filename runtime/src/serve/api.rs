@@ -487,12 +487,14 @@ mod tests {
         let bound = PromptBound { n_ctx: 16, max_token_bytes: 4 };
         let ok = completion_request(&serde_json::to_vec(&serde_json::json!({"prompt": "x".repeat(64)})).unwrap(), "m");
         assert!(bound.check(&ok.unwrap()).is_ok());
-        let long = completion_request(&serde_json::to_vec(&serde_json::json!({"prompt": "x".repeat(65)})).unwrap(), "m");
+        let long =
+            completion_request(&serde_json::to_vec(&serde_json::json!({"prompt": "x".repeat(65)})).unwrap(), "m");
         let e = bound.check(&long.unwrap()).unwrap_err();
         assert_eq!((e.status, e.code, e.param.as_deref()), (400, Some("context_length_exceeded"), Some("prompt")));
         assert!(e.message.contains("maximum context length is 16 tokens"), "{}", e.message);
         let chat = chat_request(
-            &serde_json::to_vec(&serde_json::json!({"messages": [{"role": "user", "content": "y".repeat(70)}]})).unwrap(),
+            &serde_json::to_vec(&serde_json::json!({"messages": [{"role": "user", "content": "y".repeat(70)}]}))
+                .unwrap(),
             "m",
         );
         assert_eq!(bound.check(&chat.unwrap()).unwrap_err().param.as_deref(), Some("messages"));

@@ -132,15 +132,7 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     let identity = ModelIdentity::of(&index);
     let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
     let tokenizer = Tokenizer::start(Arc::clone(&model))?;
-    let mut engine = Engine {
-        tokenizer,
-        session,
-        shared,
-        n_ctx,
-        identity,
-        heat_path,
-        heat_dirty: false,
-    };
+    let mut engine = Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false };
     engine.warm_start(&index);
     shared.set_ready(&format!(
         "ready: {} ({} positions, expert cache {} MiB of {} MiB)",
@@ -191,6 +183,7 @@ impl Tokenizer {
         std::thread::Builder::new().name("sluice-tokenize".into()).spawn(move || {
             let template = model.chat_template();
             for (prompt, reply) in rx {
+                let t0 = Instant::now();
                 let tokens = match &prompt {
                     PromptInput::Text(t) => model.tokenize(t, true),
                     PromptInput::Chat(messages) => {
@@ -198,6 +191,9 @@ impl Tokenizer {
                         model.tokenize_with(&text, true, templated)
                     }
                 };
+                if let Ok(t) = &tokens {
+                    log::debug!("prompt tokenized: {} tokens in {:.3} s", t.len(), t0.elapsed().as_secs_f64());
+                }
                 let tokens = tokens
                     .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")));
                 let _ = reply.send(tokens);

@@ -4,6 +4,8 @@ use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::path::Path;
 
+use super::access::KEY_FILE;
+
 use crate::board::profile::ServiceName;
 use crate::board::SelectedBoard;
 
@@ -45,6 +47,8 @@ pub struct UnitRequest<'a> {
     pub exe: &'a Path,
     /// `MemTotal` of this machine, for a profile that names no RAM size.
     pub mem_total: Option<u64>,
+    /// A file on the board holding the API key, passed as the systemd credential `api-key`.
+    pub api_key_file: Option<&'a Path>,
 }
 
 /// Why no drop-in can be made.
@@ -93,7 +97,9 @@ fn memory_max(req: &UnitRequest<'_>) -> Result<(u64, String), UnitError> {
 
 /// The drop-in text (`/etc/systemd/system/sluice.service.d/board.conf`).
 pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
-    for (what, path) in [("--model", req.model), ("--exe", req.exe)] {
+    for (what, path) in
+        [("--model", req.model), ("--exe", req.exe)].into_iter().chain(req.api_key_file.map(|f| ("--api-key-file", f)))
+    {
         if !path.is_absolute() {
             return Err(UnitError::Relative { what, path: path.display().to_string() });
         }
@@ -137,6 +143,14 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
         let _ = writeln!(out, "# The model lies under a directory the base unit hides; let the service see it.");
         let _ = writeln!(out, "ProtectHome=read-only");
         let _ = writeln!(out, "PrivateTmp=no");
+    }
+    if let Some(key) = req.api_key_file {
+        let _ = writeln!(
+            out,
+            "# The API key, read by root and handed to the service as $CREDENTIALS_DIRECTORY/{}.",
+            KEY_FILE
+        );
+        let _ = writeln!(out, "LoadCredential={KEY_FILE}:{}", exec_arg(&key.display().to_string()));
     }
     if !req.listen.ip().is_loopback() {
         let _ =
@@ -184,6 +198,7 @@ mod tests {
             listen: listen.parse().unwrap(),
             exe: Path::new("/usr/local/bin/sluice"),
             mem_total: None,
+            api_key_file: None,
         })
         .unwrap()
     }
@@ -217,6 +232,7 @@ mod tests {
             listen: "127.0.0.1:1".parse().unwrap(),
             exe: Path::new("/usr/local/bin/sluice"),
             mem_total: Some(8 << 30),
+            api_key_file: None,
         })
         .unwrap_err();
         assert!(e.to_string().contains("--model m.gguf is relative"), "{e}");

@@ -295,4 +295,3 @@ pub fn assert_api_error(r: &Response, status: u16, param: Option<&str>, needle: 
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
 }
-

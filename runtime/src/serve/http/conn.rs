@@ -106,16 +106,6 @@ impl Registry {
         Registry { epoch: Instant::now(), cap: cap.max(1), next: AtomicU64::new(0), open: Mutex::new(HashMap::new()) }
     }
 
-    /// The most connections open at once.
-    pub fn cap(&self) -> usize {
-        self.cap
-    }
-
-    /// Connections open now.
-    pub fn len(&self) -> usize {
-        self.open.lock().unwrap_or_else(|e| e.into_inner()).len()
-    }
-
     /// Connections in a request now.
     pub fn busy(&self) -> usize {
         self.open.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|c| c.in_request()).count()
@@ -175,12 +165,12 @@ mod tests {
         let busy_b = sb.begin_request();
         // At the cap: `a` (idle, least recently active) is evicted and told to close.
         let (d, _sd) = r.admit().unwrap();
-        assert_eq!(r.len(), 3);
+        assert_eq!(r.open.lock().unwrap().len(), 3);
         let closed = sa.close.notified();
         tokio::pin!(closed);
         assert!(futures_ready(closed.as_mut()), "the evicted connection was not told to close");
         r.remove(a); // its supervisor forgets it; nothing else changes
-        assert_eq!(r.len(), 3);
+        assert_eq!(r.open.lock().unwrap().len(), 3);
         // Everything in a request: a new connection is refused.
         let _busy_c = sc.begin_request();
         let busy_d = r.open.lock().unwrap()[&d].begin_request();

@@ -186,7 +186,8 @@ impl Front {
                 async move { Ok::<_, std::convert::Infallible>(routes::handle(req, &front, &tcp, &state).await) }
             })
         };
-        let connection = self.http.serve_connection(TokioIo::new(Transport::new(Arc::clone(&tcp), Arc::clone(state))), service);
+        let connection =
+            self.http.serve_connection(TokioIo::new(Transport::new(Arc::clone(&tcp), Arc::clone(state))), service);
         tokio::pin!(connection);
         let mut check = tokio::time::interval(STALL_CHECK);
         loop {

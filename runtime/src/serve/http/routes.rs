@@ -26,7 +26,12 @@ use crate::serve::State;
 const ENDPOINTS: [&str; 5] = ["/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"];
 
 /// Answers one request; counts it in the metrics.
-pub async fn handle(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, conn: &Arc<ConnState>) -> Response<Body> {
+pub async fn handle(
+    req: Request<Incoming>,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
     let guard = conn.begin_request();
     let shared = front.shared();
     let path = req.uri().path().to_string();
@@ -50,7 +55,13 @@ pub async fn handle(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>,
     response
 }
 
-async fn route(req: Request<Incoming>, path: &str, endpoint: &str, front: &Front, tcp: &Arc<TcpStream>) -> Response<Body> {
+async fn route(
+    req: Request<Incoming>,
+    path: &str,
+    endpoint: &str,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+) -> Response<Body> {
     let shared = front.shared();
     match (req.method(), path) {
         (&Method::GET, "/health") => {
@@ -83,7 +94,9 @@ async fn route(req: Request<Incoming>, path: &str, endpoint: &str, front: &Front
         _ => error(&ApiError::new(
             404,
             "not_found_error",
-            format!("no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)"),
+            format!(
+                "no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)"
+            ),
         )),
     }
 }
@@ -135,8 +148,13 @@ fn preflight(req: &Request<Incoming>) -> Response<Body> {
 /// within the idle timeout, and only while the budget for bodies being read has room.
 async fn read_body(req: Request<Incoming>, front: &Front) -> Result<Vec<u8>, ApiError> {
     let limit = front.limits().body_bytes;
-    let too_large =
-        || ApiError::new(413, "invalid_request_error", format!("the request body is over {limit} bytes; send a shorter prompt"));
+    let too_large = || {
+        ApiError::new(
+            413,
+            "invalid_request_error",
+            format!("the request body is over {limit} bytes; send a shorter prompt"),
+        )
+    };
     if req.headers().contains_key(header::TRANSFER_ENCODING) {
         return Err(ApiError::invalid(
             "Transfer-Encoding request bodies are not accepted (with Content-Length too, the request could be smuggled): send the body with Content-Length alone",
@@ -144,9 +162,17 @@ async fn read_body(req: Request<Incoming>, front: &Front) -> Result<Vec<u8>, Api
         ));
     }
     let Some(length) = req.headers().get(header::CONTENT_LENGTH) else {
-        return Err(ApiError::new(411, "invalid_request_error", "the request has no Content-Length; send the JSON body with one"));
+        return Err(ApiError::new(
+            411,
+            "invalid_request_error",
+            "the request has no Content-Length; send the JSON body with one",
+        ));
     };
-    let length: usize = length.to_str().ok().and_then(|l| l.parse().ok()).ok_or_else(|| ApiError::invalid("Content-Length is not a number", None))?;
+    let length: usize = length
+        .to_str()
+        .ok()
+        .and_then(|l| l.parse().ok())
+        .ok_or_else(|| ApiError::invalid("Content-Length is not a number", None))?;
     if length > limit {
         return Err(too_large());
     }
@@ -169,7 +195,11 @@ async fn read_body(req: Request<Incoming>, front: &Front) -> Result<Vec<u8>, Api
     };
     let timeout = front.limits().idle_timeout;
     let body = tokio::time::timeout(timeout, read).await.map_err(|_| {
-        ApiError::new(408, "invalid_request_error", format!("the request body did not arrive within {} s", timeout.as_secs()))
+        ApiError::new(
+            408,
+            "invalid_request_error",
+            format!("the request body did not arrive within {} s", timeout.as_secs()),
+        )
     })?;
     drop(permit);
     body
@@ -177,7 +207,11 @@ async fn read_body(req: Request<Incoming>, front: &Front) -> Result<Vec<u8>, Api
 
 /// Checks, parses and queues a generation request: whether it streams, its events, and the
 /// flag that cancels it.
-async fn enqueue(req: Request<Incoming>, front: &Front, kind: Kind) -> Result<(bool, UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
+async fn enqueue(
+    req: Request<Incoming>,
+    front: &Front,
+    kind: Kind,
+) -> Result<(bool, UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
     let shared = front.shared();
     match shared.state() {
         State::Ready => {}
@@ -225,7 +259,12 @@ async fn generate(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, k
             return error(&ApiError::new(499, "invalid_request_error", "client closed the request"));
         }
     };
-    let reply = Reply { kind, id: format!("{}-{:x}{:04x}", kind.id_prefix(), created, shared.next_id()), created, model: shared.model_id.clone() };
+    let reply = Reply {
+        kind,
+        id: format!("{}-{:x}{:04x}", kind.id_prefix(), created, shared.next_id()),
+        created,
+        model: shared.model_id.clone(),
+    };
     if stream {
         let mut r = Response::new(Body::events(EventStream::new(reply, events, cancel, gone)));
         let h = r.headers_mut();

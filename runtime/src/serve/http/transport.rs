@@ -150,7 +150,10 @@ fn with_json_error_body(head: &[u8]) -> Option<Vec<u8>> {
         _ => format!("malformed HTTP request ({reason})"),
     };
     let body = ApiError::new(code, "invalid_request_error", message).body();
-    let mut out = format!("{status_line}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n", body.len());
+    let mut out = format!(
+        "{status_line}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+        body.len()
+    );
     for line in kept {
         out.push_str(line);
         out.push_str("\r\n");
