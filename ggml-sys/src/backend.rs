@@ -22,6 +22,14 @@ pub fn init() {
     });
 }
 
+/// Ends the process at once with `code`, without running exit handlers or C++ static
+/// destructors: for leaving while another thread is still inside llama.cpp (loading a model
+/// from slow storage, say), whose process-wide state those destructors would tear down under it.
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit has no preconditions; it never returns.
+    unsafe { libc::_exit(code) }
+}
+
 /// llama.cpp's one-line report of the compiled CPU features (`NEON = 1 | DOTPROD = 1 | ...`).
 pub fn system_info() -> String {
     init();

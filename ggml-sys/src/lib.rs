@@ -21,7 +21,7 @@ mod tensor;
 mod threadpool;
 mod types;
 
-pub use backend::{init, system_info};
+pub use backend::{exit_now, init, system_info};
 pub use batch::Batch;
 pub use chat::{apply_chat_template, ChatMessage};
 pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes};

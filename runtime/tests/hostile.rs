@@ -358,3 +358,56 @@ fn sigterm_while_a_long_prompt_is_tokenized_stops_within_the_drain_bound() {
     assert!(notes.iter().any(|n| n == "STOPPING=1"), "{notes:?}");
     assert!(elapsed < Duration::from_secs(2 + 20), "took {elapsed:?} to stop with a 2 s drain bound; log:\n{log}");
 }
+
+/// A pids cgroup (v1) holding `pid`, whose task limit is set to what it runs now; `None` where
+/// this process cannot make one (not root, no pids controller).
+struct PidsCgroup(std::path::PathBuf);
+
+impl PidsCgroup {
+    fn freeze_task_count(pid: u32) -> Option<PidsCgroup> {
+        let dir = Path::new("/sys/fs/cgroup/pids").join(format!("sluice-test-{}", std::process::id()));
+        std::fs::create_dir(&dir).ok()?;
+        let cg = PidsCgroup(dir);
+        std::fs::write(cg.0.join("cgroup.procs"), pid.to_string()).ok()?;
+        let current = std::fs::read_to_string(cg.0.join("pids.current")).ok()?;
+        std::fs::write(cg.0.join("pids.max"), current.trim()).ok()?;
+        Some(cg)
+    }
+}
+
+impl Drop for PidsCgroup {
+    fn drop(&mut self) {
+        if let Ok(procs) = std::fs::read_to_string(self.0.join("cgroup.procs")) {
+            for p in procs.lines() {
+                let _ = std::fs::write("/sys/fs/cgroup/pids/cgroup.procs", p);
+            }
+        }
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+#[test]
+fn no_new_thread_is_needed_to_serve_many_clients() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut server = ready_server(dir.path(), &[]);
+    let Some(_cgroup) = PidsCgroup::freeze_task_count(server.child.id()) else {
+        eprintln!("skipped: cannot put the server in a pids cgroup (needs root and cgroup v1 pids)");
+        return;
+    };
+    // Not one more thread may start: 64 clients at once are still served.
+    let clients: Vec<_> = (0..64)
+        .map(|i| {
+            let addr = server.addr;
+            std::thread::spawn(move || {
+                let (path, body) = if i % 8 == 0 { ("/v1/completions", Some(GREEDY)) } else { ("/health", None) };
+                let method = if body.is_some() { "POST" } else { "GET" };
+                request(addr, method, path, body).status
+            })
+        })
+        .collect();
+    for c in clients {
+        assert_eq!(c.join().unwrap(), 200);
+    }
+    assert_eq!(server.request("POST", "/v1/completions", Some(GREEDY)).status, 200);
+    assert!(server.child.try_wait().unwrap().is_none(), "the server exited; log:\n{}", server.log());
+}

@@ -41,7 +41,8 @@ use metrics::Metrics;
 const LOAD_STEP_ALLOWANCE: Duration = Duration::from_secs(300);
 /// How often the server looks at the stop flag and the engine.
 const POLL: Duration = Duration::from_millis(100);
-/// How long responses may take to be written after the engine stopped.
+/// How long responses may take to be written after the engine stopped, and how long past the
+/// drain bound a busy engine is waited for.
 const LAST_WRITES: Duration = Duration::from_secs(2);
 /// File descriptors kept for everything but connections (model files, reader lanes, logs).
 const FD_RESERVE: usize = 64;
@@ -281,42 +282,62 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     });
     let pinger = pinger.transpose()?;
     let front = Arc::new(Front::new(cfg.limits.clone(), Arc::clone(&shared), fd_room));
-    let result = runtime.block_on(async {
+    let outcome = runtime.block_on(async {
         let listener = tokio::net::TcpListener::from_std(listener)?;
         let acceptor = tokio::spawn(Arc::clone(&front).accept_loop(listener));
-        let result = run_until_stopped(&shared, &front, &engine, &stop, cfg.drain).await;
+        let outcome = run_until_stopped(&shared, &front, &engine, &stop, cfg.drain).await;
         acceptor.abort();
-        result
-    });
+        Ok::<_, anyhow::Error>(outcome)
+    })?;
     pinger_done.store(true, Ordering::SeqCst);
-    let engine_result = engine.join().map_err(|_| anyhow!("the engine thread panicked"))?;
     if let Some(p) = pinger {
         let _ = p.join();
     }
+    if outcome == Outcome::EngineBusy {
+        // SIGTERM came while the engine was in a step it cannot leave (loading the model from
+        // slow storage, say): honour it within the bound rather than waiting for the step.
+        log::warn!("the engine did not stop within the drain bound; exiting without it (the heat map is not saved)");
+        notify::status("stopped: the engine was busy loading");
+        ggml_sys::exit_now(0);
+    }
+    let engine_result = engine.join().map_err(|_| anyhow!("the engine thread panicked"))?;
     if let Err(e) = &engine_result {
         notify::status(&format!("failed: {e}"));
     }
     engine_result?;
-    result?;
+    if outcome == Outcome::EngineEnded {
+        anyhow::bail!("the engine stopped unexpectedly");
+    }
     log::info!("stopped");
     Ok(())
 }
 
+/// How serving ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Outcome {
+    /// A stop signal, and the engine finished within the drain bound.
+    Stopped,
+    /// A stop signal, and the engine was still busy well after the drain bound.
+    EngineBusy,
+    /// The engine ended by itself (it failed to load).
+    EngineEnded,
+}
+
 /// Serves until a stop signal (then drains: in-flight requests get `drain` to finish, then are
-/// cancelled) or until the engine ends by itself (an error: it failed to load).
+/// cancelled) or until the engine ends by itself.
 async fn run_until_stopped(
     shared: &Shared,
     front: &Front,
     engine: &std::thread::JoinHandle<Result<()>>,
     stop: &AtomicBool,
     drain: Duration,
-) -> Result<()> {
+) -> Outcome {
     let mut tick = tokio::time::interval(POLL);
     while !stop.load(Ordering::SeqCst) && !engine.is_finished() {
         tick.tick().await;
     }
     if !stop.load(Ordering::SeqCst) {
-        return Ok(()); // the engine ended: its result says why
+        return Outcome::EngineEnded;
     }
     shared.state.store(State::Draining as u8, Ordering::SeqCst);
     notify::stopping(&format!("draining: finishing in-flight requests (at most {} s)", drain.as_secs()));
@@ -329,6 +350,9 @@ async fn run_until_stopped(
             notify::status("draining: cancelling in-flight requests");
             shared.cancel_everything();
         }
+        if Instant::now() >= deadline + LAST_WRITES {
+            return Outcome::EngineBusy;
+        }
         tick.tick().await;
     }
     // Let the connections write their last bytes.
@@ -336,7 +360,7 @@ async fn run_until_stopped(
     while front.registry().busy() > 0 && Instant::now() < until {
         tick.tick().await;
     }
-    Ok(())
+    Outcome::Stopped
 }
 
 /// Calls `ping` (`WATCHDOG=1`) every half interval while the engine's heartbeat is younger than
