@@ -343,3 +343,72 @@ fn plan_prints_the_ledger_as_text_and_json_and_refuses_what_does_not_fit() {
     assert_clean_error(&o, "more than the budget of 24.0 MiB");
     assert!(!stderr(&o).contains("open:"), "{}", stderr(&o));
 }
+
+#[test]
+fn output_that_cannot_be_written_fails_the_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let full = || std::fs::OpenOptions::new().write(true).open("/dev/full").unwrap();
+    for resident in [false, true] {
+        let mut args = vec!["run", "-m", &model, "-p", "Hello", "-n", "4"];
+        if resident {
+            args.push("--resident");
+        }
+        let o = sluice_command().args(&args).stdout(full()).output().unwrap();
+        assert_clean_error(&o, "writing the generated text to standard output");
+    }
+    // --csv is created before anything is generated, and a failed write is an error.
+    let missing = dir.path().join("no/such/dir/t.csv");
+    let o = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "4", "--csv", missing.to_str().unwrap()], dir.path());
+    assert_clean_error(&o, "--csv");
+    assert!(stderr(&o).contains("cannot create it"), "{}", stderr(&o));
+    assert!(o.stdout.is_empty(), "generated before checking --csv: {:?}", String::from_utf8_lossy(&o.stdout));
+    let o = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "4", "--csv", "/dev/full"], dir.path());
+    assert_clean_error(&o, "writing --csv /dev/full");
+}
+
+#[test]
+fn streaming_flags_beside_resident_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    for flag in
+        [&["--cache-mb", "4"][..], &["--force-cache"], &["--dense", "mmap"], &["--csv", "x.csv"], &["--progress"]]
+    {
+        let mut args = vec!["run", "-m", &model, "-p", "hi", "--resident"];
+        args.extend_from_slice(flag);
+        let o = sluice(&args, dir.path());
+        assert_clean_error(&o, "cannot be used with");
+        assert!(stderr(&o).contains(flag[0]), "{}", stderr(&o));
+    }
+}
+
+#[test]
+fn a_model_that_routes_every_expert_streams_with_a_cache_of_all_of_them() {
+    // Q8_0 experts' page windows differ, so `layers x k x largest` exceeded all experts and
+    // refused the cache the plan had sized to hold every one of them.
+    let dir = tempfile::tempdir().unwrap();
+    let q8 = dir.path().join("q8.gguf");
+    let o = sluice(
+        &["synth", "--out", q8.to_str().unwrap(), "--type", "q8_0", "--experts", "8", "--experts-used", "8"],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let q8 = q8.to_str().unwrap();
+    let streamed = sluice(&["run", "-m", q8, "-p", "Hello", "-n", "6"], dir.path());
+    assert!(streamed.status.success(), "{}", stderr(&streamed));
+    let resident = sluice(&["run", "-m", q8, "-p", "Hello", "-n", "6", "--resident"], dir.path());
+    assert_eq!(streamed.stdout, resident.stdout);
+    let plan = sluice(&["plan", "--model", q8, "--json"], dir.path());
+    assert!(plan.status.success(), "{}", stderr(&plan));
+}
+
+#[test]
+fn non_regular_files_are_refused_as_io_targets() {
+    let dir = tempfile::tempdir().unwrap();
+    let o = sluice(&["probe", "--io", "/dev/zero"], dir.path());
+    assert_clean_error(&o, "/dev/zero is not a regular file");
+    for board in ["/dev/zero", dir.path().to_str().unwrap()] {
+        let o = sluice(&["--board", board, "probe"], dir.path());
+        assert_clean_error(&o, "not a regular file");
+    }
+}

@@ -144,6 +144,17 @@ fn a_jetson_power_mode_with_cores_offline_keeps_the_online_ones() {
 }
 
 #[test]
+fn more_threads_than_compute_cores_are_capped_with_a_note() {
+    let root = tree("rpi5-8gb");
+    let probe = HardwareProbe::run(&root, None);
+    let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+    let overrides = Overrides { threads: Some(64), ..Overrides::default() };
+    let r = resolve(selected, &probe, &overrides, None, BuildCaps { gpu: false, expert_hook: true }).unwrap();
+    assert_eq!(r.threads.value, 4);
+    assert!(r.notes.iter().any(|n| n.contains("--threads 64: more than the 4 compute cores")), "{:?}", r.notes);
+}
+
+#[test]
 fn every_profile_in_boards_parses_and_is_built_in() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../boards");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -210,6 +221,21 @@ fn bad_profiles_name_the_file_the_field_and_the_fix() {
         &["myboard.toml", "unknown variant `tpu`"],
     );
     assert_names(&bad_profile("[cpu]\npoll = 1\n", false), &["myboard.toml", "missing field `name`"]);
+    assert_names(
+        &bad_profile(&format!("{base}[cpu]\ncompute_cores = [0, 1, 1]\n"), false),
+        &["myboard.toml", "cpu.compute_cores", "CPU 1 is listed twice"],
+    );
+    assert_names(
+        &bad_profile(&format!("{base}[cpu]\nio_cores = [3, 3]\n"), false),
+        &["myboard.toml", "cpu.io_cores", "CPU 3 is listed twice"],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.toml");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+    for path in [fifo, "/dev/zero".into(), dir.path().to_path_buf()] {
+        let e = resolve_on(&tree("rpi5-8gb"), &BoardChoice::Path(path.clone()), false).err().unwrap().to_string();
+        assert_names(&e, &[&path.display().to_string(), "not a regular file"]);
+    }
     let missing = resolve_on(&tree("rpi5-8gb"), &BoardChoice::Path("/nonexistent/b.toml".into()), false)
         .err()
         .unwrap()

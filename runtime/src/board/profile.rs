@@ -191,6 +191,12 @@ impl BoardProfile {
         if self.cpu.io_cores.as_ref().is_some_and(Vec::is_empty) {
             return bad("cpu.io_cores", "list at least one core, or remove the field to share the compute cores");
         }
+        for (field, list) in [("cpu.compute_cores", &self.cpu.compute_cores), ("cpu.io_cores", &self.cpu.io_cores)] {
+            let mut seen = std::collections::BTreeSet::new();
+            if let Some(core) = list.iter().flatten().find(|c| !seen.insert(**c)) {
+                return bad(field, &format!("CPU {core} is listed twice; list each core once"));
+            }
+        }
         if self.cpu.poll > 100 {
             return bad("cpu.poll", "use a value from 0 (sleep at once) to 100 (spin)");
         }

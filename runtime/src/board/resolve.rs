@@ -164,6 +164,15 @@ pub fn resolve(
         io_cores = vec![last];
     }
     let threads = match overrides.threads {
+        Some(t) if t as usize > compute_cores.len() => {
+            notes.push(format!(
+                "--threads {t}: more than the {} compute cores this process may use ({}); using {} (ggml's threads spin at every barrier, so extra threads stall the others)",
+                compute_cores.len(),
+                cpulist::format(&compute_cores),
+                compute_cores.len()
+            ));
+            sourced(compute_cores.len() as u32, "--threads, capped to the compute cores")
+        }
         Some(t) => sourced(t, "--threads"),
         None => sourced(compute_cores.len() as u32, "one per compute core"),
     };

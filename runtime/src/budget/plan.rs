@@ -136,7 +136,7 @@ pub fn ledger(req: &PlanRequest, sizes: ContextSizes, baseline: u64) -> Ledger {
         budget: req.budget.value,
         budget_source: req.budget.source.clone(),
         cache_auto: req.cache_bytes.is_none(),
-        one_token_min: index.one_token_demand().min(all),
+        one_token_min: index.one_token_demand(),
         all_experts: all,
         total,
     }

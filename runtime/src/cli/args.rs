@@ -65,8 +65,8 @@ pub fn board(choice: &BoardChoice, model: Option<&Path>, tuning: &TuningArgs) ->
 #[derive(Args)]
 pub struct StreamArgs {
     /// Load everything with llama.cpp's own mmap and do not stream (the reference for
-    /// comparison).
-    #[arg(long)]
+    /// comparison). The streaming flags do not apply to it and are refused beside it.
+    #[arg(long, conflicts_with_all = ["cache_mb", "force_cache", "dense", "csv", "progress"])]
     pub resident: bool,
     /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: what the
     /// board's memory budget leaves after the rest of the ledger (`sluice plan`), at most all the

@@ -25,6 +25,42 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
     }
 }
 
+/// Generated text written to standard output as it comes. The first failed write is kept
+/// and later ones skipped, so that the command fails with it once generation ends.
+pub struct TextOut {
+    out: std::io::StdoutLock<'static>,
+    failed: Option<std::io::Error>,
+}
+
+impl TextOut {
+    /// Standard output, locked for the generation.
+    pub fn new() -> TextOut {
+        TextOut { out: std::io::stdout().lock(), failed: None }
+    }
+
+    /// Writes and flushes `text` (nothing after a failure).
+    pub fn write(&mut self, text: &str) {
+        use std::io::Write as _;
+        if self.failed.is_none() {
+            if let Err(e) = self.out.write_all(text.as_bytes()).and_then(|()| self.out.flush()) {
+                self.failed = Some(e);
+            }
+        }
+    }
+
+    /// Writes the last `text` and a newline. A reader that went away ends the process with
+    /// status 141 (as SIGPIPE would); any other failed write is an error.
+    pub fn finish(mut self, text: &str) -> anyhow::Result<()> {
+        self.write(text);
+        self.write("\n");
+        match self.failed {
+            None => Ok(()),
+            Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
+            Some(e) => Err(anyhow::anyhow!("writing the generated text to standard output: {e}")),
+        }
+    }
+}
+
 pub mod args;
 pub mod bench;
 pub mod plan;

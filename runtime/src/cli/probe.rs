@@ -36,7 +36,12 @@ pub fn run_probe(a: &ProbeArgs, choice: &BoardChoice) -> Result<()> {
     let root = SysRoot::new(&a.root);
     let storage_file = a.model.as_deref().or(a.io.as_deref());
     if let Some(f) = storage_file {
-        std::fs::metadata(f).with_context(|| format!("{}: cannot read it", f.display()))?;
+        let meta = std::fs::metadata(f).with_context(|| format!("{}: cannot read it", f.display()))?;
+        anyhow::ensure!(
+            meta.is_file(),
+            "{} is not a regular file (a directory, FIFO or device): give a model or another file on the storage to measure",
+            f.display()
+        );
     }
     let (probe, resolved) = board::board_for(&root, choice, storage_file, &a.tuning.overrides())?;
     out!("{}", board::describe_probe(&probe));

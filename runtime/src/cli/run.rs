@@ -1,6 +1,5 @@
 //! `sluice run` and `sluice demo`: generate text, streamed (default) or resident.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -16,6 +15,7 @@ use sluice::telemetry::{self, mib, Summary};
 use sluice::{demo, text::DisplayText};
 
 use super::args::{self, StreamArgs, TuningArgs};
+use super::TextOut;
 
 /// `sluice run` arguments.
 #[derive(Args)]
@@ -51,13 +51,9 @@ pub struct DemoArgs {
 /// Generates while printing each token as it comes, then prints the timing summary.
 fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GenerateParams) -> Result<Generation> {
     let mut display = DisplayText::default();
-    let mut stdout = std::io::stdout().lock();
-    let generation = generate::generate(model, prompt, params, |_, bytes| {
-        let _ = write!(stdout, "{}", display.push(bytes));
-        let _ = stdout.flush();
-    })?;
-    let _ = writeln!(stdout, "{}", display.finish());
-    drop(stdout);
+    let mut out = TextOut::new();
+    let generation = generate::generate(model, prompt, params, |_, bytes| out.write(&display.push(bytes)))?;
+    out.finish(&display.finish())?;
     eprintln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s); generated: {} tokens, decode {:.2} tok/s{}",
         generation.prompt_tokens.len(),
@@ -106,6 +102,12 @@ fn run_streamed(
     board: &ResolvedBoard,
 ) -> Result<()> {
     generate::check_model_file(model_path)?;
+    // Created before anything is generated: a path that cannot be written fails at once.
+    let csv = args
+        .csv
+        .as_ref()
+        .map(|p| std::fs::File::create(p).with_context(|| format!("--csv {}: cannot create it", p.display())))
+        .transpose()?;
     let index = Arc::new(ExpertIndex::open(model_path)?);
     let mut config = args::stream_config(board, 0, args.force_cache, args.dense);
     let meter = telemetry::PhaseMeter::start();
@@ -132,23 +134,19 @@ fn run_streamed(
         config.cache_bytes >> 20
     );
     let mut display = DisplayText::default();
-    let mut stdout = std::io::stdout().lock();
+    let mut out = TextOut::new();
     let progress = args.progress;
     let (generation, rows) = session.generate(
         &tokens,
         params.n_predict,
-        |_, bytes| {
-            let _ = write!(stdout, "{}", display.push(bytes));
-            let _ = stdout.flush();
-        },
+        |_, bytes| out.write(&display.push(bytes)),
         |row| {
             if progress {
                 eprint!("\r{}", row.progress_line());
             }
         },
     )?;
-    let _ = writeln!(stdout, "{}", display.finish());
-    drop(stdout);
+    out.finish(&display.finish())?;
     if progress {
         eprintln!();
     }
@@ -190,7 +188,7 @@ fn run_streamed(
         counters.rereads,
         if direct { "O_DIRECT" } else { "buffered" }
     );
-    if let Some(path) = &args.csv {
+    if let (Some(path), Some(mut f)) = (&args.csv, csv) {
         let preamble = vec![
             ("model".to_string(), model_path.display().to_string()),
             ("cache_bytes".to_string(), config.cache_bytes.to_string()),
@@ -207,8 +205,10 @@ fn run_streamed(
             ("peak_rss_bytes".to_string(), usage.rss_peak.to_string()),
             ("n_predict".to_string(), params.n_predict.to_string()),
         ];
-        let mut f = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
-        telemetry::write_csv(&mut f, &preamble, &rows).with_context(|| format!("writing {}", path.display()))?;
+        let mut w = std::io::BufWriter::new(&mut f);
+        telemetry::write_csv(&mut w, &preamble, &rows)
+            .and_then(|()| std::io::Write::flush(&mut w))
+            .with_context(|| format!("writing --csv {}", path.display()))?;
     }
     Ok(())
 }

@@ -241,9 +241,18 @@ impl ExpertIndex {
         self.all_experts().map(|(l, e)| self.expert_window_bytes(l, e)).max().unwrap_or(0)
     }
 
-    /// One token's routed demand: every layer's top-k experts resident at once.
+    /// One token's routed demand, the one definition that plans, checks and the cache use:
+    /// in every layer, the windows of its `n_expert_used` largest experts, resident at once. It
+    /// is never more than all experts (quantized experts' windows differ by a page or so, so
+    /// `layers x k x the largest window` could be, and refused a cache holding every expert).
     pub fn one_token_demand(&self) -> u64 {
-        u64::from(self.n_layer) * u64::from(self.n_expert_used) * self.max_expert_window_bytes()
+        (0..self.n_layer)
+            .map(|l| {
+                let mut windows: Vec<u64> = (0..self.n_expert).map(|e| self.expert_window_bytes(l, e)).collect();
+                windows.sort_unstable_by(|a, b| b.cmp(a));
+                windows.iter().take(self.n_expert_used as usize).sum::<u64>()
+            })
+            .sum()
     }
 
     /// Bytes of all expert tensors.

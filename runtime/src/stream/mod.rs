@@ -75,7 +75,7 @@ pub enum StreamError {
         n_expert: u32,
     },
     /// The cache budget is below one token's demand.
-    #[error("expert cache of {budget_mib:.1} MiB is below one token's routed demand of {min_mib:.1} MiB ({layers} layers x {k} experts x {expert_mib:.2} MiB); give at least --cache-mb {min_mb}, --cache-mb 0 for no cache, or --force-cache to accept a cache that cannot hold a token")]
+    #[error("expert cache of {budget_mib:.1} MiB is below one token's routed demand of {min_mib:.1} MiB ({layers} layers x their {k} largest experts); give at least --cache-mb {min_mb}, --cache-mb 0 for no cache, or --force-cache to accept a cache that cannot hold a token")]
     CacheTooSmall {
         /// Requested budget in MiB.
         budget_mib: f64,
@@ -87,8 +87,6 @@ pub enum StreamError {
         layers: u32,
         /// Experts per token.
         k: u32,
-        /// Largest expert in MiB.
-        expert_mib: f64,
     },
 }
 
@@ -171,7 +169,6 @@ pub fn check_cache_budget(index: &ExpertIndex, budget: u64, force: bool) -> Resu
         min_mb: min.div_ceil(1 << 20),
         layers: index.n_layer,
         k: index.n_expert_used,
-        expert_mib: mib(index.max_expert_window_bytes()),
     })
 }
 
