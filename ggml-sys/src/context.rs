@@ -23,9 +23,16 @@ pub enum EvalPhase {
 }
 
 /// The eval callback: called on ggml's compute path between nodes. It must not block on anything
-/// but work it started itself, and it must not panic (a panic is caught, logged, and stops the
-/// graph).
+/// but work it started itself. A panic is caught and logged, stops the graph, and fails the
+/// decode with [`Error::CallbackPanicked`].
 pub type EvalCallback<'m> = Box<dyn FnMut(TensorView<'_>, EvalPhase) -> bool + Send + 'm>;
+
+/// The eval callback at the heap address llama.cpp holds, and whether it panicked in the
+/// decode under way.
+struct CallbackCell<'m> {
+    callback: EvalCallback<'m>,
+    panicked: bool,
+}
 
 /// Context sizes and threads.
 #[derive(Debug, Clone)]
@@ -58,8 +65,9 @@ pub struct Context<'m> {
     n_vocab: usize,
     // The thread pool attached to raw; dropped after raw is freed.
     _pool: Option<ThreadPool>,
-    // Owns the callback whose address llama.cpp holds as cb_eval_user_data; dropped after raw.
-    _callback: Option<Box<EvalCallback<'m>>>,
+    // The callback cell whose address llama.cpp holds as cb_eval_user_data (from
+    // Box::into_raw; freed in Drop after raw).
+    callback: Option<*mut CallbackCell<'m>>,
     // The abort flag whose address llama.cpp holds as abort_callback_data; dropped after raw.
     abort: Option<Arc<AtomicBool>>,
     _model: PhantomData<&'m Model>,
@@ -70,16 +78,21 @@ pub struct Context<'m> {
 unsafe impl Send for Context<'_> {}
 
 unsafe extern "C" fn eval_trampoline(t: *mut sys::ggml_tensor, ask: bool, ud: *mut c_void) -> bool {
-    // SAFETY: ud is the address of the Box<EvalCallback> owned by the Context, which outlives
-    // every decode that can call this; ggml calls the callback from one thread at a time.
-    let cb = unsafe { &mut *ud.cast::<EvalCallback<'_>>() };
+    // SAFETY: ud came from Box::into_raw of the CallbackCell the Context owns, which outlives
+    // every decode that can call this; ggml calls the callback from one thread at a time, and
+    // nothing else touches the cell while a decode runs.
+    let cell = unsafe { &mut *ud.cast::<CallbackCell<'_>>() };
+    if cell.panicked {
+        return false;
+    }
     // SAFETY: ggml passes a live graph node that is not written while the callback runs.
     let view = unsafe { TensorView::from_raw(t) };
     let phase = if ask { EvalPhase::Ask } else { EvalPhase::Computed };
-    match catch_unwind(AssertUnwindSafe(|| cb(view, phase))) {
+    match catch_unwind(AssertUnwindSafe(|| (cell.callback)(view, phase))) {
         Ok(answer) => answer,
         Err(_) => {
             log::error!("eval callback panicked at node {}; stopping the graph", view.name());
+            cell.panicked = true;
             false
         }
     }
@@ -113,15 +126,22 @@ impl<'m> Context<'m> {
         p.n_threads = params.threads.count.max(1) as i32;
         p.n_threads_batch = p.n_threads;
         p.no_perf = true;
-        let mut callback = callback.map(Box::new);
-        if let Some(cb) = callback.as_mut() {
+        let callback = callback.map(|callback| Box::into_raw(Box::new(CallbackCell { callback, panicked: false })));
+        if let Some(cell) = callback {
             p.cb_eval = Some(eval_trampoline);
-            p.cb_eval_user_data = (&mut **cb as *mut EvalCallback<'m>).cast();
+            p.cb_eval_user_data = cell.cast();
         }
-        // SAFETY: model.raw() is live for 'm; p is fully initialized; the callback box (if any)
+        let free_callback = || {
+            if let Some(cell) = callback {
+                // SAFETY: the cell came from Box::into_raw above and no llama_context holds it.
+                drop(unsafe { Box::from_raw(cell) });
+            }
+        };
+        // SAFETY: model.raw() is live for 'm; p is fully initialized; the callback cell (if any)
         // is owned by the returned Context and so outlives the llama_context.
         let raw = unsafe { sys::llama_init_from_model(model.raw(), p) };
         if raw.is_null() {
+            free_callback();
             return Err(Error::ContextCreate { n_ctx: params.n_ctx, n_batch: params.n_batch });
         }
         let pool = if params.threads.cpus.is_empty() {
@@ -132,6 +152,7 @@ impl<'m> Context<'m> {
                 Err(e) => {
                     // SAFETY: raw is the live context just created and not yet shared.
                     unsafe { sys::llama_free(raw) };
+                    free_callback();
                     return Err(e);
                 }
             };
@@ -140,14 +161,7 @@ impl<'m> Context<'m> {
             unsafe { sys::llama_attach_threadpool(raw, pool.raw(), pool.raw()) };
             Some(pool)
         };
-        Ok(Context {
-            raw,
-            n_vocab: model.n_vocab(),
-            _pool: pool,
-            _callback: callback,
-            abort: None,
-            _model: PhantomData,
-        })
+        Ok(Context { raw, n_vocab: model.n_vocab(), _pool: pool, callback, abort: None, _model: PhantomData })
     }
 
     /// The context length.
@@ -179,10 +193,18 @@ impl<'m> Context<'m> {
         self.abort = flag;
     }
 
-    /// Runs the model over `batch`.
+    /// Runs the model over `batch`. A panic of the eval callback during it is an error.
     pub fn decode(&mut self, batch: &Batch) -> Result<()> {
         // SAFETY: live context; the batch arrays are valid for batch.len() tokens.
         let status = unsafe { sys::llama_decode(self.raw, batch.raw()) };
+        if let Some(cell) = self.callback {
+            // SAFETY: the decode has returned, so ggml no longer calls the callback; &mut self
+            // excludes any other access to the cell.
+            let cell = unsafe { &mut *cell };
+            if std::mem::take(&mut cell.panicked) {
+                return Err(Error::CallbackPanicked("eval callback"));
+            }
+        }
         if status == 2 && self.abort.as_ref().is_some_and(|f| f.load(Ordering::Relaxed)) {
             return Err(Error::Aborted);
         }
@@ -214,8 +236,12 @@ impl<'m> Context<'m> {
 impl Drop for Context<'_> {
     fn drop(&mut self) {
         // SAFETY: raw came from llama_init_from_model and is freed exactly once, before the
-        // thread pool and the callback box it points into are dropped (fields drop after this
-        // body).
+        // thread pool (a field, dropped after this body) and the callback cell it points into.
         unsafe { sys::llama_free(self.raw) };
+        if let Some(cell) = self.callback.take() {
+            // SAFETY: the cell came from Box::into_raw in Context::new; the llama_context that
+            // held its address is freed.
+            drop(unsafe { Box::from_raw(cell) });
+        }
     }
 }

@@ -99,4 +99,8 @@ pub enum Error {
     /// A decode was stopped by its abort flag.
     #[error("the decode was aborted")]
     Aborted,
+    /// The eval callback or the expert-ready hook panicked during a decode: its results cannot
+    /// be trusted.
+    #[error("the {0} panicked during the decode (see the log); the decode's results were discarded")]
+    CallbackPanicked(&'static str),
 }

@@ -10,8 +10,9 @@
 use crate::{Result, TensorView};
 
 /// The hook: an expert weight tensor and the expert about to be used. Called concurrently from
-/// every compute thread; it may block, must return (bound every wait), and must not panic (a
-/// panic is caught and logged, and the kernel goes on).
+/// every compute thread; it may block, and must return (bound every wait). A panic is caught and
+/// logged, the kernel goes on, and [`ExpertHookGuard::take_panicked`] reports it so the decode
+/// can be failed.
 pub type ExpertReadyHook = Box<dyn Fn(TensorView<'_>, u32) + Send + Sync>;
 
 /// Whether the linked ggml has the hook (built with vendor patch 0004).
@@ -23,21 +24,24 @@ pub const fn expert_hook_available() -> bool {
 pub struct ExpertHookGuard {
     #[cfg(expert_ready_hook)]
     id: u64,
+    panicked: std::sync::Arc<std::sync::atomic::AtomicBool>,
 }
 
 #[cfg(expert_ready_hook)]
 mod imp {
     use std::ffi::c_void;
     use std::panic::{catch_unwind, AssertUnwindSafe};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    use std::sync::{Once, RwLock};
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Once, RwLock};
 
     use llama_cpp_sys_2 as sys;
 
     use super::{ExpertHookGuard, ExpertReadyHook};
     use crate::{Result, TensorView};
 
-    static HOOKS: RwLock<Vec<(u64, ExpertReadyHook)>> = RwLock::new(Vec::new());
+    /// The installed hooks: id, hook, and the flag its panics set.
+    type Hooks = Vec<(u64, ExpertReadyHook, Arc<AtomicBool>)>;
+    static HOOKS: RwLock<Hooks> = RwLock::new(Vec::new());
     static NEXT_ID: AtomicU64 = AtomicU64::new(1);
     static DISPATCHER: Once = Once::new();
 
@@ -45,9 +49,10 @@ mod imp {
         // SAFETY: ggml passes the live weight tensor of the mul_mat_id node being computed.
         let view = unsafe { TensorView::from_raw(weights) };
         let hooks = HOOKS.read().unwrap_or_else(|e| e.into_inner());
-        for (_, hook) in hooks.iter() {
+        for (_, hook, panicked) in hooks.iter() {
             if catch_unwind(AssertUnwindSafe(|| hook(view, expert.max(0) as u32))).is_err() {
                 log::error!("expert-ready hook panicked at {} expert {expert}", view.name());
+                panicked.store(true, Ordering::SeqCst);
             }
         }
     }
@@ -60,12 +65,13 @@ mod imp {
             unsafe { sys::ggml_cpu_set_expert_ready_hook(Some(dispatch), std::ptr::null_mut()) };
         });
         let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
-        HOOKS.write().unwrap_or_else(|e| e.into_inner()).push((id, hook));
-        Ok(ExpertHookGuard { id })
+        let panicked = Arc::new(AtomicBool::new(false));
+        HOOKS.write().unwrap_or_else(|e| e.into_inner()).push((id, hook, Arc::clone(&panicked)));
+        Ok(ExpertHookGuard { id, panicked })
     }
 
     pub(super) fn uninstall(id: u64) {
-        HOOKS.write().unwrap_or_else(|e| e.into_inner()).retain(|(i, _)| *i != id);
+        HOOKS.write().unwrap_or_else(|e| e.into_inner()).retain(|(i, _, _)| *i != id);
     }
 }
 
@@ -81,6 +87,11 @@ impl ExpertHookGuard {
             drop(hook);
             Err(crate::Error::NoExpertHook)
         }
+    }
+
+    /// Whether the hook panicked since the last call: the decode it ran in must be failed.
+    pub fn take_panicked(&self) -> bool {
+        self.panicked.swap(false, std::sync::atomic::Ordering::SeqCst)
     }
 }
 

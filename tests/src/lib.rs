@@ -115,7 +115,14 @@ pub fn stream_config(
     sluice::stream::StreamConfig {
         cache_bytes,
         force_cache: true,
-        lanes: sluice::stream::LaneConfig { lanes, direct, max_request: 256 << 10, cpus: Vec::new(), fail_read: None },
+        lanes: sluice::stream::LaneConfig {
+            lanes,
+            direct,
+            max_request: 256 << 10,
+            cpus: Vec::new(),
+            bound: sluice::stream::READ_BOUND,
+            fault: None,
+        },
         dense,
         trace_routes: true,
         gpu_layers: 0,

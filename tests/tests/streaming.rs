@@ -6,7 +6,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use ggml_sys::GgufFile;
-use sluice::stream::{load_streamed_model, DensePolicy, ExpertIndex, StreamedSession};
+use sluice::generate::GenerateError;
+use sluice::stream::{load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamedSession};
 use sluice_tests::{gate_fixtures, resident_reference, stream_config, stream_generate, streamed, Fixture};
 
 const N: u32 = 20;
@@ -92,7 +93,7 @@ fn a_failing_read_under_overlap_ends_the_generation_with_an_error_naming_the_exp
         let mut config = stream_config(0, 2, true, DensePolicy::Anon);
         // Reads 1..=k come from the dense weights at open; fail one well into the decodes. A
         // one-second bound: even a lost wake-up could not hang the test.
-        config.lanes.fail_read = Some(index.dense.len() as u64 + 40);
+        config.lanes.fault = Some(ReadFault { at: index.dense.len() as u64 + 40, kind: FaultKind::Eio });
         if overlap {
             config = overlapped(config, Duration::from_secs(1));
         }
@@ -109,6 +110,127 @@ fn a_failing_read_under_overlap_ends_the_generation_with_an_error_naming_the_exp
         // The session survives: the next generation (no more injected failures) matches resident.
         let again = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens;
         assert_eq!(again, resident_reference(&files[0], N), "overlap {overlap}: a failure must not poison the cache");
+    }
+}
+
+/// A streamed session over `files` with `config`, and the prompt's tokens.
+fn open_session<'m>(
+    model: &'m ggml_sys::Model,
+    index: &Arc<ExpertIndex>,
+    config: &sluice::stream::StreamConfig,
+) -> (StreamedSession<'m>, Vec<ggml_sys::Token>) {
+    let tokens = model.tokenize(sluice_tests::PROMPT, true).unwrap();
+    let session = StreamedSession::open(
+        model,
+        Arc::clone(index),
+        config,
+        tokens.len() as u32 + N,
+        &ggml_sys::Threads::unpinned(2),
+    )
+    .unwrap();
+    (session, tokens)
+}
+
+#[test]
+fn a_reader_that_panics_fails_the_decode_and_the_session_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let reference = resident_reference(&files[0], N);
+    for overlap in [false, true] {
+        if overlap && !ggml_sys::expert_hook_available() {
+            continue;
+        }
+        let mut config = stream_config(0, 2, true, DensePolicy::Anon);
+        config.lanes.fault = Some(ReadFault { at: index.dense.len() as u64 + 40, kind: FaultKind::Panic });
+        if overlap {
+            config = overlapped(config, Duration::from_secs(5));
+        }
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let (mut session, tokens) = open_session(&model, &index, &config);
+        let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("the panicking reader must surface");
+        let msg = err.to_string();
+        assert!(msg.contains("reader thread panicked") && msg.contains("of layer"), "overlap {overlap}: {msg}");
+        let again = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens;
+        assert_eq!(again, reference, "overlap {overlap}: the next generation after a reader panic");
+    }
+}
+
+#[test]
+fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let reference = resident_reference(&files[0], N);
+    for (overlap, cancel) in [(false, false), (false, true), (true, false), (true, true)] {
+        if overlap && !ggml_sys::expert_hook_available() {
+            continue;
+        }
+        // Two lanes: one stays stuck in its read; the other serves what follows.
+        let mut config = stream_config(0, 2, true, DensePolicy::Anon);
+        config.lanes.fault = Some(ReadFault { at: index.dense.len() as u64 + 40, kind: FaultKind::Hang });
+        let bound = if cancel { Duration::from_secs(600) } else { Duration::from_secs(1) };
+        config.lanes.bound = bound;
+        if overlap {
+            config = overlapped(config, bound);
+        }
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let (mut session, tokens) = open_session(&model, &index, &config);
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        session.set_abort_flag(Some(Arc::clone(&flag)));
+        let canceller = cancel.then(|| {
+            let flag = Arc::clone(&flag);
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(500));
+                flag.store(true, std::sync::atomic::Ordering::Relaxed);
+            })
+        });
+        let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("a stuck read must not hang the decode");
+        if let Some(c) = canceller {
+            c.join().unwrap();
+            assert!(matches!(err, GenerateError::Cancelled), "overlap {overlap}: a cancel ends it: {err}");
+        } else {
+            let msg = err.to_string();
+            assert!(msg.contains("not read within 1.0 s") && msg.contains("of layer"), "overlap {overlap}: {msg}");
+        }
+        flag.store(false, std::sync::atomic::Ordering::Relaxed);
+        let again = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens;
+        assert_eq!(again, reference, "overlap {overlap}, cancel {cancel}: the next generation");
+    }
+}
+
+#[test]
+fn a_model_file_changed_under_a_session_fails_its_reads_and_never_gives_wrong_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let reference = resident_reference(&files[0], N);
+    let original = std::fs::read(&files[0]).unwrap();
+    type Change<'a> = (&'a str, &'a dyn Fn(&std::path::Path));
+    let changes: [Change<'_>; 3] = [
+        ("truncated", &|p| {
+            std::fs::OpenOptions::new().write(true).open(p).unwrap().set_len(original.len() as u64 / 2).unwrap()
+        }),
+        ("modified", &|p| {
+            std::thread::sleep(Duration::from_millis(20)); // a visibly later modification time
+            std::fs::write(p, &original).unwrap()
+        }),
+        ("replaced", &|p| {
+            let tmp = p.with_extension("new");
+            std::fs::write(&tmp, &original).unwrap();
+            std::fs::rename(&tmp, p).unwrap();
+        }),
+    ];
+    for (what, change) in changes {
+        std::fs::write(&files[0], &original).unwrap();
+        let config = stream_config(0, 2, true, DensePolicy::Anon);
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let (mut session, tokens) = open_session(&model, &index, &config);
+        assert_eq!(session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens, reference);
+        change(&files[0]);
+        let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("a changed file must fail the reads");
+        let msg = err.to_string();
+        let name = files[0].display().to_string();
+        assert!(msg.contains(&name) && msg.contains("of layer"), "{what}: {msg}");
+        let why = if what == "truncated" { "truncated" } else { "changed since it was opened" };
+        assert!(msg.contains(why), "{what}: {msg}");
     }
 }
 
@@ -246,4 +368,48 @@ fn models_that_cannot_stream_say_so() {
     assert!(err.contains("below one token's routed demand") && err.contains("--cache-mb"), "{err}");
     assert!(sluice::stream::check_cache_budget(&index, 0, false).is_ok(), "0 means no cache");
     assert!(sluice::stream::check_cache_budget(&index, index.one_token_demand(), false).is_ok());
+}
+
+#[test]
+fn a_panicking_eval_callback_fails_the_decode_instead_of_half_computing_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, _) = setup(Fixture::F16, dir.path());
+    let model = sluice::generate::load_model_with(&files[0], &ggml_sys::ModelParams::default()).unwrap();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = Arc::clone(&calls);
+    let callback: ggml_sys::EvalCallback<'_> = Box::new(move |_, phase| {
+        if phase == ggml_sys::EvalPhase::Computed && seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 3 {
+            panic!("injected panic in the eval callback");
+        }
+        true
+    });
+    let mut session =
+        sluice::generate::Session::new(&model, 64, &ggml_sys::Threads::unpinned(1), Some(callback)).unwrap();
+    let err = session.warm_up(1).expect_err("the decode must fail");
+    assert!(err.to_string().contains("eval callback panicked during the decode"), "{err}");
+    // The next decode runs the callback again and succeeds.
+    calls.store(100, std::sync::atomic::Ordering::SeqCst);
+    session.warm_up(1).unwrap();
+}
+
+#[test]
+fn a_streamer_poisoned_by_a_panic_forgets_its_cache_and_stays_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let reference = resident_reference(&files[0], N);
+    let config = stream_config(UNBOUNDED, 2, true, DensePolicy::Anon);
+    let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+    let (mut session, tokens) = open_session(&model, &index, &config);
+    assert_eq!(session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens, reference);
+    assert!(session.streamer().cache_used() > 0);
+    // A panic while the streamer is locked poisons it.
+    let poisoned = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _streamer = session.streamer();
+        panic!("injected panic while the streamer is locked");
+    }));
+    assert!(poisoned.is_err());
+    assert_eq!(session.streamer().cache_used(), 0, "a poisoned streamer's cache is not trusted");
+    let (again, rows) = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap();
+    assert_eq!(again.tokens, reference);
+    assert!(rows.iter().map(|r| r.bytes_read).sum::<u64>() > 0, "the experts were read again");
 }

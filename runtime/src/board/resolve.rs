@@ -292,7 +292,8 @@ impl ResolvedBoard {
             direct: self.direct_io,
             max_request: self.read_bytes.value as usize,
             cpus: self.io_cores.clone(),
-            fail_read: None,
+            bound: crate::stream::READ_BOUND,
+            fault: None,
         }
     }
 }

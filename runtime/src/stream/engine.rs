@@ -278,6 +278,27 @@ impl<'m> Streamer<'m> {
         Ok(done)
     }
 
+    /// Forgets what a panic in the middle of a decode may have left half-done: reads still out
+    /// are waited for (bounded) and dropped, no expert stays marked resident, and every expert's
+    /// memory is released, so the next decode reads what it needs afresh.
+    pub fn reset_after_panic(&mut self) {
+        let bound = self.overlap.as_ref().map_or(super::io::READ_BOUND, |o| o.bound);
+        let _ = self.lanes.wait(&mut self.jobs, Some(bound));
+        if let Some(o) = self.overlap.as_mut() {
+            o.in_flight = false;
+        }
+        self.jobs.clear();
+        self.loading.clear();
+        self.failure = None;
+        let idx = Arc::clone(&self.index);
+        self.cache = ExpertCache::new(self.index.n_layer, self.index.n_expert, self.cache.budget(), move |l, e| {
+            idx.expert_window_bytes(l, e)
+        });
+        for r in &self.reservations {
+            r.release(0, r.size());
+        }
+    }
+
     /// Returns and resets the work counted since the last call.
     pub fn take_stats(&mut self) -> DecodeStats {
         if let Some(o) = &self.overlap {

@@ -9,11 +9,19 @@
 //! Direct I/O is verified per shard when the lanes open: one aligned block is read both ways and
 //! compared. `EINVAL` (tmpfs before Linux 6.6, some FUSE file systems) or a mismatch switches
 //! that shard to buffered reads, logged once; so does an `EINVAL` on a later read.
+//!
+//! Reads are trusted only as far as the file is the one opened: every read checks that the
+//! shard's device, inode, size and modification time are unchanged, and an end of file before
+//! the file's size at open fails the read (a truncated file), so an expert is never marked
+//! resident with bytes that are not the model's. No wait is unbounded: every batch is bounded
+//! (a stuck read fails it naming the expert), a cancel flag ends a wait within
+//! [`CANCEL_POLL`], and a reader that panics fails its read instead of its batch hanging.
 
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -65,9 +73,63 @@ pub struct ReadStats {
     pub direct_bytes: u64,
 }
 
+/// How often a wait looks at the cancel flag.
+pub const CANCEL_POLL: Duration = Duration::from_millis(100);
+
+/// What a shard file was when the lanes opened it: a read finding it otherwise fails.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileIdentity {
+    dev: u64,
+    ino: u64,
+    size: u64,
+    mtime: (i64, i64),
+}
+
+impl FileIdentity {
+    fn of(m: &std::fs::Metadata) -> FileIdentity {
+        FileIdentity { dev: m.dev(), ino: m.ino(), size: m.size(), mtime: (m.mtime(), m.mtime_nsec()) }
+    }
+
+    /// How `now` differs from `self`, if it does.
+    fn change(&self, now: &FileIdentity) -> Option<String> {
+        if (now.dev, now.ino) != (self.dev, self.ino) {
+            Some("it was replaced by another file".into())
+        } else if now.size < self.size {
+            Some(format!("it was truncated from {} to {} bytes", self.size, now.size))
+        } else if now.size != self.size {
+            Some(format!("it grew from {} to {} bytes", self.size, now.size))
+        } else if now.mtime != self.mtime {
+            Some("it was modified".into())
+        } else {
+            None
+        }
+    }
+}
+
 struct Shard {
     path: PathBuf,
     direct: AtomicBool,
+    identity: FileIdentity,
+}
+
+/// An injected fault, for tests: what the `at`-th read (counting from 1 across lanes) does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadFault {
+    /// Which read.
+    pub at: u64,
+    /// What it does.
+    pub kind: FaultKind,
+}
+
+/// What an injected fault does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultKind {
+    /// Fails with `EIO`.
+    Eio,
+    /// Panics in the reader thread.
+    Panic,
+    /// Never returns (until the lanes shut down): a stuck device.
+    Hang,
 }
 
 #[derive(Default)]
@@ -90,9 +152,19 @@ struct Shared {
     queue: Mutex<Queue>,
     work: Condvar,
     done: Condvar,
-    /// Fault injection: the read with this number fails.
-    fail_read: Option<u64>,
+    /// Fault injection.
+    fault: Option<ReadFault>,
     reads: AtomicU64,
+    /// The longest a batch is waited for.
+    bound: Duration,
+    /// Set when the decode the reads serve is cancelled.
+    cancel: Mutex<Option<Arc<AtomicBool>>>,
+}
+
+impl Shared {
+    fn cancelled(&self) -> bool {
+        self.cancel.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
+    }
 }
 
 /// The reader threads.
@@ -112,9 +184,14 @@ pub struct LaneConfig {
     pub max_request: usize,
     /// CPUs to pin the lanes to (empty: no pinning).
     pub cpus: Vec<usize>,
-    /// Fault injection for tests: the Nth read (counting from 1 across lanes) fails with `EIO`.
-    pub fail_read: Option<u64>,
+    /// The longest a batch of reads is waited for before it fails naming a missing expert.
+    pub bound: Duration,
+    /// Fault injection for tests.
+    pub fault: Option<ReadFault>,
 }
+
+/// How long a batch of reads may take before it fails (a device that stopped answering).
+pub const READ_BOUND: Duration = Duration::from_secs(30);
 
 fn open_direct(path: &PathBuf) -> io::Result<File> {
     std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
@@ -138,11 +215,12 @@ fn verify_direct(path: &PathBuf) -> Result<(), String> {
 }
 
 impl IoLanes {
-    /// Opens the lanes over `shards`.
+    /// Opens the lanes over `shards`. A lane that cannot start stops the ones already started.
     pub fn new(shards: &[PathBuf], config: &LaneConfig) -> io::Result<IoLanes> {
         let shards = shards
             .iter()
             .map(|p| {
+                let identity = FileIdentity::of(&std::fs::metadata(p)?);
                 let direct = config.direct
                     && match verify_direct(p) {
                         Ok(()) => true,
@@ -151,22 +229,25 @@ impl IoLanes {
                             false
                         }
                     };
-                Shard { path: p.clone(), direct: AtomicBool::new(direct) }
+                Ok(Shard { path: p.clone(), direct: AtomicBool::new(direct), identity })
             })
-            .collect();
+            .collect::<io::Result<Vec<_>>>()?;
         let shared = Arc::new(Shared {
             shards,
             max_request: config.max_request.max(ggml_sys::page_size() as usize),
             queue: Mutex::new(Queue::default()),
             work: Condvar::new(),
             done: Condvar::new(),
-            fail_read: config.fail_read,
+            fault: config.fault,
             reads: AtomicU64::new(0),
+            bound: config.bound,
+            cancel: Mutex::new(None),
         });
-        let mut threads = Vec::new();
+        // Dropped on an error below: joins the lanes already started.
+        let mut lanes = IoLanes { shared, threads: Vec::new() };
         for lane in 0..config.lanes.max(1) {
-            let files = open_lane_files(&shared.shards)?;
-            let shared = Arc::clone(&shared);
+            let files = open_lane_files(&lanes.shared.shards)?;
+            let shared = Arc::clone(&lanes.shared);
             let cpus = config.cpus.clone();
             let t = std::thread::Builder::new().name(format!("sluice-io-{lane}")).spawn(move || {
                 if !cpus.is_empty() {
@@ -176,9 +257,14 @@ impl IoLanes {
                 }
                 lane_loop(&shared, &files);
             })?;
-            threads.push(t);
+            lanes.threads.push(t);
         }
-        Ok(IoLanes { shared, threads })
+        Ok(lanes)
+    }
+
+    /// Makes waits end, failing their batch, once `flag` is set (`None`: no flag).
+    pub fn set_cancel_flag(&self, flag: Option<Arc<AtomicBool>>) {
+        *self.shared.cancel.lock().unwrap_or_else(|e| e.into_inner()) = flag;
     }
 
     /// Whether shard `i` is read with `O_DIRECT`.
@@ -190,11 +276,12 @@ impl IoLanes {
         self.shared.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Runs every job in `jobs` across the lanes and waits for all of them. `jobs` is emptied
-    /// (its capacity kept). The first failure is returned after every job has finished.
+    /// Runs every job in `jobs` across the lanes and waits for all of them, at most the lanes'
+    /// bound. `jobs` is emptied (its capacity kept). The first failure is returned after every
+    /// job has finished.
     pub fn read_all(&self, jobs: &mut Vec<ReadJob>) -> Result<ReadStats, ReadFailure> {
         self.submit(jobs);
-        self.wait(jobs, None)
+        self.wait(jobs, Some(self.shared.bound))
     }
 
     /// Hands `jobs` to the lanes and returns at once; `jobs` is left empty. Call [`IoLanes::wait`]
@@ -215,28 +302,30 @@ impl IoLanes {
 
     /// Waits for the submitted batch and hands its job list back through `jobs` (emptied, its
     /// capacity kept). The first failure is returned once every job has finished, or at once
-    /// when `bound` passes with reads still outstanding.
+    /// when `bound` passes or the cancel flag is set with reads still outstanding.
     pub fn wait(&self, jobs: &mut Vec<ReadJob>, bound: Option<Duration>) -> Result<ReadStats, ReadFailure> {
         let deadline = bound.map(|b| Instant::now() + b);
         let mut q = self.queue();
         while q.finished < q.jobs.len() {
-            match deadline {
-                None => q = self.shared.done.wait(q).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let now = Instant::now();
-                    if now >= d {
-                        let i = q.landed.iter().position(|&l| !l).unwrap_or(0);
-                        let failure =
-                            q.failure.take().unwrap_or_else(|| self.timed_out(&q.jobs[i], bound.unwrap_or_default()));
-                        q.next = q.jobs.len(); // lanes take nothing more from this batch
-                        q.batch += 1; // and what they finish of it is not counted
-                        std::mem::swap(&mut q.jobs, jobs);
-                        jobs.clear();
-                        return Err(failure);
+            let now = Instant::now();
+            let cancelled = self.shared.cancelled();
+            if cancelled || deadline.is_some_and(|d| now >= d) {
+                let i = q.landed.iter().position(|&l| !l).unwrap_or(0);
+                let failure = q.failure.take().unwrap_or_else(|| {
+                    if cancelled {
+                        self.cancelled_at(&q.jobs[i])
+                    } else {
+                        self.timed_out(&q.jobs[i], bound.unwrap_or_default())
                     }
-                    q = self.shared.done.wait_timeout(q, d - now).unwrap_or_else(|e| e.into_inner()).0;
-                }
+                });
+                q.next = q.jobs.len(); // lanes take nothing more from this batch
+                q.batch += 1; // and what they finish of it is not counted
+                std::mem::swap(&mut q.jobs, jobs);
+                jobs.clear();
+                return Err(failure);
             }
+            let slice = deadline.map_or(CANCEL_POLL, |d| (d - now).min(CANCEL_POLL));
+            q = self.shared.done.wait_timeout(q, slice).unwrap_or_else(|e| e.into_inner()).0;
         }
         std::mem::swap(&mut q.jobs, jobs);
         jobs.clear();
@@ -248,7 +337,7 @@ impl IoLanes {
 
     /// Blocks until every submitted read of expert `expert` of expert tensor `tensor` has landed
     /// (at once when none is outstanding). Returns `false` when the batch has failed, or when
-    /// `bound` passes, which then fails the batch naming this expert.
+    /// `bound` passes or the cancel flag is set, which then fails the batch naming this expert.
     pub fn wait_ready(&self, tensor: usize, expert: u32, bound: Duration) -> bool {
         let deadline = Instant::now() + bound;
         let mut q = self.queue();
@@ -260,13 +349,29 @@ impl IoLanes {
                 q.jobs.iter().zip(&q.landed).position(|(j, &l)| !l && j.tensor == tensor && j.tag.1 == expert);
             let Some(i) = pending else { return true };
             let now = Instant::now();
-            if now >= deadline {
-                let failure = self.timed_out(&q.jobs[i], bound);
+            let cancelled = self.shared.cancelled();
+            if cancelled || now >= deadline {
+                let failure = if cancelled { self.cancelled_at(&q.jobs[i]) } else { self.timed_out(&q.jobs[i], bound) };
                 q.failure = Some(failure);
                 self.shared.done.notify_all();
                 return false;
             }
-            q = self.shared.done.wait_timeout(q, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            q = self
+                .shared
+                .done
+                .wait_timeout(q, (deadline - now).min(CANCEL_POLL))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+    }
+
+    fn cancelled_at(&self, job: &ReadJob) -> ReadFailure {
+        ReadFailure {
+            layer: job.tag.0,
+            expert: job.tag.1,
+            path: self.shared.shards[job.shard].path.clone(),
+            offset: job.start,
+            source: io::Error::new(io::ErrorKind::Interrupted, "cancelled while waiting for the read"),
         }
     }
 
@@ -307,7 +412,11 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
             let job = q.jobs[i].clone();
             q.next += 1;
             drop(q);
-            let result = read_job(shared, files, &job);
+            let result = catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job))).unwrap_or_else(|p| {
+                let what =
+                    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                Err(io::Error::other(format!("the reader thread panicked: {}", what.unwrap_or_default())))
+            });
             q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             if q.batch != batch {
                 continue; // its batch was abandoned after a timeout
@@ -342,11 +451,22 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
 }
 
 /// Reads one job in chunks of at most `max_request` bytes. Returns the bytes read and whether
-/// they came through `O_DIRECT`.
+/// they came through `O_DIRECT`. Fails when the file ends before its size at open, or is no
+/// longer the file the lanes opened.
 fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(u64, bool)> {
     let n = shared.reads.fetch_add(1, Ordering::Relaxed) + 1;
-    if shared.fail_read == Some(n) {
-        return Err(io::Error::from_raw_os_error(libc::EIO));
+    if let Some(fault) = shared.fault.filter(|f| f.at == n) {
+        match fault.kind {
+            FaultKind::Eio => return Err(io::Error::from_raw_os_error(libc::EIO)),
+            FaultKind::Panic => panic!("injected fault at read {n}"),
+            FaultKind::Hang => {
+                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+                while !q.shutdown {
+                    q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+        }
     }
     let shard = &shared.shards[job.shard];
     let f = &files[job.shard];
@@ -362,7 +482,18 @@ fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(
             Ok(n) => {
                 done += n;
                 if n < len {
-                    return Ok((done as u64, use_direct)); // end of file
+                    // The window's last page may run past the end of the file; nothing else may.
+                    let end = job.start + done as u64;
+                    if end < shard.identity.size {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!(
+                                "the file ends at {end} bytes, before its size at open ({} bytes): it was truncated",
+                                shard.identity.size
+                            ),
+                        ));
+                    }
+                    break;
                 }
             }
             Err(e) if use_direct && e.raw_os_error() == Some(libc::EINVAL) => {
@@ -374,15 +505,33 @@ fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(
             Err(e) => return Err(e),
         }
     }
-    Ok((done as u64, use_direct))
+    // After the read: a change during it is caught too.
+    let now = std::fs::metadata(&shard.path).map(|m| FileIdentity::of(&m));
+    match now.as_ref().map(|now| shard.identity.change(now)) {
+        Ok(None) => Ok((done as u64, use_direct)),
+        Ok(Some(change)) => {
+            Err(io::Error::other(format!("the file changed since it was opened: {change}; restart to use it")))
+        }
+        Err(e) => Err(io::Error::new(e.kind(), format!("the file changed since it was opened: {e}"))),
+    }
 }
 
 impl Drop for IoLanes {
+    /// Stops the lanes; one stuck in a read that does not return within the bound is left
+    /// behind (it holds only its own files) rather than hanging the caller.
     fn drop(&mut self) {
         self.shared.queue.lock().unwrap_or_else(|e| e.into_inner()).shutdown = true;
         self.shared.work.notify_all();
+        let deadline = Instant::now() + self.shared.bound.min(Duration::from_secs(5));
+        while self.threads.iter().any(|t| !t.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         for t in self.threads.drain(..) {
-            let _ = t.join();
+            if t.is_finished() {
+                let _ = t.join();
+            } else {
+                log::warn!("an I/O lane is stuck in a read; leaving it behind");
+            }
         }
     }
 }
@@ -396,7 +545,14 @@ mod tests {
     fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
         let path = dir.join("f");
         std::fs::write(&path, vec![7u8; len]).unwrap();
-        let config = LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), fail_read: None };
+        let config = LaneConfig {
+            lanes: 1,
+            direct: false,
+            max_request: 1 << 20,
+            cpus: Vec::new(),
+            bound: READ_BOUND,
+            fault: None,
+        };
         let lanes = IoLanes::new(&[path], &config).unwrap();
         let target = Arc::new(Reservation::new(0, len as u64).unwrap());
         let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0 };

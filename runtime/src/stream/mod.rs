@@ -24,7 +24,7 @@ use crate::telemetry::{TokenRow, Usage};
 pub use cache::CacheCounters;
 pub use engine::{DecodeStats, RouteRecord, Streamer};
 pub use index::{ExpertIndex, IndexError};
-pub use io::{IoLanes, LaneConfig, ReadFailure};
+pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, READ_BOUND};
 
 /// Errors of the streaming engine.
 #[derive(Debug, thiserror::Error)]
@@ -119,8 +119,9 @@ pub struct StreamConfig {
     pub overlap: Option<Duration>,
 }
 
-/// How long a compute thread waits for one expert's slice before the decode fails naming it.
-pub const READY_BOUND: Duration = Duration::from_secs(30);
+/// How long a compute thread waits for one expert's slice before the decode fails naming it:
+/// the same bound as a serial batch of reads.
+pub const READY_BOUND: Duration = READ_BOUND;
 
 /// A regular expression matching the routed expert tensors of `index`'s architecture.
 fn expert_pattern(index: &ExpertIndex) -> String {
@@ -257,13 +258,22 @@ impl<'m> StreamedSession<'m> {
         mut on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
         let streamer = Arc::clone(&self.streamer);
+        let hook = &self._hook;
         let mut rows = Vec::new();
         let mut usage = Usage::sample();
         let mut observer = |event: DecodeEvent| -> Result<(), GenerateError> {
             let mut s = lock(&streamer);
             s.end_decode();
+            if hook.as_ref().is_some_and(|h| h.take_panicked()) {
+                return Err(GenerateError::Llama(ggml_sys::Error::CallbackPanicked("expert-ready hook")));
+            }
             if let Some(e) = s.take_failure() {
-                return Err(e.into());
+                return Err(match e {
+                    StreamError::Read(f) if f.source.kind() == std::io::ErrorKind::Interrupted => {
+                        GenerateError::Cancelled
+                    }
+                    e => e.into(),
+                });
             }
             let stats = s.take_stats();
             let now = Usage::sample();
@@ -280,11 +290,24 @@ impl<'m> StreamedSession<'m> {
 
     /// Makes every later decode stop as soon as `flag` is set: the generation then ends with
     /// [`GenerateError::Cancelled`] and the session stays usable.
+    /// A read the decode waits for is given up as soon as the flag is set, too.
     pub fn set_abort_flag(&mut self, flag: Option<Arc<std::sync::atomic::AtomicBool>>) {
+        lock(&self.streamer).lanes().set_cancel_flag(flag.clone());
         self.session.set_abort_flag(flag);
     }
 }
 
+/// The streamer, locked. A lock poisoned by a panic mid-decode is not trusted: the streamer's
+/// cache is reset first (its residency may not match the memory).
 fn lock<'a, 'm>(s: &'a Mutex<Streamer<'m>>) -> MutexGuard<'a, Streamer<'m>> {
-    s.lock().unwrap_or_else(|e| e.into_inner())
+    match s.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => {
+            let mut guard = poisoned.into_inner();
+            log::error!("the streaming engine panicked during a decode: forgetting its expert cache");
+            guard.reset_after_panic();
+            s.clear_poison();
+            guard
+        }
+    }
 }
