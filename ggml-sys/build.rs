@@ -1,6 +1,8 @@
-//! Detects the optional parts of the patched llama.cpp that the bindings may lack: with vendor
-//! patch 0004 (the expert-ready hook) applied, `cfg(expert_ready_hook)` is set. A build against
-//! an unpatched llama-cpp-sys-2 still compiles; `--overlap` then reports that it is unavailable.
+//! Compiles `src/shim.cpp` (the llama.cpp entry points that can throw, wrapped so that no C++
+//! exception unwinds into Rust) against the vendored headers, and detects the optional parts of
+//! the patched llama.cpp that the bindings may lack: with vendor patch 0004 (the expert-ready
+//! hook) applied, `cfg(expert_ready_hook)` is set. A build against an unpatched
+//! llama-cpp-sys-2 still compiles; `--overlap` then reports that it is unavailable.
 
 use std::path::PathBuf;
 
@@ -12,4 +14,14 @@ fn main() {
     if std::fs::read_to_string(&header).is_ok_and(|t| t.contains("ggml_cpu_set_expert_ready_hook")) {
         println!("cargo::rustc-cfg=expert_ready_hook");
     }
+    let llama = dir.join("../vendor/llama-cpp-sys-2/llama.cpp");
+    println!("cargo::rerun-if-changed=src/shim.cpp");
+    cc::Build::new()
+        .cpp(true)
+        .std("c++17")
+        .file("src/shim.cpp")
+        .include(llama.join("include"))
+        .include(llama.join("ggml/include"))
+        .warnings(true)
+        .compile("sluice_shim");
 }

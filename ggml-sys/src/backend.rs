@@ -19,6 +19,26 @@ pub fn init() {
         unsafe { sys::llama_log_set(Some(log_trampoline), std::ptr::null_mut()) };
         // SAFETY: llama_backend_init has no preconditions; the Once runs it exactly once.
         unsafe { sys::llama_backend_init() };
+        // SAFETY: abort_trampoline matches ggml_abort_callback_t and lives for the whole process.
+        unsafe { sys::ggml_set_abort_callback(Some(abort_trampoline)) };
+    });
+}
+
+/// ggml's last word before it aborts (a failed GGML_ASSERT): logged as an error, in place of
+/// ggml's own backtrace, which would try to attach a debugger.
+unsafe extern "C" fn abort_trampoline(message: *const c_char) {
+    let text = if message.is_null() {
+        String::new()
+    } else {
+        // SAFETY: ggml passes its NUL-terminated message buffer.
+        unsafe { CStr::from_ptr(message) }.to_string_lossy().into_owned()
+    };
+    let _ = std::panic::catch_unwind(|| {
+        if log::log_enabled!(target: "llama", log::Level::Error) {
+            log::error!(target: "llama", "llama.cpp aborted: {text}");
+        } else {
+            eprintln!("error: llama.cpp aborted: {text}");
+        }
     });
 }
 
@@ -61,17 +81,21 @@ unsafe extern "C" fn log_trampoline(level: sys::ggml_log_level, text: *const c_c
     if text.is_null() {
         return;
     }
-    let level = map_level(level);
-    LAST_LEVEL.with(|l| l.set(level));
-    if !log::log_enabled!(target: "llama", level) {
-        return;
-    }
     // SAFETY: llama.cpp passes a NUL-terminated string valid for the duration of the call.
-    let msg = unsafe { CStr::from_ptr(text) }.to_string_lossy();
-    let msg = msg.trim_end();
-    if !msg.is_empty() {
-        log::log!(target: "llama", level, "{msg}");
-    }
+    let msg = unsafe { CStr::from_ptr(text) };
+    // A panic (a logger that fails) must not unwind into C.
+    let _ = std::panic::catch_unwind(|| {
+        let level = map_level(level);
+        LAST_LEVEL.with(|l| l.set(level));
+        if !log::log_enabled!(target: "llama", level) {
+            return;
+        }
+        let msg = msg.to_string_lossy();
+        let msg = msg.trim_end();
+        if !msg.is_empty() {
+            log::log!(target: "llama", level, "{msg}");
+        }
+    });
 }
 
 #[cfg(test)]

@@ -35,8 +35,16 @@ pub fn apply_chat_template(template: &str, messages: &[ChatMessage]) -> Result<S
         // call (owned above); chat holds chat.len() entries; buf is writable for cap bytes and
         // llama.cpp writes at most that many.
         let n = unsafe {
-            sys::llama_chat_apply_template(tmpl.as_ptr(), chat.as_ptr(), chat.len(), true, buf.as_mut_ptr().cast(), cap)
+            crate::shim::sluice_chat_apply_template(
+                tmpl.as_ptr(),
+                chat.as_ptr(),
+                chat.len(),
+                true,
+                buf.as_mut_ptr().cast(),
+                cap,
+            )
         };
+        crate::shim::caught("llama_chat_apply_template")?;
         if n < 0 {
             return Err(Error::ChatTemplate { template: template.chars().take(60).collect() });
         }

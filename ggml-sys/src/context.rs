@@ -139,7 +139,11 @@ impl<'m> Context<'m> {
         };
         // SAFETY: model.raw() is live for 'm; p is fully initialized; the callback cell (if any)
         // is owned by the returned Context and so outlives the llama_context.
-        let raw = unsafe { sys::llama_init_from_model(model.raw(), p) };
+        let raw = unsafe { crate::shim::sluice_init_from_model(model.raw(), p) };
+        if let Err(e) = crate::shim::caught("llama_init_from_model") {
+            free_callback();
+            return Err(e);
+        }
         if raw.is_null() {
             free_callback();
             return Err(Error::ContextCreate { n_ctx: params.n_ctx, n_batch: params.n_batch });
@@ -196,7 +200,8 @@ impl<'m> Context<'m> {
     /// Runs the model over `batch`. A panic of the eval callback during it is an error.
     pub fn decode(&mut self, batch: &Batch) -> Result<()> {
         // SAFETY: live context; the batch arrays are valid for batch.len() tokens.
-        let status = unsafe { sys::llama_decode(self.raw, batch.raw()) };
+        let status = unsafe { crate::shim::sluice_decode(self.raw, batch.raw()) };
+        crate::shim::caught("llama_decode")?;
         if let Some(cell) = self.callback {
             // SAFETY: the decode has returned, so ggml no longer calls the callback; &mut self
             // excludes any other access to the cell.

@@ -99,6 +99,14 @@ pub enum Error {
     /// A decode was stopped by its abort flag.
     #[error("the decode was aborted")]
     Aborted,
+    /// llama.cpp threw a C++ exception (caught in the shim): the model is malformed.
+    #[error("llama.cpp failed in {call}: {message} (the model file is probably malformed)")]
+    Exception {
+        /// The llama.cpp function.
+        call: &'static str,
+        /// The exception's message.
+        message: String,
+    },
     /// The eval callback or the expert-ready hook panicked during a decode: its results cannot
     /// be trusted.
     #[error("the {0} panicked during the decode (see the log); the decode's results were discarded")]

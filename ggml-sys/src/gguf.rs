@@ -57,7 +57,8 @@ impl GgufFile {
         let params = sys::gguf_init_params { no_alloc: true, ctx: std::ptr::null_mut() };
         // SAFETY: c_path is a valid NUL-terminated string; with no_alloc and a NULL ctx out-pointer
         // ggml only parses the header and allocates nothing for tensor data.
-        let ctx = unsafe { sys::gguf_init_from_file(c_path.as_ptr(), params) };
+        let ctx = unsafe { crate::shim::sluice_gguf_init_from_file(c_path.as_ptr(), params) };
+        crate::shim::caught("gguf_init_from_file")?;
         if ctx.is_null() {
             return Err(Error::GgufParse { path: path.into() });
         }
@@ -205,6 +206,50 @@ impl GgufFile {
         }
         // SAFETY: id belongs to ctx and holds an array.
         Some(unsafe { sys::gguf_get_arr_n(self.ctx, id) })
+    }
+
+    /// The element type and length of the array stored under `key`, if it is an array.
+    fn array_of(&self, key: &str) -> Option<(i64, sys::gguf_type, usize)> {
+        let id = self.key_id(key)?;
+        if self.kv_type(id) != sys::GGUF_TYPE_ARRAY {
+            return None;
+        }
+        // SAFETY: id belongs to ctx and holds an array.
+        let (ty, n) = unsafe { (sys::gguf_get_arr_type(self.ctx, id), sys::gguf_get_arr_n(self.ctx, id)) };
+        Some((id, ty, n))
+    }
+
+    /// The strings of the array stored under `key`, if it is an array of strings.
+    pub fn array_strings(&self, key: &str) -> Option<Vec<Vec<u8>>> {
+        let (id, _, n) = self.array_of(key).filter(|(_, ty, _)| *ty == sys::GGUF_TYPE_STRING)?;
+        let string = |i: usize| {
+            // SAFETY: i < n on an array of strings; ggml owns them, NUL-terminated.
+            unsafe { CStr::from_ptr(sys::gguf_get_arr_str(self.ctx, id, i)) }.to_bytes().to_vec()
+        };
+        Some((0..n).map(string).collect())
+    }
+
+    /// The integers of the array stored under `key`, if it is an array of u32 or i32.
+    pub fn array_u32(&self, key: &str) -> Option<Vec<i64>> {
+        let (id, ty, n) = self.array_of(key)?;
+        if ty != sys::GGUF_TYPE_UINT32 && ty != sys::GGUF_TYPE_INT32 {
+            return None; // (ggml aborts when asked for the data of a string array)
+        }
+        // SAFETY: id holds an array of n 4-byte integers, which ggml owns.
+        let data = unsafe { sys::gguf_get_arr_data(self.ctx, id) };
+        // SAFETY: as above: n elements of 4 bytes at data, alive as long as self.
+        let raw = unsafe { std::slice::from_raw_parts(data.cast::<[u8; 4]>(), n) };
+        Some(
+            raw.iter()
+                .map(|b| {
+                    if ty == sys::GGUF_TYPE_UINT32 {
+                        u32::from_ne_bytes(*b).into()
+                    } else {
+                        i32::from_ne_bytes(*b).into()
+                    }
+                })
+                .collect(),
+        )
     }
 
     /// The general architecture (`general.architecture`), e.g. `qwen3moe`.

@@ -17,6 +17,7 @@ mod pagecache;
 mod quantize;
 mod reservation;
 mod services;
+mod shim;
 mod tensor;
 mod threadpool;
 mod types;

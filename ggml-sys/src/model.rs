@@ -88,7 +88,8 @@ impl Model {
         // SAFETY: c_path is NUL-terminated; p is a fully initialized parameter struct whose
         // pointers are the library defaults (NULL), `pattern`, or `overrides` (NULL-terminated,
         // its patterns in `cpu_pattern`), all of which outlive the call.
-        let raw = unsafe { sys::llama_model_load_from_file(c_path.as_ptr(), p) };
+        let raw = unsafe { crate::shim::sluice_model_load_from_file(c_path.as_ptr(), p) };
+        crate::shim::caught("llama_model_load_from_file")?;
         if raw.is_null() {
             return Err(Error::ModelLoad { path: path.into() });
         }
@@ -190,7 +191,7 @@ impl Model {
             // SAFETY: text is valid for len bytes (no NUL needed: the length is passed); tokens
             // is writable for tokens.len() entries.
             let n = unsafe {
-                sys::llama_tokenize(
+                crate::shim::sluice_tokenize(
                     self.vocab(),
                     text.as_ptr().cast(),
                     len,
@@ -200,6 +201,7 @@ impl Model {
                     parse_special,
                 )
             };
+            crate::shim::caught("llama_tokenize")?;
             if n >= 0 {
                 tokens.truncate(n as usize);
                 return Ok(tokens);
@@ -221,22 +223,45 @@ impl Model {
             // SAFETY: buf is writable for its length; llama.cpp writes at most `length` bytes
             // and returns the negated size needed when that is too short.
             let n = unsafe {
-                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, true)
+                crate::shim::sluice_token_to_piece(
+                    self.vocab(),
+                    token,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    0,
+                    true,
+                )
             };
+            if let Err(e) = crate::shim::caught("llama_token_to_piece") {
+                log::warn!("token {token}: {e}");
+                continue;
+            }
             longest = longest.max(n.unsigned_abs() as usize);
         }
         longest
     }
 
     /// The bytes a token stands for (byte tokens give single raw bytes, so a piece can be part
-    /// of a UTF-8 sequence). Control tokens give nothing.
+    /// of a UTF-8 sequence). Control tokens give nothing, and so does a token llama.cpp cannot
+    /// render (logged).
     pub fn token_piece(&self, token: Token) -> Vec<u8> {
         let mut buf = vec![0u8; 32];
         for _ in 0..2 {
             // SAFETY: buf is writable for its length; llama.cpp writes at most `length` bytes.
             let n = unsafe {
-                sys::llama_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), buf.len() as i32, 0, false)
+                crate::shim::sluice_token_to_piece(
+                    self.vocab(),
+                    token,
+                    buf.as_mut_ptr().cast(),
+                    buf.len() as i32,
+                    0,
+                    false,
+                )
             };
+            if let Err(e) = crate::shim::caught("llama_token_to_piece") {
+                log::warn!("token {token}: {e}");
+                return Vec::new();
+            }
             if n >= 0 {
                 buf.truncate(n as usize);
                 return buf;

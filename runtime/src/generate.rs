@@ -166,7 +166,8 @@ pub struct DecodeEvent {
 /// Called after every decode; an error stops the generation.
 pub type DecodeObserver<'a> = dyn FnMut(DecodeEvent) -> Result<(), GenerateError> + 'a;
 
-/// Checks that `path` is an existing regular file, with an error that says what to do.
+/// Checks that `path` is an existing regular file holding a model llama.cpp can load without
+/// aborting (see [`crate::metadata`]), with an error that says what is wrong.
 pub fn check_model_file(path: &Path) -> Result<(), GenerateError> {
     let meta = std::fs::metadata(path).map_err(|e| GenerateError::ModelFile {
         path: path.into(),
@@ -178,7 +179,7 @@ pub fn check_model_file(path: &Path) -> Result<(), GenerateError> {
     if !meta.is_file() {
         return Err(GenerateError::ModelFile { path: path.into(), reason: "is not a regular file".into() });
     }
-    Ok(())
+    crate::metadata::check_file(path)
 }
 
 /// Opens a model: checks the file first (existence, GGUF header, every tensor inside the file)

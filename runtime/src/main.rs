@@ -64,6 +64,11 @@ fn init_logging(verbose: u8) {
 }
 
 fn main() {
+    // ggml answers an uncaught C++ exception with a backtrace that attaches a debugger; a bad
+    // model file must end in an error message, quickly.
+    if std::env::var_os("GGML_NO_BACKTRACE").is_none() {
+        std::env::set_var("GGML_NO_BACKTRACE", "1");
+    }
     let cli = Cli::parse();
     init_logging(cli.verbose);
     if let Err(e) = dispatch(cli.command, &cli.board) {

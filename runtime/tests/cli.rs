@@ -412,3 +412,52 @@ fn non_regular_files_are_refused_as_io_targets() {
         assert_clean_error(&o, "not a regular file");
     }
 }
+
+/// `model` with the u32 value of metadata key `key` set to `value`.
+fn with_metadata_u32(model: &str, key: &str, value: u32, out: &Path) -> String {
+    let mut bytes = std::fs::read(model).unwrap();
+    let at = bytes.windows(key.len()).position(|w| w == key.as_bytes()).expect("key in the fixture") + key.len();
+    assert_eq!(u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap()), 4, "{key} holds a u32");
+    bytes[at + 4..at + 8].copy_from_slice(&value.to_le_bytes());
+    std::fs::write(out, bytes).unwrap();
+    out.to_string_lossy().into_owned()
+}
+
+#[test]
+fn metadata_llama_cpp_would_abort_on_is_an_error_naming_the_key_in_every_mode() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let aligned = dir.path().join("aligned.gguf");
+    let o = sluice(&["synth", "--out", aligned.to_str().unwrap(), "--alignment", "64"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let aligned = aligned.to_string_lossy().into_owned();
+    let cases = [
+        ("qwen3moe.block_count", 0, "qwen3moe.block_count is 0; llama.cpp runs 1 to 512 layers"),
+        ("qwen3moe.block_count", 1 << 31, "qwen3moe.block_count is 2147483648"),
+        ("qwen3moe.expert_count", 4, "qwen3moe.expert_count is 4, but tensor blk.0.ffn_"),
+        ("qwen3moe.expert_count", 2000, "llama.cpp runs at most 1024 experts"),
+        ("qwen3moe.expert_used_count", 9, "qwen3moe.expert_used_count is 9; it must be 1 to 8"),
+        ("qwen3moe.expert_used_count", 0, "qwen3moe.expert_used_count is 0; it must be 1 to 8"),
+        ("general.alignment", 16, "general.alignment is 16; it must be a power of two of at least 32"),
+    ];
+    for (i, (key, value, needle)) in cases.into_iter().enumerate() {
+        let source = if key == "general.alignment" { &aligned } else { &model };
+        let bad = with_metadata_u32(source, key, value, &dir.path().join(format!("bad{i}.gguf")));
+        for mode in [
+            &["plan", "--model", &bad][..],
+            &["run", "-m", &bad, "-p", "hi"],
+            &["run", "-m", &bad, "-p", "hi", "--resident"],
+        ] {
+            assert_clean_error(&sluice(mode, dir.path()), needle);
+        }
+    }
+    // Two tokens with the same text.
+    let mut bytes = std::fs::read(&model).unwrap();
+    let a = bytes.windows(6).position(|w| w == b"<0x41>").unwrap();
+    let b = bytes.windows(6).position(|w| w == b"<0x42>").unwrap();
+    bytes.copy_within(a..a + 6, b);
+    let dup = dir.path().join("dup.gguf");
+    std::fs::write(&dup, bytes).unwrap();
+    let o = sluice(&["run", "-m", dup.to_str().unwrap(), "-p", "hi", "--resident"], dir.path());
+    assert_clean_error(&o, "tokenizer.ggml.tokens holds \"<0x41>\" twice");
+}

@@ -144,14 +144,14 @@ fn a_jetson_power_mode_with_cores_offline_keeps_the_online_ones() {
 }
 
 #[test]
-fn more_threads_than_compute_cores_are_capped_with_a_note() {
+fn more_threads_than_usable_cpus_are_capped_with_a_note() {
     let root = tree("rpi5-8gb");
     let probe = HardwareProbe::run(&root, None);
     let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
     let overrides = Overrides { threads: Some(64), ..Overrides::default() };
     let r = resolve(selected, &probe, &overrides, None, BuildCaps { gpu: false, expert_hook: true }).unwrap();
     assert_eq!(r.threads.value, 4);
-    assert!(r.notes.iter().any(|n| n.contains("--threads 64: more than the 4 compute cores")), "{:?}", r.notes);
+    assert!(r.notes.iter().any(|n| n.contains("--threads 64: more than the 4 CPUs")), "{:?}", r.notes);
 }
 
 #[test]

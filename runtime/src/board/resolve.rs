@@ -164,14 +164,14 @@ pub fn resolve(
         io_cores = vec![last];
     }
     let threads = match overrides.threads {
-        Some(t) if t as usize > compute_cores.len() => {
+        Some(t) if t as usize > usable.len() => {
             notes.push(format!(
-                "--threads {t}: more than the {} compute cores this process may use ({}); using {} (ggml's threads spin at every barrier, so extra threads stall the others)",
-                compute_cores.len(),
-                cpulist::format(&compute_cores),
-                compute_cores.len()
+                "--threads {t}: more than the {} CPUs this process may use ({}); using {} (ggml's threads spin at every barrier, so threads beyond the CPUs stall the others)",
+                usable.len(),
+                cpulist::format(&usable),
+                usable.len()
             ));
-            sourced(compute_cores.len() as u32, "--threads, capped to the compute cores")
+            sourced(usable.len() as u32, "--threads, capped to the usable CPUs")
         }
         Some(t) => sourced(t, "--threads"),
         None => sourced(compute_cores.len() as u32, "one per compute core"),

@@ -1,0 +1,64 @@
+//! The exception-catching wrappers of `shim.cpp`: same signatures as the llama.cpp functions
+//! they wrap, and [`caught`], which turns an exception thrown in the last call on this thread
+//! into an [`Error`].
+
+use std::ffi::{c_char, CStr};
+
+use llama_cpp_sys_2 as sys;
+
+use crate::Error;
+
+unsafe extern "C" {
+    fn sluice_shim_take_error(buf: *mut c_char, len: usize) -> bool;
+    pub(crate) fn sluice_gguf_init_from_file(
+        fname: *const c_char,
+        params: sys::gguf_init_params,
+    ) -> *mut sys::gguf_context;
+    pub(crate) fn sluice_model_load_from_file(
+        path: *const c_char,
+        params: sys::llama_model_params,
+    ) -> *mut sys::llama_model;
+    pub(crate) fn sluice_init_from_model(
+        model: *mut sys::llama_model,
+        params: sys::llama_context_params,
+    ) -> *mut sys::llama_context;
+    pub(crate) fn sluice_decode(ctx: *mut sys::llama_context, batch: sys::llama_batch) -> i32;
+    pub(crate) fn sluice_tokenize(
+        vocab: *const sys::llama_vocab,
+        text: *const c_char,
+        text_len: i32,
+        tokens: *mut sys::llama_token,
+        n_tokens_max: i32,
+        add_special: bool,
+        parse_special: bool,
+    ) -> i32;
+    pub(crate) fn sluice_token_to_piece(
+        vocab: *const sys::llama_vocab,
+        token: sys::llama_token,
+        buf: *mut c_char,
+        length: i32,
+        lstrip: i32,
+        special: bool,
+    ) -> i32;
+    pub(crate) fn sluice_chat_apply_template(
+        tmpl: *const c_char,
+        chat: *const sys::llama_chat_message,
+        n_msg: usize,
+        add_ass: bool,
+        buf: *mut c_char,
+        length: i32,
+    ) -> i32;
+}
+
+/// `Err` with the message of the exception the last shimmed call on this thread threw in
+/// `call`, if it threw.
+pub(crate) fn caught(call: &'static str) -> Result<(), Error> {
+    let mut buf = [0 as c_char; 512];
+    // SAFETY: buf is writable for its length; the shim writes a NUL-terminated message into it.
+    if !unsafe { sluice_shim_take_error(buf.as_mut_ptr(), buf.len()) } {
+        return Ok(());
+    }
+    // SAFETY: the shim NUL-terminated the message within buf.
+    let message = unsafe { CStr::from_ptr(buf.as_ptr()) }.to_string_lossy().into_owned();
+    Err(Error::Exception { call, message })
+}

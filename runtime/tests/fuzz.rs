@@ -1,0 +1,269 @@
+//! Malformed models never crash sluice: deterministic mutations of a fixture's header and
+//! tensor-info region (flipped bits, extreme values, truncations, absurd counts, dims, types,
+//! offsets, alignments, expert counts, duplicate token strings) go through `sluice plan`,
+//! `sluice run` and `sluice run --resident`. Each must succeed or fail with an error message:
+//! no signal, no panic, no hang.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+mod common;
+use common::sluice_command;
+
+/// How long one run may take before it counts as a hang.
+const HANG: Duration = Duration::from_secs(60);
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n.max(1) as u64) as usize
+    }
+
+    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
+        items[self.below(items.len())]
+    }
+}
+
+/// Where the fields of a GGUF header are: value offsets of the metadata, and the tensor infos.
+struct Layout {
+    /// Key name, value type, offset of the value.
+    kvs: Vec<(String, u32, usize)>,
+    /// Offsets of each tensor info's n_dims, its dims, its type and its data offset.
+    tensors: Vec<(usize, Vec<usize>, usize, usize)>,
+    /// End of the tensor infos.
+    end: usize,
+}
+
+fn u32_at(b: &[u8], p: usize) -> u32 {
+    u32::from_le_bytes(b[p..p + 4].try_into().unwrap())
+}
+
+fn u64_at(b: &[u8], p: usize) -> u64 {
+    u64::from_le_bytes(b[p..p + 8].try_into().unwrap())
+}
+
+/// Skips one metadata value of type `ty` at `p`; returns the offset after it.
+fn skip_value(b: &[u8], ty: u32, p: usize) -> usize {
+    match ty {
+        0 | 1 | 7 => p + 1,
+        2 | 3 => p + 2,
+        4..=6 => p + 4,
+        10..=12 => p + 8,
+        8 => p + 8 + u64_at(b, p) as usize,
+        9 => {
+            let (elem, n) = (u32_at(b, p), u64_at(b, p + 4));
+            (0..n).fold(p + 12, |q, _| skip_value(b, elem, q))
+        }
+        _ => panic!("fixture has value type {ty}"),
+    }
+}
+
+fn layout(b: &[u8]) -> Layout {
+    let (n_tensors, n_kv) = (u64_at(b, 8), u64_at(b, 16));
+    let mut p = 24;
+    let mut kvs = Vec::new();
+    for _ in 0..n_kv {
+        let len = u64_at(b, p) as usize;
+        let key = String::from_utf8_lossy(&b[p + 8..p + 8 + len]).into_owned();
+        let ty = u32_at(b, p + 8 + len);
+        let value = p + 12 + len;
+        kvs.push((key, ty, value));
+        p = skip_value(b, ty, value);
+    }
+    let mut tensors = Vec::new();
+    for _ in 0..n_tensors {
+        p += 8 + u64_at(b, p) as usize;
+        let n_dims = u32_at(b, p);
+        let dims = (0..n_dims as usize).map(|i| p + 4 + 8 * i).collect();
+        let ty = p + 4 + 8 * n_dims as usize;
+        tensors.push((p, dims, ty, ty + 4));
+        p = ty + 12;
+    }
+    Layout { kvs, tensors, end: p }
+}
+
+const EXTREME_U32: [u32; 10] = [0, 1, 2, 3, 16, 31, 513, 1025, 0x8000_0000, u32::MAX];
+const EXTREME_U64: [u64; 7] = [0, 1, 1 << 31, 1 << 40, 1 << 62, u64::MAX, 12_345_678_901];
+
+/// One mutation of `base`; returns the bytes and what was done.
+fn mutate(base: &[u8], l: &Layout, rng: &mut Rng) -> (Vec<u8>, &'static str) {
+    let mut b = base.to_vec();
+    let kind = match rng.below(9) {
+        0 => {
+            for _ in 0..1 + rng.below(4) {
+                let p = rng.below(l.end);
+                b[p] ^= 1 << rng.below(8);
+            }
+            "flipped bits"
+        }
+        1 => {
+            let p = rng.below(l.end - 8) & !3;
+            b[p..p + 4].copy_from_slice(&rng.pick(&EXTREME_U32).to_le_bytes());
+            "extreme field"
+        }
+        2 => {
+            b.truncate(rng.below(l.end + 8192));
+            "truncated"
+        }
+        3 => {
+            let wanted = [
+                "block_count",
+                "expert_count",
+                "expert_used_count",
+                "context_length",
+                "embedding_length",
+                "head_count",
+                "head_count_kv",
+                "feed_forward_length",
+                "expert_feed_forward_length",
+                "general.alignment",
+            ];
+            let candidates: Vec<_> =
+                l.kvs.iter().filter(|(k, ty, _)| *ty == 4 && wanted.iter().any(|w| k.ends_with(w))).collect();
+            let (_, _, p) = candidates[rng.below(candidates.len())];
+            b[*p..*p + 4].copy_from_slice(&rng.pick(&EXTREME_U32).to_le_bytes());
+            "metadata count"
+        }
+        4 => {
+            let (_, _, p) = l.kvs.iter().find(|(k, _, _)| k == "tokenizer.ggml.tokens").expect("tokens");
+            // Copy one token string over another of the same length.
+            let (n, mut q) = (u64_at(&b, p + 4), p + 12);
+            let mut strings = Vec::new();
+            for _ in 0..n {
+                let len = u64_at(&b, q) as usize;
+                strings.push((q + 8, len));
+                q += 8 + len;
+            }
+            let (a, len) = strings[rng.below(strings.len())];
+            if let Some(&(c, _)) = strings.iter().filter(|(c, l2)| *l2 == len && *c != a).nth(rng.below(4)) {
+                let src = b[a..a + len].to_vec();
+                b[c..c + len].copy_from_slice(&src);
+            }
+            "duplicate token"
+        }
+        5 => {
+            let (n_dims, dims, _, _) = &l.tensors[rng.below(l.tensors.len())];
+            if dims.is_empty() || rng.below(3) == 0 {
+                b[*n_dims..*n_dims + 4].copy_from_slice(&rng.pick(&[0u32, 5, 255, u32::MAX]).to_le_bytes());
+            } else {
+                let d = dims[rng.below(dims.len())];
+                b[d..d + 8].copy_from_slice(&rng.pick(&EXTREME_U64).to_le_bytes());
+            }
+            "tensor dims"
+        }
+        6 => {
+            let (_, _, ty, _) = l.tensors[rng.below(l.tensors.len())];
+            let v = rng.pick(&[4u32, 5, 31, 39, 40, 1000, u32::MAX]);
+            b[ty..ty + 4].copy_from_slice(&v.to_le_bytes());
+            "tensor type"
+        }
+        7 => {
+            let (_, _, _, off) = l.tensors[rng.below(l.tensors.len())];
+            let v = rng.pick(&[1u64, 31, 4096 + 7, 1 << 40, u64::MAX, 0]);
+            b[off..off + 8].copy_from_slice(&v.to_le_bytes());
+            "tensor offset"
+        }
+        _ => {
+            let at = rng.pick(&[8usize, 16]);
+            b[at..at + 8].copy_from_slice(&rng.pick(&EXTREME_U64).to_le_bytes());
+            "header counts"
+        }
+    };
+    (b, kind)
+}
+
+/// How one run ended.
+fn outcome(path: &Path, mode: &[&str]) -> &'static str {
+    let mut child = sluice_command()
+        .args(mode.iter().map(|a| if *a == "M" { path.to_str().unwrap() } else { a }))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if t0.elapsed() > HANG {
+            let _ = child.kill();
+            let _ = child.wait();
+            return "hang";
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    use std::os::unix::process::ExitStatusExt as _;
+    if status.signal().is_some() {
+        "signal"
+    } else if err.contains("panicked") {
+        "panic"
+    } else if status.success() {
+        "ok"
+    } else if err.contains("error:") {
+        "clean error"
+    } else {
+        "error without a message"
+    }
+}
+
+#[test]
+fn malformed_models_never_crash_sluice() {
+    let dir = tempfile::tempdir().unwrap();
+    let base_path = dir.path().join("base.gguf");
+    let o = sluice_command().args(["synth", "--out", base_path.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let base = std::fs::read(&base_path).unwrap();
+    let l = layout(&base);
+    // Emulated (qemu) runs are slow: fewer mutations there.
+    let emulated = std::env::var("SLUICE_TEST_RUNNER").is_ok_and(|r| !r.is_empty());
+    let n = if emulated { 100 } else { 1000 };
+    let modes: [&[&str]; 3] = [
+        &["plan", "--model", "M"],
+        &["run", "-m", "M", "-p", "hi", "-n", "2"],
+        &["run", "-m", "M", "-p", "hi", "-n", "2", "--resident"],
+    ];
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut bad = Vec::new();
+    let path = dir.path().join("mutated.gguf");
+    for i in 0..n {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9));
+        let (bytes, kind) = mutate(&base, &l, &mut rng);
+        std::fs::write(&path, &bytes).unwrap();
+        for mode in modes {
+            let what = outcome(&path, mode);
+            *counts.entry(what).or_default() += 1;
+            if !matches!(what, "ok" | "clean error") {
+                // SLUICE_FUZZ_KEEP=DIR keeps the failing inputs for a closer look.
+                if let Some(keep) = std::env::var_os("SLUICE_FUZZ_KEEP") {
+                    let _ = std::fs::copy(&path, Path::new(&keep).join(format!("mutation-{i}.gguf")));
+                }
+                bad.push(format!("mutation {i} ({kind}) through `sluice {}`: {what}", mode.join(" ")));
+            }
+        }
+    }
+    println!("{} runs of {n} mutations: {counts:?}", n * modes.len());
+    assert!(
+        bad.is_empty(),
+        "{} bad outcomes of {}:\n{}",
+        bad.len(),
+        n * modes.len(),
+        bad[..bad.len().min(30)].join("\n")
+    );
+    assert!(
+        counts.get("clean error").copied().unwrap_or(0) > n,
+        "the mutations must mostly break the file: {counts:?}"
+    );
+}
