@@ -61,6 +61,10 @@ impl Reservation {
         if map == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
+        // Small pages only: a transparent huge page would commit 2 MiB for a 4 KiB expert
+        // window and keep it after a release, beyond what the cache accounts. Best effort.
+        // SAFETY: map/map_len is the mapping just made.
+        unsafe { libc::madvise(map, map_len, libc::MADV_NOHUGEPAGE) };
         Ok(Reservation { map: map.cast(), map_len, file_base: file_offset - phase, file_offset, size })
     }
 
@@ -139,19 +143,23 @@ impl Reservation {
     }
 
     /// Gives back the pages wholly inside the tensor bytes `[from, to)` (relative to the
-    /// tensor). Boundary pages that a neighbouring slice may share stay. Returns the bytes
-    /// released.
+    /// tensor, clamped to it). Boundary pages that a neighbouring slice may share stay; the
+    /// mapping's first and last pages, which hold no other slice, go with the tensor's first and
+    /// last bytes. Returns the bytes released.
     pub fn release(&self, from: u64, to: u64) -> u64 {
+        let to = to.min(self.size);
+        let from = from.min(to);
         let page = page_size();
-        let start = (self.file_offset + from).div_ceil(page) * page;
-        let end = (self.file_offset + to) / page * page;
+        let map_end = self.file_base + self.map_len as u64;
+        let start = if from == 0 { self.file_base } else { (self.file_offset + from).div_ceil(page) * page };
+        let end = if to == self.size { map_end } else { (self.file_offset + to) / page * page };
         if end <= start {
             return 0;
         }
         let len = (end - start) as usize;
-        // SAFETY: [start, end) lies inside [file_offset + from, file_offset + to) which lies
-        // inside the mapping; MADV_DONTNEED on private anonymous memory only drops its contents
-        // (later reads see zeros), it never unmaps.
+        // SAFETY: [start, end) lies inside the mapping [file_base, map_end) (from and to are
+        // clamped to the tensor, which the mapping covers); MADV_DONTNEED on private anonymous
+        // memory only drops its contents (later reads see zeros), it never unmaps.
         let rc =
             unsafe { libc::madvise(self.map.add((start - self.file_base) as usize).cast(), len, libc::MADV_DONTNEED) };
         if rc == 0 {
@@ -159,6 +167,20 @@ impl Reservation {
         } else {
             0
         }
+    }
+}
+
+impl Reservation {
+    /// Bytes of the mapping in memory now (`mincore`): what the reservation really holds.
+    pub fn resident_bytes(&self) -> u64 {
+        let page = page_size() as usize;
+        let mut present = vec![0u8; self.map_len.div_ceil(page)];
+        // SAFETY: map/map_len is this live mapping; present holds one byte per page of it.
+        let rc = unsafe { libc::mincore(self.map.cast(), self.map_len, present.as_mut_ptr()) };
+        if rc != 0 {
+            return 0;
+        }
+        present.iter().filter(|&&p| p & 1 == 1).count() as u64 * page as u64
     }
 }
 
@@ -196,10 +218,18 @@ mod tests {
         // SAFETY: the window covering tensor bytes 100..200 was just read into the live mapping.
         let got = unsafe { std::slice::from_raw_parts(r.base_ptr().add(100), 100) };
         assert_eq!(got, &data[(off + 100) as usize..(off + 200) as usize]);
-        // Releasing a range smaller than a page frees nothing; a range covering a page frees it.
+        // Releasing a range smaller than a page frees nothing; the whole tensor frees the whole
+        // mapping, head and tail pages included.
         assert_eq!(r.release(100, 200), 0);
-        assert_eq!(r.release(0, size), page);
+        assert_eq!(r.release(0, size), 3 * page);
         assert!(r.read_window(std::os::fd::AsFd::as_fd(&file), 0, 10).is_err());
+        // A range past the tensor is clamped to it: nothing beyond the mapping is touched.
+        let (ws, we) = r.window(0, size);
+        r.read_window(std::os::fd::AsFd::as_fd(&file), ws, (we - ws) as usize).unwrap();
+        assert!(r.resident_bytes() >= 2 * page);
+        assert_eq!(r.release(0, u64::MAX), 3 * page, "clamped to the mapping");
+        assert_eq!(r.resident_bytes(), 0);
+        assert_eq!(r.release(u64::MAX - 1, u64::MAX), 0);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

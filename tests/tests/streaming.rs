@@ -413,3 +413,23 @@ fn a_streamer_poisoned_by_a_panic_forgets_its_cache_and_stays_exact() {
     assert_eq!(again.tokens, reference);
     assert!(rows.iter().map(|r| r.bytes_read).sum::<u64>() > 0, "the experts were read again");
 }
+
+#[test]
+fn evicted_experts_leave_no_memory_the_cache_does_not_account() {
+    // Quantized experts do not start on page boundaries: neighbouring experts share a page.
+    let dir = tempfile::tempdir().unwrap();
+    for f in [Fixture::Q8_0, Fixture::OddQ8_0] {
+        let (files, index) = setup(f, dir.path());
+        let budget = index.one_token_demand();
+        let config = stream_config(budget, 2, true, DensePolicy::Anon);
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let (mut session, tokens) = open_session(&model, &index, &config);
+        for _ in 0..3 {
+            session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap();
+            let s = session.streamer();
+            assert!(s.cache_counters().evictions > 0, "{f:?}: the budget must make the cache evict");
+            let (resident, accounted) = (s.resident_expert_bytes(), s.cache_used());
+            assert!(resident <= accounted, "{f:?}: {resident} bytes of experts in RAM, {accounted} accounted");
+        }
+    }
+}

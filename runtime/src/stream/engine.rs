@@ -278,6 +278,29 @@ impl<'m> Streamer<'m> {
         Ok(done)
     }
 
+    /// Gives back the memory of expert `e` of `layer`, which is not resident (any more). A page
+    /// it shares with a neighbour goes too when that neighbour is not resident either: else such
+    /// pages would stay in RAM, unaccounted, once both were evicted.
+    fn release_expert(&self, layer: u32, e: u32) {
+        let idle = |n: u32| n < self.index.n_expert && !self.cache.is_resident(layer, n);
+        for (k, tensor) in self.index.layer_tensors(layer) {
+            let (mut from, mut to) = tensor.slice(e);
+            if e > 0 && idle(e - 1) {
+                from = tensor.slice(e - 1).0;
+            }
+            if idle(e + 1) {
+                to = tensor.slice(e + 1).1;
+            }
+            self.reservations[k].release(from, to);
+        }
+    }
+
+    /// Bytes of expert memory really in RAM now (`mincore` over every expert reservation); the
+    /// cache's accounting must never be below it.
+    pub fn resident_expert_bytes(&self) -> u64 {
+        self.reservations.iter().map(|r| r.resident_bytes()).sum()
+    }
+
     /// Forgets what a panic in the middle of a decode may have left half-done: reads still out
     /// are waited for (bounded) and dropped, no expert stays marked resident, and every expert's
     /// memory is released, so the next decode reads what it needs afresh.
@@ -349,6 +372,9 @@ impl<'m> Streamer<'m> {
             Err(f) => {
                 for &(l, e) in &self.loading {
                     self.cache.mark_failed(l, e);
+                }
+                for &(l, e) in &self.loading {
+                    self.release_expert(l, e);
                 }
                 Err(StreamError::Read(f))
             }
@@ -485,10 +511,7 @@ impl<'m> Streamer<'m> {
         self.stats.misses += after.misses - before.misses;
         self.stats.evictions += after.evictions - before.evictions;
         for &(l, e) in &self.plan.evict {
-            for (k, tensor) in self.index.layer_tensors(l) {
-                let (a, b) = tensor.slice(e);
-                self.reservations[k].release(a, b);
-            }
+            self.release_expert(l, e);
         }
         for &e in &self.plan.load {
             expert_reads(&self.index, &self.reservations, layer, e, &mut self.jobs);
