@@ -1,7 +1,6 @@
 //! An inference context: decode, logits, greedy choice, memory clear, and the eval callback.
 
 use std::ffi::c_void;
-use std::marker::PhantomData;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -70,7 +69,7 @@ pub struct Context<'m> {
     callback: Option<*mut CallbackCell<'m>>,
     // The abort flag whose address llama.cpp holds as abort_callback_data; dropped after raw.
     abort: Option<Arc<AtomicBool>>,
-    _model: PhantomData<&'m Model>,
+    model: &'m Model,
 }
 
 // SAFETY: a llama_context may be used from any one thread at a time; Context is not Sync, and the
@@ -165,7 +164,7 @@ impl<'m> Context<'m> {
             unsafe { sys::llama_attach_threadpool(raw, pool.raw(), pool.raw()) };
             Some(pool)
         };
-        Ok(Context { raw, n_vocab: model.n_vocab(), _pool: pool, callback, abort: None, _model: PhantomData })
+        Ok(Context { raw, n_vocab: model.n_vocab(), _pool: pool, callback, abort: None, model })
     }
 
     /// The context length.
@@ -199,8 +198,10 @@ impl<'m> Context<'m> {
 
     /// Runs the model over `batch`. A panic of the eval callback during it is an error.
     pub fn decode(&mut self, batch: &Batch) -> Result<()> {
+        let running = self.model.begin_decode();
         // SAFETY: live context; the batch arrays are valid for batch.len() tokens.
         let status = unsafe { crate::shim::sluice_decode(self.raw, batch.raw()) };
+        drop(running);
         crate::shim::caught("llama_decode")?;
         if let Some(cell) = self.callback {
             // SAFETY: the decode has returned, so ggml no longer calls the callback; &mut self

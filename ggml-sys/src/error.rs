@@ -99,6 +99,12 @@ pub enum Error {
     /// A decode was stopped by its abort flag.
     #[error("the decode was aborted")]
     Aborted,
+    /// A weight was to be rebound while another context's decode ran over the same model.
+    #[error("cannot rebind {tensor}: another context is decoding over the same model")]
+    RebindWhileDecoding {
+        /// The tensor.
+        tensor: String,
+    },
     /// llama.cpp threw a C++ exception (caught in the shim): the model is malformed.
     #[error("llama.cpp failed in {call}: {message} (the model file is probably malformed)")]
     Exception {

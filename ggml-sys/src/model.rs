@@ -42,6 +42,8 @@ pub struct Model {
     path: PathBuf,
     /// Memory that weight tensors were rebound to; freed only after the model.
     rebound: Mutex<Vec<Arc<Reservation>>>,
+    /// Decodes running over this model now, all contexts together.
+    decoding: std::sync::atomic::AtomicUsize,
 }
 
 // SAFETY: a llama_model is immutable after llama_model_load_from_file returns; llama.cpp supports
@@ -93,7 +95,18 @@ impl Model {
         if raw.is_null() {
             return Err(Error::ModelLoad { path: path.into() });
         }
-        Ok(Model { raw, path: path.into(), rebound: Mutex::new(Vec::new()) })
+        Ok(Model { raw, path: path.into(), rebound: Mutex::new(Vec::new()), decoding: Default::default() })
+    }
+
+    /// Counts a decode over this model until the guard drops.
+    pub(crate) fn begin_decode(&self) -> DecodingGuard<'_> {
+        self.decoding.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        DecodingGuard(self)
+    }
+
+    /// Decodes running over this model now.
+    pub(crate) fn decodes_running(&self) -> usize {
+        self.decoding.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Keeps `reservation` alive until the model is freed (a weight now points into it).
@@ -269,6 +282,15 @@ impl Model {
             buf.resize((-n) as usize, 0);
         }
         Vec::new()
+    }
+}
+
+/// A decode over a model, counted while it runs.
+pub(crate) struct DecodingGuard<'a>(&'a Model);
+
+impl Drop for DecodingGuard<'_> {
+    fn drop(&mut self) {
+        self.0.decoding.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 

@@ -150,12 +150,24 @@ impl<'m> WeightTensor<'m> {
 
     /// Points the tensor's data at `reservation`'s base, so ggml's kernels read the tensor from
     /// there. The model keeps the reservation alive until it is freed, so the pointer never
-    /// dangles. Must be called between decodes (never while a graph runs).
-    pub fn rebind(&self, model: &'m crate::Model, reservation: std::sync::Arc<crate::Reservation>) {
+    /// dangles. Allowed between decodes, and from the eval callback of the one decode running
+    /// over the model (before the node that reads the tensor computes); refused with
+    /// [`crate::Error::RebindWhileDecoding`] while another context's decode runs over the same
+    /// model, which could be reading the tensor.
+    pub fn rebind(
+        &self,
+        model: &'m crate::Model,
+        reservation: std::sync::Arc<crate::Reservation>,
+    ) -> crate::Result<()> {
+        if model.decodes_running() > 1 {
+            return Err(crate::Error::RebindWhileDecoding { tensor: self.view().name().to_string() });
+        }
         let base = reservation.base_ptr();
         model.keep_alive(reservation);
-        // SAFETY: raw is a live weight tensor of `model`; no graph runs concurrently (contract
-        // above), and the new data pointer refers to memory kept alive as long as the model.
+        // SAFETY: raw is a live weight tensor of `model`; at most the calling decode runs over
+        // the model (checked above), and it has not computed the node reading this tensor yet;
+        // the new data pointer refers to memory kept alive as long as the model.
         unsafe { (*self.raw).data = base.cast() };
+        Ok(())
     }
 }

@@ -44,18 +44,25 @@ fn the_ledger_adds_up_for_two_fixtures() {
             let start = t.offset + e * stride;
             (start + stride).div_ceil(PAGE) * PAGE - start / PAGE * PAGE
         };
+        let expert = |l: u64, e: u64| {
+            ["gate", "up", "down"].iter().map(|k| slice(&format!("blk.{l}.ffn_{k}_exps.weight"), e)).sum::<u64>()
+        };
         let max_expert = (0..u64::from(spec.layers))
             .flat_map(|l| (0..u64::from(spec.experts)).map(move |e| (l, e)))
-            .map(|(l, e)| {
-                ["gate", "up", "down"].iter().map(|k| slice(&format!("blk.{l}.ffn_{k}_exps.weight"), e)).sum::<u64>()
-            })
+            .map(|(l, e)| expert(l, e))
             .max()
             .unwrap();
+        // One token's demand: in every layer, its experts_used largest experts.
+        let demand: u64 = (0..u64::from(spec.layers))
+            .map(|l| {
+                let mut w: Vec<u64> = (0..u64::from(spec.experts)).map(|e| expert(l, e)).collect();
+                w.sort_unstable_by(|a, b| b.cmp(a));
+                w.iter().take(spec.experts_used as usize).sum::<u64>()
+            })
+            .sum();
         let all_experts: u64 = (0..u64::from(spec.layers))
             .flat_map(|l| (0..u64::from(spec.experts)).map(move |e| (l, e)))
-            .map(|(l, e)| {
-                ["gate", "up", "down"].iter().map(|k| slice(&format!("blk.{l}.ffn_{k}_exps.weight"), e)).sum::<u64>()
-            })
+            .map(|(l, e)| expert(l, e))
             .sum();
         let working = u64::from(spec.experts.min(512 * spec.experts_used)) * max_expert;
 
@@ -86,7 +93,8 @@ fn the_ledger_adds_up_for_two_fixtures() {
         assert_eq!(l.bytes(Item::IoStaging), working.saturating_sub(cache));
         assert_eq!(l.bytes(Item::RuntimeOverhead), baseline + OVERHEAD_BYTES);
         assert_eq!(l.total, fixed + cache + working.saturating_sub(cache));
-        assert_eq!(l.one_token_min, u64::from(spec.layers * spec.experts_used) * max_expert);
+        assert_eq!(l.one_token_min, demand);
+        assert!(demand <= u64::from(spec.layers * spec.experts_used) * max_expert && demand <= all_experts);
         assert_eq!(l.all_experts, all_experts);
         assert_eq!((l.n_ctx, l.n_batch), (512, 512));
 

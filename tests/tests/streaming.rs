@@ -416,6 +416,10 @@ fn a_streamer_poisoned_by_a_panic_forgets_its_cache_and_stays_exact() {
 
 #[test]
 fn evicted_experts_leave_no_memory_the_cache_does_not_account() {
+    if std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty()) {
+        eprintln!("skipped: qemu-user may ignore MADV_DONTNEED, so released pages stay in its memory");
+        return;
+    }
     // Quantized experts do not start on page boundaries: neighbouring experts share a page.
     let dir = tempfile::tempdir().unwrap();
     for f in [Fixture::Q8_0, Fixture::OddQ8_0] {

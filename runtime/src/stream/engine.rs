@@ -136,7 +136,9 @@ pub struct Streamer<'m> {
     /// The (layer, expert) pairs of the batch being read.
     loading: Vec<(u32, u32)>,
     jobs: Vec<ReadJob>,
-    ids: Vec<u32>,
+    /// The layer's distinct routed experts, filled on the eval callback's path: fixed capacity,
+    /// so routing allocates nothing there.
+    ids: heapless::Vec<u32, { crate::metadata::MAX_EXPERTS as usize }>,
     seen: Vec<bool>,
     stats: DecodeStats,
     failure: Option<StreamError>,
@@ -181,7 +183,7 @@ impl<'m> Streamer<'m> {
             plan: LayerPlan::with_capacity(n_expert * index.n_layer as usize),
             loading: Vec::with_capacity(n_expert),
             jobs: Vec::with_capacity(n_expert * 4),
-            ids: Vec::with_capacity(n_expert),
+            ids: heapless::Vec::new(),
             seen: vec![false; n_expert],
             stats: DecodeStats::default(),
             failure: None,
@@ -451,7 +453,7 @@ impl<'m> Streamer<'m> {
             });
         }
         let r = Arc::new(Reservation::new(t.offset, t.size).map_err(StreamError::Reserve)?);
-        w.rebind(self.model, Arc::clone(&r));
+        w.rebind(self.model, Arc::clone(&r)).map_err(|e| StreamError::Graph(e.to_string()))?;
         Ok(r)
     }
 
@@ -470,7 +472,7 @@ impl<'m> Streamer<'m> {
         });
         let stats = self.lanes.read_all(&mut self.jobs)?;
         self.dense_bytes_read += stats.bytes;
-        w.rebind(self.model, r);
+        w.rebind(self.model, r).map_err(|e| StreamError::Graph(e.to_string()))?;
         Ok(())
     }
 
@@ -497,7 +499,7 @@ impl<'m> Streamer<'m> {
         self.collect()?;
         self.read_routed_ids(t, layer)?;
         if let Some(trace) = self.trace.as_mut() {
-            trace.push(RouteRecord { decode: self.decode_no, layer, experts: self.ids.clone() });
+            trace.push(RouteRecord { decode: self.decode_no, layer, experts: self.ids.to_vec() });
         }
         let row = (layer * self.index.n_expert) as usize;
         for &e in &self.ids {
@@ -554,7 +556,12 @@ impl<'m> Streamer<'m> {
                     .ok_or(StreamError::BadExpertId { layer, id, n_expert: self.index.n_expert })?;
                 if !self.seen[e as usize] {
                     self.seen[e as usize] = true;
-                    self.ids.push(e);
+                    // Distinct ids below n_expert, which the metadata check bounds by the capacity.
+                    self.ids.push(e).map_err(|_| StreamError::BadExpertId {
+                        layer,
+                        id,
+                        n_expert: self.index.n_expert,
+                    })?;
                 }
             }
         }
