@@ -231,27 +231,11 @@ impl Model {
     /// their text, which a chat template's prompt spells out).
     pub fn max_token_bytes(&self) -> usize {
         let mut buf = vec![0u8; 256];
-        let mut longest = 0;
-        for token in 0..self.n_vocab() as Token {
-            // SAFETY: buf is writable for its length; llama.cpp writes at most `length` bytes
-            // and returns the negated size needed when that is too short.
-            let n = unsafe {
-                crate::shim::sluice_token_to_piece(
-                    self.vocab(),
-                    token,
-                    buf.as_mut_ptr().cast(),
-                    buf.len() as i32,
-                    0,
-                    true,
-                )
-            };
-            if let Err(e) = crate::shim::caught("llama_token_to_piece") {
-                log::warn!("token {token}: {e}");
-                continue;
-            }
-            longest = longest.max(n.unsigned_abs() as usize);
-        }
-        longest
+        (0..self.n_vocab() as Token)
+            .filter_map(|token| self.piece_into(token, &mut buf, true).ok())
+            .map(|n| n.unsigned_abs() as usize)
+            .max()
+            .unwrap_or(0)
     }
 
     /// The bytes a token stands for (byte tokens give single raw bytes, so a piece can be part
@@ -260,28 +244,30 @@ impl Model {
     pub fn token_piece(&self, token: Token) -> Vec<u8> {
         let mut buf = vec![0u8; 32];
         for _ in 0..2 {
-            // SAFETY: buf is writable for its length; llama.cpp writes at most `length` bytes.
-            let n = unsafe {
-                crate::shim::sluice_token_to_piece(
-                    self.vocab(),
-                    token,
-                    buf.as_mut_ptr().cast(),
-                    buf.len() as i32,
-                    0,
-                    false,
-                )
-            };
-            if let Err(e) = crate::shim::caught("llama_token_to_piece") {
-                log::warn!("token {token}: {e}");
-                return Vec::new();
+            match self.piece_into(token, &mut buf, false) {
+                Ok(n) if n >= 0 => {
+                    buf.truncate(n as usize);
+                    return buf;
+                }
+                Ok(n) => buf.resize(n.unsigned_abs() as usize, 0),
+                Err(_) => return Vec::new(),
             }
-            if n >= 0 {
-                buf.truncate(n as usize);
-                return buf;
-            }
-            buf.resize((-n) as usize, 0);
         }
         Vec::new()
+    }
+
+    /// Writes `token`'s text into `buf` (control tokens' too when `special`): its length, or
+    /// the negated length needed when `buf` is too short. A token llama.cpp cannot render is
+    /// logged and an error.
+    fn piece_into(&self, token: Token, buf: &mut [u8], special: bool) -> Result<i32> {
+        let len = i32::try_from(buf.len()).unwrap_or(i32::MAX);
+        // SAFETY: buf is writable for len bytes; llama.cpp writes at most `length` bytes and
+        // returns the negated size needed when that is too short.
+        let n = unsafe {
+            crate::shim::sluice_token_to_piece(self.vocab(), token, buf.as_mut_ptr().cast(), len, 0, special)
+        };
+        crate::shim::caught("llama_token_to_piece").inspect_err(|e| log::warn!("token {token}: {e}"))?;
+        Ok(n)
     }
 }
 
