@@ -166,7 +166,8 @@ fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
         }
         // Two lanes: one stays stuck in its read; the other serves what follows.
         let mut config = stream_config(0, 2, true, DensePolicy::Anon);
-        config.lanes.fault = Some(ReadFault { at: index.dense.len() as u64 + 40, kind: FaultKind::Hang });
+        let at = index.dense.len() as u64 + 40;
+        config.lanes.fault = Some(ReadFault { at, kind: FaultKind::Hang });
         let bound = if cancel { Duration::from_secs(600) } else { Duration::from_secs(1) };
         config.lanes.bound = bound;
         if overlap {
@@ -176,10 +177,14 @@ fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
         let (mut session, tokens) = open_session(&model, &index, &config);
         let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
         session.set_abort_flag(Some(Arc::clone(&flag)));
+        // Cancel once the hanging read has begun (however slow the machine or emulator).
         let canceller = cancel.then(|| {
-            let flag = Arc::clone(&flag);
+            let (flag, lanes) = (Arc::clone(&flag), Arc::clone(session.streamer().lanes()));
             std::thread::spawn(move || {
-                std::thread::sleep(Duration::from_millis(500));
+                while lanes.reads_begun() < at {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                std::thread::sleep(Duration::from_millis(300));
                 flag.store(true, std::sync::atomic::Ordering::Relaxed);
             })
         });

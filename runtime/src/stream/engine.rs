@@ -219,7 +219,7 @@ impl<'m> Streamer<'m> {
     }
 
     /// The I/O lanes.
-    pub fn lanes(&self) -> &IoLanes {
+    pub fn lanes(&self) -> &Arc<IoLanes> {
         &self.lanes
     }
 

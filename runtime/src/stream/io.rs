@@ -262,6 +262,11 @@ impl IoLanes {
         Ok(lanes)
     }
 
+    /// Reads begun since the lanes opened (a read counts once its lane takes it).
+    pub fn reads_begun(&self) -> u64 {
+        self.shared.reads.load(Ordering::Relaxed)
+    }
+
     /// Makes waits end, failing their batch, once `flag` is set (`None`: no flag).
     pub fn set_cancel_flag(&self, flag: Option<Arc<AtomicBool>>) {
         *self.shared.cancel.lock().unwrap_or_else(|e| e.into_inner()) = flag;
