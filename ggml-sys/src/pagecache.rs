@@ -32,16 +32,25 @@ pub fn cached_bytes(file: &File, start: u64, len: u64) -> io::Result<u64> {
     if addr == libc::MAP_FAILED {
         return Err(io::Error::last_os_error());
     }
-    let mut vec = vec![0u8; map_len / page as usize];
-    // SAFETY: addr/map_len is the mapping made above; vec has one byte per page of it.
-    let rc = unsafe { libc::mincore(addr, map_len, vec.as_mut_ptr()) };
-    let err = io::Error::last_os_error();
+    // SAFETY: addr/map_len is the live mapping made above.
+    let resident = unsafe { resident_bytes(addr, map_len) };
     // SAFETY: unmapping the mapping made above, exactly once.
     unsafe { libc::munmap(addr, map_len) };
-    if rc != 0 {
-        return Err(err);
+    resident
+}
+
+/// Bytes of the pages of `[addr, addr + len)` that are in memory (`mincore`).
+///
+/// # Safety
+/// `addr` must be page-aligned and `[addr, addr + len)` a live mapping of this process.
+pub(crate) unsafe fn resident_bytes(addr: *mut libc::c_void, len: usize) -> io::Result<u64> {
+    let page = page_size() as usize;
+    let mut present = vec![0u8; len.div_ceil(page)];
+    // SAFETY: the caller's mapping; present has one byte per page of it.
+    if unsafe { libc::mincore(addr, len, present.as_mut_ptr()) } != 0 {
+        return Err(io::Error::last_os_error());
     }
-    Ok(vec.iter().filter(|&&b| b & 1 == 1).count() as u64 * page)
+    Ok(present.iter().filter(|&&b| b & 1 == 1).count() as u64 * page as u64)
 }
 
 #[cfg(test)]

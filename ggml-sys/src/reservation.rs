@@ -142,6 +142,12 @@ impl Reservation {
         Ok(done)
     }
 
+    /// Bytes of the mapping in memory now (`mincore`): what the reservation really holds.
+    pub fn resident_bytes(&self) -> u64 {
+        // SAFETY: map/map_len is this live, page-aligned mapping.
+        unsafe { crate::pagecache::resident_bytes(self.map.cast(), self.map_len) }.unwrap_or(0)
+    }
+
     /// Gives back the pages wholly inside the tensor bytes `[from, to)` (relative to the
     /// tensor, clamped to it). Boundary pages that a neighbouring slice may share stay; the
     /// mapping's first and last pages, which hold no other slice, go with the tensor's first and
@@ -167,20 +173,6 @@ impl Reservation {
         } else {
             0
         }
-    }
-}
-
-impl Reservation {
-    /// Bytes of the mapping in memory now (`mincore`): what the reservation really holds.
-    pub fn resident_bytes(&self) -> u64 {
-        let page = page_size() as usize;
-        let mut present = vec![0u8; self.map_len.div_ceil(page)];
-        // SAFETY: map/map_len is this live mapping; present holds one byte per page of it.
-        let rc = unsafe { libc::mincore(self.map.cast(), self.map_len, present.as_mut_ptr()) };
-        if rc != 0 {
-            return 0;
-        }
-        present.iter().filter(|&&p| p & 1 == 1).count() as u64 * page as u64
     }
 }
 
