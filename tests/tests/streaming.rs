@@ -59,7 +59,7 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let bound = sluice::stream::READY_BOUND;
+    let bound = sluice::stream::READ_BOUND;
     for f in gate_fixtures() {
         let (files, index) = setup(f, dir.path());
         let reference = resident_reference(&files[0], N);

@@ -121,7 +121,7 @@ pub fn run_child(
             })?;
             let config = StreamConfig {
                 cache_bytes: ledger.cache_bytes(),
-                overlap: overlap.then_some(crate::stream::READY_BOUND),
+                overlap: overlap.then_some(crate::stream::READ_BOUND),
                 ..config
             };
             let label = format!(

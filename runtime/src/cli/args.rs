@@ -106,6 +106,6 @@ pub fn stream_config(board: &ResolvedBoard, cache_bytes: u64, force_cache: bool,
         dense,
         trace_routes: false,
         gpu_layers,
-        overlap: board.overlap.value.then_some(sluice::stream::READY_BOUND),
+        overlap: board.overlap.value.then_some(sluice::stream::READ_BOUND),
     }
 }

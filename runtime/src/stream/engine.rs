@@ -101,6 +101,12 @@ pub fn overlap_hook(
     })
 }
 
+/// An empty expert cache of `budget` bytes over `index`'s experts, each accounted by its windows.
+fn empty_cache(index: &Arc<ExpertIndex>, budget: u64) -> ExpertCache {
+    let idx = Arc::clone(index);
+    ExpertCache::new(index.n_layer, index.n_expert, budget, move |l, e| idx.expert_window_bytes(l, e))
+}
+
 /// Adds the reads that make expert `e` of `layer` resident: its slice of each of the layer's
 /// expert tensors, page-aligned within the tensor's reservation.
 fn expert_reads(index: &ExpertIndex, reservations: &[Arc<Reservation>], layer: u32, e: u32, jobs: &mut Vec<ReadJob>) {
@@ -166,10 +172,7 @@ impl<'m> Streamer<'m> {
         cache_budget: u64,
         dense_anon: bool,
     ) -> Self {
-        let cache = {
-            let idx = Arc::clone(&index);
-            ExpertCache::new(index.n_layer, index.n_expert, cache_budget, move |l, e| idx.expert_window_bytes(l, e))
-        };
+        let cache = empty_cache(&index, cache_budget);
         let n_expert = index.n_expert as usize;
         Streamer {
             model,
@@ -315,10 +318,7 @@ impl<'m> Streamer<'m> {
         self.jobs.clear();
         self.loading.clear();
         self.failure = None;
-        let idx = Arc::clone(&self.index);
-        self.cache = ExpertCache::new(self.index.n_layer, self.index.n_expert, self.cache.budget(), move |l, e| {
-            idx.expert_window_bytes(l, e)
-        });
+        self.cache = empty_cache(&self.index, self.cache.budget());
         for r in &self.reservations {
             r.release(0, r.size());
         }
@@ -375,6 +375,7 @@ impl<'m> Streamer<'m> {
                 for &(l, e) in &self.loading {
                     self.cache.mark_failed(l, e);
                 }
+                // Released once all are marked: a failed neighbour's shared pages go too.
                 for &(l, e) in &self.loading {
                     self.release_expert(l, e);
                 }

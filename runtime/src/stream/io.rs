@@ -162,6 +162,17 @@ struct Shared {
 }
 
 impl Shared {
+    /// The failure of `job` for `source`, naming its expert, file and offset.
+    fn failure(&self, job: &ReadJob, source: io::Error) -> ReadFailure {
+        ReadFailure {
+            layer: job.tag.0,
+            expert: job.tag.1,
+            path: self.shards[job.shard].path.clone(),
+            offset: job.start,
+            source,
+        }
+    }
+
     fn cancelled(&self) -> bool {
         self.cancel.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
     }
@@ -190,7 +201,8 @@ pub struct LaneConfig {
     pub fault: Option<ReadFault>,
 }
 
-/// How long a batch of reads may take before it fails (a device that stopped answering).
+/// How long a batch of reads, or a compute thread's wait for one expert under overlap, may take
+/// before it fails naming the expert (a device that stopped answering).
 pub const READ_BOUND: Duration = Duration::from_secs(30);
 
 fn open_direct(path: &PathBuf) -> io::Result<File> {
@@ -318,9 +330,9 @@ impl IoLanes {
                 let i = q.landed.iter().position(|&l| !l).unwrap_or(0);
                 let failure = q.failure.take().unwrap_or_else(|| {
                     if cancelled {
-                        self.cancelled_at(&q.jobs[i])
+                        self.shared.failure(&q.jobs[i], cancelled_error())
                     } else {
-                        self.timed_out(&q.jobs[i], bound.unwrap_or_default())
+                        self.shared.failure(&q.jobs[i], timed_out_error(bound.unwrap_or_default()))
                     }
                 });
                 q.next = q.jobs.len(); // lanes take nothing more from this batch
@@ -356,7 +368,8 @@ impl IoLanes {
             let now = Instant::now();
             let cancelled = self.shared.cancelled();
             if cancelled || now >= deadline {
-                let failure = if cancelled { self.cancelled_at(&q.jobs[i]) } else { self.timed_out(&q.jobs[i], bound) };
+                let source = if cancelled { cancelled_error() } else { timed_out_error(bound) };
+                let failure = self.shared.failure(&q.jobs[i], source);
                 q.failure = Some(failure);
                 self.shared.done.notify_all();
                 return false;
@@ -369,26 +382,16 @@ impl IoLanes {
                 .0;
         }
     }
+}
 
-    fn cancelled_at(&self, job: &ReadJob) -> ReadFailure {
-        ReadFailure {
-            layer: job.tag.0,
-            expert: job.tag.1,
-            path: self.shared.shards[job.shard].path.clone(),
-            offset: job.start,
-            source: io::Error::new(io::ErrorKind::Interrupted, "cancelled while waiting for the read"),
-        }
-    }
+/// Why a read given up at a cancel failed.
+fn cancelled_error() -> io::Error {
+    io::Error::new(io::ErrorKind::Interrupted, "cancelled while waiting for the read")
+}
 
-    fn timed_out(&self, job: &ReadJob, bound: Duration) -> ReadFailure {
-        ReadFailure {
-            layer: job.tag.0,
-            expert: job.tag.1,
-            path: self.shared.shards[job.shard].path.clone(),
-            offset: job.start,
-            source: io::Error::new(io::ErrorKind::TimedOut, format!("not read within {:.1} s", bound.as_secs_f64())),
-        }
-    }
+/// Why a read still outstanding after `bound` failed.
+fn timed_out_error(bound: Duration) -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, format!("not read within {:.1} s", bound.as_secs_f64()))
 }
 
 struct LaneFiles {
@@ -435,13 +438,7 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
                 }
                 Err(source) => {
                     if q.failure.is_none() {
-                        q.failure = Some(ReadFailure {
-                            layer: job.tag.0,
-                            expert: job.tag.1,
-                            path: shared.shards[job.shard].path.clone(),
-                            offset: job.start,
-                            source,
-                        });
+                        q.failure = Some(shared.failure(&job, source));
                     }
                 }
             }

@@ -119,10 +119,6 @@ pub struct StreamConfig {
     pub overlap: Option<Duration>,
 }
 
-/// How long a compute thread waits for one expert's slice before the decode fails naming it:
-/// the same bound as a serial batch of reads.
-pub const READY_BOUND: Duration = READ_BOUND;
-
 /// A regular expression matching the routed expert tensors of `index`'s architecture.
 fn expert_pattern(index: &ExpertIndex) -> String {
     format!(r"^blk\.[0-9]+\.({})\.weight$", index.recipe.expert_suffixes.join("|"))
