@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use rand_chacha::rand_core::{RngCore, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use ggml_sys::{Batch, Context, ContextParams, EvalCallback, GgufFile, Model, ModelParams, Threads, Token};
+use ggml_sys::{Batch, Context, ContextParams, EvalCallback, Model, ModelParams, Threads, Token};
 
 /// Largest number of prompt tokens decoded in one batch.
 const MAX_BATCH: u32 = 512;
@@ -191,7 +191,6 @@ pub fn load_model(path: &Path) -> Result<Model, GenerateError> {
 /// [`load_model`] with explicit llama.cpp model parameters.
 pub fn load_model_with(path: &Path, params: &ModelParams) -> Result<Model, GenerateError> {
     check_model_file(path)?;
-    GgufFile::open(path)?;
     Ok(Model::load(path, params)?)
 }
 

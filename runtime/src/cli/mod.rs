@@ -13,13 +13,18 @@ macro_rules! outln {
     ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
 }
 
+/// Ends the process with status 141 (as SIGPIPE would) when `e` says the reader has gone.
+fn exit_if_reader_gone(e: &std::io::Error) {
+    if e.kind() == std::io::ErrorKind::BrokenPipe {
+        std::process::exit(141);
+    }
+}
+
 /// Writes to standard output, exiting with status 141 when the reader has gone.
 pub fn write_stdout(args: std::fmt::Arguments<'_>) {
     use std::io::Write as _;
     if let Err(e) = std::io::stdout().write_fmt(args) {
-        if e.kind() == std::io::ErrorKind::BrokenPipe {
-            std::process::exit(141);
-        }
+        exit_if_reader_gone(&e);
         eprintln!("error: writing to standard output: {e}");
         std::process::exit(1);
     }
@@ -55,8 +60,10 @@ impl TextOut {
         self.write("\n");
         match self.failed {
             None => Ok(()),
-            Some(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
-            Some(e) => Err(anyhow::anyhow!("writing the generated text to standard output: {e}")),
+            Some(e) => {
+                exit_if_reader_gone(&e);
+                Err(anyhow::anyhow!("writing the generated text to standard output: {e}"))
+            }
         }
     }
 }

@@ -93,7 +93,8 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     run_streamed(model_path, prompt, &params, &a.stream, &board)
 }
 
-/// Streams `model_path`: prints the continuation, the telemetry summary, and the CSV if asked.
+/// Streams `model_path` (checked by the caller: `run`, or the demo's own model): prints the
+/// continuation, the telemetry summary, and the CSV if asked.
 fn run_streamed(
     model_path: &Path,
     prompt: &str,
@@ -101,7 +102,6 @@ fn run_streamed(
     args: &StreamArgs,
     board: &ResolvedBoard,
 ) -> Result<()> {
-    generate::check_model_file(model_path)?;
     // Created before anything is generated: a path that cannot be written fails at once.
     let csv = args
         .csv

@@ -117,7 +117,7 @@ pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
         key: a.api_key.clone(),
         file: a.api_key_file.clone(),
         credentials_dir: std::env::var_os("CREDENTIALS_DIRECTORY").map(PathBuf::from),
-        state_dir: state_dir.clone(),
+        state_dir,
     };
     let access = Access::new(&keys, a.metrics_need_key, &a.cors_origins)?;
     let limits = HttpLimits {
