@@ -24,47 +24,56 @@ pub struct MetadataError {
     pub problem: String,
 }
 
+impl MetadataError {
+    fn new(key: impl Into<String>, problem: impl Into<String>) -> MetadataError {
+        MetadataError { key: key.into(), problem: problem.into() }
+    }
+}
+
 /// Checks `gguf`'s metadata: layer count, NextN layers, expert counts and groups (against the
 /// expert tensors too), alignment, and the vocabulary's token strings.
 pub fn check(gguf: &GgufFile) -> Result<(), MetadataError> {
-    let err = |key: &str, problem: String| MetadataError { key: key.into(), problem };
     let Some(arch) = gguf.architecture() else {
-        return Err(err("general.architecture", "is missing or not a string".into()));
+        return Err(MetadataError::new("general.architecture", "is missing or not a string"));
     };
     let key = |name: &str| format!("{arch}.{name}");
     let align = gguf.alignment();
     if align < MIN_ALIGNMENT || !align.is_power_of_two() {
-        return Err(err(
+        return Err(MetadataError::new(
             "general.alignment",
             format!("is {align}; it must be a power of two of at least {MIN_ALIGNMENT}"),
         ));
     }
     let layers_key = key("block_count");
-    let layers = gguf.get_u64(&layers_key).ok_or_else(|| err(&layers_key, "is missing or not an integer".into()))?;
+    let layers =
+        gguf.get_u64(&layers_key).ok_or_else(|| MetadataError::new(&layers_key, "is missing or not an integer"))?;
     if !(1..=MAX_LAYERS).contains(&layers) {
-        return Err(err(&layers_key, format!("is {layers}; llama.cpp runs 1 to {MAX_LAYERS} layers")));
+        return Err(MetadataError::new(&layers_key, format!("is {layers}; llama.cpp runs 1 to {MAX_LAYERS} layers")));
     }
     let nextn_key = key("nextn_predict_layers");
     if let Some(n) = gguf.get_u64(&nextn_key).filter(|&n| n > layers) {
-        return Err(err(&nextn_key, format!("is {n}, more than the {layers} layers")));
+        return Err(MetadataError::new(&nextn_key, format!("is {n}, more than the {layers} layers")));
     }
-    check_experts(gguf, &key, layers).map_err(|(k, p)| err(&k, p))?;
-    check_tokens(gguf).map_err(|(k, p)| err(&k, p))
+    check_experts(gguf, &key, layers)?;
+    check_tokens(gguf)
 }
 
 /// Expert counts: at most [`MAX_EXPERTS`], the experts used per token between 1 and the count
 /// (0 without experts), groups that divide the experts, and expert tensors of that many
 /// experts.
-fn check_experts(gguf: &GgufFile, key: &dyn Fn(&str) -> String, layers: u64) -> Result<(), (String, String)> {
+fn check_experts(gguf: &GgufFile, key: &dyn Fn(&str) -> String, layers: u64) -> Result<(), MetadataError> {
     let (count_key, used_key) = (key("expert_count"), key("expert_used_count"));
     let experts = gguf.get_u64(&count_key).unwrap_or(0);
     if experts > MAX_EXPERTS {
-        return Err((count_key, format!("is {experts}; llama.cpp runs at most {MAX_EXPERTS} experts")));
+        return Err(MetadataError::new(
+            count_key,
+            format!("is {experts}; llama.cpp runs at most {MAX_EXPERTS} experts"),
+        ));
     }
     let used: Vec<i64> = match (gguf.get_u64(&used_key), gguf.array_u32(&used_key)) {
         (Some(v), _) => vec![i64::try_from(v).unwrap_or(i64::MAX)],
         (None, Some(per_layer)) if per_layer.len() as u64 != layers => {
-            return Err((used_key, format!("has {} values for {layers} layers", per_layer.len())));
+            return Err(MetadataError::new(used_key, format!("has {} values for {layers} layers", per_layer.len())));
         }
         (None, Some(per_layer)) => per_layer,
         (None, None) => vec![0],
@@ -76,35 +85,44 @@ fn check_experts(gguf: &GgufFile, key: &dyn Fn(&str) -> String, layers: u64) -> 
             [one] => one.to_string(),
             per_layer => format!("{per_layer:?}"),
         };
-        return Err((used_key, format!("is {shown}; it must be {range}")));
+        return Err(MetadataError::new(used_key, format!("is {shown}; it must be {range}")));
     }
     let (groups_key, group_used_key) = (key("expert_group_count"), key("expert_group_used_count"));
     let groups = gguf.get_u64(&groups_key).unwrap_or(0);
     let group_used = gguf.get_u64(&group_used_key).unwrap_or(0);
     if groups > 0 && (experts == 0 || groups >= experts) {
-        return Err((groups_key, format!("is {groups}; it must be below the expert count {experts}")));
+        return Err(MetadataError::new(
+            groups_key,
+            format!("is {groups}; it must be below the expert count {experts}"),
+        ));
     }
     if groups > 1 && experts % groups != 0 {
-        return Err((groups_key, format!("is {groups}, which does not divide the {experts} experts")));
+        return Err(MetadataError::new(
+            groups_key,
+            format!("is {groups}, which does not divide the {experts} experts"),
+        ));
     }
     if groups > 1 && !(1..groups).contains(&group_used) {
-        return Err((group_used_key, format!("is {group_used}; it must be 1 to {}", groups - 1)));
+        return Err(MetadataError::new(group_used_key, format!("is {group_used}; it must be 1 to {}", groups - 1)));
     }
     if let Some(t) = gguf.tensors().iter().find(|t| t.name.contains("_exps.") && t.ne[2] != experts as i64) {
-        return Err((count_key, format!("is {experts}, but tensor {} holds {} experts", t.name, t.ne[2])));
+        return Err(MetadataError::new(
+            count_key,
+            format!("is {experts}, but tensor {} holds {} experts", t.name, t.ne[2]),
+        ));
     }
     Ok(())
 }
 
 /// Token strings: none may appear twice (llama.cpp maps text to tokens one to one).
-fn check_tokens(gguf: &GgufFile) -> Result<(), (String, String)> {
+fn check_tokens(gguf: &GgufFile) -> Result<(), MetadataError> {
     const TOKENS: &str = "tokenizer.ggml.tokens";
     let Some(tokens) = gguf.array_strings(TOKENS) else { return Ok(()) };
     let mut seen: HashMap<&[u8], usize> = HashMap::with_capacity(tokens.len());
     for (id, t) in tokens.iter().enumerate() {
         if let Some(first) = seen.insert(t, id) {
-            return Err((
-                TOKENS.into(),
+            return Err(MetadataError::new(
+                TOKENS,
                 format!("holds {:?} twice (tokens {first} and {id})", String::from_utf8_lossy(t)),
             ));
         }
