@@ -163,13 +163,10 @@ impl Front {
                         "server_error",
                         "the server is busy: every connection is in use; retry later",
                     );
-                    let body = e.body();
-                    let response = format!(
-                        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\ncontent-length: {}\r\nretry-after: 1\r\nconnection: close\r\n\r\n{body}",
-                        body.len()
-                    );
+                    let response =
+                        transport::closing_json_response("HTTP/1.1 503 Service Unavailable", &["retry-after: 1"], &e);
                     let tcp = Arc::new(tcp);
-                    let _ = tokio::time::timeout(LINGER_TIME, write_all(&tcp, response.as_bytes())).await;
+                    let _ = tokio::time::timeout(LINGER_TIME, write_all(&tcp, &response)).await;
                     linger(&tcp).await;
                     drop(permit);
                 });

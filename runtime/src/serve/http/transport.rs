@@ -149,18 +149,24 @@ fn with_json_error_body(head: &[u8]) -> Option<Vec<u8>> {
         505 => "HTTP version not supported; use HTTP/1.1 or HTTP/1.0".to_string(),
         _ => format!("malformed HTTP request ({reason})"),
     };
-    let body = ApiError::new(code, "invalid_request_error", message).body();
+    Some(closing_json_response(status_line, &kept, &ApiError::new(code, "invalid_request_error", message)))
+}
+
+/// A whole response written without hyper: `status_line`, the JSON body of `e`, `headers`
+/// besides, and `connection: close`.
+pub fn closing_json_response(status_line: &str, headers: &[&str], e: &ApiError) -> Vec<u8> {
+    let body = e.body();
     let mut out = format!(
         "{status_line}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
         body.len()
     );
-    for line in kept {
+    for line in headers {
         out.push_str(line);
         out.push_str("\r\n");
     }
     out.push_str("\r\n");
     out.push_str(&body);
-    Some(out.into_bytes())
+    out.into_bytes()
 }
 
 #[cfg(test)]
