@@ -81,38 +81,6 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
     }
 }
 
-#[test]
-fn a_failing_read_under_overlap_ends_the_generation_with_an_error_naming_the_expert() {
-    if !ggml_sys::expert_hook_available() {
-        eprintln!("skipped: this build's llama.cpp lacks the expert-ready hook (vendor patch 0004)");
-        return;
-    }
-    let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::Q8_0, dir.path());
-    for overlap in [true, false] {
-        let mut config = stream_config(0, 2, true, DensePolicy::Anon);
-        // Reads 1..=k come from the dense weights at open; fail one well into the decodes. A
-        // one-second bound: even a lost wake-up could not hang the test.
-        config.lanes.fault = Some(ReadFault { at: index.dense.len() as u64 + 40, kind: FaultKind::Eio });
-        if overlap {
-            config = overlapped(config, Duration::from_secs(1));
-        }
-        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
-        let prompt_len = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap().len() as u32;
-        let mut session =
-            StreamedSession::open(&model, Arc::clone(&index), &config, prompt_len + N, &ggml_sys::Threads::unpinned(2))
-                .unwrap();
-        let tokens = model.tokenize(sluice_tests::PROMPT, true).unwrap();
-        let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("the injected read failure must surface");
-        let msg = err.to_string();
-        assert!(msg.contains("reading expert") && msg.contains("of layer"), "overlap {overlap}: {msg}");
-        assert!(msg.contains("Input/output error"), "overlap {overlap}: the failure itself, not a timeout: {msg}");
-        // The session survives: the next generation (no more injected failures) matches resident.
-        let again = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens;
-        assert_eq!(again, resident_reference(&files[0], N), "overlap {overlap}: a failure must not poison the cache");
-    }
-}
-
 /// A streamed session over `files` with `config`, and the prompt's tokens.
 fn open_session<'m>(
     model: &'m ggml_sys::Model,
@@ -131,6 +99,46 @@ fn open_session<'m>(
     (session, tokens)
 }
 
+/// The read injected faults strike: reads 1..=k come from the dense weights at open, so this
+/// one falls well into the decodes.
+fn fault_read(index: &ExpertIndex) -> u64 {
+    index.dense.len() as u64 + 40
+}
+
+/// Two lanes, no cache, and the fault `kind` at [`fault_read`]; overlapped with each wait
+/// bounded by `overlap`, or serial.
+fn faulty_config(index: &ExpertIndex, kind: FaultKind, overlap: Option<Duration>) -> sluice::stream::StreamConfig {
+    let mut config = stream_config(0, 2, true, DensePolicy::Anon);
+    config.lanes.fault = Some(ReadFault { at: fault_read(index), kind });
+    match overlap {
+        Some(bound) => overlapped(config, bound),
+        None => config,
+    }
+}
+
+#[test]
+fn a_failing_read_under_overlap_ends_the_generation_with_an_error_naming_the_expert() {
+    if !ggml_sys::expert_hook_available() {
+        eprintln!("skipped: this build's llama.cpp lacks the expert-ready hook (vendor patch 0004)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    for overlap in [true, false] {
+        // A one-second bound: even a lost wake-up could not hang the test.
+        let config = faulty_config(&index, FaultKind::Eio, overlap.then_some(Duration::from_secs(1)));
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let (mut session, tokens) = open_session(&model, &index, &config);
+        let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("the injected read failure must surface");
+        let msg = err.to_string();
+        assert!(msg.contains("reading expert") && msg.contains("of layer"), "overlap {overlap}: {msg}");
+        assert!(msg.contains("Input/output error"), "overlap {overlap}: the failure itself, not a timeout: {msg}");
+        // The session survives: the next generation (no more injected failures) matches resident.
+        let again = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens;
+        assert_eq!(again, resident_reference(&files[0], N), "overlap {overlap}: a failure must not poison the cache");
+    }
+}
+
 #[test]
 fn a_reader_that_panics_fails_the_decode_and_the_session_goes_on() {
     let dir = tempfile::tempdir().unwrap();
@@ -140,11 +148,7 @@ fn a_reader_that_panics_fails_the_decode_and_the_session_goes_on() {
         if overlap && !ggml_sys::expert_hook_available() {
             continue;
         }
-        let mut config = stream_config(0, 2, true, DensePolicy::Anon);
-        config.lanes.fault = Some(ReadFault { at: index.dense.len() as u64 + 40, kind: FaultKind::Panic });
-        if overlap {
-            config = overlapped(config, Duration::from_secs(5));
-        }
+        let config = faulty_config(&index, FaultKind::Panic, overlap.then_some(Duration::from_secs(5)));
         let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
         let (mut session, tokens) = open_session(&model, &index, &config);
         let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("the panicking reader must surface");
@@ -165,14 +169,10 @@ fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
             continue;
         }
         // Two lanes: one stays stuck in its read; the other serves what follows.
-        let mut config = stream_config(0, 2, true, DensePolicy::Anon);
-        let at = index.dense.len() as u64 + 40;
-        config.lanes.fault = Some(ReadFault { at, kind: FaultKind::Hang });
         let bound = if cancel { Duration::from_secs(600) } else { Duration::from_secs(1) };
+        let mut config = faulty_config(&index, FaultKind::Hang, overlap.then_some(bound));
         config.lanes.bound = bound;
-        if overlap {
-            config = overlapped(config, bound);
-        }
+        let at = fault_read(&index);
         let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
         let (mut session, tokens) = open_session(&model, &index, &config);
         let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
