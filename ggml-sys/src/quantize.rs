@@ -16,6 +16,8 @@ pub enum QuantType {
     Q4KM,
     /// 6-bit k-quants (`Q6_K`).
     Q6K,
+    /// MXFP4 routed experts and Q8_0 elsewhere (`MXFP4_MOE`, as gpt-oss ships).
+    Mxfp4Moe,
 }
 
 impl QuantType {
@@ -24,6 +26,7 @@ impl QuantType {
             QuantType::Q8_0 => sys::LLAMA_FTYPE_MOSTLY_Q8_0,
             QuantType::Q4KM => sys::LLAMA_FTYPE_MOSTLY_Q4_K_M,
             QuantType::Q6K => sys::LLAMA_FTYPE_MOSTLY_Q6_K,
+            QuantType::Mxfp4Moe => sys::LLAMA_FTYPE_MOSTLY_MXFP4_MOE,
         }
     }
 }

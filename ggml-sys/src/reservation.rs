@@ -10,6 +10,8 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+use memmap2::{Advice, MmapOptions, MmapRaw, UncheckedAdvice};
+
 /// The system page size.
 pub fn page_size() -> u64 {
     // SAFETY: sysconf has no memory-safety preconditions.
@@ -21,23 +23,17 @@ pub fn page_size() -> u64 {
     }
 }
 
-/// Page-congruent anonymous memory for one tensor.
+/// Page-congruent anonymous memory for one tensor (a memmap2 anonymous map, unmapped when the
+/// last owner drops it: a model keeps the reservations its tensors were rebound to alive until
+/// it is freed, see `Model::keep_alive`).
 pub struct Reservation {
-    map: *mut u8,
-    map_len: usize,
+    map: MmapRaw,
     /// File offset of the first byte of the mapping (page-aligned).
     file_base: u64,
     /// File offset and size of the tensor.
     file_offset: u64,
     size: u64,
 }
-
-// SAFETY: the mapping is plain memory owned by this value; all writes go through pread (the
-// kernel) or madvise, and reads happen in ggml's kernels, which synchronize with the writers
-// through the eval callback (serial streaming) or the expert-ready wait.
-unsafe impl Send for Reservation {}
-// SAFETY: as above: no method hands out references into the mapping.
-unsafe impl Sync for Reservation {}
 
 impl Reservation {
     /// Reserves address space for a tensor of `size` bytes at `file_offset`.
@@ -46,36 +42,31 @@ impl Reservation {
         let phase = file_offset % page;
         let map_len = (phase + size).div_ceil(page).max(1) * page;
         let map_len = usize::try_from(map_len).map_err(|_| io::Error::other("tensor too large to map"))?;
-        // SAFETY: a fresh private anonymous mapping at an address of the kernel's choosing; no
-        // existing memory is affected.
-        let map = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                map_len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if map == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
+        // Private anonymous memory without swap reserved for it (MAP_NORESERVE): pages are
+        // committed only when a read writes them.
+        let map = MmapRaw::from(MmapOptions::new().len(map_len).no_reserve_swap().map_anon()?);
         // Small pages only: a transparent huge page would commit 2 MiB for a 4 KiB expert
         // window and keep it after a release, beyond what the cache accounts. Best effort.
-        // SAFETY: map/map_len is the mapping just made.
-        unsafe { libc::madvise(map, map_len, libc::MADV_NOHUGEPAGE) };
-        Ok(Reservation { map: map.cast(), map_len, file_base: file_offset - phase, file_offset, size })
+        let _ = map.advise(Advice::NoHugePage);
+        Ok(Reservation { map, file_base: file_offset - phase, file_offset, size })
+    }
+
+    fn map_ptr(&self) -> *mut u8 {
+        self.map.as_mut_ptr()
+    }
+
+    fn map_len(&self) -> usize {
+        self.map.len()
     }
 
     /// The address the tensor's data starts at.
     pub fn base_addr(&self) -> usize {
-        self.map as usize + (self.file_offset - self.file_base) as usize
+        self.map_ptr() as usize + (self.file_offset - self.file_base) as usize
     }
 
     pub(crate) fn base_ptr(&self) -> *mut u8 {
         // SAFETY: file_offset - file_base < page <= map_len, so the result is inside the mapping.
-        unsafe { self.map.add((self.file_offset - self.file_base) as usize) }
+        unsafe { self.map_ptr().add((self.file_offset - self.file_base) as usize) }
     }
 
     /// File offset of the tensor.
@@ -93,7 +84,7 @@ impl Reservation {
     pub fn window(&self, from: u64, to: u64) -> (u64, u64) {
         let page = page_size();
         let start = (self.file_offset + from) / page * page;
-        let end = ((self.file_offset + to).div_ceil(page) * page).min(self.file_base + self.map_len as u64);
+        let end = ((self.file_offset + to).div_ceil(page) * page).min(self.file_base + self.map_len() as u64);
         (start.max(self.file_base), end)
     }
 
@@ -103,13 +94,13 @@ impl Reservation {
     /// multiples always are). Returns the bytes read.
     pub fn read_window(&self, fd: BorrowedFd<'_>, file_start: u64, len: usize) -> io::Result<usize> {
         let end = file_start.checked_add(len as u64).ok_or_else(|| io::Error::other("window overflows"))?;
-        if file_start < self.file_base || end > self.file_base + self.map_len as u64 {
+        if file_start < self.file_base || end > self.file_base + self.map_len() as u64 {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
                 format!(
                     "window {file_start}..{end} is outside the reservation {}..{}",
                     self.file_base,
-                    self.file_base + self.map_len as u64
+                    self.file_base + self.map_len() as u64
                 ),
             ));
         }
@@ -122,7 +113,7 @@ impl Reservation {
             let n = unsafe {
                 libc::pread(
                     fd.as_raw_fd(),
-                    self.map.add((off - self.file_base) as usize).cast(),
+                    self.map_ptr().add((off - self.file_base) as usize).cast(),
                     len - done,
                     off as libc::off_t,
                 )
@@ -145,7 +136,7 @@ impl Reservation {
     /// Bytes of the mapping in memory now (`mincore`): what the reservation really holds.
     pub fn resident_bytes(&self) -> u64 {
         // SAFETY: map/map_len is this live, page-aligned mapping.
-        unsafe { crate::pagecache::resident_bytes(self.map.cast(), self.map_len) }.unwrap_or(0)
+        unsafe { crate::pagecache::resident_bytes(self.map_ptr().cast(), self.map_len()) }.unwrap_or(0)
     }
 
     /// Gives back the pages wholly inside the tensor bytes `[from, to)` (relative to the
@@ -156,7 +147,7 @@ impl Reservation {
         let to = to.min(self.size);
         let from = from.min(to);
         let page = page_size();
-        let map_end = self.file_base + self.map_len as u64;
+        let map_end = self.file_base + self.map_len() as u64;
         let start = if from == 0 { self.file_base } else { (self.file_offset + from).div_ceil(page) * page };
         let end = if to == self.size { map_end } else { (self.file_offset + to) / page * page };
         if end <= start {
@@ -164,24 +155,18 @@ impl Reservation {
         }
         let len = (end - start) as usize;
         // SAFETY: [start, end) lies inside the mapping [file_base, map_end) (from and to are
-        // clamped to the tensor, which the mapping covers); MADV_DONTNEED on private anonymous
-        // memory only drops its contents (later reads see zeros), it never unmaps.
-        let rc =
-            unsafe { libc::madvise(self.map.add((start - self.file_base) as usize).cast(), len, libc::MADV_DONTNEED) };
-        if rc == 0 {
+        // clamped to the tensor, which the mapping covers). MADV_DONTNEED on private anonymous
+        // memory drops the pages' contents (later reads see zeros): no reference into the
+        // mapping exists (the type hands none out), and ggml reads only the slices the streamer
+        // made resident again before they are used.
+        let released = unsafe {
+            self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, (start - self.file_base) as usize, len)
+        };
+        if released.is_ok() {
             len as u64
         } else {
             0
         }
-    }
-}
-
-impl Drop for Reservation {
-    fn drop(&mut self) {
-        // SAFETY: map/map_len came from a successful mmap and are unmapped exactly once; no
-        // tensor points here any more (the model keeps rebound reservations alive until it is
-        // freed, see Model::keep_alive).
-        unsafe { libc::munmap(self.map.cast(), self.map_len) };
     }
 }
 
@@ -240,7 +225,7 @@ mod tests {
             return;
         }
         let r = Reservation::new(0, 8 << 20).unwrap();
-        let start = format!("{:x}-", r.map as usize);
+        let start = format!("{:x}-", r.map_ptr() as usize);
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let flags = smaps.lines().skip_while(|l| !l.starts_with(&start)).find(|l| l.starts_with("VmFlags:"));
         let flags = flags.unwrap_or_else(|| panic!("mapping {start} not in /proc/self/smaps"));

@@ -19,6 +19,8 @@ impl GgmlType {
     pub const Q4_K: GgmlType = GgmlType(sys::GGML_TYPE_Q4_K);
     /// `GGML_TYPE_Q6_K`.
     pub const Q6_K: GgmlType = GgmlType(sys::GGML_TYPE_Q6_K);
+    /// `GGML_TYPE_MXFP4`.
+    pub const MXFP4: GgmlType = GgmlType(sys::GGML_TYPE_MXFP4);
 
     /// Wraps ggml's type number, if it names a type this ggml knows.
     pub fn from_raw(raw: u32) -> Option<GgmlType> {

@@ -2,11 +2,13 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::synth::{self, OutputType, SynthSpec};
+use crate::synth::{self, OutputType, SynthArch, SynthSpec};
 
 /// The demo model: small enough to generate in seconds, big enough to route across 16 experts.
 pub fn demo_spec() -> SynthSpec {
     SynthSpec {
+        arch: SynthArch::Qwen3moe,
+        fused_gate_up: false,
         layers: 4,
         embd: 512,
         heads: 8,
@@ -41,7 +43,7 @@ pub fn demo_model_path(dir: &Path) -> PathBuf {
     let s = demo_spec();
     dir.join(format!(
         "demo-{}-l{}-e{}-x{}k{}-ff{}-s{}.gguf",
-        synth::ARCH,
+        demo_spec().arch.name(),
         s.layers,
         s.embd,
         s.experts,

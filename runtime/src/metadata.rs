@@ -105,7 +105,7 @@ fn check_experts(gguf: &GgufFile, key: &dyn Fn(&str) -> String, layers: u64) -> 
     if groups > 1 && !(1..groups).contains(&group_used) {
         return Err(MetadataError::new(group_used_key, format!("is {group_used}; it must be 1 to {}", groups - 1)));
     }
-    if let Some(t) = gguf.tensors().iter().find(|t| t.name.contains("_exps.") && t.ne[2] != experts as i64) {
+    if let Some(t) = gguf.tensors().iter().find(|t| t.name.ends_with("_exps.weight") && t.ne[2] != experts as i64) {
         return Err(MetadataError::new(
             count_key,
             format!("is {experts}, but tensor {} holds {} experts", t.name, t.ne[2]),

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use ggml_sys::Token;
 use sluice::generate::{self, GenerateParams};
-use sluice::synth::{self, OutputType, SynthSpec};
+use sluice::synth::{self, OutputType, SynthArch, SynthSpec};
 
 /// The fixture variants every gate runs on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,11 +27,18 @@ pub enum Fixture {
     Aligned4096,
     /// f16 split into five files, the first holding only metadata.
     Split,
+    /// deepseek2 (f16): latent attention, a shared expert, sigmoid routing with expert groups,
+    /// a leading dense layer and a NextN block.
+    Deepseek2,
+    /// deepseek2 (f32) with each layer's gate and up experts fused in one tensor.
+    Deepseek2Fused,
+    /// gpt-oss with per-expert biases and MXFP4 experts (Q8_0 elsewhere).
+    GptOss,
 }
 
 impl Fixture {
     /// Every variant.
-    pub const ALL: [Fixture; 8] = [
+    pub const ALL: [Fixture; 11] = [
         Fixture::F32,
         Fixture::F16,
         Fixture::Q8_0,
@@ -40,6 +47,9 @@ impl Fixture {
         Fixture::OddQ8_0,
         Fixture::Aligned4096,
         Fixture::Split,
+        Fixture::Deepseek2,
+        Fixture::Deepseek2Fused,
+        Fixture::GptOss,
     ];
 
     /// The synth parameters of this variant.
@@ -56,6 +66,15 @@ impl Fixture {
             }
             Fixture::Aligned4096 => SynthSpec { alignment: 4096, ..base },
             Fixture::Split => SynthSpec { split_max_tensors: Some(7), ..base },
+            Fixture::Deepseek2 => SynthSpec { arch: SynthArch::Deepseek2, layers: 3, ..base },
+            Fixture::Deepseek2Fused => SynthSpec {
+                arch: SynthArch::Deepseek2,
+                fused_gate_up: true,
+                layers: 3,
+                out_type: OutputType::F32,
+                ..base
+            },
+            Fixture::GptOss => SynthSpec { arch: SynthArch::GptOss, out_type: OutputType::Mxfp4Moe, ..base },
         }
     }
 
@@ -95,7 +114,17 @@ pub fn greedy_tokens(model: &ggml_sys::Model, n_predict: u32, n_threads: u32) ->
 /// The fixtures the streaming gates run on: `SLUICE_GATE_FIXTURES` (comma-separated lowercase
 /// names, e.g. `f32,q8_0`) narrows them, as `make aarch64` does under emulation.
 pub fn gate_fixtures() -> Vec<Fixture> {
-    let all = [Fixture::F32, Fixture::Q8_0, Fixture::Q4KM, Fixture::Q6K, Fixture::OddQ8_0, Fixture::Split];
+    let all = [
+        Fixture::F32,
+        Fixture::Q8_0,
+        Fixture::Q4KM,
+        Fixture::Q6K,
+        Fixture::OddQ8_0,
+        Fixture::Split,
+        Fixture::Deepseek2,
+        Fixture::Deepseek2Fused,
+        Fixture::GptOss,
+    ];
     match std::env::var("SLUICE_GATE_FIXTURES") {
         Ok(list) if !list.trim().is_empty() => {
             let wanted: Vec<String> = list.split(',').map(|s| s.trim().to_lowercase()).collect();

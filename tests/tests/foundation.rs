@@ -34,8 +34,17 @@ fn expert_tensors(files: &[std::path::PathBuf]) -> Vec<ggml_sys::GgufTensor> {
     files
         .iter()
         .flat_map(|f| GgufFile::open(f).unwrap().tensors().to_vec())
-        .filter(|t| t.name.contains("_exps."))
+        .filter(|t| t.name.ends_with("_exps.weight"))
         .collect()
+}
+
+/// Routed expert tensors in fixture `f`'s files: the kinds per MoE block (gate, up, down; or
+/// fused gate/up, down) times the blocks. Every layer is a MoE block, except deepseek2's leading
+/// dense layer, for which its NextN block makes up.
+fn expected_experts(f: Fixture) -> usize {
+    let spec = f.spec();
+    let kinds = if spec.fused_gate_up { 2 } else { 3 };
+    kinds * spec.layers as usize
 }
 
 #[test]
@@ -45,12 +54,15 @@ fn fixtures_have_the_promised_layouts() {
         let files = f.write(dir.path());
         let experts = expert_tensors(&files);
         let spec = f.spec();
-        assert_eq!(experts.len(), 3 * spec.layers as usize, "{f:?}");
+        assert_eq!(experts.len(), expected_experts(f), "{f:?}");
         for t in &experts {
             assert_eq!(t.ne[2], i64::from(spec.experts), "{f:?} {}", t.name);
             match f {
-                Fixture::F32 => assert_eq!(t.ty, GgmlType::F32),
-                Fixture::F16 | Fixture::Aligned4096 | Fixture::Split => assert_eq!(t.ty, GgmlType::F16),
+                Fixture::F32 | Fixture::Deepseek2Fused => assert_eq!(t.ty, GgmlType::F32),
+                Fixture::F16 | Fixture::Aligned4096 | Fixture::Split | Fixture::Deepseek2 => {
+                    assert_eq!(t.ty, GgmlType::F16)
+                }
+                Fixture::GptOss => assert_eq!(t.ty, GgmlType::MXFP4, "{}", t.name),
                 Fixture::Q8_0 | Fixture::OddQ8_0 => assert_eq!(t.ty, GgmlType::Q8_0, "{}", t.name),
                 Fixture::Q4KM => assert!(t.ty == GgmlType::Q4_K || t.ty == GgmlType::Q6_K, "{} is {}", t.name, t.ty),
                 Fixture::Q6K => assert_eq!(t.ty, GgmlType::Q6_K),

@@ -246,8 +246,10 @@ fn window_bytes(files: &[std::path::PathBuf], layer: u32, e: u32) -> u64 {
     let mut sum = 0;
     for f in files {
         let g = GgufFile::open(f).unwrap();
-        for t in
-            g.tensors().iter().filter(|t| t.name.starts_with(&format!("blk.{layer}.")) && t.name.contains("_exps."))
+        for t in g
+            .tensors()
+            .iter()
+            .filter(|t| t.name.starts_with(&format!("blk.{layer}.")) && t.name.ends_with("_exps.weight"))
         {
             let stride = t.nb()[2];
             let start = (t.offset + u64::from(e) * stride) / page * page;
@@ -275,10 +277,12 @@ fn bytes_read_match_the_routes_exactly() {
         assert_eq!(run.bytes_read, expected, "{f:?}: cache off");
         let routed: usize = run.trace.iter().map(|r| r.experts.len()).sum();
         assert_eq!(run.counters.misses as usize, routed, "{f:?}: with no cache every routed expert is a miss");
-        // The routes vary across tokens: not every decode picks the same experts in layer 0.
-        let layer0: std::collections::BTreeSet<_> =
-            run.trace.iter().filter(|r| r.layer == 0).map(|r| r.experts.clone()).collect();
-        assert!(layer0.len() > 1, "{f:?}: routing never changes");
+        // The routes vary across tokens: not every decode picks the same experts in the first
+        // MoE layer.
+        let first = index.moe_layers().next().unwrap();
+        let routes: std::collections::BTreeSet<_> =
+            run.trace.iter().filter(|r| r.layer == first).map(|r| r.experts.clone()).collect();
+        assert!(routes.len() > 1, "{f:?}: routing never changes");
 
         // An unbounded cache reads every expert at most once.
         let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
@@ -339,6 +343,60 @@ fn the_model_on_tmpfs_streams_the_same() {
         let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
         assert_eq!(run.tokens, reference, "{f:?} on tmpfs (direct I/O: {})", run.direct);
     }
+}
+
+#[test]
+fn each_layout_indexes_the_experts_llama_cpp_routes_and_lists_the_rest() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_files, ds) = setup(Fixture::Deepseek2, dir.path());
+    assert!(ds.verified);
+    assert_eq!((ds.n_layer, ds.nextn_layers), (3, 1), "the NextN block is not a layer llama.cpp runs");
+    assert_eq!(ds.moe_layers().collect::<Vec<_>>(), vec![1, 2], "layer 0 is dense");
+    assert!(!ds.not_run.is_empty() && ds.not_run.iter().all(|t| t.name.starts_with("blk.3.")));
+    assert!(ds.experts.iter().all(|t| t.layer == 1 || t.layer == 2));
+    assert!(ds.dense.iter().any(|t| t.name == "blk.1.ffn_gate_shexp.weight"), "shared experts stay resident");
+    assert_eq!(ds.resident_expert_tensors().count(), 0);
+    let per_layer: u64 = (0..ds.n_expert).map(|e| ds.expert_window_bytes(1, e)).max().unwrap();
+    assert_eq!(ds.one_token_demand(), 2 * 2 * per_layer, "2 MoE layers x top-2 equal experts");
+
+    let (_files, fused) = setup(Fixture::Deepseek2Fused, dir.path());
+    assert_eq!(fused.expert_kinds(), vec!["ffn_down_exps", "ffn_gate_up_exps"]);
+
+    let (_files, oss) = setup(Fixture::GptOss, dir.path());
+    assert!(oss.experts.iter().all(|t| t.ty == ggml_sys::GgmlType::MXFP4));
+    let biases: Vec<&str> = oss.resident_expert_tensors().map(|t| t.name.as_str()).collect();
+    assert_eq!(biases.len(), 3 * 2, "{biases:?}");
+    assert!(biases.iter().all(|n| n.ends_with("_exps.bias")), "per-expert biases stay resident: {biases:?}");
+}
+
+/// Opens a streamed session over `index` (a fixture's, altered) and returns its error.
+fn open_error(files: &[std::path::PathBuf], index: ExpertIndex) -> String {
+    let model = load_streamed_model(&files[0], &index, DensePolicy::Mmap, 0).unwrap();
+    let config = stream_config(0, 2, true, DensePolicy::Mmap);
+    let opened = StreamedSession::open(&model, Arc::new(index), &config, 64, &ggml_sys::Threads::unpinned(2));
+    match opened {
+        Ok(_) => panic!("a session opened over an index the graph contradicts"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn experts_the_graph_does_not_route_as_indexed_fail_the_warm_up_with_the_tensor_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Fixture::F16.write(dir.path());
+    // An expert tensor the index places in another layer than the router that selects it.
+    let mut index = ExpertIndex::open(&files[0]).unwrap();
+    let k = index.experts.iter().position(|t| t.layer == 0).unwrap();
+    index.experts[k].layer = 1;
+    let err = open_error(&files, index);
+    assert!(err.contains("blk.0.ffn_") && err.contains("ffn_moe_topk-1") && err.contains("--resident"), "{err}");
+    // An indexed expert tensor the graph never uses.
+    let mut index = ExpertIndex::open(&files[0]).unwrap();
+    let mut ghost = index.experts[0].clone();
+    ghost.name = "blk.0.ffn_ghost_exps.weight".into();
+    index.experts.push(ghost);
+    let err = open_error(&files, index);
+    assert!(err.contains("blk.0.ffn_ghost_exps.weight") && err.contains("--resident"), "{err}");
 }
 
 #[test]

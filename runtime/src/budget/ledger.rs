@@ -78,6 +78,76 @@ pub struct Ledger {
     pub all_experts: u64,
     /// Bytes held: the sum of the held lines.
     pub total: u64,
+    /// What streams and what does not.
+    pub experts: ExpertLayout,
+}
+
+/// The model's expert layout as the plan lists it: which tensors stream, and every tensor of an
+/// expert layout that does not (nothing stays resident unlisted).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ExpertLayout {
+    /// `general.architecture`.
+    pub arch: String,
+    /// Whether a gate verifies streaming it.
+    pub verified: bool,
+    /// Experts per layer.
+    pub n_expert: u32,
+    /// Experts each token routes to (the most over the layers).
+    pub n_expert_used: u32,
+    /// Layers llama.cpp runs.
+    pub layers: u32,
+    /// Of which have routed experts.
+    pub moe_layers: usize,
+    /// The kinds of streamed tensors (`ffn_down_exps`, `ffn_gate_up_exps`, ...).
+    pub streamed_kinds: Vec<String>,
+    /// Streamed tensors.
+    pub streamed_tensors: usize,
+    /// Expert-layout tensors that stay resident (per-expert biases and scales), by name.
+    pub resident_expert_tensors: Vec<String>,
+    /// Their bytes (part of the dense weights).
+    pub resident_expert_bytes: u64,
+    /// NextN/MTP blocks after the last layer, which llama.cpp does not run.
+    pub not_run_layers: u32,
+    /// Their tensors' bytes: never loaded or read.
+    pub not_run_bytes: u64,
+}
+
+impl ExpertLayout {
+    /// The layout's lines of [`Ledger::describe`].
+    fn describe(&self, o: &mut String) {
+        let _ = writeln!(
+            o,
+            "  experts: {} ({}), {} per layer, top-{}, in {} of {} layers; streamed: {} ({} tensors)",
+            self.arch,
+            if self.verified { "verified by a gate" } else { "not verified: streamed by the generic rule" },
+            self.n_expert,
+            self.n_expert_used,
+            self.moe_layers,
+            self.layers,
+            self.streamed_kinds.join(", "),
+            self.streamed_tensors
+        );
+        if !self.resident_expert_tensors.is_empty() {
+            let shown: Vec<&str> = self.resident_expert_tensors.iter().take(3).map(String::as_str).collect();
+            let more = self.resident_expert_tensors.len() - shown.len();
+            let _ = writeln!(
+                o,
+                "  resident expert tensors (per-expert biases and scales, in the dense weights): {}, {:.2} MiB: {}{}",
+                self.resident_expert_tensors.len(),
+                mib(self.resident_expert_bytes),
+                shown.join(", "),
+                if more > 0 { format!(" and {more} more") } else { String::new() }
+            );
+        }
+        if self.not_run_layers > 0 {
+            let _ = writeln!(
+                o,
+                "  NextN/MTP blocks: {} after the last layer, {:.1} MiB, not run by llama.cpp: never loaded or read",
+                self.not_run_layers,
+                mib(self.not_run_bytes)
+            );
+        }
+    }
 }
 
 impl Ledger {
@@ -123,6 +193,7 @@ impl Ledger {
             mib(self.one_token_min),
             mib(self.all_experts)
         );
+        self.experts.describe(&mut o);
         o
     }
 }

@@ -4,7 +4,7 @@
 mod ledger;
 mod plan;
 
-pub use ledger::{Item, Ledger, LedgerLine};
+pub use ledger::{ExpertLayout, Item, Ledger, LedgerLine};
 pub use plan::{ledger, measure_context, plan_within_budget, ContextSizes, PlanRequest, OVERHEAD_BYTES};
 
 /// Why a plan cannot run.

@@ -12,7 +12,7 @@ use crate::generate::context_params;
 use crate::stream::{DensePolicy, ExpertIndex};
 use crate::telemetry::{mib, Usage};
 
-use super::ledger::{Item, Ledger, LedgerLine};
+use super::ledger::{ExpertLayout, Item, Ledger, LedgerLine};
 use super::BudgetError;
 
 /// llama.cpp's own structures beyond its buffers (model and vocabulary metadata, graph
@@ -139,6 +139,26 @@ pub fn ledger(req: &PlanRequest, sizes: ContextSizes, baseline: u64) -> Ledger {
         one_token_min: index.one_token_demand(),
         all_experts: all,
         total,
+        experts: expert_layout(index),
+    }
+}
+
+/// `index`'s expert layout, for the plan.
+fn expert_layout(index: &ExpertIndex) -> ExpertLayout {
+    let resident: Vec<_> = index.resident_expert_tensors().collect();
+    ExpertLayout {
+        arch: index.arch.clone(),
+        verified: index.verified,
+        n_expert: index.n_expert,
+        n_expert_used: index.n_expert_used,
+        layers: index.n_layer,
+        moe_layers: index.moe_layers().count(),
+        streamed_kinds: index.expert_kinds().into_iter().map(String::from).collect(),
+        streamed_tensors: index.experts.len(),
+        resident_expert_bytes: resident.iter().map(|t| t.size).sum(),
+        resident_expert_tensors: resident.into_iter().map(|t| t.name.clone()).collect(),
+        not_run_layers: index.nextn_layers,
+        not_run_bytes: index.not_run.iter().map(|t| t.size).sum(),
     }
 }
 

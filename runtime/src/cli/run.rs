@@ -10,7 +10,6 @@ use sluice::board::{BoardChoice, ComputeService, ResolvedBoard};
 use sluice::budget::{self, PlanRequest};
 use sluice::generate::{self, GenerateParams, Generation, Session};
 use sluice::stream::{self, DensePolicy, ExpertIndex, StreamedSession};
-use sluice::synth;
 use sluice::telemetry::{self, mib, Summary};
 use sluice::{demo, text::DisplayText};
 
@@ -69,7 +68,7 @@ fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GeneratePa
 /// Runs `sluice run`.
 pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     if a.list_archs {
-        out!("{}", stream::recipe::table());
+        out!("{}", stream::verified::table());
         return Ok(());
     }
     let (Some(model_path), Some(prompt)) = (&a.model, &a.prompt) else {
@@ -221,7 +220,7 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
     let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
     eprintln!(
         "sluice demo: {} synthetic MoE model at {} ({:.1} MiB{})",
-        synth::ARCH,
+        demo::demo_spec().arch.name(),
         path.display(),
         size as f64 / (1 << 20) as f64,
         if created { ", generated just now" } else { ", from the cache" }

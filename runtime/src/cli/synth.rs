@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use anyhow::{Context as _, Result};
 use clap::Args;
 
-use sluice::synth::{self, OutputType, SynthSpec};
+use sluice::synth::{self, OutputType, SynthArch, SynthSpec};
 
 /// `sluice synth` arguments.
 #[derive(Args)]
@@ -14,6 +14,15 @@ pub struct SynthArgs {
     /// <prefix>-0000K-of-0000N.gguf after it.
     #[arg(short, long)]
     out: PathBuf,
+    /// Architecture: its tensor layout and metadata. deepseek2 adds a leading dense layer, a
+    /// shared expert, expert-group routing and a NextN block; gpt-oss per-expert biases and
+    /// attention sinks (use it with --type mxfp4_moe for gpt-oss's MXFP4 experts).
+    #[arg(long, value_enum, default_value_t = SynthArch::Qwen3moe)]
+    arch: SynthArch,
+    /// Store each layer's routed gate and up projections in one tensor (`ffn_gate_up_exps`;
+    /// deepseek2).
+    #[arg(long)]
+    fused_gate_up: bool,
     /// Transformer layers.
     #[arg(long, default_value_t = SynthSpec::default().layers)]
     layers: u32,
@@ -65,6 +74,8 @@ pub struct SynthArgs {
 impl SynthArgs {
     pub fn spec(&self) -> Result<SynthSpec> {
         let mut spec = SynthSpec {
+            arch: self.arch,
+            fused_gate_up: self.fused_gate_up,
             layers: self.layers,
             embd: self.embd,
             heads: self.heads,
@@ -95,10 +106,11 @@ pub fn run_synth(a: &SynthArgs) -> Result<()> {
         outln!("{}", f.display());
     }
     eprintln!(
-        "wrote {} file(s), {:.1} MiB ({:.1} MiB of routed experts): {} layers, {} experts (top-{}), expert FFN {}, {:?}",
+        "wrote {} file(s), {:.1} MiB ({:.1} MiB of routed experts): {}, {} layers, {} experts (top-{}), expert FFN {}, {:?}",
         out.files.len(),
         out.total_bytes as f64 / (1 << 20) as f64,
         out.expert_bytes as f64 / (1 << 20) as f64,
+        spec.arch.name(),
         spec.layers,
         spec.experts,
         spec.experts_used,

@@ -1,7 +1,8 @@
 //! The streaming engine's state, driven from llama.cpp's eval callback.
 //!
 //! Capture (one warm-up decode): every graph node's sources are scanned for the model's weight
-//! tensors; nothing is isolated. The first time an expert tensor is seen, before any node that
+//! tensors; nothing is isolated. Each use of an expert tensor is checked to be a routed product
+//! over its own layer's top-k node, the only use streaming can serve. The first time an expert tensor is seen, before any node that
 //! uses it computes, it is rebound into an empty page-congruent anonymous reservation, so the
 //! warm-up never faults expert bytes in from the file mapping; with dense `anon`, each resident
 //! weight is likewise read once by the lanes into its own reservation and rebound. (Asks run
@@ -417,6 +418,7 @@ impl<'m> Streamer<'m> {
             let Some(src) = t.src(i) else { continue };
             let name = src.name();
             if let Some(k) = self.index.expert_by_name(name) {
+                self.check_routed_use(t, i, k)?;
                 if self.pending[k].is_none() {
                     if let Some(w) = src.as_weight(self.model) {
                         self.pending[k] = Some(self.rebind_expert(k, w)?);
@@ -434,6 +436,26 @@ impl<'m> Streamer<'m> {
             }
         }
         Ok(())
+    }
+
+    /// Checks that `node` uses expert tensor `k` (as its source `slot`) the one way streaming
+    /// can serve: as the weights of a routed product (`MUL_MAT_ID`) whose expert ids are the
+    /// top-k node of the tensor's own layer, computed before it. Any other use would read expert
+    /// slices the router did not ask for, which are not resident.
+    fn check_routed_use(&self, node: TensorView<'_>, slot: usize, k: usize) -> Result<(), StreamError> {
+        let tensor = &self.index.experts[k];
+        let router = format!("ffn_moe_topk-{}", tensor.layer);
+        let routed = slot == 0 && node.op_name() == "MUL_MAT_ID" && node.src(2).is_some_and(|ids| ids.name() == router);
+        if routed {
+            return Ok(());
+        }
+        Err(StreamError::Unrouted {
+            tensor: tensor.name.clone(),
+            node: node.name().to_string(),
+            op: node.op_name().to_string(),
+            router,
+            arch: self.index.arch.clone(),
+        })
     }
 
     /// Checks the graph's expert tensor `k` against the file and rebinds it into an empty
@@ -484,7 +506,10 @@ impl<'m> Streamer<'m> {
             return Err(e);
         }
         if let Some(k) = self.pending.iter().position(Option::is_none) {
-            return Err(StreamError::NotCaptured { tensor: self.index.experts[k].name.clone() });
+            return Err(StreamError::NotCaptured {
+                tensor: self.index.experts[k].name.clone(),
+                arch: self.index.arch.clone(),
+            });
         }
         self.reservations = self.pending.drain(..).flatten().collect();
         self.mode = Mode::Stream;
@@ -498,6 +523,11 @@ impl<'m> Streamer<'m> {
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| StreamError::Graph(format!("unexpected node name {}", t.name())))?;
         self.collect()?;
+        if self.index.layer_tensors(layer).next().is_none() {
+            // A router whose layer streams nothing (the capture checked that no expert tensor
+            // is used through it).
+            return Ok(());
+        }
         self.read_routed_ids(t, layer)?;
         if let Some(trace) = self.trace.as_mut() {
             trace.push(RouteRecord { decode: self.decode_no, layer, experts: self.ids.to_vec() });

@@ -1,11 +1,17 @@
 //! The expert index: where every routed expert's bytes sit in the model's file(s).
+//!
+//! Experts are found from the file, for any architecture: every `blk.<il>.*_exps.weight` tensor
+//! whose third dimension is the model's expert count (split or fused gate/up, down) holds one
+//! slice per expert and streams. Everything else stays resident: attention, norms, routers,
+//! shared experts, per-expert biases and scales. Blocks llama.cpp does not run (NextN/MTP blocks
+//! after the last layer) are neither indexed nor read.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use ggml_sys::{GgmlType, GgufFile};
 
-use super::recipe::{self, Recipe};
+use super::verified;
 
 /// A stacked expert tensor (`ne[2]` experts) of one layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -35,7 +41,7 @@ impl ExpertTensor {
     }
 }
 
-/// A tensor that stays resident.
+/// A tensor that stays resident (or, for a block llama.cpp does not run, is never read).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DenseTensor {
     /// Tensor name.
@@ -54,21 +60,13 @@ pub enum IndexError {
     /// The GGUF could not be read.
     #[error(transparent)]
     Gguf(#[from] ggml_sys::Error),
-    /// No recipe for the architecture.
-    #[error("{path}: architecture '{arch}' has no streaming recipe; run it with --resident, or add a row to the recipe table (`sluice run --list-archs` prints it)")]
-    UnknownArch {
+    /// No routed expert tensors.
+    #[error("{path}: no routed expert tensors (blk.<layer>.*_exps.weight holding {arch}.expert_count experts) found; it is not a Mixture-of-Experts model, so run it with --resident")]
+    NoExperts {
         /// The model.
         path: PathBuf,
         /// Its architecture.
         arch: String,
-    },
-    /// No routed expert tensors.
-    #[error("{path}: no routed expert tensors ({}) found; it is not a Mixture-of-Experts model, so run it with --resident", .suffixes.join(", "))]
-    NoExperts {
-        /// The model.
-        path: PathBuf,
-        /// The suffixes looked for.
-        suffixes: Vec<&'static str>,
     },
     /// Metadata is missing or inconsistent.
     #[error("{path}: {what}")]
@@ -83,20 +81,28 @@ pub enum IndexError {
 /// Where each expert's bytes are, for a whole (possibly split) model.
 #[derive(Debug)]
 pub struct ExpertIndex {
-    /// The architecture's recipe.
-    pub recipe: &'static Recipe,
+    /// `general.architecture`.
+    pub arch: String,
+    /// Whether a gate verifies streaming this architecture (see [`verified`]); others stream by
+    /// the generic rule and the warm-up's checks.
+    pub verified: bool,
     /// The model's files, first one first.
     pub shards: Vec<PathBuf>,
     /// Expert tensors, grouped by layer in file order.
     pub experts: Vec<ExpertTensor>,
-    /// Every other tensor.
+    /// Every other tensor llama.cpp loads.
     pub dense: Vec<DenseTensor>,
-    /// Layers.
+    /// Tensors of the blocks llama.cpp does not run (NextN/MTP): not loaded, never read.
+    pub not_run: Vec<DenseTensor>,
+    /// Layers llama.cpp runs (`block_count` less the NextN blocks).
     pub n_layer: u32,
+    /// NextN/MTP blocks after them (`nextn_predict_layers`).
+    pub nextn_layers: u32,
     /// Experts per layer.
     pub n_expert: u32,
-    /// Experts each token routes to.
+    /// Experts each token routes to: the most over the layers.
     pub n_expert_used: u32,
+    used_per_layer: Vec<u32>,
     by_layer: Vec<Vec<usize>>,
     by_name: HashMap<String, usize>,
     dense_by_name: HashMap<String, usize>,
@@ -119,10 +125,28 @@ pub fn shard_paths(first: &Path, g: &GgufFile) -> Result<Vec<PathBuf>, IndexErro
     Ok((1..=count).map(|i| PathBuf::from(format!("{prefix}-{i:05}-of-{count:05}.gguf"))).collect())
 }
 
-fn parse_layer(name: &str, suffix: &str) -> Option<u32> {
-    let rest = name.strip_prefix("blk.")?;
-    let (il, tail) = rest.split_once('.')?;
-    (tail == format!("{suffix}.weight")).then(|| il.parse().ok())?
+/// The block number and the rest of a `blk.<il>.<rest>` tensor name.
+fn parse_block(name: &str) -> Option<(u32, &str)> {
+    let (il, rest) = name.strip_prefix("blk.")?.split_once('.')?;
+    Some((il.parse().ok()?, rest))
+}
+
+/// The experts used per token in each of the first `n_layer` layers: one value for all, or one
+/// per block.
+fn used_per_layer(g: &GgufFile, key: &str, n_layer: u32) -> Option<Vec<u32>> {
+    if let Some(v) = g.get_u64(key) {
+        return Some(vec![u32::try_from(v).ok()?; n_layer as usize]);
+    }
+    let per_block = g.array_u32(key)?;
+    if per_block.len() < n_layer as usize {
+        return None;
+    }
+    per_block.iter().take(n_layer as usize).map(|&v| u32::try_from(v).ok()).collect()
+}
+
+/// Whether `rest` (a name after `blk.<il>.`) is a routed experts' weight.
+fn is_expert_weight(rest: &str) -> bool {
+    rest.strip_suffix(".weight").is_some_and(|base| base.ends_with("_exps"))
 }
 
 impl ExpertIndex {
@@ -131,14 +155,22 @@ impl ExpertIndex {
         let first = GgufFile::open(path)?;
         let meta_err = |what: String| IndexError::Metadata { path: path.into(), what };
         let arch = first.architecture().ok_or_else(|| meta_err("general.architecture is missing".into()))?;
-        let recipe = recipe::recipe_for(&arch)
-            .ok_or_else(|| IndexError::UnknownArch { path: path.into(), arch: arch.clone() })?;
-        let key_u32 = |k: &str| first.get_u64(&format!("{arch}.{k}")).map(|v| v as u32);
-        let n_layer = key_u32("block_count").ok_or_else(|| meta_err(format!("{arch}.block_count is missing")))?;
-        let n_expert_used = key_u32("expert_used_count").unwrap_or(0);
+        let key = |k: &str| format!("{arch}.{k}");
+        let blocks =
+            first.get_u64(&key("block_count")).ok_or_else(|| meta_err(format!("{} is missing", key("block_count"))))?;
+        let nextn_layers = first.get_u64(&key("nextn_predict_layers")).unwrap_or(0).min(blocks);
+        let n_layer = u32::try_from(blocks - nextn_layers)
+            .map_err(|_| meta_err(format!("{} is {blocks}, too many layers", key("block_count"))))?;
+        let n_expert = first.get_u64(&key("expert_count")).unwrap_or(0);
+        if n_expert <= 1 {
+            return Err(IndexError::NoExperts { path: path.into(), arch });
+        }
+        let n_expert = u32::try_from(n_expert)
+            .map_err(|_| meta_err(format!("{} is {n_expert}, too many experts", key("expert_count"))))?;
+        let used_per_layer = used_per_layer(&first, &key("expert_used_count"), n_layer)
+            .ok_or_else(|| meta_err(format!("{} is missing or has no value per layer", key("expert_used_count"))))?;
         let shards = shard_paths(path, &first)?;
-        let mut experts = Vec::new();
-        let mut dense = Vec::new();
+        let (mut experts, mut dense, mut not_run) = (Vec::new(), Vec::new(), Vec::new());
         for (shard, shard_path) in shards.iter().enumerate() {
             let opened;
             let g = if shard == 0 {
@@ -148,50 +180,85 @@ impl ExpertIndex {
                 &opened
             };
             for t in g.tensors() {
-                let layer = recipe.expert_suffixes.iter().find_map(|s| parse_layer(&t.name, s));
-                match layer {
-                    Some(layer) if t.ne[2] > 1 => experts.push(ExpertTensor {
-                        name: t.name.clone(),
-                        layer,
-                        shard,
-                        offset: t.offset,
-                        size: t.size,
-                        stride: t.nb()[2],
-                        n_expert: t.ne[2] as u32,
-                        ty: t.ty,
-                    }),
-                    _ => dense.push(DenseTensor { name: t.name.clone(), shard, offset: t.offset, size: t.size }),
+                let dense_tensor = || DenseTensor { name: t.name.clone(), shard, offset: t.offset, size: t.size };
+                match parse_block(&t.name) {
+                    Some((layer, _)) if layer >= n_layer => not_run.push(dense_tensor()),
+                    Some((layer, rest)) if is_expert_weight(rest) && t.ne[2] == i64::from(n_expert) => {
+                        experts.push(ExpertTensor {
+                            name: t.name.clone(),
+                            layer,
+                            shard,
+                            offset: t.offset,
+                            size: t.size,
+                            stride: t.nb()[2],
+                            n_expert,
+                            ty: t.ty,
+                        })
+                    }
+                    _ => dense.push(dense_tensor()),
                 }
             }
         }
         if experts.is_empty() {
-            return Err(IndexError::NoExperts { path: path.into(), suffixes: recipe.expert_suffixes.to_vec() });
-        }
-        let n_expert = experts[0].n_expert;
-        if let Some(t) = experts.iter().find(|t| t.n_expert != n_expert || t.layer >= n_layer) {
-            return Err(meta_err(format!("expert tensor {} has {} experts (layer {}), inconsistent with {n_expert} experts over {n_layer} layers", t.name, t.n_expert, t.layer)));
-        }
-        if n_expert_used == 0 || n_expert_used > n_expert {
-            return Err(meta_err(format!("{arch}.expert_used_count is {n_expert_used}, not between 1 and {n_expert}")));
+            return Err(IndexError::NoExperts { path: path.into(), arch });
         }
         let mut by_layer = vec![Vec::new(); n_layer as usize];
         for (i, t) in experts.iter().enumerate() {
             by_layer[t.layer as usize].push(i);
         }
+        if let Some(layer) = (0..n_layer).find(|&l| !by_layer[l as usize].is_empty() && used_per_layer[l as usize] == 0)
+        {
+            return Err(meta_err(format!(
+                "{} is 0 for layer {layer}, which has routed experts",
+                key("expert_used_count")
+            )));
+        }
         let by_name = experts.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         let dense_by_name = dense.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
         Ok(ExpertIndex {
-            recipe,
+            verified: verified::is_verified(&arch),
+            arch,
             shards,
             experts,
             dense,
+            not_run,
             n_layer,
+            nextn_layers: nextn_layers as u32,
             n_expert,
-            n_expert_used,
+            n_expert_used: used_per_layer.iter().copied().max().unwrap_or(0),
+            used_per_layer,
             by_layer,
             by_name,
             dense_by_name,
         })
+    }
+
+    /// The layers that have routed experts (leading dense layers and others have none).
+    pub fn moe_layers(&self) -> impl Iterator<Item = u32> + '_ {
+        (0..self.n_layer).filter(|&l| !self.by_layer[l as usize].is_empty())
+    }
+
+    /// Experts each token routes to in `layer`.
+    pub fn experts_used(&self, layer: u32) -> u32 {
+        self.used_per_layer.get(layer as usize).copied().unwrap_or(0)
+    }
+
+    /// The distinct expert tensor kinds (`ffn_gate_exps`, `ffn_gate_up_exps`, ...), sorted.
+    pub fn expert_kinds(&self) -> Vec<&str> {
+        let mut kinds: Vec<&str> = self
+            .experts
+            .iter()
+            .filter_map(|t| parse_block(&t.name).and_then(|(_, rest)| rest.strip_suffix(".weight")))
+            .collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        kinds
+    }
+
+    /// Resident tensors of an expert layout that do not stream: per-expert biases and scales,
+    /// and any `*_exps` weight not stacked `n_expert` deep. The plan lists them.
+    pub fn resident_expert_tensors(&self) -> impl Iterator<Item = &DenseTensor> {
+        self.dense.iter().filter(|t| parse_block(&t.name).is_some_and(|(_, rest)| rest.contains("_exps")))
     }
 
     /// The expert tensors of `layer`.
@@ -242,15 +309,16 @@ impl ExpertIndex {
     }
 
     /// One token's routed demand, the one definition that plans, checks and the cache use:
-    /// in every layer, the windows of its `n_expert_used` largest experts, resident at once. It
-    /// is never more than all experts (quantized experts' windows differ by a page or so, so
-    /// `layers x k x the largest window` could be, and refused a cache holding every expert).
+    /// in every MoE layer, the windows of its `k` largest experts (`k` the layer's experts used),
+    /// resident at once. It is never more than all experts (quantized experts' windows differ by
+    /// a page or so, so `layers x k x the largest window` could be, and refused a cache holding
+    /// every expert).
     pub fn one_token_demand(&self) -> u64 {
-        (0..self.n_layer)
+        self.moe_layers()
             .map(|l| {
                 let mut windows: Vec<u64> = (0..self.n_expert).map(|e| self.expert_window_bytes(l, e)).collect();
                 windows.sort_unstable_by(|a, b| b.cmp(a));
-                windows.iter().take(self.n_expert_used as usize).sum::<u64>()
+                windows.iter().take(self.experts_used(l) as usize).sum::<u64>()
             })
             .sum()
     }
@@ -277,10 +345,13 @@ mod tests {
     use super::*;
 
     #[test]
-    fn layer_names_parse_only_for_the_exact_suffix() {
-        assert_eq!(parse_layer("blk.12.ffn_up_exps.weight", "ffn_up_exps"), Some(12));
-        assert_eq!(parse_layer("blk.12.ffn_up_exps.bias", "ffn_up_exps"), None);
-        assert_eq!(parse_layer("blk.x.ffn_up_exps.weight", "ffn_up_exps"), None);
-        assert_eq!(parse_layer("blk.1.ffn_up_shexp.weight", "ffn_up_exps"), None);
+    fn expert_weights_are_told_from_biases_shared_experts_and_other_names() {
+        let expert = |name| parse_block(name).filter(|(_, rest)| is_expert_weight(rest)).map(|(il, _)| il);
+        assert_eq!(expert("blk.12.ffn_up_exps.weight"), Some(12));
+        assert_eq!(expert("blk.3.ffn_gate_up_exps.weight"), Some(3));
+        assert_eq!(expert("blk.12.ffn_up_exps.bias"), None);
+        assert_eq!(expert("blk.x.ffn_up_exps.weight"), None);
+        assert_eq!(expert("blk.1.ffn_up_shexp.weight"), None);
+        assert_eq!(expert("output.weight"), None);
     }
 }

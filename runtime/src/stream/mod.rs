@@ -10,7 +10,7 @@ pub mod cache;
 pub mod engine;
 pub mod index;
 pub mod io;
-pub mod recipe;
+pub mod verified;
 
 use std::ops::ControlFlow;
 use std::sync::atomic::AtomicU64;
@@ -33,10 +33,26 @@ pub enum StreamError {
     #[error(transparent)]
     Index(#[from] IndexError),
     /// An expert tensor never appeared in the warm-up graph.
-    #[error("expert tensor {tensor} was not seen in the warm-up graph; this llama.cpp builds the architecture differently from its recipe")]
+    #[error("expert tensor {tensor} is not used by llama.cpp's graph for '{arch}', so sluice cannot tell when it is needed; run the model with --resident")]
     NotCaptured {
         /// The tensor.
         tensor: String,
+        /// The architecture.
+        arch: String,
+    },
+    /// An expert tensor is used other than by its layer's routed matrix product.
+    #[error("expert tensor {tensor} is used by graph node {node} ({op}), not by a routed product over {router}: llama.cpp builds '{arch}' in a way sluice cannot stream; run the model with --resident")]
+    Unrouted {
+        /// The tensor.
+        tensor: String,
+        /// The node that uses it.
+        node: String,
+        /// The node's operation.
+        op: String,
+        /// The router node the use should take its expert ids from.
+        router: String,
+        /// The architecture.
+        arch: String,
     },
     /// The graph's tensor does not match the file's.
     #[error("expert tensor {tensor}: {detail}")]
@@ -75,7 +91,7 @@ pub enum StreamError {
         n_expert: u32,
     },
     /// The cache budget is below one token's demand.
-    #[error("expert cache of {budget_mib:.1} MiB is below one token's routed demand of {min_mib:.1} MiB ({layers} layers x their {k} largest experts); give at least --cache-mb {min_mb}, --cache-mb 0 for no cache, or --force-cache to accept a cache that cannot hold a token")]
+    #[error("expert cache of {budget_mib:.1} MiB is below one token's routed demand of {min_mib:.1} MiB ({layers} MoE layers x their {k} largest experts); give at least --cache-mb {min_mb}, --cache-mb 0 for no cache, or --force-cache to accept a cache that cannot hold a token")]
     CacheTooSmall {
         /// Requested budget in MiB.
         budget_mib: f64,
@@ -83,9 +99,9 @@ pub enum StreamError {
         min_mib: f64,
         /// The minimum rounded up to whole MiB.
         min_mb: u64,
-        /// Layers.
-        layers: u32,
-        /// Experts per token.
+        /// MoE layers.
+        layers: usize,
+        /// Experts per token (the most over the layers).
         k: u32,
     },
 }
@@ -119,9 +135,9 @@ pub struct StreamConfig {
     pub overlap: Option<Duration>,
 }
 
-/// A regular expression matching the routed expert tensors of `index`'s architecture.
+/// A regular expression matching the routed expert tensors of `index`.
 fn expert_pattern(index: &ExpertIndex) -> String {
-    format!(r"^blk\.[0-9]+\.({})\.weight$", index.recipe.expert_suffixes.join("|"))
+    format!(r"^blk\.[0-9]+\.({})\.weight$", index.expert_kinds().join("|"))
 }
 
 /// The tensors a streamed open keeps out of llama.cpp's load-time prefetch: the routed experts
@@ -164,7 +180,7 @@ pub fn check_cache_budget(index: &ExpertIndex, budget: u64, force: bool) -> Resu
         budget_mib: mib(budget),
         min_mib: mib(min),
         min_mb: min.div_ceil(1 << 20),
-        layers: index.n_layer,
+        layers: index.moe_layers().count(),
         k: index.n_expert_used,
     })
 }
@@ -194,6 +210,13 @@ impl<'m> StreamedSession<'m> {
     ) -> Result<Self, GenerateError> {
         let t0 = std::time::Instant::now();
         check_cache_budget(&index, config.cache_bytes, config.force_cache)?;
+        if !index.verified {
+            log::warn!(
+                "architecture '{}' is not verified by a sluice gate: its experts ({}) stream by the generic rule, checked at warm-up; compare with --resident once",
+                index.arch,
+                index.expert_kinds().join(", ")
+            );
+        }
         if config.overlap.is_some() && !ggml_sys::expert_hook_available() {
             return Err(StreamError::OverlapUnavailable.into());
         }

@@ -1,10 +1,12 @@
 //! `sluice synth`: deterministic synthetic Mixture-of-Experts models in GGUF.
 //!
-//! The models use llama.cpp's `qwen3moe` architecture with random weights and a byte-fallback
-//! vocabulary, so a user can exercise a board's storage and memory budget (and the test suite can
-//! exercise every code path) without downloading a real model. The same [`SynthSpec`] always
-//! gives byte-identical files.
+//! The models use one of llama.cpp's MoE architectures ([`SynthArch`]: `qwen3moe` by default,
+//! `deepseek2`, `gpt-oss`) with random weights and a byte-fallback vocabulary, so a user can
+//! exercise a board's storage and memory budget (and the test suite can exercise every code path
+//! and expert layout) without downloading a real model. The same [`SynthSpec`] always gives
+//! byte-identical files.
 
+mod arch;
 pub mod gguf_writer;
 mod size;
 mod vocab;
@@ -12,12 +14,10 @@ mod weights;
 
 use std::path::{Path, PathBuf};
 
+pub use arch::SynthArch;
 use gguf_writer::{GgufWriter, TensorSpec, TensorType, Value, WriteError};
 pub use size::{fit_expert_ff, SizeError};
 use weights::Init;
-
-/// Architecture name written to `general.architecture`.
-pub const ARCH: &str = "qwen3moe";
 
 /// The element type of the weights in the output file.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -35,6 +35,10 @@ pub enum OutputType {
     /// 6-bit k-quants (`llama_model_quantize`).
     #[value(name = "q6_k")]
     Q6K,
+    /// MXFP4 routed experts, Q8_0 for the other matrices, as gpt-oss ships
+    /// (`llama_model_quantize`).
+    #[value(name = "mxfp4_moe")]
+    Mxfp4Moe,
 }
 
 impl OutputType {
@@ -45,6 +49,7 @@ impl OutputType {
             OutputType::Q8_0 => Some(ggml_sys::QuantType::Q8_0),
             OutputType::Q4KM => Some(ggml_sys::QuantType::Q4KM),
             OutputType::Q6K => Some(ggml_sys::QuantType::Q6K),
+            OutputType::Mxfp4Moe => Some(ggml_sys::QuantType::Mxfp4Moe),
         }
     }
 
@@ -52,7 +57,7 @@ impl OutputType {
     pub fn block_width(self) -> u32 {
         match self {
             OutputType::F32 | OutputType::F16 => 1,
-            OutputType::Q8_0 => 32,
+            OutputType::Q8_0 | OutputType::Mxfp4Moe => 32,
             OutputType::Q4KM | OutputType::Q6K => 256,
         }
     }
@@ -66,6 +71,8 @@ impl OutputType {
             // Q4_K (144 B / 256) for most matrices, Q6_K (210 B / 256) for some down projections.
             OutputType::Q4KM => 0.62,
             OutputType::Q6K => 210.0 / 256.0,
+            // MXFP4 (17 B / 32) for the experts, which are most of a MoE model.
+            OutputType::Mxfp4Moe => 17.0 / 32.0,
         }
     }
 
@@ -91,7 +98,11 @@ impl OutputType {
 /// Everything that determines a synthetic model.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SynthSpec {
-    /// Transformer layers.
+    /// The architecture (tensor layout and metadata).
+    pub arch: SynthArch,
+    /// Routed experts' gate and up projections in one tensor (`ffn_gate_up_exps`; deepseek2).
+    pub fused_gate_up: bool,
+    /// Transformer layers (deepseek2 adds a NextN block after them).
     pub layers: u32,
     /// Embedding width.
     pub embd: u32,
@@ -123,6 +134,8 @@ pub struct SynthSpec {
 impl Default for SynthSpec {
     fn default() -> Self {
         SynthSpec {
+            arch: SynthArch::Qwen3moe,
+            fused_gate_up: false,
             layers: 2,
             embd: 256,
             heads: 4,
@@ -232,6 +245,7 @@ impl SynthSpec {
         if self.alignment < 8 || !self.alignment.is_power_of_two() {
             return Err(invalid("alignment", format!("{} is not a power of two of at least 8", self.alignment)));
         }
+        arch::validate(self).map_err(|(field, reason)| invalid(field, reason))?;
         if self.split_max_tensors == Some(0) {
             return Err(invalid("split-max-tensors", "must be at least 1"));
         }
@@ -246,61 +260,18 @@ impl SynthSpec {
 
     /// The tensor table, in file order, with how each tensor's values are drawn.
     fn tensors(&self) -> Vec<(TensorSpec, Init)> {
-        let (e, v) = (u64::from(self.embd), vocab::N_VOCAB);
-        let (hd, nh, nkv) = (u64::from(self.head_dim()), u64::from(self.heads), u64::from(self.kv_heads));
-        let (ne, ff) = (u64::from(self.experts), u64::from(self.expert_ff));
-        let m = self.out_type.matrix_type();
-        let t = |name: String, ne: Vec<u64>, ty: TensorType, init: Init| (TensorSpec { name, ne, ty }, init);
-        let uniform = |gain: f32, fan_in: u64| Init::Uniform { gain, fan_in };
-        let mut out = vec![
-            t("token_embd.weight".into(), vec![e, v], m, uniform(1.0, 3)),
-            t("output_norm.weight".into(), vec![e], TensorType::F32, Init::Ones),
-            t("output.weight".into(), vec![e, v], m, uniform(4.0, e)),
-        ];
-        for il in 0..self.layers {
-            let b = |s: &str| format!("blk.{il}.{s}.weight");
-            out.extend([
-                t(b("attn_norm"), vec![e], TensorType::F32, Init::Ones),
-                t(b("attn_q"), vec![e, hd * nh], m, uniform(1.0, e)),
-                t(b("attn_k"), vec![e, hd * nkv], m, uniform(1.0, e)),
-                t(b("attn_v"), vec![e, hd * nkv], m, uniform(1.0, e)),
-                t(b("attn_output"), vec![hd * nh, e], m, uniform(1.0, hd * nh)),
-                t(b("attn_q_norm"), vec![hd], TensorType::F32, Init::Ones),
-                t(b("attn_k_norm"), vec![hd], TensorType::F32, Init::Ones),
-                t(b("ffn_norm"), vec![e], TensorType::F32, Init::Ones),
-                // A large router gain makes top-k choices clear-cut, and since the router reads
-                // each token's own hidden state, routing varies from token to token.
-                t(b("ffn_gate_inp"), vec![e, ne], m, uniform(4.0, e)),
-                t(b("ffn_gate_exps"), vec![e, ff, ne], m, uniform(1.0, e)),
-                t(b("ffn_up_exps"), vec![e, ff, ne], m, uniform(1.0, e)),
-                t(b("ffn_down_exps"), vec![ff, e, ne], m, uniform(1.0, ff)),
-            ]);
-        }
-        out
+        arch::tensors(self)
     }
 
-    /// The `general.*` and architecture metadata.
+    /// The `general.*`, architecture and vocabulary metadata.
     fn metadata(&self) -> Vec<(String, Value)> {
-        let k = |s: &str| format!("{ARCH}.{s}");
         let mut meta = vec![
-            ("general.architecture".to_string(), Value::Str(ARCH.into())),
+            ("general.architecture".to_string(), Value::Str(self.arch.name().into())),
             ("general.name".to_string(), Value::Str("sluice synthetic MoE (random weights)".into())),
             ("general.file_type".to_string(), Value::U32(self.out_type.file_type())),
-            (k("context_length"), Value::U32(self.ctx_len)),
-            (k("embedding_length"), Value::U32(self.embd)),
-            (k("block_count"), Value::U32(self.layers)),
-            (k("feed_forward_length"), Value::U32(self.expert_ff)),
-            (k("expert_feed_forward_length"), Value::U32(self.expert_ff)),
-            (k("attention.head_count"), Value::U32(self.heads)),
-            (k("attention.head_count_kv"), Value::U32(self.kv_heads)),
-            (k("attention.key_length"), Value::U32(self.head_dim())),
-            (k("attention.value_length"), Value::U32(self.head_dim())),
-            (k("rope.freq_base"), Value::F32(10_000.0)),
-            (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
-            (k("expert_count"), Value::U32(self.experts)),
-            (k("expert_used_count"), Value::U32(self.experts_used)),
             ("sluice.synth.seed".to_string(), Value::Str(self.seed.to_string())),
         ];
+        meta.extend(arch::metadata(self));
         if self.alignment != 32 {
             meta.push(("general.alignment".to_string(), Value::U32(self.alignment as u32)));
         }
@@ -314,9 +285,21 @@ impl SynthSpec {
     /// Bytes of all routed-expert tensors in the output type (exact for f32/f16, estimated for
     /// quantized types).
     pub fn expert_bytes(&self) -> u64 {
-        let per_layer = 3.0 * f64::from(self.embd) * f64::from(self.expert_ff) * f64::from(self.experts);
-        (per_layer * f64::from(self.layers) * self.out_type.bytes_per_weight()) as u64
+        self.estimated_bytes(|t| is_routed_expert(&t.name)) as u64
     }
+
+    /// Estimated bytes of the tensors `keep` selects: f32 vectors (norms, biases) as written, the
+    /// matrices at the output type's bytes per weight.
+    fn estimated_bytes(&self, keep: impl Fn(&TensorSpec) -> bool) -> f64 {
+        let bpw = self.out_type.bytes_per_weight();
+        let per_element = |t: &TensorSpec| if t.ty == TensorType::F32 { 4.0 } else { bpw };
+        self.tensors().iter().filter(|(t, _)| keep(t)).map(|(t, _)| t.n_elements() as f64 * per_element(t)).sum()
+    }
+}
+
+/// Whether a tensor name is a routed experts' weight (`blk.<il>.*_exps.weight`).
+fn is_routed_expert(name: &str) -> bool {
+    name.ends_with("_exps.weight")
 }
 
 /// Writes the model described by `spec` to `out` (for a split model, `out` is the first file and
@@ -330,7 +313,7 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: u32) -> Result<SynthO
         let mut sum = 0;
         for f in files {
             let g = ggml_sys::GgufFile::open(f)?;
-            sum += g.tensors().iter().filter(|t| t.name.contains("_exps.")).map(|t| t.size).sum::<u64>();
+            sum += g.tensors().iter().filter(|t| is_routed_expert(&t.name)).map(|t| t.size).sum::<u64>();
         }
         Ok(sum)
     };
@@ -458,5 +441,6 @@ mod tests {
         let gate = t.iter().find(|(s, _)| s.name == "blk.1.ffn_gate_exps.weight").unwrap();
         assert_eq!(gate.0.ne, vec![256, 256, 8]);
         assert_eq!(t.len(), 3 + 12 * spec.layers as usize);
+        assert_eq!(spec.expert_bytes(), 2 * 3 * 256 * 256 * 8 * 2, "f16 experts of 2 layers");
     }
 }
