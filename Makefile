@@ -23,7 +23,7 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=qemu-aarch64 \
 	QEMU_LD_PREFIX=/usr/aarch64-linux-gnu \
 	SLUICE_TEST_RUNNER=qemu-aarch64 \
-	SLUICE_GATE_FIXTURES=f32,q8_0
+	SLUICE_GATE_FIXTURES=f32,q8_0,deepseek2,gptoss
 
 .PHONY: help deps vendor build demo test aarch64 lint bench clean
 
