@@ -1,8 +1,8 @@
 //! Compiles `src/shim.cpp` (the llama.cpp entry points that can throw, wrapped so that no C++
 //! exception unwinds into Rust) against the vendored headers, and detects the optional parts of
 //! the patched llama.cpp that the bindings may lack: with vendor patch 0004 (the expert-ready
-//! hook) applied, `cfg(expert_ready_hook)` is set. A build against an unpatched
-//! llama-cpp-sys-2 still compiles; `--overlap` then reports that it is unavailable.
+//! hook) applied, `cfg(expert_ready_hook)` is set; without it `--overlap` reports that it is
+//! unavailable. The operator extensions of vendor patch 0005 (`ggml-ext.h`) are required.
 
 use std::path::PathBuf;
 
@@ -14,6 +14,13 @@ fn main() {
     if std::fs::read_to_string(&header).is_ok_and(|t| t.contains("ggml_cpu_set_expert_ready_hook")) {
         println!("cargo::rustc-cfg=expert_ready_hook");
     }
+    let ext = dir.join("../vendor/llama-cpp-sys-2/llama.cpp/ggml/include/ggml-ext.h");
+    println!("cargo::rerun-if-changed={}", ext.display());
+    assert!(
+        ext.exists(),
+        "{} is missing: the operator extensions of vendor patch 0005 are required; run vendor/sync",
+        ext.display()
+    );
     let llama = dir.join("../vendor/llama-cpp-sys-2/llama.cpp");
     println!("cargo::rerun-if-changed=src/shim.cpp");
     cc::Build::new()

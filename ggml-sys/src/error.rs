@@ -117,4 +117,24 @@ pub enum Error {
     /// be trusted.
     #[error("the {0} panicked during the decode (see the log); the decode's results were discarded")]
     CallbackPanicked(&'static str),
+    /// An operator-extension call was refused (a duplicate name, an invalid descriptor, inputs
+    /// an operator rejects).
+    #[error("{call}: {detail}")]
+    Extension {
+        /// The ggml-ext call.
+        call: &'static str,
+        /// What was refused, and why.
+        detail: String,
+    },
+    /// A graph allocation or computation failed.
+    #[error("{call} failed: {status}")]
+    Graph {
+        /// The ggml call.
+        call: &'static str,
+        /// ggml's status (`GGML_STATUS_*`), in words.
+        status: &'static str,
+    },
+    /// A tensor's data was read or written before a scheduler or buffer allocated it.
+    #[error("tensor {0} has no data: allocate its graph first")]
+    NotAllocated(String),
 }

@@ -11,6 +11,7 @@ mod chat;
 mod context;
 mod error;
 mod expert_hook;
+pub mod ext;
 mod gguf;
 mod model;
 mod pagecache;

@@ -69,10 +69,12 @@ pub fn supports_gpu_offload() -> bool {
 #[cfg(test)]
 mod tests {
     #[test]
-    fn the_cpu_backend_is_registered_and_stock_ggml_has_no_extension_services() {
+    fn the_cpu_backend_offers_the_parallel_service_of_vendor_patch_0005() {
         assert!(super::backends().iter().any(|b| b == "CPU"));
         let found = super::extension_services();
         assert_eq!(found.len(), 3);
-        assert!(found.iter().all(|s| s.backend.is_none()), "{found:?}");
+        assert_eq!(found[0].backend.as_deref(), Some("CPU"), "{found:?}");
+        let cuda = super::backends().iter().any(|b| b == "CUDA");
+        assert!(found[1..].iter().all(|s| s.backend.is_some() == cuda), "{found:?}");
     }
 }

@@ -23,6 +23,10 @@ impl<'a> TensorView<'a> {
         TensorView { raw, _life: PhantomData }
     }
 
+    pub(crate) fn raw(&self) -> *const sys::ggml_tensor {
+        self.raw
+    }
+
     fn t(&self) -> &'a sys::ggml_tensor {
         // SAFETY: from_raw's contract: raw is valid and unaliased by writers for 'a.
         unsafe { &*self.raw }
