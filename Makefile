@@ -25,7 +25,7 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	SLUICE_TEST_RUNNER=qemu-aarch64 \
 	SLUICE_GATE_FIXTURES=f32,q8_0,deepseek2,gptoss
 
-.PHONY: help deps vendor build demo test aarch64 lint bench clean
+.PHONY: help deps vendor build demo test aarch64 lint bench cuda-check clean
 
 # make bench: a synthetic model about 3x a small board's memory, streamed vs llama.cpp's mmap load,
 # each configuration in a memory cgroup of BENCH_BUDGET_MB (needs root).
@@ -39,6 +39,7 @@ help:
 	@echo "make aarch64  cross-build for $(AARCH64) and run the tests under qemu-aarch64"
 	@echo "make lint     rustfmt check and clippy with warnings as errors"
 	@echo "make bench    streamed vs mmap on a model 3x a $(BENCH_BUDGET_MB) MiB memory cgroup (root)"
+	@echo "make cuda-check  compile ggml-sys with the CUDA backend against a toolkit from PyPI (no GPU needed; ~25 min)"
 
 deps:
 	@scripts/ensure-deps $(BUILD_DEBS)
@@ -68,6 +69,11 @@ bench: build
 		--size 1650MB --layers 8 --experts 32 --experts-used 4
 	$(CARGO) run --quiet --bin sluice -- bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
 		-n 32 --out $(BENCH_DIR)
+
+# Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.
+cuda-check: vendor
+	@scripts/ensure-deps $(BUILD_DEBS) binutils
+	@scripts/cuda-check
 
 lint: vendor
 	$(CARGO) fmt --all --check

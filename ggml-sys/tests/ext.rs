@@ -671,4 +671,12 @@ fn the_cuda_services_are_found_where_a_cuda_backend_is_registered() {
         let s = services.iter().find(|s| s.name == name).unwrap();
         assert_eq!(s.backend.as_deref(), Some("CUDA"), "{name}");
     }
+    assert_eq!(Device::cpu().cuda_ordinal(), None, "the CPU is not a CUDA device");
+    let gpu = Device::all().into_iter().find(|d| d.cuda_ordinal().is_some()).expect("a CUDA device");
+    let ordinal = gpu.cuda_ordinal().unwrap();
+    let backend = Backend::of(gpu).unwrap();
+    let (device, stream) = backend.cuda_stream().expect("a CUDA backend lends its stream");
+    assert_eq!(device, ordinal, "the borrowed device is the one looked up before the backend existed");
+    assert_ne!(stream, 0);
+    assert_eq!(cpu().cuda_stream(), None);
 }

@@ -18,7 +18,13 @@ fn tree(name: &str) -> SysRoot {
 fn resolve_on(root: &SysRoot, choice: &BoardChoice, gpu: bool) -> Result<(HardwareProbe, ResolvedBoard), BoardError> {
     let probe = HardwareProbe::run(root, None);
     let selected = select(choice, &probe.identity)?;
-    let resolved = resolve(selected, &probe, &Overrides::default(), None, BuildCaps { gpu, expert_hook: true })?;
+    let resolved = resolve(
+        selected,
+        &probe,
+        &Overrides::default(),
+        None,
+        BuildCaps { gpu, expert_hook: true, cpu_parallel: true, cuda_ordinal: gpu.then_some(0) },
+    )?;
     Ok((probe, resolved))
 }
 
@@ -138,9 +144,18 @@ fn a_jetson_power_mode_with_cores_offline_keeps_the_online_ones() {
     // No CUDA in this build: the profile allows the cpu fallback, and says so.
     assert_eq!(r.compute, sluice::board::ComputeService::Cpu);
     assert!(r.notes.iter().any(|n| n.contains("cpu_fallback")), "{:?}", r.notes);
-    // With a GPU build it would offload.
+    assert!(r.compute_via.contains("ggml_ext_cpu_parallel_v1"), "{}", r.compute_via);
+    // With a GPU build it would offload, on the device the CUDA device service names.
     let (_, gpu) = resolve_on(&tree("orin-nano-8gb-4core"), &BoardChoice::Auto, true).unwrap();
     assert!(matches!(gpu.compute, sluice::board::ComputeService::Cuda { n_gpu_layers: 999 }));
+    assert!(gpu.compute_via.contains("CUDA device 0 (ggml_ext_cuda_device_v1)"), "{}", gpu.compute_via);
+    // A CUDA build whose ggml lacks the services is refused.
+    let root = tree("orin-nano-8gb-4core");
+    let probe = HardwareProbe::run(&root, None);
+    let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+    let caps = BuildCaps { gpu: true, expert_hook: true, cpu_parallel: true, cuda_ordinal: None };
+    let err = resolve(selected, &probe, &Overrides::default(), None, caps).unwrap_err().to_string();
+    assert!(err.contains("ggml_ext_cuda_device_v1"), "{err}");
 }
 
 #[test]
@@ -149,7 +164,14 @@ fn more_threads_than_usable_cpus_are_capped_with_a_note() {
     let probe = HardwareProbe::run(&root, None);
     let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
     let overrides = Overrides { threads: Some(64), ..Overrides::default() };
-    let r = resolve(selected, &probe, &overrides, None, BuildCaps { gpu: false, expert_hook: true }).unwrap();
+    let r = resolve(
+        selected,
+        &probe,
+        &overrides,
+        None,
+        BuildCaps { gpu: false, expert_hook: true, cpu_parallel: true, cuda_ordinal: None },
+    )
+    .unwrap();
     assert_eq!(r.threads.value, 4);
     assert!(r.notes.iter().any(|n| n.contains("--threads 64: more than the 4 CPUs")), "{:?}", r.notes);
 }

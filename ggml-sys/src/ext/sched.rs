@@ -43,6 +43,24 @@ impl Device {
         unsafe { CStr::from_ptr(sys::ggml_backend_dev_name(self.raw)) }.to_string_lossy().into_owned()
     }
 
+    /// Every device registered (CPU, GPUs, accelerators).
+    pub fn all() -> Vec<Device> {
+        crate::init();
+        // SAFETY: no preconditions once the backends are initialized.
+        let n = unsafe { sys::ggml_backend_dev_count() };
+        // SAFETY: i < count; devices live for the process.
+        (0..n).map(|i| Device { raw: unsafe { sys::ggml_backend_dev_get(i) } }).collect()
+    }
+
+    /// The physical CUDA ordinal of this device, found through `ggml_ext_cuda_device_v1` before
+    /// any backend exists (`None`: not a CUDA device, or a build without CUDA).
+    pub fn cuda_ordinal(self) -> Option<i32> {
+        let service = cuda_service::<sys::ggml_ext_cuda_device_v1>(c"ggml_ext_cuda_device_v1")?;
+        // SAFETY: the CUDA registry's static table; the function takes any device.
+        let ordinal = unsafe { service.ordinal?(self.raw) };
+        (ordinal >= 0).then_some(ordinal)
+    }
+
     /// The public capability query: whether the device (natively, or through a registered
     /// single-node kernel) computes `node`.
     pub fn supports(self, node: TensorView<'_>) -> bool {
@@ -70,6 +88,27 @@ unsafe extern "C" fn abort_trampoline(data: *mut c_void) -> bool {
 }
 
 impl Backend {
+    /// A backend of `device` with its default parameters (a CUDA device's backend, say).
+    pub fn of(device: Device) -> Result<Backend> {
+        // SAFETY: a live device; no parameters.
+        let raw = unsafe { sys::ggml_backend_dev_init(device.raw, std::ptr::null()) };
+        if raw.is_null() {
+            return Err(Error::Graph { call: "ggml_backend_dev_init", status: status_name(sys::GGML_STATUS_FAILED) });
+        }
+        Ok(Backend { raw, _pool: None, abort: None })
+    }
+
+    /// The CUDA device ordinal and stream (a `cudaStream_t`, as an address) of a CUDA backend,
+    /// borrowed through `ggml_ext_cuda_context_v1`: work queued on it is ordered with the
+    /// backend's own. `None` for other backends.
+    pub fn cuda_stream(&self) -> Option<(i32, usize)> {
+        let service = cuda_service::<sys::ggml_ext_cuda_context_v1>(c"ggml_ext_cuda_context_v1")?;
+        let (mut device, mut stream) = (-1, std::ptr::null_mut());
+        // SAFETY: the CUDA registry's static table; borrow checks the backend is a CUDA one and
+        // writes both out-parameters only then.
+        unsafe { service.borrow?(self.raw, &mut device, &mut stream) }.then_some((device, stream as usize))
+    }
+
     /// A CPU backend computing with `threads`.
     pub fn cpu(threads: &Threads) -> Result<Backend> {
         crate::init();
@@ -146,6 +185,20 @@ impl Drop for Backend {
         // SAFETY: raw is live and freed once; the pool (dropped after) is no longer used.
         unsafe { sys::ggml_backend_free(self.raw) };
     }
+}
+
+/// The service table `name` of the CUDA registry, when this build has one.
+fn cuda_service<T>(name: &CStr) -> Option<&'static T> {
+    crate::init();
+    // SAFETY: the name is NUL-terminated; returns null when no CUDA backend is registered.
+    let reg = unsafe { sys::ggml_backend_reg_by_name(c"CUDA".as_ptr()) };
+    if reg.is_null() {
+        return None;
+    }
+    // SAFETY: a live registry; the CUDA registry returns its static table for this name.
+    let table = unsafe { sys::ggml_backend_reg_get_proc_address(reg, name.as_ptr()) }.cast::<T>();
+    // SAFETY: static tables live for the process.
+    unsafe { table.as_ref() }
 }
 
 /// The parallel task handed through C: the closure to run.

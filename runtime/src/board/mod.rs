@@ -107,6 +107,12 @@ pub enum BoardError {
         /// The profile.
         origin: String,
     },
+    /// CUDA built in, but its ggml lacks the extension services the cuda service runs through.
+    #[error("{origin}: compute.service = \"cuda\" but this build's ggml has no ggml_ext_cuda_device_v1 service (vendor patch 0005); rebuild after vendor/sync")]
+    NoCudaService {
+        /// The profile.
+        origin: String,
+    },
 }
 
 /// Probes the machine under `root`, chooses the profile, and resolves it. `model` is the file

@@ -133,6 +133,7 @@ pub fn describe_resolved(r: &ResolvedBoard) -> String {
                 format!("cuda ({n_gpu_layers} layers offloaded, experts streamed into CPU memory)"),
         }
     );
+    let _ = writeln!(o, "  extension work: {}", r.compute_via);
     if let Some(arch) = &s.profile.build.ggml_cpu_arm_arch {
         let _ = writeln!(o, "  build: GGML_CPU_ARM_ARCH={arch}");
     }

@@ -80,6 +80,8 @@ pub struct ResolvedBoard {
     pub budget: Sourced<u64>,
     /// The compute service.
     pub compute: ComputeService,
+    /// How extension work reaches it: the ggml-ext service the compute service runs through.
+    pub compute_via: String,
     /// Things the user should know (offline cores, a fallback taken, a medium mismatch).
     pub notes: Vec<String>,
 }
@@ -102,12 +104,23 @@ pub struct BuildCaps {
     pub gpu: bool,
     /// The expert-ready hook (overlap).
     pub expert_hook: bool,
+    /// `ggml_ext_cpu_parallel_v1`: extension work on the CPU backend's pinned pool.
+    pub cpu_parallel: bool,
+    /// The first CUDA device's physical ordinal, looked up through `ggml_ext_cuda_device_v1`
+    /// before any backend is created.
+    pub cuda_ordinal: Option<i32>,
 }
 
 impl BuildCaps {
     /// What the linked llama.cpp offers.
     pub fn of_this_build() -> BuildCaps {
-        BuildCaps { gpu: ggml_sys::supports_gpu_offload(), expert_hook: ggml_sys::expert_hook_available() }
+        let services = ggml_sys::extension_services();
+        BuildCaps {
+            gpu: ggml_sys::supports_gpu_offload(),
+            expert_hook: ggml_sys::expert_hook_available(),
+            cpu_parallel: services.iter().any(|s| s.name == "ggml_ext_cpu_parallel_v1" && s.backend.is_some()),
+            cuda_ordinal: ggml_sys::ext::Device::all().into_iter().find_map(|d| d.cuda_ordinal()),
+        }
     }
 }
 
@@ -255,7 +268,21 @@ pub fn resolve(
         }
         (ServiceName::Cuda, false) => return Err(BoardError::NoCuda { origin }),
     };
+    let compute_via = match (compute, caps.cuda_ordinal) {
+        (ComputeService::Cpu, _) if caps.cpu_parallel => {
+            "ggml_ext_cpu_parallel_v1 on the compute cores' thread pool".to_string()
+        }
+        (ComputeService::Cpu, _) => {
+            notes.push("this ggml lacks ggml_ext_cpu_parallel_v1 (vendor patch 0005): no extension kernels".into());
+            "the thread pool only (no extension service)".to_string()
+        }
+        (ComputeService::Cuda { .. }, Some(ordinal)) => {
+            format!("CUDA device {ordinal} (ggml_ext_cuda_device_v1), its stream lent by ggml_ext_cuda_context_v1")
+        }
+        (ComputeService::Cuda { .. }, None) => return Err(BoardError::NoCudaService { origin }),
+    };
     Ok(ResolvedBoard {
+        compute_via,
         compute_cores,
         io_cores,
         threads,
