@@ -659,8 +659,8 @@ fn a_kernel_runs_its_work_through_the_cpu_parallel_service() {
 #[test]
 fn the_cuda_services_are_found_where_a_cuda_backend_is_registered() {
     let services = ggml_sys::extension_services();
-    let cpu = services.iter().find(|s| s.name == "ggml_ext_cpu_parallel_v1").unwrap();
-    assert_eq!(cpu.backend.as_deref(), Some("CPU"));
+    let parallel = services.iter().find(|s| s.name == "ggml_ext_cpu_parallel_v1").unwrap();
+    assert_eq!(parallel.backend.as_deref(), Some("CPU"));
     if !ggml_sys::backends().iter().any(|b| b == "CUDA") {
         eprintln!(
             "skipped: no CUDA backend in this build (the CUDA services are checked by make cuda-check and on a GPU)"
