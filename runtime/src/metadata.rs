@@ -55,7 +55,71 @@ pub fn check(gguf: &GgufFile) -> Result<(), MetadataError> {
         return Err(MetadataError::new(&nextn_key, format!("is {n}, more than the {layers} layers")));
     }
     check_experts(gguf, &key, layers)?;
+    if arch == "deepseek2" {
+        check_latent_attention(gguf, &key)?;
+    }
     check_tokens(gguf)
+}
+
+/// deepseek2's attention dimensions, which its graph asserts on: the rotary part is narrower than
+/// a head, and with latent attention (both `*_mla` head sizes set) there is one latent KV head
+/// whose key is the latent plus the rotary part and whose value is the latent.
+fn check_latent_attention(gguf: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<(), MetadataError> {
+    let get = |name: &str| gguf.get_u64(&key(name));
+    let heads_key = key("attention.head_count");
+    let heads = get("attention.head_count")
+        .filter(|&h| h > 0)
+        .ok_or_else(|| MetadataError::new(&heads_key, "is missing or 0; deepseek2 needs attention heads"))?;
+    let embd = get("embedding_length").unwrap_or(0);
+    let head_k = get("attention.key_length").unwrap_or(embd / heads);
+    let head_v = get("attention.value_length").unwrap_or(embd / heads);
+    let rot = get("rope.dimension_count").unwrap_or(head_k);
+    let (k_mla, v_mla) = (get("attention.key_length_mla").unwrap_or(0), get("attention.value_length_mla").unwrap_or(0));
+    if (k_mla == 0) != (v_mla == 0) {
+        return Err(MetadataError::new(
+            key("attention.key_length_mla"),
+            format!(
+                "is {k_mla} while {} is {v_mla}; latent attention needs both or neither",
+                key("attention.value_length_mla")
+            ),
+        ));
+    }
+    let mla = k_mla > 0;
+    let head_k_full = if mla { k_mla } else { head_k };
+    if head_k_full <= rot {
+        return Err(MetadataError::new(
+            key("rope.dimension_count"),
+            format!("is {rot}, not below the key head size {head_k_full}; deepseek2 needs a non-rotary part"),
+        ));
+    }
+    if !mla {
+        return Ok(());
+    }
+    let kv_key = key("attention.head_count_kv");
+    let kv_heads = match (gguf.get_u64(&kv_key), gguf.array_u32(&kv_key)) {
+        (Some(v), _) => vec![i64::try_from(v).unwrap_or(i64::MAX)],
+        (None, Some(per_layer)) => per_layer,
+        (None, None) => vec![i64::try_from(heads).unwrap_or(i64::MAX)],
+    };
+    if kv_heads.iter().any(|&h| h != 1) {
+        let shown = match kv_heads.as_slice() {
+            [one] => one.to_string(),
+            per_layer => format!("{per_layer:?}"),
+        };
+        return Err(MetadataError::new(kv_key, format!("is {shown}; latent attention has one KV head")));
+    }
+    let lora = get("attention.kv_lora_rank").unwrap_or(0);
+    if head_k != lora + rot || head_v != lora {
+        return Err(MetadataError::new(
+            key("attention.key_length"),
+            format!(
+                "is {head_k} (value length {head_v}); latent attention needs kv_lora_rank + rope.dimension_count = {} ({})",
+                lora + rot,
+                lora
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Expert counts: at most [`MAX_EXPERTS`], the experts used per token between 1 and the count

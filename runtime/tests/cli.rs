@@ -239,7 +239,8 @@ fn probe_reports_a_fake_pi_5_completely() {
         "max request 1024 KiB",
         "cpu-thermal: 48.5 °C",
         "throttled: 0x0 (none)",
-        "ggml_ext_cpu_parallel_v1: absent",
+        "ggml_ext_cpu_parallel_v1: present (CPU)",
+        "ggml_ext_cuda_device_v1: absent",
         "profile: rpi5-8gb",
         "compute cores: 0-3  (4 threads",
         "I/O cores: 3",
@@ -247,6 +248,7 @@ fn probe_reports_a_fake_pi_5_completely() {
         "lanes: 1 (profile storage.lanes)",
         "budget: 6144 MiB (memory cgroup limit",
         "compute service: cpu",
+        "extension work: ggml_ext_cpu_parallel_v1 on the compute cores' thread pool",
         "GGML_CPU_ARM_ARCH=armv8.2-a+dotprod+fp16",
     ] {
         assert!(out.contains(line), "probe output lacks {line:?}:\n{out}");
@@ -431,6 +433,10 @@ fn metadata_llama_cpp_would_abort_on_is_an_error_naming_the_key_in_every_mode() 
     let o = sluice(&["synth", "--out", aligned.to_str().unwrap(), "--alignment", "64"], dir.path());
     assert!(o.status.success(), "{}", stderr(&o));
     let aligned = aligned.to_string_lossy().into_owned();
+    let deepseek = dir.path().join("deepseek2.gguf");
+    let o = sluice(&["synth", "--out", deepseek.to_str().unwrap(), "--arch", "deepseek2", "--layers", "3"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let deepseek = deepseek.to_string_lossy().into_owned();
     let cases = [
         ("qwen3moe.block_count", 0, "qwen3moe.block_count is 0; llama.cpp runs 1 to 512 layers"),
         ("qwen3moe.block_count", 1 << 31, "qwen3moe.block_count is 2147483648"),
@@ -439,9 +445,20 @@ fn metadata_llama_cpp_would_abort_on_is_an_error_naming_the_key_in_every_mode() 
         ("qwen3moe.expert_used_count", 9, "qwen3moe.expert_used_count is 9; it must be 1 to 8"),
         ("qwen3moe.expert_used_count", 0, "qwen3moe.expert_used_count is 0; it must be 1 to 8"),
         ("general.alignment", 16, "general.alignment is 16; it must be a power of two of at least 32"),
+        (
+            "deepseek2.attention.head_count_kv",
+            4,
+            "deepseek2.attention.head_count_kv is 4; latent attention has one KV head",
+        ),
+        ("deepseek2.rope.dimension_count", 64, "deepseek2.rope.dimension_count is 64, not below the key head size 64"),
+        ("deepseek2.attention.key_length", 96, "deepseek2.attention.key_length is 96"),
     ];
     for (i, (key, value, needle)) in cases.into_iter().enumerate() {
-        let source = if key == "general.alignment" { &aligned } else { &model };
+        let source = match key {
+            "general.alignment" => &aligned,
+            k if k.starts_with("deepseek2.") => &deepseek,
+            _ => &model,
+        };
         let bad = with_metadata_u32(source, key, value, &dir.path().join(format!("bad{i}.gguf")));
         for mode in [
             &["plan", "--model", &bad][..],

@@ -1,4 +1,4 @@
-//! Malformed models never crash sluice: deterministic mutations of a fixture's header and
+//! Malformed models never crash sluice: deterministic mutations of fixtures' headers and
 //! tensor-info region (flipped bits, extreme values, truncations, absurd counts, dims, types,
 //! offsets, alignments, expert counts, duplicate token strings) go through `sluice plan`,
 //! `sluice run` and `sluice run --resident`. Each must succeed or fail with an error message:
@@ -222,11 +222,20 @@ fn outcome(path: &Path, mode: &[&str]) -> &'static str {
 #[test]
 fn malformed_models_never_crash_sluice() {
     let dir = tempfile::tempdir().unwrap();
-    let base_path = dir.path().join("base.gguf");
-    let o = sluice_command().args(["synth", "--out", base_path.to_str().unwrap()]).output().unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let base = std::fs::read(&base_path).unwrap();
-    let l = layout(&base);
+    // Two layouts take turns: the default qwen3moe, and deepseek2 (a NextN block, a leading dense
+    // layer, expert groups), whose extra metadata the mutations reach too.
+    let bases: Vec<(Vec<u8>, Layout)> = [&[][..], &["--arch", "deepseek2", "--layers", "3"][..]]
+        .iter()
+        .enumerate()
+        .map(|(k, extra)| {
+            let path = dir.path().join(format!("base{k}.gguf"));
+            let o = sluice_command().args(["synth", "--out", path.to_str().unwrap()]).args(*extra).output().unwrap();
+            assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+            let bytes = std::fs::read(&path).unwrap();
+            let l = layout(&bytes);
+            (bytes, l)
+        })
+        .collect();
     // Emulated (qemu) runs are slow: fewer mutations there.
     let emulated = std::env::var("SLUICE_TEST_RUNNER").is_ok_and(|r| !r.is_empty());
     let n = if emulated { 100 } else { 1000 };
@@ -240,7 +249,8 @@ fn malformed_models_never_crash_sluice() {
     let path = dir.path().join("mutated.gguf");
     for i in 0..n {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9));
-        let (bytes, kind) = mutate(&base, &l, &mut rng);
+        let (base, l) = &bases[i % bases.len()];
+        let (bytes, kind) = mutate(base, l, &mut rng);
         std::fs::write(&path, &bytes).unwrap();
         for mode in modes {
             let what = outcome(&path, mode);
