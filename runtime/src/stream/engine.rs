@@ -2,9 +2,10 @@
 //!
 //! Capture (one warm-up decode): every graph node's sources are scanned for the model's weight
 //! tensors; nothing is isolated. Each use of an expert tensor is checked to be a routed product
-//! over its own layer's top-k node, the only use streaming can serve. The first time an expert tensor is seen, before any node that
-//! uses it computes, it is rebound into an empty page-congruent anonymous reservation, so the
-//! warm-up never faults expert bytes in from the file mapping; with dense `anon`, each resident
+//! over its own layer's top-k node, the only use streaming can serve. The first time an expert
+//! tensor is seen, before any node that uses it computes, it is rebound into an empty
+//! page-congruent anonymous reservation, so the warm-up never faults expert bytes in from the
+//! file mapping; with dense `anon`, each resident
 //! weight is likewise read once by the lanes into its own reservation and rebound. (Asks run
 //! ahead of compute within a split, and the CPU backend computes synchronously.)
 //!
