@@ -238,32 +238,51 @@ impl Summary {
 /// Writes `rows` as CSV after a `#`-commented preamble of `config` lines.
 pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[TokenRow]) -> std::io::Result<()> {
     for (k, v) in config {
-        writeln!(out, "# {k} = {v}")?;
+        // One comment line each, whatever the value holds.
+        writeln!(out, "# {k} = {}", v.replace(['\n', '\r'], " "))?;
     }
-    writeln!(out, "index,prefill,n_tokens,wall_ms,io_wait_ms,stall_ms,compute_ms,bytes_read,experts_routed,hits,misses,hit_rate,major_faults,rss_anon,rss_file")?;
+    let mut w = csv::Writer::from_writer(out);
+    w.write_record(CSV_HEADER)?;
     for r in rows {
-        writeln!(
-            out,
-            "{},{},{},{:.3},{:.3},{:.3},{:.3},{},{},{},{},{:.4},{},{},{}",
-            r.index,
-            u8::from(r.prefill),
-            r.n_tokens,
-            ms(r.wall),
-            ms(r.io_wait),
-            ms(r.stall),
-            ms(r.compute()),
-            r.bytes_read,
-            r.experts_routed,
-            r.hits,
-            r.misses,
-            r.hit_rate,
-            r.major_faults,
-            r.rss_anon,
-            r.rss_file
-        )?;
+        w.write_record([
+            r.index.to_string(),
+            u8::from(r.prefill).to_string(),
+            r.n_tokens.to_string(),
+            format!("{:.3}", ms(r.wall)),
+            format!("{:.3}", ms(r.io_wait)),
+            format!("{:.3}", ms(r.stall)),
+            format!("{:.3}", ms(r.compute())),
+            r.bytes_read.to_string(),
+            r.experts_routed.to_string(),
+            r.hits.to_string(),
+            r.misses.to_string(),
+            format!("{:.4}", r.hit_rate),
+            r.major_faults.to_string(),
+            r.rss_anon.to_string(),
+            r.rss_file.to_string(),
+        ])?;
     }
-    Ok(())
+    w.flush()
 }
+
+/// The columns of the per-token CSV.
+const CSV_HEADER: [&str; 15] = [
+    "index",
+    "prefill",
+    "n_tokens",
+    "wall_ms",
+    "io_wait_ms",
+    "stall_ms",
+    "compute_ms",
+    "bytes_read",
+    "experts_routed",
+    "hits",
+    "misses",
+    "hit_rate",
+    "major_faults",
+    "rss_anon",
+    "rss_file",
+];
 
 #[cfg(test)]
 mod tests {
@@ -298,14 +317,20 @@ mod tests {
     }
 
     #[test]
-    fn csv_has_preamble_header_and_rows() {
+    fn csv_has_preamble_header_and_rows_a_standard_reader_reads_back() {
         let mut out = Vec::new();
-        write_csv(&mut out, &[("cache_mb".into(), "0".into())], &[row(false, 10, 5)]).unwrap();
+        let config = [("cache_mb".into(), "0".into()), ("model".into(), "/m/a, b\nc.gguf".into())];
+        write_csv(&mut out, &config, &[row(false, 10, 5), row(true, 20, 6)]).unwrap();
         let text = String::from_utf8(out).unwrap();
         let lines: Vec<_> = text.lines().collect();
         assert_eq!(lines[0], "# cache_mb = 0");
-        assert!(lines[1].starts_with("index,prefill"));
-        assert_eq!(lines.len(), 3);
+        assert_eq!(lines[1], "# model = /m/a, b c.gguf", "a value's newline stays in its comment line");
+        let mut reader = csv::ReaderBuilder::new().comment(Some(b'#')).from_reader(text.as_bytes());
+        assert_eq!(reader.headers().unwrap().len(), CSV_HEADER.len());
+        let records: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+        assert_eq!(records.len(), 2);
+        assert!(records.iter().all(|r| r.len() == CSV_HEADER.len()));
+        assert_eq!(&records[1][1], "1", "the prompt batch row");
     }
 
     #[test]

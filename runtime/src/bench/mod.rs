@@ -274,34 +274,93 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
     out
 }
 
-/// The results as CSV (one header line, one line per configuration; sizes in MiB).
+/// The results as CSV (one header line, one record per configuration, quoted where a field needs
+/// it; sizes in MiB).
 pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
-    let mut out = String::from(
-        "config,cache_mib,tok_s,x_mmap,mib_per_token,hit_rate,major_faults,peak_rss_mib,cgroup_peak_mib,limit_hits,stall_ms_per_token,read_mib_s,share_of_ceiling,open_s,ttft_s,same_text\n",
-    );
+    const HEADER: [&str; 16] = [
+        "config",
+        "cache_mib",
+        "tok_s",
+        "x_mmap",
+        "mib_per_token",
+        "hit_rate",
+        "major_faults",
+        "peak_rss_mib",
+        "cgroup_peak_mib",
+        "limit_hits",
+        "stall_ms_per_token",
+        "read_mib_s",
+        "share_of_ceiling",
+        "open_s",
+        "ttft_s",
+        "same_text",
+    ];
     let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
     let num = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
-    for r in rows {
-        let _ = writeln!(
-            out,
-            "{},{},{:.4},{:.4},{:.4},{},{},{:.1},{},{},{},{},{},{:.3},{:.3},{}",
-            r.label,
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let records = std::iter::once(HEADER.map(String::from).to_vec()).chain(rows.iter().map(|r| {
+        vec![
+            r.label.clone(),
             num(r.cache_bytes.map(mib)),
-            r.tokens_per_s,
-            if base > 0.0 { r.tokens_per_s / base } else { 0.0 },
-            r.mib_per_token,
+            format!("{:.4}", r.tokens_per_s),
+            format!("{:.4}", if base > 0.0 { r.tokens_per_s / base } else { 0.0 }),
+            format!("{:.4}", r.mib_per_token),
             num(r.hit_rate),
-            r.major_faults,
-            mib(r.peak_rss),
+            r.major_faults.to_string(),
+            format!("{:.1}", mib(r.peak_rss)),
             num(r.cgroup_peak.map(mib)),
             r.limit_hits.map_or(String::new(), |h| h.to_string()),
             num(r.stall_ms),
             num(r.read_mib_s),
             num(r.read_mib_s.zip(ceiling).map(|(v, c)| v / c)),
-            r.open_s,
-            r.ttft_s,
-            r.tokens == rows[0].tokens
-        );
+            format!("{:.3}", r.open_s),
+            format!("{:.3}", r.ttft_s),
+            (r.tokens == rows[0].tokens).to_string(),
+        ]
+    }));
+    for record in records {
+        // Writing into memory cannot fail.
+        let _ = w.write_record(&record);
     }
-    out
+    w.into_inner().map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(label: &str, tokens_per_s: f64) -> BenchRow {
+        BenchRow {
+            label: label.into(),
+            cache_bytes: Some(64 << 20),
+            tokens_per_s,
+            mib_per_token: 2.5,
+            hit_rate: Some(0.5),
+            major_faults: 3,
+            peak_rss: 100 << 20,
+            read_mib_s: Some(800.0),
+            stall_ms: None,
+            cgroup_peak: None,
+            limit_hits: Some(0),
+            open_s: 0.5,
+            open_read: 0,
+            ttft_s: 0.7,
+            tokens: vec![1, 2, 3],
+        }
+    }
+
+    #[test]
+    fn a_standard_reader_reads_the_bench_csv_back_field_for_field() {
+        let rows = [row("resident-mmap", 2.0), row("streamed, no cache, serial", 5.0)];
+        let text = csv(&rows, Some(1000.0));
+        let mut reader = ::csv::Reader::from_reader(text.as_bytes());
+        let width = reader.headers().unwrap().len();
+        assert_eq!(width, 16);
+        let records: Vec<::csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+        assert_eq!(records.len(), 2);
+        assert!(records.iter().all(|r| r.len() == width), "{text}");
+        assert_eq!(&records[1][0], "streamed, no cache, serial", "the comma-holding label is one field");
+        assert_eq!(&records[1][3], "2.5000", "x_mmap against the first row");
+        assert_eq!(&records[1][12], "0.8000", "share of the ceiling");
+    }
 }
