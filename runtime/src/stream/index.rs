@@ -144,6 +144,12 @@ fn used_per_layer(g: &GgufFile, key: &str, n_layer: u32) -> Option<Vec<u32>> {
     per_block.iter().take(n_layer as usize).map(|&v| u32::try_from(v).ok()).collect()
 }
 
+/// Whether `rest` (a name after `blk.<il>.`) belongs to an expert layout (`ffn_down_exps.bias`,
+/// `ffn_gate_chexps.weight`, ...), streamed or not; shared experts (`*_shexp`) do not.
+fn is_expert_layout(rest: &str) -> bool {
+    rest.split('.').next().is_some_and(|base| base.ends_with("exps"))
+}
+
 /// Whether `rest` (a name after `blk.<il>.`) is a routed experts' weight.
 fn is_expert_weight(rest: &str) -> bool {
     rest.strip_suffix(".weight").is_some_and(|base| base.ends_with("_exps"))
@@ -256,9 +262,10 @@ impl ExpertIndex {
     }
 
     /// Resident tensors of an expert layout that do not stream: per-expert biases and scales,
-    /// and any `*_exps` weight not stacked `n_expert` deep. The plan lists them.
+    /// any `*_exps` weight not stacked `n_expert` deep, and other stacked experts of their own
+    /// routing (grovemoe's `*_chexps`). The plan lists them.
     pub fn resident_expert_tensors(&self) -> impl Iterator<Item = &DenseTensor> {
-        self.dense.iter().filter(|t| parse_block(&t.name).is_some_and(|(_, rest)| rest.contains("_exps")))
+        self.dense.iter().filter(|t| parse_block(&t.name).is_some_and(|(_, rest)| is_expert_layout(rest)))
     }
 
     /// The expert tensors of `layer`.
@@ -353,5 +360,8 @@ mod tests {
         assert_eq!(expert("blk.x.ffn_up_exps.weight"), None);
         assert_eq!(expert("blk.1.ffn_up_shexp.weight"), None);
         assert_eq!(expert("output.weight"), None);
+        assert!(is_expert_layout("ffn_down_exps.bias") && is_expert_layout("ffn_gate_chexps.weight"));
+        assert!(!is_expert_layout("ffn_up_shexp.weight") && !is_expert_layout("exp_probs_b.bias"));
+        assert!(!is_expert_layout("ffn_gate_inp.weight"));
     }
 }
