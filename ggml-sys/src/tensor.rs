@@ -40,13 +40,7 @@ impl<'a> TensorView<'a> {
 
     /// The operation that produces it (`NONE` for weights, `MUL_MAT_ID`, `VIEW`, ...).
     pub fn op_name(&self) -> &'static str {
-        // SAFETY: ggml_op_name indexes a static table with the tensor's own (valid) op.
-        let p = unsafe { sys::ggml_op_name(self.t().op) };
-        if p.is_null() {
-            return "";
-        }
-        // SAFETY: static NUL-terminated string.
-        unsafe { CStr::from_ptr(p) }.to_str().unwrap_or("")
+        crate::ext::GgmlOp(self.t().op).name()
     }
 
     /// Element type.

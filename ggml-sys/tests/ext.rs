@@ -160,6 +160,13 @@ fn unary_op(name: &str, attr_size: usize) -> ExtOp {
     .unwrap()
 }
 
+/// An f32 input `<prefix>x` of 8 values and `op` over it as the output `<prefix>y`.
+fn unary_nodes<'c>(g: &'c GraphBuilder, op: ExtOp, prefix: &str) -> (Node<'c>, Node<'c>) {
+    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named(&format!("{prefix}x")).input();
+    let y = g.ext(op, &[x], &[]).unwrap().named(&format!("{prefix}y")).output();
+    (x, y)
+}
+
 const INPUT: [f32; 8] = [0.0, 1.0, 2.0, 3.0, -1.0, -2.0, 0.5, 4.0];
 
 /// Allocates `graph` on a CPU scheduler, sets `input`, computes, and returns `out`'s values.
@@ -181,8 +188,7 @@ fn registration_names_are_unique_and_duplicate_registrations_fail_rather_than_re
     register_kernel(Device::cpu(), spec("test.unique.kernel", Target::Ext(op), 0), first).unwrap();
     assert!(register_kernel(Device::cpu(), spec("test.unique.kernel", Target::Ext(op), 9), second).is_err());
     let g = GraphBuilder::new(8).unwrap();
-    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("uniq.x").input();
-    let y = g.ext(op, &[x], &[]).unwrap().named("uniq.y").output();
+    let (x, y) = unary_nodes(&g, op, "uniq.");
     let graph = g.graph(y).unwrap();
     let out = run_sched(&cpu(), &graph, x, y);
     assert_eq!(out[3], 7.0);
@@ -252,8 +258,7 @@ fn auxiliary_tensors_appear_in_src_and_a_kernel_reads_them_there() {
 fn capability_queries_include_registered_kernels_and_the_scheduler_places_the_node_on_that_device() {
     let op = unary_op("test.capability.v1", 0);
     let g = GraphBuilder::new(8).unwrap();
-    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("cap.x").input();
-    let y = g.ext(op, &[x], &[]).unwrap().named("cap.y").output();
+    let (x, y) = unary_nodes(&g, op, "cap.");
     assert!(!Device::cpu().supports(y.view()), "native CPU rejects it");
     let (k, c) = TestKernel::new("cap.", Box::new(scale_add));
     register_kernel(Device::cpu(), spec("test.capability.cpu", Target::Ext(op), 0), k).unwrap();
@@ -299,8 +304,7 @@ fn when_native_execution_is_unsupported_a_supported_extension_runs_regardless_of
     k.preferred = false;
     register_kernel(Device::cpu(), spec("test.unpreferred.cpu", Target::Ext(op), 0), k).unwrap();
     let g = GraphBuilder::new(8).unwrap();
-    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("unpref.x").input();
-    let y = g.ext(op, &[x], &[]).unwrap().named("unpref.y").output();
+    let (x, y) = unary_nodes(&g, op, "unpref.");
     let out = run_sched(&cpu(), &g.graph(y).unwrap(), x, y);
     assert_eq!(out[2], 5.0);
     assert_eq!(c.executed.load(Ordering::SeqCst), 1);
@@ -344,8 +348,7 @@ fn prepare_runs_during_memory_measurement_and_its_workspace_is_allocated_and_in_
     let base = sched.buffer_size(&backend);
 
     let g = GraphBuilder::new(8).unwrap();
-    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("ws.x").input();
-    let y = g.ext(op, &[x], &[]).unwrap().named("ws.y").output();
+    let (x, y) = unary_nodes(&g, op, "ws.");
     let graph = g.graph(y).unwrap();
     let mut sched = Scheduler::new(&[&backend], 64, false).unwrap();
     sched.reserve(&graph).unwrap();
@@ -365,8 +368,7 @@ fn scheduler_plans_are_reused_across_executions_and_destroy_releases_the_prepare
     register_kernel(Device::cpu(), spec("test.reuse.cpu", Target::Ext(op), 0), k).unwrap();
     let backend = cpu();
     let g = GraphBuilder::new(8).unwrap();
-    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("reuse.x").input();
-    let y = g.ext(op, &[x], &[]).unwrap().named("reuse.y").output();
+    let (x, y) = unary_nodes(&g, op, "reuse.");
     let graph = g.graph(y).unwrap();
     {
         let mut sched = Scheduler::new(&[&backend], 64, false).unwrap();
@@ -649,8 +651,7 @@ fn a_kernel_runs_its_work_through_the_cpu_parallel_service() {
     );
     register_kernel(Device::cpu(), spec("test.parallel_kernel.cpu", Target::Ext(op), 0), k).unwrap();
     let g = GraphBuilder::new(8).unwrap();
-    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("par.x").input();
-    let y = g.ext(op, &[x], &[]).unwrap().named("par.y").output();
+    let (x, y) = unary_nodes(&g, op, "par.");
     let out = run_sched(&cpu(), &g.graph(y).unwrap(), x, y);
     assert_eq!(out, INPUT.iter().map(|v| v * 2.0 + 1.0).collect::<Vec<_>>());
     assert_eq!(c.executed.load(Ordering::SeqCst), 1);

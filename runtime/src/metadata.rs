@@ -56,7 +56,7 @@ pub fn check(gguf: &GgufFile) -> Result<(), MetadataError> {
     }
     check_experts(gguf, &key, layers)?;
     if arch == "deepseek2" {
-        check_latent_attention(gguf, &key)?;
+        check_latent_attention(gguf, &key, layers)?;
     }
     check_tokens(gguf)
 }
@@ -64,7 +64,7 @@ pub fn check(gguf: &GgufFile) -> Result<(), MetadataError> {
 /// deepseek2's attention dimensions, which its graph asserts on: the rotary part is narrower than
 /// a head, and with latent attention (both `*_mla` head sizes set) there is one latent KV head
 /// whose key is the latent plus the rotary part and whose value is the latent.
-fn check_latent_attention(gguf: &GgufFile, key: &dyn Fn(&str) -> String) -> Result<(), MetadataError> {
+fn check_latent_attention(gguf: &GgufFile, key: &dyn Fn(&str) -> String, layers: u64) -> Result<(), MetadataError> {
     let get = |name: &str| gguf.get_u64(&key(name));
     let heads_key = key("attention.head_count");
     let heads = get("attention.head_count")
@@ -96,17 +96,10 @@ fn check_latent_attention(gguf: &GgufFile, key: &dyn Fn(&str) -> String) -> Resu
         return Ok(());
     }
     let kv_key = key("attention.head_count_kv");
-    let kv_heads = match (gguf.get_u64(&kv_key), gguf.array_u32(&kv_key)) {
-        (Some(v), _) => vec![i64::try_from(v).unwrap_or(i64::MAX)],
-        (None, Some(per_layer)) => per_layer,
-        (None, None) => vec![i64::try_from(heads).unwrap_or(i64::MAX)],
-    };
+    let kv_heads =
+        per_layer_values(gguf, &kv_key, layers)?.unwrap_or_else(|| vec![i64::try_from(heads).unwrap_or(i64::MAX)]);
     if kv_heads.iter().any(|&h| h != 1) {
-        let shown = match kv_heads.as_slice() {
-            [one] => one.to_string(),
-            per_layer => format!("{per_layer:?}"),
-        };
-        return Err(MetadataError::new(kv_key, format!("is {shown}; latent attention has one KV head")));
+        return Err(MetadataError::new(kv_key, format!("is {}; latent attention has one KV head", shown(&kv_heads))));
     }
     let lora = get("attention.kv_lora_rank").unwrap_or(0);
     if head_k != lora + rot || head_v != lora {
@@ -122,6 +115,29 @@ fn check_latent_attention(gguf: &GgufFile, key: &dyn Fn(&str) -> String) -> Resu
     Ok(())
 }
 
+/// A key that holds one value for every layer or an array of one per layer: its values (one for
+/// a scalar), `None` when it is absent or of another type, and an error for an array that does
+/// not hold one value per layer (of `layers`).
+pub(crate) fn per_layer_values(gguf: &GgufFile, key: &str, layers: u64) -> Result<Option<Vec<i64>>, MetadataError> {
+    if let Some(v) = gguf.get_u64(key) {
+        return Ok(Some(vec![i64::try_from(v).unwrap_or(i64::MAX)]));
+    }
+    match gguf.array_u32(key) {
+        Some(per_layer) if per_layer.len() as u64 != layers => {
+            Err(MetadataError::new(key, format!("has {} values for {layers} layers", per_layer.len())))
+        }
+        values => Ok(values),
+    }
+}
+
+/// Per-layer values as an error shows them: the value of a scalar, else the list.
+fn shown(values: &[i64]) -> String {
+    match values {
+        [one] => one.to_string(),
+        per_layer => format!("{per_layer:?}"),
+    }
+}
+
 /// Expert counts: at most [`MAX_EXPERTS`], the experts used per token between 1 and the count
 /// (0 without experts), groups that divide the experts, and expert tensors of that many
 /// experts.
@@ -134,22 +150,11 @@ fn check_experts(gguf: &GgufFile, key: &dyn Fn(&str) -> String, layers: u64) -> 
             format!("is {experts}; llama.cpp runs at most {MAX_EXPERTS} experts"),
         ));
     }
-    let used: Vec<i64> = match (gguf.get_u64(&used_key), gguf.array_u32(&used_key)) {
-        (Some(v), _) => vec![i64::try_from(v).unwrap_or(i64::MAX)],
-        (None, Some(per_layer)) if per_layer.len() as u64 != layers => {
-            return Err(MetadataError::new(used_key, format!("has {} values for {layers} layers", per_layer.len())));
-        }
-        (None, Some(per_layer)) => per_layer,
-        (None, None) => vec![0],
-    };
+    let used = per_layer_values(gguf, &used_key, layers)?.unwrap_or_else(|| vec![0]);
     let used_max = used.iter().copied().max().unwrap_or(0);
     if used.iter().any(|&u| u < 0) || used_max > experts as i64 || (experts > 0 && used_max == 0) {
         let range = if experts > 0 { format!("1 to {experts} (the expert count)") } else { "0 (no experts)".into() };
-        let shown = match used.as_slice() {
-            [one] => one.to_string(),
-            per_layer => format!("{per_layer:?}"),
-        };
-        return Err(MetadataError::new(used_key, format!("is {shown}; it must be {range}")));
+        return Err(MetadataError::new(used_key, format!("is {}; it must be {range}", shown(&used))));
     }
     let (groups_key, group_used_key) = (key("expert_group_count"), key("expert_group_used_count"));
     let groups = gguf.get_u64(&groups_key).unwrap_or(0);
@@ -169,7 +174,9 @@ fn check_experts(gguf: &GgufFile, key: &dyn Fn(&str) -> String, layers: u64) -> 
     if groups > 1 && !(1..groups).contains(&group_used) {
         return Err(MetadataError::new(group_used_key, format!("is {group_used}; it must be 1 to {}", groups - 1)));
     }
-    if let Some(t) = gguf.tensors().iter().find(|t| t.name.ends_with("_exps.weight") && t.ne[2] != experts as i64) {
+    if let Some(t) =
+        gguf.tensors().iter().find(|t| crate::stream::index::is_expert_weight(&t.name) && t.ne[2] != experts as i64)
+    {
         return Err(MetadataError::new(
             count_key,
             format!("is {experts}, but tensor {} holds {} experts", t.name, t.ne[2]),

@@ -131,17 +131,17 @@ fn parse_block(name: &str) -> Option<(u32, &str)> {
     Some((il.parse().ok()?, rest))
 }
 
-/// The experts used per token in each of the first `n_layer` layers: one value for all, or one
-/// per block.
-fn used_per_layer(g: &GgufFile, key: &str, n_layer: u32) -> Option<Vec<u32>> {
-    if let Some(v) = g.get_u64(key) {
-        return Some(vec![u32::try_from(v).ok()?; n_layer as usize]);
-    }
-    let per_block = g.array_u32(key)?;
-    if per_block.len() < n_layer as usize {
-        return None;
-    }
-    per_block.iter().take(n_layer as usize).map(|&v| u32::try_from(v).ok()).collect()
+/// The experts used per token in each of the first `n_layer` of `blocks` layers: one value for
+/// all, or one per block.
+fn used_per_layer(g: &GgufFile, key: &str, n_layer: u32, blocks: u64) -> Result<Vec<u32>, String> {
+    let values = crate::metadata::per_layer_values(g, key, blocks)
+        .map_err(|e| e.to_string())?
+        .ok_or_else(|| format!("{key} is missing"))?;
+    let per_layer: Vec<i64> = match values.as_slice() {
+        [all] => vec![*all; n_layer as usize],
+        each => each.iter().take(n_layer as usize).copied().collect(),
+    };
+    per_layer.iter().map(|&v| u32::try_from(v).map_err(|_| format!("{key} holds {v}"))).collect()
 }
 
 /// Whether `rest` (a name after `blk.<il>.`) belongs to an expert layout (`ffn_down_exps.bias`,
@@ -150,9 +150,10 @@ fn is_expert_layout(rest: &str) -> bool {
     rest.split('.').next().is_some_and(|base| base.ends_with("exps"))
 }
 
-/// Whether `rest` (a name after `blk.<il>.`) is a routed experts' weight.
-fn is_expert_weight(rest: &str) -> bool {
-    rest.strip_suffix(".weight").is_some_and(|base| base.ends_with("_exps"))
+/// Whether a tensor name (or its part after `blk.<il>.`) is a routed experts' weight
+/// (`*_exps.weight`): the one definition the index, the metadata checks and `synth` use.
+pub fn is_expert_weight(name: &str) -> bool {
+    name.ends_with("_exps.weight")
 }
 
 impl ExpertIndex {
@@ -173,8 +174,7 @@ impl ExpertIndex {
         }
         let n_expert = u32::try_from(n_expert)
             .map_err(|_| meta_err(format!("{} is {n_expert}, too many experts", key("expert_count"))))?;
-        let used_per_layer = used_per_layer(&first, &key("expert_used_count"), n_layer)
-            .ok_or_else(|| meta_err(format!("{} is missing or has no value per layer", key("expert_used_count"))))?;
+        let used_per_layer = used_per_layer(&first, &key("expert_used_count"), n_layer, blocks).map_err(meta_err)?;
         let shards = shard_paths(path, &first)?;
         let (mut experts, mut dense, mut not_run) = (Vec::new(), Vec::new(), Vec::new());
         for (shard, shard_path) in shards.iter().enumerate() {

@@ -14,6 +14,7 @@ mod weights;
 
 use std::path::{Path, PathBuf};
 
+use crate::stream::index::is_expert_weight;
 pub use arch::SynthArch;
 use gguf_writer::{GgufWriter, TensorSpec, TensorType, Value, WriteError};
 pub use size::{fit_expert_ff, SizeError};
@@ -285,7 +286,7 @@ impl SynthSpec {
     /// Bytes of all routed-expert tensors in the output type (exact for f32/f16, estimated for
     /// quantized types).
     pub fn expert_bytes(&self) -> u64 {
-        self.estimated_bytes(|t| is_routed_expert(&t.name)) as u64
+        self.estimated_bytes(|t| is_expert_weight(&t.name)) as u64
     }
 
     /// Estimated bytes of the tensors `keep` selects: f32 vectors (norms, biases) as written, the
@@ -295,11 +296,6 @@ impl SynthSpec {
         let per_element = |t: &TensorSpec| if t.ty == TensorType::F32 { 4.0 } else { bpw };
         self.tensors().iter().filter(|(t, _)| keep(t)).map(|(t, _)| t.n_elements() as f64 * per_element(t)).sum()
     }
-}
-
-/// Whether a tensor name is a routed experts' weight (`blk.<il>.*_exps.weight`).
-fn is_routed_expert(name: &str) -> bool {
-    name.ends_with("_exps.weight")
 }
 
 /// Writes the model described by `spec` to `out` (for a split model, `out` is the first file and
@@ -313,7 +309,7 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: u32) -> Result<SynthO
         let mut sum = 0;
         for f in files {
             let g = ggml_sys::GgufFile::open(f)?;
-            sum += g.tensors().iter().filter(|t| is_routed_expert(&t.name)).map(|t| t.size).sum::<u64>();
+            sum += g.tensors().iter().filter(|t| is_expert_weight(&t.name)).map(|t| t.size).sum::<u64>();
         }
         Ok(sum)
     };
