@@ -87,9 +87,6 @@ pub enum Error {
         /// Threads asked for.
         count: u32,
     },
-    /// The linked llama.cpp has no expert-ready hook (vendor patch 0004).
-    #[error("this build's llama.cpp has no expert-ready hook (vendor patch 0004)")]
-    NoExpertHook,
     /// llama.cpp does not recognise a chat template.
     #[error("llama.cpp does not support the chat template {template:?} (it knows a fixed list; see llama_chat_builtin_templates)")]
     ChatTemplate {
@@ -113,7 +110,7 @@ pub enum Error {
         /// The exception's message.
         message: String,
     },
-    /// The eval callback or the expert-ready hook panicked during a decode: its results cannot
+    /// The eval callback panicked during a decode: its results cannot
     /// be trusted.
     #[error("the {0} panicked during the decode (see the log); the decode's results were discarded")]
     CallbackPanicked(&'static str),

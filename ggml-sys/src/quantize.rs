@@ -18,6 +18,8 @@ pub enum QuantType {
     Q6K,
     /// MXFP4 routed experts and Q8_0 elsewhere (`MXFP4_MOE`, as gpt-oss ships).
     Mxfp4Moe,
+    /// bfloat16 matrices (`BF16`).
+    Bf16,
 }
 
 impl QuantType {
@@ -27,6 +29,7 @@ impl QuantType {
             QuantType::Q4KM => sys::LLAMA_FTYPE_MOSTLY_Q4_K_M,
             QuantType::Q6K => sys::LLAMA_FTYPE_MOSTLY_Q6_K,
             QuantType::Mxfp4Moe => sys::LLAMA_FTYPE_MOSTLY_MXFP4_MOE,
+            QuantType::Bf16 => sys::LLAMA_FTYPE_MOSTLY_BF16,
         }
     }
 }

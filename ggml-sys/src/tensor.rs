@@ -32,6 +32,11 @@ impl<'a> TensorView<'a> {
         unsafe { &*self.raw }
     }
 
+    /// The tensor's identity: its address, the same in every graph that uses it while it lives.
+    pub fn key(&self) -> usize {
+        self.raw as usize
+    }
+
     /// The tensor's name (`blk.0.ffn_up_exps.weight`, `ffn_moe_topk-3`, ...).
     pub fn name(&self) -> &'a str {
         // SAFETY: ggml keeps `name` NUL-terminated within its 64 bytes.

@@ -13,6 +13,8 @@ impl GgmlType {
     pub const F32: GgmlType = GgmlType(sys::GGML_TYPE_F32);
     /// `GGML_TYPE_F16`.
     pub const F16: GgmlType = GgmlType(sys::GGML_TYPE_F16);
+    /// `GGML_TYPE_BF16`.
+    pub const BF16: GgmlType = GgmlType(sys::GGML_TYPE_BF16);
     /// `GGML_TYPE_Q8_0`.
     pub const Q8_0: GgmlType = GgmlType(sys::GGML_TYPE_Q8_0);
     /// `GGML_TYPE_Q4_K`.

@@ -69,6 +69,8 @@ pub struct TokenRow {
     pub io_wait: Duration,
     /// Overlap: time compute threads were blocked waiting for an expert, averaged over them.
     pub stall: Duration,
+    /// Routed products the streamed-experts kernel computed.
+    pub kernel_nodes: u64,
     /// Expert bytes read.
     pub bytes_read: u64,
     /// Distinct routed experts summed over layers.
@@ -104,6 +106,7 @@ impl TokenRow {
             wall: event.wall,
             io_wait: stats.io_wait,
             stall: stats.stall,
+            kernel_nodes: stats.kernel_nodes,
             bytes_read: stats.bytes_read,
             experts_routed: stats.experts_routed,
             hits: stats.hits,
@@ -153,7 +156,7 @@ pub struct Summary {
     pub wall: Duration,
     /// Their I/O wait.
     pub io_wait: Duration,
-    /// Their stall in the expert-ready hook (overlap).
+    /// Their stall: compute threads blocked in the kernel waiting for experts (overlap).
     pub stall: Duration,
     /// Their expert bytes read.
     pub bytes_read: u64,
@@ -201,7 +204,7 @@ impl Summary {
         (self.bytes_read > 0 && !waited.is_zero()).then(|| mib(self.bytes_read) / waited.as_secs_f64())
     }
 
-    /// Stall in the expert-ready hook per generated token, ms.
+    /// Stall (compute threads waiting for experts) per generated token, ms.
     pub fn stall_ms_per_token(&self) -> f64 {
         if self.tokens == 0 {
             0.0
@@ -252,6 +255,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
             format!("{:.3}", ms(r.io_wait)),
             format!("{:.3}", ms(r.stall)),
             format!("{:.3}", ms(r.compute())),
+            r.kernel_nodes.to_string(),
             r.bytes_read.to_string(),
             r.experts_routed.to_string(),
             r.hits.to_string(),
@@ -266,7 +270,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
 }
 
 /// The columns of the per-token CSV.
-const CSV_HEADER: [&str; 15] = [
+const CSV_HEADER: [&str; 16] = [
     "index",
     "prefill",
     "n_tokens",
@@ -274,6 +278,7 @@ const CSV_HEADER: [&str; 15] = [
     "io_wait_ms",
     "stall_ms",
     "compute_ms",
+    "kernel_nodes",
     "bytes_read",
     "experts_routed",
     "hits",
@@ -296,6 +301,7 @@ mod tests {
             wall: Duration::from_millis(ms_wall),
             io_wait: Duration::from_millis(ms_wall / 2),
             stall: Duration::ZERO,
+            kernel_nodes: 3,
             bytes_read: bytes,
             experts_routed: 4,
             hits: 1,

@@ -34,11 +34,13 @@ pub enum Fixture {
     Deepseek2Fused,
     /// gpt-oss with per-expert biases and MXFP4 experts (Q8_0 elsewhere).
     GptOss,
+    /// bf16 matrices (through llama_model_quantize).
+    Bf16,
 }
 
 impl Fixture {
     /// Every variant.
-    pub const ALL: [Fixture; 11] = [
+    pub const ALL: [Fixture; 12] = [
         Fixture::F32,
         Fixture::F16,
         Fixture::Q8_0,
@@ -50,6 +52,7 @@ impl Fixture {
         Fixture::Deepseek2,
         Fixture::Deepseek2Fused,
         Fixture::GptOss,
+        Fixture::Bf16,
     ];
 
     /// The synth parameters of this variant.
@@ -61,6 +64,7 @@ impl Fixture {
             Fixture::Q8_0 => SynthSpec { out_type: OutputType::Q8_0, ..base },
             Fixture::Q4KM => SynthSpec { out_type: OutputType::Q4KM, ..base },
             Fixture::Q6K => SynthSpec { out_type: OutputType::Q6K, ..base },
+            Fixture::Bf16 => SynthSpec { out_type: OutputType::Bf16, ..base },
             Fixture::OddQ8_0 => {
                 SynthSpec { out_type: OutputType::Q8_0, embd: 96, heads: 3, kv_heads: 1, expert_ff: 96, ..base }
             }
@@ -124,6 +128,7 @@ pub fn gate_fixtures() -> Vec<Fixture> {
         Fixture::Deepseek2,
         Fixture::Deepseek2Fused,
         Fixture::GptOss,
+        Fixture::Bf16,
     ];
     match std::env::var("SLUICE_GATE_FIXTURES") {
         Ok(list) if !list.trim().is_empty() => {
@@ -172,6 +177,8 @@ pub struct StreamRun {
     pub bytes_read: u64,
     /// Whether shard 0 was read with O_DIRECT.
     pub direct: bool,
+    /// Routed products the streamed-experts kernel computed, per single-token decode.
+    pub kernel_nodes: Vec<u64>,
 }
 
 /// Generates greedily from [`PROMPT`] in an open streamed session.
@@ -189,6 +196,7 @@ pub fn stream_generate(
         counters: s.cache_counters(),
         bytes_read: rows.iter().map(|r| r.bytes_read).sum(),
         direct: s.lanes().is_direct(0),
+        kernel_nodes: rows.iter().filter(|r| !r.prefill).map(|r| r.kernel_nodes).collect(),
     }
 }
 

@@ -23,7 +23,7 @@ fn resolve_on(root: &SysRoot, choice: &BoardChoice, gpu: bool) -> Result<(Hardwa
         &probe,
         &Overrides::default(),
         None,
-        BuildCaps { gpu, expert_hook: true, cpu_parallel: true, cuda_ordinal: gpu.then_some(0) },
+        BuildCaps { gpu, cpu_parallel: true, cuda_ordinal: gpu.then_some(0) },
     )?;
     Ok((probe, resolved))
 }
@@ -153,7 +153,7 @@ fn a_jetson_power_mode_with_cores_offline_keeps_the_online_ones() {
     let root = tree("orin-nano-8gb-4core");
     let probe = HardwareProbe::run(&root, None);
     let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
-    let caps = BuildCaps { gpu: true, expert_hook: true, cpu_parallel: true, cuda_ordinal: None };
+    let caps = BuildCaps { gpu: true, cpu_parallel: true, cuda_ordinal: None };
     let err = resolve(selected, &probe, &Overrides::default(), None, caps).unwrap_err().to_string();
     assert!(err.contains("ggml_ext_cuda_device_v1"), "{err}");
 }
@@ -164,14 +164,9 @@ fn more_threads_than_usable_cpus_are_capped_with_a_note() {
     let probe = HardwareProbe::run(&root, None);
     let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
     let overrides = Overrides { threads: Some(64), ..Overrides::default() };
-    let r = resolve(
-        selected,
-        &probe,
-        &overrides,
-        None,
-        BuildCaps { gpu: false, expert_hook: true, cpu_parallel: true, cuda_ordinal: None },
-    )
-    .unwrap();
+    let r =
+        resolve(selected, &probe, &overrides, None, BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None })
+            .unwrap();
     assert_eq!(r.threads.value, 4);
     assert!(r.notes.iter().any(|n| n.contains("--threads 64: more than the 4 CPUs")), "{:?}", r.notes);
 }

@@ -6,7 +6,7 @@ use ggml_sys::{Context, GgufFile, Threads};
 use sluice::board::resolve::Sourced;
 use sluice::budget::{self, BudgetError, Item, PlanRequest, OVERHEAD_BYTES};
 use sluice::generate::{context_params, load_model};
-use sluice::stream::{DensePolicy, ExpertIndex};
+use sluice::stream::{kernel, DensePolicy, ExpertIndex};
 use sluice_tests::Fixture;
 
 const PAGE: u64 = 4096;
@@ -67,12 +67,20 @@ fn the_ledger_adds_up_for_two_fixtures() {
         let working = u64::from(spec.experts.min(512 * spec.experts_used)) * max_expert;
 
         // llama.cpp's metadata-only sizes equal those of a real, allocated context.
-        let sizes = budget::measure_context(&files[0], positions).unwrap();
+        let sizes = budget::measure_context(&files[0], positions, Some(&index)).unwrap();
         assert_eq!(sizes.kv, kv, "{fixture:?}: KV cache");
         let model = load_model(&files[0]).unwrap();
-        let real =
-            Context::new(&model, &context_params(positions, &Threads::unpinned(1)), None).unwrap().memory_sizes();
+        let create = || Context::new(&model, &context_params(positions, &Threads::unpinned(1)), None).unwrap();
+        let (real, claim) = kernel::claiming(&index, create).unwrap();
+        let real = real.memory_sizes();
         assert_eq!((real.context, real.compute), (sizes.kv, sizes.compute), "{fixture:?}: dry run vs real context");
+        // The compute line holds the streamed-experts kernel's workspace as llama.cpp reports it:
+        // the same context with ggml's own kernels is smaller by exactly what the kernel asked.
+        assert_eq!(claim.found.len(), index.experts.len(), "{fixture:?}: the kernel took every expert tensor");
+        assert!(claim.workspace > 0, "{fixture:?}");
+        let native = budget::measure_context(&files[0], positions, None).unwrap();
+        assert_eq!(native.compute + claim.workspace as u64, sizes.compute, "{fixture:?}: compute line");
+        assert_eq!(create().memory_sizes().compute, native.compute, "{fixture:?}: a resident context");
 
         let baseline = 10 << 20;
         let req = PlanRequest {
@@ -138,7 +146,7 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
     let baseline = roomy.bytes(Item::RuntimeOverhead) - OVERHEAD_BYTES;
 
     // A context too big for the budget: the fix is a smaller context.
-    let sizes = |p| budget::measure_context(&path, p).unwrap();
+    let sizes = |p| budget::measure_context(&path, p, Some(&index)).unwrap();
     let no_cache = PlanRequest { cache_bytes: Some(0), ..base.clone() };
     let small = budget::ledger(&no_cache, sizes(256), baseline).total;
     let big = budget::ledger(&PlanRequest { positions: 4096, ..no_cache.clone() }, sizes(4096), baseline).total;

@@ -66,6 +66,7 @@ fn fixtures_have_the_promised_layouts() {
                 Fixture::Q8_0 | Fixture::OddQ8_0 => assert_eq!(t.ty, GgmlType::Q8_0, "{}", t.name),
                 Fixture::Q4KM => assert!(t.ty == GgmlType::Q4_K || t.ty == GgmlType::Q6_K, "{} is {}", t.name, t.ty),
                 Fixture::Q6K => assert_eq!(t.ty, GgmlType::Q6_K),
+                Fixture::Bf16 => assert_eq!(t.ty, GgmlType::BF16),
             }
         }
         match f {

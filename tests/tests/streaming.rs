@@ -42,8 +42,58 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
             let run = streamed(&model, Arc::clone(&index), &config, N);
             assert_eq!(run.tokens, reference, "{f:?}, {what}: streamed output differs from resident");
             assert!(run.bytes_read > 0, "{f:?}, {what}: nothing was streamed");
+            assert_through_kernel(&run, &index, &format!("{f:?}, {what}"));
         }
     }
+}
+
+/// Checks that every single-token decode of `run` computed each of the model's routed products
+/// (one per expert tensor) in the streamed-experts kernel.
+fn assert_through_kernel(run: &sluice_tests::StreamRun, index: &ExpertIndex, what: &str) {
+    assert!(!run.kernel_nodes.is_empty(), "{what}: no single-token decode");
+    let all = index.experts.len() as u64;
+    assert!(
+        run.kernel_nodes.iter().all(|&n| n == all),
+        "{what}: kernel products per decode {:?}, want {all}",
+        run.kernel_nodes
+    );
+}
+
+#[test]
+fn the_kernel_takes_streamed_experts_only_a_resident_model_keeps_the_native_kernel() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let config = stream_config(0, 2, true, DensePolicy::Anon);
+    let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+    let (mut session, tokens) = open_session(&model, &index, &config);
+    let run = stream_generate(&mut session, &model, N);
+    assert_through_kernel(&run, &index, "streamed");
+
+    // The same file loaded resident while the streamed session lives: the same tensor names,
+    // other tensors, and ggml's own kernel for every routed product.
+    let resident = sluice::generate::load_model(&files[0]).unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = Arc::clone(&seen);
+    let callback: ggml_sys::EvalCallback<'_> = Box::new(move |t, phase| {
+        if phase == ggml_sys::EvalPhase::Ask && t.op_name() == "MUL_MAT_ID" {
+            let weights = t.src(0).map(|w| w.name().to_string()).unwrap_or_default();
+            let kernel = ggml_sys::ext::selected_kernel(ggml_sys::ext::Device::cpu(), t);
+            record.lock().unwrap().push((weights, kernel));
+        }
+        false
+    });
+    let mut plain =
+        sluice::generate::Session::new(&resident, 64, &ggml_sys::Threads::unpinned(2), Some(callback)).unwrap();
+    plain.warm_up(tokens[0]).unwrap();
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), index.experts.len(), "one routed product per expert tensor: {seen:?}");
+    for (weights, kernel) in seen.iter() {
+        assert!(index.expert_by_name(weights).is_some(), "{weights} is an expert tensor's name");
+        assert_eq!(kernel, &None, "{weights} of the resident model");
+    }
+    drop(seen);
+    // And the streamed session still computes through the kernel.
+    assert_through_kernel(&stream_generate(&mut session, &model, N), &index, "streamed, after");
 }
 
 /// `config` with overlap on (each wait bounded by `bound`).
@@ -54,10 +104,6 @@ fn overlapped(mut config: sluice::stream::StreamConfig, bound: Duration) -> slui
 
 #[test]
 fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
-    if !ggml_sys::expert_hook_available() {
-        eprintln!("skipped: this build's llama.cpp lacks the expert-ready hook (vendor patch 0004)");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let bound = sluice::stream::READ_BOUND;
     for f in gate_fixtures() {
@@ -77,6 +123,7 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
             let run = streamed(&model, Arc::clone(&index), &overlapped(config, bound), N);
             assert_eq!(run.tokens, reference, "{f:?}, overlap, {what}: output differs from resident");
             assert!(run.bytes_read > 0, "{f:?}, overlap, {what}: nothing was streamed");
+            assert_through_kernel(&run, &index, &format!("{f:?}, overlap, {what}"));
         }
     }
 }
@@ -118,10 +165,6 @@ fn faulty_config(index: &ExpertIndex, kind: FaultKind, overlap: Option<Duration>
 
 #[test]
 fn a_failing_read_under_overlap_ends_the_generation_with_an_error_naming_the_expert() {
-    if !ggml_sys::expert_hook_available() {
-        eprintln!("skipped: this build's llama.cpp lacks the expert-ready hook (vendor patch 0004)");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let (files, index) = setup(Fixture::Q8_0, dir.path());
     for overlap in [true, false] {
@@ -145,9 +188,6 @@ fn a_reader_that_panics_fails_the_decode_and_the_session_goes_on() {
     let (files, index) = setup(Fixture::Q8_0, dir.path());
     let reference = resident_reference(&files[0], N);
     for overlap in [false, true] {
-        if overlap && !ggml_sys::expert_hook_available() {
-            continue;
-        }
         let config = faulty_config(&index, FaultKind::Panic, overlap.then_some(Duration::from_secs(5)));
         let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
         let (mut session, tokens) = open_session(&model, &index, &config);
@@ -165,9 +205,6 @@ fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
     let (files, index) = setup(Fixture::Q8_0, dir.path());
     let reference = resident_reference(&files[0], N);
     for (overlap, cancel) in [(false, false), (false, true), (true, false), (true, true)] {
-        if overlap && !ggml_sys::expert_hook_available() {
-            continue;
-        }
         // Two lanes: one stays stuck in its read; the other serves what follows.
         let bound = if cancel { Duration::from_secs(600) } else { Duration::from_secs(1) };
         let mut config = faulty_config(&index, FaultKind::Hang, overlap.then_some(bound));

@@ -164,6 +164,37 @@ impl Execution<'_> {
         unsafe { sys::ggml_backend_buffer_get_size(self.workspace) }
     }
 
+    /// The raw nodes (for the CPU products of this crate).
+    pub(crate) fn raw_nodes(&self) -> &[*mut sys::ggml_tensor] {
+        self.nodes
+    }
+
+    /// The workspace's base address and size, when one was prepared in host memory (else
+    /// `(0, 0)`).
+    pub(crate) fn raw_workspace(&self) -> (usize, usize) {
+        if self.workspace.is_null() {
+            return (0, 0);
+        }
+        // SAFETY: workspace is a live backend buffer ggml allocated for this execution.
+        let (base, size, host) = unsafe {
+            (
+                sys::ggml_backend_buffer_get_base(self.workspace),
+                sys::ggml_backend_buffer_get_size(self.workspace),
+                sys::ggml_backend_buffer_is_host(self.workspace),
+            )
+        };
+        if host && !base.is_null() {
+            (base as usize, size)
+        } else {
+            (0, 0)
+        }
+    }
+
+    /// The backend executing the kernel.
+    pub(crate) fn raw_backend(&self) -> sys::ggml_backend_t {
+        self.backend
+    }
+
     /// The state [`Kernel::prepare`] made, as a `T`.
     pub fn state<T: 'static>(&mut self) -> Option<&mut T> {
         self.state.as_deref_mut().and_then(|s| s.downcast_mut::<T>())

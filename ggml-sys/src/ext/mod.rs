@@ -11,6 +11,7 @@
 mod graph;
 mod kernel;
 mod op;
+pub mod routed;
 mod sched;
 
 pub use graph::{Graph, GraphBuilder, Node};

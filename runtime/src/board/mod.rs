@@ -93,8 +93,8 @@ pub enum BoardError {
         /// The root probed.
         root: PathBuf,
     },
-    /// Overlap asked for in a build without the expert-ready hook.
-    #[error("{origin}: overlap asked for ({asked_by}) but this build's llama.cpp lacks the expert-ready hook (vendor patch 0004); run vendor/sync and rebuild, or turn overlap off")]
+    /// Overlap asked for in a build without the CPU extension service its kernel runs on.
+    #[error("{origin}: overlap asked for ({asked_by}) but this build's ggml lacks the CPU extension service (ggml_ext_cpu_parallel_v1, vendor patch 0005); run vendor/sync and rebuild, or turn overlap off")]
     NoOverlap {
         /// The profile.
         origin: String,

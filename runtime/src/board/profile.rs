@@ -106,8 +106,9 @@ pub struct StorageSection {
     /// Read experts with `O_DIRECT`.
     #[serde(default = "yes")]
     pub direct_io: bool,
-    /// Overlap expert reads with expert compute (the expert-ready hook). Absent: on where the
-    /// build has the hook.
+    /// Overlap expert reads with expert compute (the streamed-experts kernel computes each
+    /// expert once its slices have landed). Absent: on where the build has the CPU extension
+    /// service.
     pub overlap: Option<bool>,
 }
 

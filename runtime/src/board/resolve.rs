@@ -102,8 +102,6 @@ fn lanes_for(medium: Medium) -> (u32, u32) {
 pub struct BuildCaps {
     /// GPU offload (the `cuda` feature and a GPU backend).
     pub gpu: bool,
-    /// The expert-ready hook (overlap).
-    pub expert_hook: bool,
     /// `ggml_ext_cpu_parallel_v1`: extension work on the CPU backend's pinned pool.
     pub cpu_parallel: bool,
     /// The first CUDA device's physical ordinal, looked up through `ggml_ext_cuda_device_v1`
@@ -117,7 +115,6 @@ impl BuildCaps {
         let services = ggml_sys::extension_services();
         BuildCaps {
             gpu: ggml_sys::supports_gpu_offload(),
-            expert_hook: ggml_sys::expert_hook_available(),
             cpu_parallel: services.iter().any(|s| s.name == "ggml_ext_cpu_parallel_v1" && s.backend.is_some()),
             cuda_ordinal: ggml_sys::ext::Device::all().into_iter().find_map(|d| d.cuda_ordinal()),
         }
@@ -253,9 +250,9 @@ pub fn resolve(
     let overlap = match (overrides.overlap, p.storage.overlap) {
         (Some(v), _) => sourced(v, if v { "--overlap" } else { "--no-overlap" }),
         (None, Some(v)) => sourced(v, "profile storage.overlap"),
-        (None, None) => sourced(caps.expert_hook, "default: on where the build has the expert-ready hook"),
+        (None, None) => sourced(caps.cpu_parallel, "default: on where the build has the CPU extension service"),
     };
-    if overlap.value && !caps.expert_hook {
+    if overlap.value && !caps.cpu_parallel {
         return Err(BoardError::NoOverlap { origin, asked_by: overlap.source });
     }
 

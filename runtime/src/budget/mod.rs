@@ -13,6 +13,9 @@ pub enum BudgetError {
     /// llama.cpp could not size the context.
     #[error(transparent)]
     Llama(#[from] ggml_sys::Error),
+    /// The streamed-experts kernel could not be registered to size its workspace.
+    #[error("{0}")]
+    Kernel(String),
     /// More positions than the model was trained for.
     #[error("a context of {positions} positions is more than the model's context length {n_ctx_train}; ask for at most {n_ctx_train} (--ctx)")]
     ContextTooLong {
@@ -52,7 +55,7 @@ impl BudgetError {
     pub fn ledger(&self) -> Option<&Ledger> {
         match self {
             BudgetError::OverBudget { ledger, .. } | BudgetError::CacheBelowMinimum { ledger, .. } => Some(ledger),
-            BudgetError::Llama(_) | BudgetError::ContextTooLong { .. } => None,
+            BudgetError::Llama(_) | BudgetError::Kernel(_) | BudgetError::ContextTooLong { .. } => None,
         }
     }
 }

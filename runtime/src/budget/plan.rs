@@ -49,13 +49,25 @@ pub struct ContextSizes {
 }
 
 /// Sizes a context of `positions` over `model` without loading a weight: a metadata-only model
-/// and a context over it report what they would allocate.
-pub fn measure_context(model: &Path, positions: u32) -> Result<ContextSizes, BudgetError> {
+/// and a context over it report what they would allocate. With `streamed` (the model's index),
+/// the context is the one a streamed session creates: its routed products run in the
+/// streamed-experts kernel, whose workspace then counts in the compute buffers.
+pub fn measure_context(
+    model: &Path,
+    positions: u32,
+    streamed: Option<&ExpertIndex>,
+) -> Result<ContextSizes, BudgetError> {
     let m = Model::load(model, &ModelParams { metadata_only: true, ..Default::default() })?;
     if positions > m.n_ctx_train() {
         return Err(BudgetError::ContextTooLong { positions, n_ctx_train: m.n_ctx_train() });
     }
-    let ctx = Context::new(&m, &context_params(positions, &Threads::unpinned(1)), None)?;
+    let create = || Context::new(&m, &context_params(positions, &Threads::unpinned(1)), None);
+    let ctx = match streamed {
+        Some(index) => {
+            crate::stream::kernel::claiming(index, create).map_err(|e| BudgetError::Kernel(e.to_string()))?.0
+        }
+        None => create(),
+    }?;
     let s = ctx.memory_sizes();
     Ok(ContextSizes { kv: s.context, compute: s.compute, n_ctx_train: m.n_ctx_train() })
 }
@@ -172,7 +184,7 @@ fn resident_now() -> u64 {
 /// token's routed demand. The error shows the ledger and the smallest changes that fit.
 pub fn plan_within_budget(req: &PlanRequest) -> Result<Ledger, BudgetError> {
     let baseline = resident_now();
-    let sizes = measure_context(req.model, req.positions)?;
+    let sizes = measure_context(req.model, req.positions, Some(req.index))?;
     let l = ledger(req, sizes, baseline);
     if acceptable(&l) {
         return Ok(l);
@@ -230,7 +242,7 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: ContextSizes, baseline: u64) -> R
     let mut positions = req.positions / 2;
     while positions >= 256 {
         let smaller = PlanRequest { positions, ..req.clone() };
-        let s = measure_context(req.model, positions)?;
+        let s = measure_context(req.model, positions, Some(req.index))?;
         if acceptable(&ledger(&smaller, s, baseline)) {
             out.push(format!(
                 "a context of {positions} positions (--ctx {positions}, or a shorter prompt and fewer tokens)"

@@ -27,7 +27,7 @@ pub struct TuningArgs {
     #[arg(long)]
     pub no_direct_io: bool,
     /// Overlap expert reads with expert compute (default: the profile's, else on where the build
-    /// has the expert-ready hook).
+    /// has the CPU extension service).
     #[arg(long, conflicts_with = "no_overlap")]
     pub overlap: bool,
     /// Stream serially: read a layer's experts, then compute it.

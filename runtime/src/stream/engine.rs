@@ -13,16 +13,18 @@
 //! computed, the layer's routed expert ids are read (stride-aware: the node is a view of the
 //! whole argsort), deduplicated, planned against the cache, evicted experts' pages released, and
 //! the missing slices read by the I/O lanes straight into place before the callback returns and
-//! the layer's expert matmuls run.
+//! the layer's expert matmuls run. The reads go out tensor by tensor in the order the graph
+//! uses the tensors (recorded at capture), so the first product's slices land first.
 //!
-//! Overlap (`--overlap`): the callback hands the layer's reads to the lanes and returns at once;
-//! the expert-ready hook ([`overlap_hook`]) makes each compute thread wait for just the expert
-//! slice it is about to use. The batch is collected at the next layer's top-k node (or at the
-//! end of the decode), before anything is evicted: by then the layer's matmuls have run, so no
-//! expert an in-flight layer needs is ever released.
+//! The layer's routed products run in the extension kernel ([`super::kernel`]), which computes
+//! each expert once its slices have landed. Overlap (`--overlap`): the callback hands the
+//! layer's reads to the lanes and returns at once, and the kernel computes the experts already
+//! resident while the others arrive. A layer the kernel leaves to ggml-cpu (a prompt batch that
+//! ggml-cpu's tiled K-quant path would round differently) is read serially. The batch is
+//! collected at the next layer's top-k node (or at the end of the decode), before anything is
+//! evicted: by then the layer's products have run, so no expert an in-flight layer needs is ever
+//! released.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,7 +33,12 @@ use ggml_sys::{EvalPhase, Model, Reservation, TensorView, WeightTensor};
 use super::cache::{CacheCounters, ExpertCache, LayerPlan};
 use super::index::ExpertIndex;
 use super::io::{IoLanes, ReadJob, ReadStats};
+use super::kernel::{self, ExpertSource};
 use super::StreamError;
+
+/// The smallest batch ggml's scheduler may move from the CPU to a GPU (its `op_offload` of
+/// products over weights in host memory): such a batch's products may not run in the kernel.
+const GPU_OFFLOAD_BATCH: i64 = 32;
 
 /// What the callback is doing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -48,9 +55,11 @@ pub struct DecodeStats {
     /// Time spent waiting for expert reads at the top-k node (serial), or submitting and
     /// collecting them (overlap).
     pub io_wait: Duration,
-    /// Overlap: time compute threads spent blocked in the expert-ready hook, averaged over the
-    /// threads.
+    /// Time compute threads spent blocked in the kernel waiting for an expert's slices,
+    /// averaged over the threads (overlap).
     pub stall: Duration,
+    /// Routed products (`MUL_MAT_ID` nodes) the extension kernel computed.
+    pub kernel_nodes: u64,
     /// Expert bytes read.
     pub bytes_read: u64,
     /// Of which through `O_DIRECT`.
@@ -76,31 +85,10 @@ pub struct RouteRecord {
     pub experts: Vec<u32>,
 }
 
-/// Overlap state: whether a batch is out with the lanes, and the hook's stall counter.
+/// Overlap state: whether a batch is out with the lanes, and the bound of its collection.
 struct Overlap {
     in_flight: bool,
     bound: Duration,
-    stall_ns: Arc<AtomicU64>,
-    threads: u32,
-}
-
-/// The expert-ready hook of an overlapped session: blocks the calling compute thread until the
-/// slice of `expert` of the weight tensor is in memory (at most `bound`; a failure or timeout is
-/// left in the lanes for the decode to report), and counts the time blocked in `stall_ns`.
-/// `tensors` maps each of this session's expert tensors' data address to its index: tensors of
-/// other sessions are ignored.
-pub fn overlap_hook(
-    tensors: HashMap<usize, usize>,
-    lanes: Arc<IoLanes>,
-    stall_ns: Arc<AtomicU64>,
-    bound: Duration,
-) -> ggml_sys::ExpertReadyHook {
-    Box::new(move |weights: TensorView<'_>, expert: u32| {
-        let Some(&k) = tensors.get(&weights.data_addr()) else { return };
-        let t0 = Instant::now();
-        lanes.wait_ready(k, expert, bound);
-        stall_ns.fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-    })
 }
 
 /// An empty expert cache of `budget` bytes over `index`'s experts, each accounted by its windows.
@@ -109,21 +97,19 @@ fn empty_cache(index: &Arc<ExpertIndex>, budget: u64) -> ExpertCache {
     ExpertCache::new(index.n_layer, index.n_expert, budget, move |l, e| idx.expert_window_bytes(l, e))
 }
 
-/// Adds the reads that make expert `e` of `layer` resident: its slice of each of the layer's
-/// expert tensors, page-aligned within the tensor's reservation.
-fn expert_reads(index: &ExpertIndex, reservations: &[Arc<Reservation>], layer: u32, e: u32, jobs: &mut Vec<ReadJob>) {
-    for (k, tensor) in index.layer_tensors(layer) {
-        let r = &reservations[k];
-        let (a, b) = tensor.slice(e);
-        let (start, end) = r.window(a, b);
-        jobs.push(ReadJob {
-            target: Arc::clone(r),
-            shard: tensor.shard,
-            start,
-            len: (end - start) as usize,
-            tag: (layer, e),
-            tensor: k,
-        });
+/// The read of expert `e`'s slice of expert tensor `k`, page-aligned within its reservation.
+fn slice_read(index: &ExpertIndex, reservations: &[Arc<Reservation>], k: usize, e: u32) -> ReadJob {
+    let tensor = &index.experts[k];
+    let r = &reservations[k];
+    let (a, b) = tensor.slice(e);
+    let (start, end) = r.window(a, b);
+    ReadJob {
+        target: Arc::clone(r),
+        shard: tensor.shard,
+        start,
+        len: (end - start) as usize,
+        tag: (tensor.layer, e),
+        tensor: k,
     }
 }
 
@@ -138,6 +124,11 @@ pub struct Streamer<'m> {
     dense_bytes_read: u64,
     reservations: Vec<Arc<Reservation>>,
     lanes: Arc<IoLanes>,
+    source: Arc<ExpertSource>,
+    /// Each layer's expert tensors in the order the graph uses them (from the capture).
+    use_order: Vec<Vec<usize>>,
+    /// Layers offloaded to a GPU (their prompt batches may run there, outside the kernel).
+    gpu: bool,
     overlap: Option<Overlap>,
     cache: ExpertCache,
     plan: LayerPlan,
@@ -166,13 +157,15 @@ pub struct Prefill {
 }
 
 impl<'m> Streamer<'m> {
-    /// A streamer in capture mode.
+    /// A streamer in capture mode, reading with `source`'s lanes; `gpu` when layers are
+    /// offloaded to a GPU.
     pub fn new(
         model: &'m Model,
         index: Arc<ExpertIndex>,
-        lanes: Arc<IoLanes>,
+        source: Arc<ExpertSource>,
         cache_budget: u64,
         dense_anon: bool,
+        gpu: bool,
     ) -> Self {
         let cache = empty_cache(&index, cache_budget);
         let n_expert = index.n_expert as usize;
@@ -182,7 +175,10 @@ impl<'m> Streamer<'m> {
             captured_dense: vec![false; index.dense.len()],
             dense_bytes_read: 0,
             reservations: Vec::new(),
-            lanes,
+            lanes: Arc::clone(source.lanes()),
+            source,
+            use_order: vec![Vec::new(); index.n_layer as usize],
+            gpu,
             overlap: None,
             cache,
             plan: LayerPlan::with_capacity(n_expert * index.n_layer as usize),
@@ -201,16 +197,10 @@ impl<'m> Streamer<'m> {
         }
     }
 
-    /// Each expert tensor's data address (its reservation) and its index, after capture.
-    pub fn expert_addrs(&self) -> HashMap<usize, usize> {
-        self.reservations.iter().enumerate().map(|(k, r)| (r.base_addr(), k)).collect()
-    }
-
-    /// Streams with overlap from now on: reads are submitted at the top-k node and waited for by
-    /// the expert-ready hook, which adds its blocked time to `stall_ns` (summed over `threads`
-    /// compute threads). `bound` limits each collection of a batch.
-    pub fn enable_overlap(&mut self, stall_ns: Arc<AtomicU64>, threads: u32, bound: Duration) {
-        self.overlap = Some(Overlap { in_flight: false, bound, stall_ns, threads: threads.max(1) });
+    /// Streams with overlap from now on: reads are submitted at the top-k node and waited for,
+    /// expert by expert, by the kernel. `bound` limits each collection of a batch.
+    pub fn enable_overlap(&mut self, bound: Duration) {
+        self.overlap = Some(Overlap { in_flight: false, bound });
     }
 
     /// Records every layer's routed experts from now on.
@@ -269,7 +259,9 @@ impl<'m> Streamer<'m> {
                     continue;
                 }
                 self.loading.push((layer, e));
-                expert_reads(&self.index, &self.reservations, layer, e, &mut self.jobs);
+                for (k, _) in self.index.layer_tensors(layer) {
+                    self.jobs.push(slice_read(&self.index, &self.reservations, k, e));
+                }
             }
             if self.jobs.is_empty() {
                 continue;
@@ -328,10 +320,8 @@ impl<'m> Streamer<'m> {
 
     /// Returns and resets the work counted since the last call.
     pub fn take_stats(&mut self) -> DecodeStats {
-        if let Some(o) = &self.overlap {
-            let ns = o.stall_ns.swap(0, Ordering::Relaxed);
-            self.stats.stall = Duration::from_nanos(ns / u64::from(o.threads));
-        }
+        self.stats.stall = self.source.take_stall();
+        self.stats.kernel_nodes = self.source.take_nodes();
         std::mem::take(&mut self.stats)
     }
 
@@ -420,6 +410,10 @@ impl<'m> Streamer<'m> {
             let name = src.name();
             if let Some(k) = self.index.expert_by_name(name) {
                 self.check_routed_use(t, i, k)?;
+                let layer = self.index.experts[k].layer as usize;
+                if !self.use_order[layer].contains(&k) {
+                    self.use_order[layer].push(k);
+                }
                 if self.pending[k].is_none() {
                     if let Some(w) = src.as_weight(self.model) {
                         self.pending[k] = Some(self.rebind_expert(k, w)?);
@@ -547,8 +541,10 @@ impl<'m> Streamer<'m> {
         for &(l, e) in &self.plan.evict {
             self.release_expert(l, e);
         }
-        for &e in &self.plan.load {
-            expert_reads(&self.index, &self.reservations, layer, e, &mut self.jobs);
+        for &k in &self.use_order[layer as usize] {
+            for &e in &self.plan.load {
+                self.jobs.push(slice_read(&self.index, &self.reservations, k, e));
+            }
         }
         if self.jobs.is_empty() {
             return Ok(());
@@ -556,7 +552,10 @@ impl<'m> Streamer<'m> {
         self.loading.clear();
         self.loading.extend(self.plan.load.iter().map(|&e| (layer, e)));
         let t0 = Instant::now();
-        if let Some(o) = self.overlap.as_mut() {
+        let tokens = t.ne()[1];
+        let in_kernel = kernel::computes_layer(self.index.layer_tensors(layer).map(|(_, x)| x.ty), tokens)
+            && !(self.gpu && tokens >= GPU_OFFLOAD_BATCH);
+        if let Some(o) = self.overlap.as_mut().filter(|_| in_kernel) {
             self.lanes.submit(&mut self.jobs);
             o.in_flight = true;
             self.stats.io_wait += t0.elapsed();

@@ -3,7 +3,7 @@
 //! Each lane is a thread with its own descriptors for every shard (one `O_DIRECT`, one
 //! buffered). A layer's reads are handed to all lanes at once: [`IoLanes::read_all`] returns when
 //! every one has landed; with overlap, [`IoLanes::submit`] returns at once, compute threads wait
-//! for just the expert they need with [`IoLanes::wait_ready`], and [`IoLanes::wait`] collects the
+//! for just the experts they need with [`IoLanes::wait_any`], and [`IoLanes::wait`] collects the
 //! batch. Reads are split at the device's maximum request size.
 //!
 //! Direct I/O is verified per shard when the lanes open: one aligned block is read both ways and
@@ -44,7 +44,7 @@ pub struct ReadJob {
     /// The (layer, expert) the read is for, for error reports.
     pub tag: (u32, u32),
     /// The expert tensor's index in the [`super::ExpertIndex`] (`usize::MAX` for dense reads):
-    /// what [`IoLanes::wait_ready`] matches on.
+    /// what [`IoLanes::wait_any`] matches on.
     pub tensor: usize,
 }
 
@@ -352,19 +352,36 @@ impl IoLanes {
         }
     }
 
-    /// Blocks until every submitted read of expert `expert` of expert tensor `tensor` has landed
-    /// (at once when none is outstanding). Returns `false` when the batch has failed, or when
-    /// `bound` passes or the cancel flag is set, which then fails the batch naming this expert.
-    pub fn wait_ready(&self, tensor: usize, expert: u32, bound: Duration) -> bool {
+    /// Whether no submitted read of expert `expert` of expert tensor `tensor` is outstanding
+    /// (its slice has landed, or was never asked for).
+    pub fn is_landed(&self, tensor: usize, expert: u32) -> bool {
+        let q = self.queue();
+        !q.jobs.iter().zip(&q.landed).any(|(j, &l)| !l && j.tensor == tensor && j.tag.1 == expert)
+    }
+
+    /// Blocks until the reads of at least one of `experts` of expert tensor `tensor` have all
+    /// landed (at once when one has none outstanding). Returns `false` when the batch has
+    /// failed, or when `bound` passes or the cancel flag is set, which then fails the batch
+    /// naming the first expert still waited for.
+    pub fn wait_any(&self, tensor: usize, experts: &[u32], bound: Duration) -> bool {
         let deadline = Instant::now() + bound;
         let mut q = self.queue();
         loop {
             if q.failure.is_some() {
                 return false;
             }
-            let pending =
-                q.jobs.iter().zip(&q.landed).position(|(j, &l)| !l && j.tensor == tensor && j.tag.1 == expert);
-            let Some(i) = pending else { return true };
+            let outstanding =
+                |e: u32| q.jobs.iter().zip(&q.landed).position(|(j, &l)| !l && j.tensor == tensor && j.tag.1 == e);
+            let mut first = None;
+            for &e in experts {
+                match outstanding(e) {
+                    None => return true,
+                    Some(i) => {
+                        first.get_or_insert(i);
+                    }
+                }
+            }
+            let Some(i) = first else { return true };
             let now = Instant::now();
             let cancelled = self.shared.cancelled();
             if cancelled || now >= deadline {
@@ -562,12 +579,14 @@ mod tests {
     }
 
     #[test]
-    fn wait_ready_returns_once_the_expert_has_landed() {
+    fn wait_any_returns_once_one_of_the_experts_has_landed() {
         let dir = tempfile::tempdir().unwrap();
         let (lanes, mut jobs) = setup(dir.path(), 1 << 20);
         lanes.submit(&mut jobs);
-        assert!(lanes.wait_ready(1, 3, Duration::from_secs(30)), "another tensor's expert is not waited for");
-        assert!(lanes.wait_ready(0, 3, Duration::from_secs(30)));
+        assert!(lanes.is_landed(0, 9), "an expert never asked for is not waited for");
+        assert!(lanes.wait_any(1, &[3], Duration::from_secs(30)), "another tensor's expert is not waited for");
+        assert!(lanes.wait_any(0, &[3], Duration::from_secs(30)));
+        assert!(lanes.is_landed(0, 3));
         let stats = lanes.wait(&mut jobs, None).unwrap();
         assert_eq!(stats.bytes, 1 << 20);
     }
@@ -578,7 +597,8 @@ mod tests {
         // 64 MiB in 1 MiB requests on one lane: still in flight when the zero bound has passed.
         let (lanes, mut jobs) = setup(dir.path(), 64 << 20);
         lanes.submit(&mut jobs);
-        assert!(!lanes.wait_ready(0, 3, Duration::ZERO));
+        assert!(!lanes.is_landed(0, 3));
+        assert!(!lanes.wait_any(0, &[3], Duration::ZERO));
         let failure = lanes.wait(&mut jobs, Some(Duration::from_secs(30))).unwrap_err();
         assert_eq!((failure.layer, failure.expert), (5, 3));
         assert_eq!(failure.source.kind(), io::ErrorKind::TimedOut);

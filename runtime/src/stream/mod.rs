@@ -10,10 +10,10 @@ pub mod cache;
 pub mod engine;
 pub mod index;
 pub mod io;
+pub mod kernel;
 pub mod verified;
 
 use std::ops::ControlFlow;
-use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -71,12 +71,9 @@ pub enum StreamError {
     /// The lanes could not be started.
     #[error("cannot start the I/O lanes: {0}")]
     Lanes(std::io::Error),
-    /// Overlap was asked for, but the linked llama.cpp has no expert-ready hook.
-    #[error("overlap needs the expert-ready hook of vendor patch 0004, which this build's llama.cpp lacks; run vendor/sync and rebuild, or stream without overlap (--no-overlap)")]
-    OverlapUnavailable,
-    /// The expert-ready hook could not be installed.
-    #[error("cannot install the expert-ready hook: {0}")]
-    Hook(ggml_sys::Error),
+    /// The routed-product kernel could not be registered.
+    #[error("cannot register the streamed experts' kernel with ggml: {0}")]
+    Kernel(String),
     /// The graph did not look as expected.
     #[error("unexpected graph: {0}")]
     Graph(String),
@@ -130,8 +127,9 @@ pub struct StreamConfig {
     pub trace_routes: bool,
     /// Layers offloaded to a GPU (the `cuda` compute service; 0 on the CPU).
     pub gpu_layers: u32,
-    /// Overlap expert reads with expert compute (the expert-ready hook), each wait for one
-    /// expert bounded by this long; `None` streams serially.
+    /// Overlap expert reads with expert compute (the kernel computes each expert once its
+    /// slices have landed), each wait for one expert bounded by this long; `None` reads each
+    /// layer's experts before its products run.
     pub overlap: Option<Duration>,
 }
 
@@ -187,9 +185,9 @@ pub fn check_cache_budget(index: &ExpertIndex, budget: u64, force: bool) -> Resu
 
 /// A session that streams routed experts.
 pub struct StreamedSession<'m> {
-    // Uninstalled first (no graph computes while the session is dropped), then the context.
-    _hook: Option<ggml_sys::ExpertHookGuard>,
+    // The context first, then the kernel's claim on its expert tensors.
     session: Session<'m>,
+    _claims: kernel::Claims,
     streamer: Arc<Mutex<Streamer<'m>>>,
     /// Dense bytes read at open (dense `anon`).
     pub dense_bytes_read: u64,
@@ -217,16 +215,16 @@ impl<'m> StreamedSession<'m> {
                 index.expert_kinds().join(", ")
             );
         }
-        if config.overlap.is_some() && !ggml_sys::expert_hook_available() {
-            return Err(StreamError::OverlapUnavailable.into());
-        }
         let lanes = Arc::new(IoLanes::new(&index.shards, &config.lanes).map_err(StreamError::Lanes)?);
+        let bound = config.overlap.unwrap_or(config.lanes.bound);
+        let source = Arc::new(kernel::ExpertSource::new(lanes, bound, threads.count));
         let mut streamer = Streamer::new(
             model,
             Arc::clone(&index),
-            Arc::clone(&lanes),
+            Arc::clone(&source),
             config.cache_bytes,
             config.dense == DensePolicy::Anon,
+            config.gpu_layers > 0,
         );
         if config.trace_routes {
             streamer.enable_trace();
@@ -234,21 +232,15 @@ impl<'m> StreamedSession<'m> {
         let streamer = Arc::new(Mutex::new(streamer));
         let cb_streamer = Arc::clone(&streamer);
         let callback: ggml_sys::EvalCallback<'m> = Box::new(move |t, phase| lock(&cb_streamer).on_eval(t, phase));
-        let mut session = Session::new(model, n_ctx, threads, Some(callback))?;
+        let (session, claim) = kernel::claiming(&index, || Session::new(model, n_ctx, threads, Some(callback)))?;
+        let mut session = session?;
+        let claims = kernel::Claims::register(&index, &claim, &source)?;
         session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0))?;
         let dense_bytes_read = lock(&streamer).finish_capture()?;
-        let hook = match config.overlap {
-            Some(bound) => {
-                let stall = Arc::new(AtomicU64::new(0));
-                let mut s = lock(&streamer);
-                s.enable_overlap(Arc::clone(&stall), threads.count, bound);
-                let hook = engine::overlap_hook(s.expert_addrs(), lanes, stall, bound);
-                drop(s);
-                Some(ggml_sys::ExpertHookGuard::install(hook).map_err(StreamError::Hook)?)
-            }
-            None => None,
-        };
-        Ok(StreamedSession { _hook: hook, session, streamer, dense_bytes_read, open_time: t0.elapsed() })
+        if let Some(bound) = config.overlap {
+            lock(&streamer).enable_overlap(bound);
+        }
+        Ok(StreamedSession { session, _claims: claims, streamer, dense_bytes_read, open_time: t0.elapsed() })
     }
 
     /// The streamer's state (counters, trace, budget).
@@ -277,15 +269,11 @@ impl<'m> StreamedSession<'m> {
         mut on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
         let streamer = Arc::clone(&self.streamer);
-        let hook = &self._hook;
         let mut rows = Vec::new();
         let mut usage = Usage::sample();
         let mut observer = |event: DecodeEvent| -> Result<(), GenerateError> {
             let mut s = lock(&streamer);
             s.end_decode();
-            if hook.as_ref().is_some_and(|h| h.take_panicked()) {
-                return Err(GenerateError::Llama(ggml_sys::Error::CallbackPanicked("expert-ready hook")));
-            }
             if let Some(e) = s.take_failure() {
                 return Err(match e {
                     StreamError::Read(f) if f.source.kind() == std::io::ErrorKind::Interrupted => {

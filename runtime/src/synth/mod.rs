@@ -40,6 +40,9 @@ pub enum OutputType {
     /// (`llama_model_quantize`).
     #[value(name = "mxfp4_moe")]
     Mxfp4Moe,
+    /// bfloat16 matrices, f32 for norms (`llama_model_quantize` from f16).
+    #[value(name = "bf16")]
+    Bf16,
 }
 
 impl OutputType {
@@ -51,13 +54,14 @@ impl OutputType {
             OutputType::Q4KM => Some(ggml_sys::QuantType::Q4KM),
             OutputType::Q6K => Some(ggml_sys::QuantType::Q6K),
             OutputType::Mxfp4Moe => Some(ggml_sys::QuantType::Mxfp4Moe),
+            OutputType::Bf16 => Some(ggml_sys::QuantType::Bf16),
         }
     }
 
     /// Rows must be a multiple of this many elements for the type's blocks.
     pub fn block_width(self) -> u32 {
         match self {
-            OutputType::F32 | OutputType::F16 => 1,
+            OutputType::F32 | OutputType::F16 | OutputType::Bf16 => 1,
             OutputType::Q8_0 | OutputType::Mxfp4Moe => 32,
             OutputType::Q4KM | OutputType::Q6K => 256,
         }
@@ -67,7 +71,7 @@ impl OutputType {
     pub fn bytes_per_weight(self) -> f64 {
         match self {
             OutputType::F32 => 4.0,
-            OutputType::F16 => 2.0,
+            OutputType::F16 | OutputType::Bf16 => 2.0,
             OutputType::Q8_0 => 34.0 / 32.0,
             // Q4_K (144 B / 256) for most matrices, Q6_K (210 B / 256) for some down projections.
             OutputType::Q4KM => 0.62,
