@@ -28,7 +28,7 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 .PHONY: help deps vendor build demo test aarch64 lint bench cuda-check clean
 
 # make bench: a synthetic model about 3x a small board's memory, streamed vs llama.cpp's mmap load,
-# each configuration in a memory cgroup of BENCH_BUDGET_MB (needs root).
+# each configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build.
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
 BENCH_MODEL := $(BENCH_DIR)/moe-f16-1650mb.gguf
@@ -63,11 +63,12 @@ aarch64: vendor
 	@scripts/ensure-openai $(OPENAI_VENV)
 	$(ARM_ENV) $(OPENAI_ENV) $(CARGO) test --target $(AARCH64) --workspace --no-fail-fast
 
-bench: build
+bench: vendor
+	$(CARGO) build --release --bin sluice
 	@mkdir -p $(BENCH_DIR)
-	@test -f $(BENCH_MODEL) || $(CARGO) run --quiet --bin sluice -- synth --out $(BENCH_MODEL) \
+	@test -f $(BENCH_MODEL) || target/release/sluice synth --out $(BENCH_MODEL) \
 		--size 1650MB --layers 8 --experts 32 --experts-used 4
-	$(CARGO) run --quiet --bin sluice -- bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
+	target/release/sluice bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
 		-n 32 --out $(BENCH_DIR)
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.

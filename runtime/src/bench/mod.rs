@@ -210,6 +210,12 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
     Ok(rows)
 }
 
+/// The I/O bound of a row that read experts: the tokens per second the storage `ceiling`
+/// (MiB/s) allows at the row's MiB read per token.
+fn io_bound(r: &BenchRow, ceiling: f64) -> Option<f64> {
+    (r.read_mib_s.is_some() && r.mib_per_token > 0.0).then(|| ceiling / r.mib_per_token)
+}
+
 /// One column of the results table: header and the cell of each row.
 struct Column {
     header: &'static str,
@@ -251,6 +257,10 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
     cols.push(column("read MiB/s", rows, |r| opt(r.read_mib_s, |v| format!("{v:.1}"))));
     if let Some(c) = ceiling {
         cols.push(column("% ceiling", rows, |r| opt(r.read_mib_s, |v| format!("{:.0}", 100.0 * v / c))));
+        cols.push(column("I/O bound tok/s", rows, |r| opt(io_bound(r, c), |b| format!("{b:.2}"))));
+        cols.push(column("% I/O bound", rows, |r| {
+            opt(io_bound(r, c), |b| format!("{:.0}", 100.0 * r.tokens_per_s / b))
+        }));
     }
     cols.push(column("open s", rows, |r| format!("{:.2}", r.open_s)));
     cols.push(column("TTFT s", rows, |r| format!("{:.2}", r.ttft_s)));
@@ -277,7 +287,7 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
 /// The results as CSV (one header line, one record per configuration, quoted where a field needs
 /// it; sizes in MiB).
 pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
-    const HEADER: [&str; 16] = [
+    const HEADER: [&str; 18] = [
         "config",
         "cache_mib",
         "tok_s",
@@ -291,6 +301,8 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
         "stall_ms_per_token",
         "read_mib_s",
         "share_of_ceiling",
+        "io_bound_tok_s",
+        "share_of_io_bound",
         "open_s",
         "ttft_s",
         "same_text",
@@ -313,6 +325,8 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
             num(r.stall_ms),
             num(r.read_mib_s),
             num(r.read_mib_s.zip(ceiling).map(|(v, c)| v / c)),
+            num(ceiling.and_then(|c| io_bound(r, c))),
+            num(ceiling.and_then(|c| io_bound(r, c)).map(|b| r.tokens_per_s / b)),
             format!("{:.3}", r.open_s),
             format!("{:.3}", r.ttft_s),
             (r.tokens == rows[0].tokens).to_string(),
@@ -355,12 +369,14 @@ mod tests {
         let text = csv(&rows, Some(1000.0));
         let mut reader = ::csv::Reader::from_reader(text.as_bytes());
         let width = reader.headers().unwrap().len();
-        assert_eq!(width, 16);
+        assert_eq!(width, 18);
         let records: Vec<::csv::StringRecord> = reader.records().map(Result::unwrap).collect();
         assert_eq!(records.len(), 2);
         assert!(records.iter().all(|r| r.len() == width), "{text}");
         assert_eq!(&records[1][0], "streamed, no cache, serial", "the comma-holding label is one field");
         assert_eq!(&records[1][3], "2.5000", "x_mmap against the first row");
         assert_eq!(&records[1][12], "0.8000", "share of the ceiling");
+        assert_eq!(&records[1][13], "400.0000", "I/O bound: 1000 MiB/s over 2.5 MiB per token");
+        assert_eq!(&records[1][14], "0.0125", "5 tok/s of the bound");
     }
 }

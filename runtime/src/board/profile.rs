@@ -107,8 +107,7 @@ pub struct StorageSection {
     #[serde(default = "yes")]
     pub direct_io: bool,
     /// Overlap expert reads with expert compute (the streamed-experts kernel computes each
-    /// expert once its slices have landed). Absent: on where the build has the CPU extension
-    /// service.
+    /// expert once its slices have landed). Absent: off (serial measured faster).
     pub overlap: Option<bool>,
 }
 

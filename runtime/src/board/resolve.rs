@@ -250,7 +250,7 @@ pub fn resolve(
     let overlap = match (overrides.overlap, p.storage.overlap) {
         (Some(v), _) => sourced(v, if v { "--overlap" } else { "--no-overlap" }),
         (None, Some(v)) => sourced(v, "profile storage.overlap"),
-        (None, None) => sourced(caps.cpu_parallel, "default: on where the build has the CPU extension service"),
+        (None, None) => sourced(false, "default: serial, measured faster (docs/benchmarks.md)"),
     };
     if overlap.value && !caps.cpu_parallel {
         return Err(BoardError::NoOverlap { origin, asked_by: overlap.source });

@@ -26,8 +26,7 @@ pub struct TuningArgs {
     /// Read experts through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub no_direct_io: bool,
-    /// Overlap expert reads with expert compute (default: the profile's, else on where the build
-    /// has the CPU extension service).
+    /// Overlap expert reads with expert compute (default: the profile's, else off).
     #[arg(long, conflicts_with = "no_overlap")]
     pub overlap: bool,
     /// Stream serially: read a layer's experts, then compute it.
