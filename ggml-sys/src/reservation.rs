@@ -59,11 +59,6 @@ impl Reservation {
         self.map.len()
     }
 
-    /// The address the tensor's data starts at.
-    pub fn base_addr(&self) -> usize {
-        self.map_ptr() as usize + (self.file_offset - self.file_base) as usize
-    }
-
     pub(crate) fn base_ptr(&self) -> *mut u8 {
         // SAFETY: file_offset - file_base < page <= map_len, so the result is inside the mapping.
         unsafe { self.map_ptr().add((self.file_offset - self.file_base) as usize) }
@@ -187,7 +182,7 @@ mod tests {
         // A tensor at an odd offset, 3000 bytes into the second page.
         let (off, size) = (page + 3000, 2 * page + 500);
         let r = Reservation::new(off, size).unwrap();
-        assert_eq!(r.base_addr() as u64 % page, off % page);
+        assert_eq!(r.base_ptr() as u64 % page, off % page);
         let (ws, we) = r.window(100, 200);
         assert_eq!((ws, we), (page, 2 * page));
         let n = r.read_window(std::os::fd::AsFd::as_fd(&file), ws, (we - ws) as usize).unwrap();
