@@ -631,6 +631,34 @@ fn cpu_parallel_runs_the_callback_on_the_configured_pinned_pool_and_honours_the_
 }
 
 #[test]
+fn a_kernel_stopped_by_the_abort_callback_reports_the_abort_not_a_failure() {
+    let op = unary_op("test.aborted_kernel.v1", 0);
+    let (k, c) = TestKernel::new(
+        "abort.",
+        Box::new(|run| {
+            run.cpu_parallel(|_, _| {})?;
+            run.write_output(&f32_bytes(&INPUT))
+        }),
+    );
+    register_kernel(Device::cpu(), spec("test.aborted_kernel.cpu", Target::Ext(op), 0), k).unwrap();
+    let g = GraphBuilder::new(8).unwrap();
+    let (x, y) = unary_nodes(&g, op, "abort.");
+    let graph = g.graph(y).unwrap();
+    let mut backend = cpu();
+    let stop = Arc::new(AtomicBool::new(true));
+    backend.set_abort_flag(Some(Arc::clone(&stop)));
+    let mut sched = Scheduler::new(&[&backend], 64, false).unwrap();
+    sched.alloc(&graph).unwrap();
+    x.write(&f32_bytes(&INPUT)).unwrap();
+    let r = sched.compute(&graph);
+    assert!(matches!(r, Err(ggml_sys::Error::Aborted)), "{r:?}");
+    assert_eq!(c.executed.load(Ordering::SeqCst), 1);
+    stop.store(false, Ordering::SeqCst);
+    sched.compute(&graph).unwrap();
+    assert_eq!(f32s(&y.read().unwrap()), INPUT.to_vec());
+}
+
+#[test]
 fn a_kernel_runs_its_work_through_the_cpu_parallel_service() {
     let op = unary_op("test.parallel_kernel.v1", 0);
     let (k, c) = TestKernel::new(

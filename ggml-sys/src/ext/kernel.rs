@@ -302,6 +302,12 @@ unsafe extern "C" fn execute_trampoline(
     let mut run = Execution { backend, nodes, state, workspace };
     match guarded(d, "execute", Err(KernelError("panicked".into())), || d.kernel.execute(&mut run)) {
         Ok(()) => sys::GGML_STATUS_SUCCESS,
+        // A kernel that stops because the computation is being aborted reports the abort, as
+        // native work would.
+        Err(e) if super::sched::cpu_abort_requested(backend) => {
+            log::debug!("extension kernel {} stopped by the abort callback: {e}", d.name);
+            sys::GGML_STATUS_ABORTED
+        }
         Err(e) => {
             log::error!("extension kernel {} failed: {e}", d.name);
             sys::GGML_STATUS_FAILED

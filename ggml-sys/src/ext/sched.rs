@@ -216,14 +216,25 @@ unsafe extern "C" fn task_trampoline(user_data: *mut c_void, ith: i32, nth: i32)
 }
 
 /// Runs `f` on every thread of the CPU backend `backend` through `ggml_ext_cpu_parallel_v1`.
-pub(crate) fn cpu_parallel(backend: sys::ggml_backend_t, f: &(dyn Fn(usize, usize) + Sync)) -> Result<()> {
+/// The CPU parallel service table of `backend`'s registry, if it offers one.
+fn cpu_service(backend: sys::ggml_backend_t) -> Option<&'static sys::ggml_ext_cpu_parallel_v1> {
     // SAFETY: a live backend; its device and registry live for the process.
     let reg = unsafe { sys::ggml_backend_dev_backend_reg(sys::ggml_backend_get_device(backend)) };
     // SAFETY: reg is live; the name is NUL-terminated.
     let service = unsafe { sys::ggml_backend_reg_get_proc_address(reg, c"ggml_ext_cpu_parallel_v1".as_ptr()) }
         .cast::<sys::ggml_ext_cpu_parallel_v1>();
     // SAFETY: the CPU registry returns a pointer to its static service table (or null).
-    let run = unsafe { service.as_ref() }.and_then(|s| s.run).ok_or_else(|| Error::Extension {
+    unsafe { service.as_ref() }
+}
+
+/// Whether `backend` is a CPU backend whose abort callback asks to stop now.
+pub(crate) fn cpu_abort_requested(backend: sys::ggml_backend_t) -> bool {
+    // SAFETY: backend is live; the service reads its abort callback.
+    cpu_service(backend).and_then(|s| s.abort_requested).is_some_and(|f| unsafe { f(backend) })
+}
+
+pub(crate) fn cpu_parallel(backend: sys::ggml_backend_t, f: &(dyn Fn(usize, usize) + Sync)) -> Result<()> {
+    let run = cpu_service(backend).and_then(|s| s.run).ok_or_else(|| Error::Extension {
         call: "ggml_ext_cpu_parallel_v1",
         detail: "the backend offers no CPU parallel service (not a CPU backend)".into(),
     })?;
