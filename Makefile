@@ -28,7 +28,8 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 .PHONY: help deps vendor build demo test aarch64 lint bench cuda-check clean
 
 # make bench: a synthetic model about 3x a small board's memory, streamed vs llama.cpp's mmap load,
-# each configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build.
+# each configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build: at the
+# disk's own speed, then throttled to an SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s).
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
 BENCH_MODEL := $(BENCH_DIR)/moe-f16-1650mb.gguf
@@ -70,6 +71,10 @@ bench: vendor
 		--size 1650MB --layers 8 --experts 32 --experts-used 4
 	target/release/sluice bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
 		-n 32 --out $(BENCH_DIR)
+	target/release/sluice bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
+		-n 32 --storage-mbps sd --out $(BENCH_DIR)/sd
+	target/release/sluice bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
+		-n 32 --storage-mbps nvme-gen2 --out $(BENCH_DIR)/nvme-gen2
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.
 cuda-check: vendor

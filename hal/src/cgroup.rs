@@ -4,7 +4,7 @@
 use std::io;
 use std::path::{Path, PathBuf};
 
-use crate::memory::{cgroup_mounts, CgroupVersion};
+use crate::memory::{cgroup_mounts, controller_mounts, CgroupVersion};
 use crate::root::SysRoot;
 
 /// Why a memory cgroup cannot be made.
@@ -13,6 +13,9 @@ pub enum CgroupError {
     /// Neither a v1 memory hierarchy nor a v2 hierarchy is mounted.
     #[error("no memory cgroup hierarchy is mounted (looked for a v1 `memory` or a v2 mount in /proc/self/mountinfo)")]
     NoHierarchy,
+    /// No I/O controller to limit read rates with (v1 `blkio` is not mounted).
+    #[error("no blkio cgroup hierarchy is mounted beside the v1 memory hierarchy, so reads cannot be throttled")]
+    NoIoController,
     /// The kernel refused to create or configure it.
     #[error("cannot set up memory cgroup {}: {source} (creating cgroups needs root, or a delegated hierarchy)", dir.display())]
     Setup {
@@ -100,6 +103,77 @@ impl MemoryCgroup {
     }
 }
 
+/// A read-rate limit on one block device for the processes of a memory cgroup: a board's
+/// storage speed on a faster machine. v1: a `blkio` cgroup of the same name
+/// (`blkio.throttle.read_bps_device`), which the processes join as well; v2: `io.max` in the
+/// memory cgroup's own directory. Lifted on drop (the v1 cgroup is removed once empty).
+#[derive(Debug)]
+pub struct ReadThrottle {
+    dir: PathBuf,
+    /// The v1 `blkio` cgroup this created (removed on drop); `None` on v2.
+    owned: Option<PathBuf>,
+}
+
+impl ReadThrottle {
+    /// Limits reads from the whole disk `device` (`major:minor`) to `bytes_per_s` for the
+    /// processes of `memory`.
+    pub fn create(memory: &MemoryCgroup, device: (u64, u64), bytes_per_s: u64) -> Result<ReadThrottle, CgroupError> {
+        let (major, minor) = device;
+        let name = memory.dir.file_name().map(PathBuf::from).unwrap_or_default();
+        match memory.version {
+            CgroupVersion::V1 => {
+                let root = SysRoot::default();
+                let (blkio, _) = controller_mounts(&root.read("/proc/self/mountinfo").unwrap_or_default(), "blkio");
+                let blkio = blkio.ok_or(CgroupError::NoIoController)?;
+                let dir = PathBuf::from(&blkio.point).join(name);
+                let setup = |source| CgroupError::Setup { dir: dir.clone(), source };
+                match std::fs::create_dir(&dir) {
+                    Ok(()) => {}
+                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                    Err(e) => return Err(setup(e)),
+                }
+                let throttle = ReadThrottle { dir: dir.clone(), owned: Some(dir.clone()) };
+                write(&dir, "blkio.throttle.read_bps_device", &format!("{major}:{minor} {bytes_per_s}"))
+                    .map_err(setup)?;
+                Ok(throttle)
+            }
+            CgroupVersion::V2 => {
+                let dir = memory.dir.clone();
+                if let Some(parent) = dir.parent() {
+                    let _ = write(parent, "cgroup.subtree_control", "+io");
+                }
+                write(&dir, "io.max", &format!("{major}:{minor} rbps={bytes_per_s}"))
+                    .map_err(|source| CgroupError::Setup { dir: dir.clone(), source })?;
+                Ok(ReadThrottle { dir, owned: None })
+            }
+        }
+    }
+
+    /// The cgroup directory a process joins to be throttled (on v2, the memory cgroup's).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for ReadThrottle {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.owned {
+            remove_when_empty(dir);
+        }
+    }
+}
+
+/// Removes the cgroup at `dir` once its processes have gone (the kernel may take a moment).
+fn remove_when_empty(dir: &Path) {
+    for _ in 0..50 {
+        if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    log::warn!("could not remove cgroup {}", dir.display());
+}
+
 /// Moves the calling process into the cgroup at `dir` (its memory from now on is charged there).
 pub fn join(dir: &Path) -> io::Result<()> {
     write(dir, "cgroup.procs", &std::process::id().to_string())
@@ -107,13 +181,7 @@ pub fn join(dir: &Path) -> io::Result<()> {
 
 impl Drop for MemoryCgroup {
     fn drop(&mut self) {
-        // Its processes have exited by now; the kernel may take a moment to notice.
-        for _ in 0..50 {
-            if std::fs::remove_dir(&self.dir).is_ok() || !self.dir.exists() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        log::warn!("could not remove memory cgroup {}", self.dir.display());
+        // Its processes have exited by now.
+        remove_when_empty(&self.dir);
     }
 }

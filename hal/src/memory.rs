@@ -71,6 +71,11 @@ pub(crate) struct CgroupMount {
 
 /// The cgroup mounts of `/proc/self/mountinfo`: (v1 memory, v2).
 pub(crate) fn cgroup_mounts(mountinfo: &str) -> (Option<CgroupMount>, Option<CgroupMount>) {
+    controller_mounts(mountinfo, "memory")
+}
+
+/// The v1 hierarchy of `controller` and the v2 hierarchy, as `/proc/self/mountinfo` lists them.
+pub(crate) fn controller_mounts(mountinfo: &str, controller: &str) -> (Option<CgroupMount>, Option<CgroupMount>) {
     let (mut v1, mut v2) = (None, None);
     for line in mountinfo.lines() {
         let Some((pre, post)) = line.split_once(" - ") else { continue };
@@ -82,7 +87,7 @@ pub(crate) fn cgroup_mounts(mountinfo: &str) -> (Option<CgroupMount>, Option<Cgr
         let mount = CgroupMount { point: pre[4].to_string(), root: pre[3].to_string() };
         match post[0] {
             "cgroup2" => v2 = v2.or(Some(mount)),
-            "cgroup" if post.get(2).is_some_and(|o| o.split(',').any(|o| o == "memory")) => v1 = v1.or(Some(mount)),
+            "cgroup" if post.get(2).is_some_and(|o| o.split(',').any(|o| o == controller)) => v1 = v1.or(Some(mount)),
             _ => {}
         }
     }

@@ -103,6 +103,18 @@ impl StorageProbe {
         Some(StorageProbe::for_device(root, major.parse().ok()?, minor.parse().ok()?))
     }
 
+    /// The whole disk holding `file` (a real path), as `major:minor`: the device a read-rate
+    /// limit applies to. `None` for a file system without a block device (tmpfs, overlay).
+    pub fn disk_of_file(root: &SysRoot, file: &Path) -> Option<(u64, u64)> {
+        let dev = std::fs::metadata(file).ok()?.dev();
+        let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
+        let dev_dir = std::fs::canonicalize(root.path(format!("/sys/dev/block/{major}:{minor}"))).ok()?;
+        let disk_dir = if dev_dir.join("partition").exists() { dev_dir.parent()?.to_path_buf() } else { dev_dir };
+        let text = std::fs::read_to_string(disk_dir.join("dev")).ok()?;
+        let (ma, mi) = text.trim().split_once(':')?;
+        Some((ma.parse().ok()?, mi.parse().ok()?))
+    }
+
     /// Probes block device `major:minor` under `root`.
     pub fn for_device(root: &SysRoot, major: u64, minor: u64) -> StorageProbe {
         let Some(dev_dir) = std::fs::canonicalize(root.path(format!("/sys/dev/block/{major}:{minor}"))).ok() else {

@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use sluice_hal::cgroup::MemoryCgroup;
+use sluice_hal::cgroup::{MemoryCgroup, ReadThrottle};
 use sluice_hal::root::SysRoot;
 use sluice_hal::storage::{measure_direct_read, StorageProbe};
 
@@ -170,6 +170,9 @@ pub struct IsolatedPlan {
     pub child_args: Vec<OsString>,
     /// The cgroup's memory limit, bytes.
     pub budget: u64,
+    /// A read-rate limit on the model's disk for every child: `(major, minor)` and bytes per
+    /// second.
+    pub throttle: Option<((u64, u64), u64)>,
 }
 
 /// Everything an isolated benchmark measured.
@@ -187,13 +190,15 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut ceiling = None;
     for (i, kind) in KINDS.iter().enumerate() {
         let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), plan.budget)?;
+        let throttle = plan.throttle.map(|(dev, rate)| ReadThrottle::create(&cg, dev, rate)).transpose()?;
         let kind_name = format!("{kind:?}");
         log::info!("bench: {kind_name} in {} ({} MiB)", cg.dir().display(), plan.budget >> 20);
+        let mut joins = vec![cg.dir().to_path_buf()];
+        joins.extend(throttle.as_ref().map(|t| t.dir().to_path_buf()).filter(|d| d != cg.dir()));
         let out = Command::new(&plan.exe)
             .args(&plan.global_args)
             .arg("bench-child")
-            .arg("--join-cgroup")
-            .arg(cg.dir())
+            .args(joins.iter().flat_map(|d| [OsString::from("--join-cgroup"), d.clone().into_os_string()]))
             .arg("--kind")
             .arg(clap::ValueEnum::to_possible_value(kind).map_or(kind_name.clone(), |v| v.get_name().to_string()))
             .args(&plan.child_args)

@@ -7,6 +7,7 @@
 
 mod chart;
 pub mod isolated;
+pub mod throttle;
 
 pub use chart::svg_bar_chart;
 

@@ -8,6 +8,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::bench::isolated::{self, ChildKind, IsolatedPlan};
+use sluice::bench::throttle::{StorageClass, StorageSpeed};
 use sluice::board::BoardChoice;
 use sluice::budget::{self, PlanRequest};
 use sluice::generate;
@@ -35,6 +36,12 @@ pub struct BenchArgs {
     /// MiB: a small board's RAM. Needs root.
     #[arg(long, value_parser = clap::value_parser!(u64).range(64..))]
     budget_mb: Option<u64>,
+    /// With --budget-mb: throttle reads from the model's disk for every configuration (the
+    /// storage ceiling included), to a board's storage speed: MB/s, a class (sd 85, emmc 250,
+    /// nvme-gen2 400, nvme-gen3 800), or board (the profile's storage.medium). Needs an I/O
+    /// cgroup controller (v1 blkio, v2 io).
+    #[arg(long, requires = "budget_mb")]
+    storage_mbps: Option<StorageSpeed>,
     /// With --budget-mb: where to write bench.csv and bench.svg.
     #[arg(long, default_value = ".")]
     out: PathBuf,
@@ -45,9 +52,9 @@ pub struct BenchArgs {
 /// `sluice bench-child` arguments (started by `sluice bench --budget-mb`).
 #[derive(Args)]
 pub struct BenchChildArgs {
-    /// The memory cgroup directory to join before anything else.
-    #[arg(long)]
-    join_cgroup: PathBuf,
+    /// The cgroup directories to join before anything else (memory, and a v1 blkio one).
+    #[arg(long, required = true)]
+    join_cgroup: Vec<PathBuf>,
     /// The configuration to run.
     #[arg(long, value_enum)]
     kind: ChildKind,
@@ -144,10 +151,15 @@ fn tuning_args(t: &TuningArgs) -> Vec<OsString> {
 fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<()> {
     let model = std::fs::canonicalize(&a.model).with_context(|| format!("{}", a.model.display()))?;
     let board = args::board(choice, Some(&model), &a.tuning)?;
+    let throttle = match a.storage_mbps {
+        None => None,
+        Some(speed) => Some(storage_throttle(speed, &model, &board)?),
+    };
     eprintln!(
-        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB, {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
+        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}, {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
         model.display(),
         model_mib(&model)?,
+        throttle.as_ref().map_or(String::new(), |(speed, _)| format!(", reads throttled to {speed}")),
         a.n_predict,
         board.threads.value,
         board.lanes.value,
@@ -168,6 +180,7 @@ fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<(
         global_args: vec!["--board".into(), choice.to_string().into()],
         child_args,
         budget: budget_mb << 20,
+        throttle: throttle.map(|(_, t)| t),
     };
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;
@@ -200,10 +213,35 @@ fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<(
     Ok(())
 }
 
+/// The speed `speed` resolves to and the read limit it puts on the disk holding `model`.
+fn storage_throttle(
+    speed: StorageSpeed,
+    model: &std::path::Path,
+    board: &sluice::board::ResolvedBoard,
+) -> Result<(StorageSpeed, ((u64, u64), u64))> {
+    let speed = speed.resolve(board.selected.profile.storage.medium).with_context(|| {
+        format!(
+            "--storage-mbps board: profile {} names no storage.medium of a board class; give a speed or a class ({})",
+            board.selected.id,
+            StorageClass::NAMES.join(", ")
+        )
+    })?;
+    let disk = sluice_hal::storage::StorageProbe::disk_of_file(&sluice_hal::root::SysRoot::default(), model)
+        .with_context(|| {
+            format!(
+                "--storage-mbps: {} is on no block device (tmpfs or overlay?), so its reads cannot be throttled",
+                model.display()
+            )
+        })?;
+    Ok((speed, (disk, speed.bytes_per_s())))
+}
+
 /// Runs `sluice bench-child`: joins the cgroup, runs one configuration, prints its result as one
 /// JSON line.
 pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
-    sluice_hal::cgroup::join(&a.join_cgroup).with_context(|| format!("joining {}", a.join_cgroup.display()))?;
+    for dir in &a.join_cgroup {
+        sluice_hal::cgroup::join(dir).with_context(|| format!("joining {}", dir.display()))?;
+    }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board)?;
     outln!("{}", serde_json::to_string(&out)?);

@@ -1,0 +1,71 @@
+//! The benchmark's storage throttle: reads from the model's disk through it run at the rate it
+//! sets, and it is gone afterwards. Needs root and an I/O cgroup controller; skipped with a
+//! message elsewhere (and under qemu-user, whose reads are the emulator's).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use sluice_hal::cgroup::{MemoryCgroup, ReadThrottle};
+use sluice_hal::root::SysRoot;
+use sluice_hal::storage::StorageProbe;
+
+const FILE_BYTES: usize = 48 << 20;
+const RATE: u64 = 24_000_000;
+
+/// Reads `file` with O_DIRECT in a child process that first joins `dirs`; returns bytes/s.
+fn read_rate_in(dirs: &[PathBuf], file: &Path) -> f64 {
+    let joins: String = dirs.iter().map(|d| format!("echo $$ > '{}/cgroup.procs' && ", d.display())).collect();
+    let script = format!("{joins}exec dd if='{}' of=/dev/null bs=1M iflag=direct status=none", file.display());
+    let t0 = Instant::now();
+    let status = Command::new("sh").arg("-c").arg(&script).status().expect("run sh");
+    assert!(status.success(), "{script}: {status}");
+    FILE_BYTES as f64 / t0.elapsed().as_secs_f64()
+}
+
+#[test]
+fn reads_through_the_throttle_run_at_its_rate_and_it_is_lifted_afterwards() {
+    if std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty()) {
+        eprintln!("skipped: under qemu-user");
+        return;
+    }
+    // On the disk the build lives on (the system temporary directory may be tmpfs).
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let file = dir.path().join("throttled.bin");
+    std::fs::write(&file, vec![0x5a_u8; FILE_BYTES]).unwrap();
+    let Some(disk) = StorageProbe::disk_of_file(&SysRoot::default(), &file) else {
+        eprintln!("skipped: {} is on no block device", file.display());
+        return;
+    };
+    let cg = match MemoryCgroup::create(&format!("sluice-test-throttle-{}", std::process::id()), 1 << 30) {
+        Ok(cg) => cg,
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    let throttle = match ReadThrottle::create(&cg, disk, RATE) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    let mut dirs = vec![cg.dir().to_path_buf()];
+    if throttle.dir() != cg.dir() {
+        dirs.push(throttle.dir().to_path_buf());
+    }
+    let rate = read_rate_in(&dirs, &file);
+    let ratio = rate / RATE as f64;
+    assert!(
+        (0.8..=1.2).contains(&ratio),
+        "read at {:.1} MB/s through a {} MB/s throttle",
+        rate / 1e6,
+        RATE / 1_000_000
+    );
+    drop(throttle);
+    drop(cg);
+    for d in &dirs {
+        assert!(!d.exists(), "{} is still there: the throttle was not lifted", d.display());
+    }
+}
