@@ -170,9 +170,17 @@ pub struct IsolatedPlan {
     pub child_args: Vec<OsString>,
     /// The cgroup's memory limit, bytes.
     pub budget: u64,
-    /// A read-rate limit on the model's disk for every child: `(major, minor)` and bytes per
-    /// second.
-    pub throttle: Option<((u64, u64), u64)>,
+    /// A read-rate limit on the model's disk for every child.
+    pub throttle: Option<DiskThrottle>,
+}
+
+/// A read-rate limit on one disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskThrottle {
+    /// The whole disk, `major:minor`.
+    pub disk: (u64, u64),
+    /// Bytes per second.
+    pub bytes_per_s: u64,
 }
 
 /// Everything an isolated benchmark measured.
@@ -190,7 +198,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut ceiling = None;
     for (i, kind) in KINDS.iter().enumerate() {
         let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), plan.budget)?;
-        let throttle = plan.throttle.map(|(dev, rate)| ReadThrottle::create(&cg, dev, rate)).transpose()?;
+        let throttle = plan.throttle.map(|t| ReadThrottle::create(&cg, t.disk, t.bytes_per_s)).transpose()?;
         let kind_name = format!("{kind:?}");
         log::info!("bench: {kind_name} in {} ({} MiB)", cg.dir().display(), plan.budget >> 20);
         let mut joins = vec![cg.dir().to_path_buf()];

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::{Context as _, Result};
 use clap::Args;
 
-use sluice::bench::isolated::{self, ChildKind, IsolatedPlan};
+use sluice::bench::isolated::{self, ChildKind, DiskThrottle, IsolatedPlan};
 use sluice::bench::throttle::{StorageClass, StorageSpeed};
 use sluice::board::BoardChoice;
 use sluice::budget::{self, PlanRequest};
@@ -218,7 +218,7 @@ fn storage_throttle(
     speed: StorageSpeed,
     model: &std::path::Path,
     board: &sluice::board::ResolvedBoard,
-) -> Result<(StorageSpeed, ((u64, u64), u64))> {
+) -> Result<(StorageSpeed, DiskThrottle)> {
     let speed = speed.resolve(board.selected.profile.storage.medium).with_context(|| {
         format!(
             "--storage-mbps board: profile {} names no storage.medium of a board class; give a speed or a class ({})",
@@ -233,7 +233,7 @@ fn storage_throttle(
                 model.display()
             )
         })?;
-    Ok((speed, (disk, speed.bytes_per_s())))
+    Ok((speed, DiskThrottle { disk, bytes_per_s: speed.bytes_per_s() }))
 }
 
 /// Runs `sluice bench-child`: joins the cgroup, runs one configuration, prints its result as one
