@@ -172,6 +172,31 @@ fn more_threads_than_usable_cpus_are_capped_with_a_note() {
 }
 
 #[test]
+fn overlapped_the_io_cores_compute_no_more() {
+    let root = tree("rpi5-8gb");
+    let probe = HardwareProbe::run(&root, None);
+    let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
+    let with = |overlap| {
+        let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+        resolve(selected, &probe, &Overrides { overlap: Some(overlap), ..Overrides::default() }, None, caps).unwrap()
+    };
+    let serial = with(false);
+    assert_eq!(
+        (serial.compute_cores.clone(), serial.io_cores.clone(), serial.threads.value),
+        (vec![0, 1, 2, 3], vec![3], 4)
+    );
+    let overlapped = with(true);
+    assert_eq!(
+        (overlapped.compute_cores.clone(), overlapped.threads.value),
+        (vec![0, 1, 2], 3),
+        "{:?}",
+        overlapped.notes
+    );
+    assert_eq!(overlapped.io_cores, vec![3]);
+    assert!(overlapped.notes.iter().any(|n| n.contains("compute no more")), "{:?}", overlapped.notes);
+}
+
+#[test]
 fn every_profile_in_boards_parses_and_is_built_in() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../boards");
     let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)

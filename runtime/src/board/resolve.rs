@@ -255,6 +255,23 @@ pub fn resolve(
     if overlap.value && !caps.cpu_parallel {
         return Err(BoardError::NoOverlap { origin, asked_by: overlap.source });
     }
+    // Overlapped, the lanes read while the compute threads run: no core does both.
+    let (compute_cores, threads) = if overlap.value && overrides.threads.is_none() {
+        let own: Vec<usize> = compute_cores.iter().copied().filter(|c| !io_cores.contains(c)).collect();
+        if own.is_empty() || own.len() == compute_cores.len() {
+            (compute_cores, threads)
+        } else {
+            notes.push(format!(
+                "overlap: the I/O lanes' cores {} compute no more (compute on {})",
+                cpulist::format(&io_cores),
+                cpulist::format(&own)
+            ));
+            let threads = sourced(own.len() as u32, "one per compute core not reading (overlap)");
+            (own, threads)
+        }
+    } else {
+        (compute_cores, threads)
+    };
 
     let compute = match (p.compute.service, gpu) {
         (ServiceName::Cpu, _) => ComputeService::Cpu,
