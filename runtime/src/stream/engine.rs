@@ -129,6 +129,8 @@ pub struct Streamer<'m> {
     use_order: Vec<Vec<usize>>,
     /// Layers offloaded to a GPU (their prompt batches may run there, outside the kernel).
     gpu: bool,
+    /// Which expert tensors the kernel computes (the others run in ggml's own kernel).
+    in_kernel: Vec<bool>,
     overlap: Option<Overlap>,
     cache: ExpertCache,
     plan: LayerPlan,
@@ -179,6 +181,7 @@ impl<'m> Streamer<'m> {
             source,
             use_order: vec![Vec::new(); index.n_layer as usize],
             gpu,
+            in_kernel: vec![false; index.experts.len()],
             overlap: None,
             cache,
             plan: LayerPlan::with_capacity(n_expert * index.n_layer as usize),
@@ -195,6 +198,12 @@ impl<'m> Streamer<'m> {
             dense_anon,
             index,
         }
+    }
+
+    /// Records which expert tensors the kernel computes: only layers whose tensors it all
+    /// computes are overlapped.
+    pub fn set_kernel_tensors(&mut self, taken: &[bool]) {
+        self.in_kernel = taken.to_vec();
     }
 
     /// Streams with overlap from now on: reads are submitted at the top-k node and waited for,
@@ -553,7 +562,8 @@ impl<'m> Streamer<'m> {
         self.loading.extend(self.plan.load.iter().map(|&e| (layer, e)));
         let t0 = Instant::now();
         let tokens = t.ne()[1];
-        let in_kernel = kernel::computes_layer(self.index.layer_tensors(layer).map(|(_, x)| x.ty), tokens)
+        let in_kernel = self.index.layer_tensors(layer).all(|(k, _)| self.in_kernel[k])
+            && kernel::computes_layer(self.index.layer_tensors(layer).map(|(_, x)| x.ty), tokens)
             && !(self.gpu && tokens >= GPU_OFFLOAD_BATCH);
         if let Some(o) = self.overlap.as_mut().filter(|_| in_kernel) {
             self.lanes.submit(&mut self.jobs);

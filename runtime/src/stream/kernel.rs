@@ -217,29 +217,35 @@ pub fn claiming<T>(index: &ExpertIndex, create: impl FnOnce() -> T) -> Result<(T
 /// context that computes them).
 pub struct Claims {
     keys: Vec<usize>,
+    taken: Vec<bool>,
 }
 
 impl Claims {
-    /// Registers the tensors `claim` found while the session's context was created, every
-    /// expert tensor of `index`, as `source`'s. A tensor the kernel was never offered is an
-    /// error: its layer could not be streamed through the kernel.
-    pub fn register(index: &ExpertIndex, claim: &Claim, source: &Arc<ExpertSource>) -> Result<Claims, StreamError> {
-        let found = &claim.found;
-        if let Some(t) = index.experts.iter().find(|t| !found.contains_key(&t.name)) {
-            return Err(StreamError::NotCaptured { tensor: t.name.clone(), arch: index.arch.clone() });
-        }
+    /// Registers the expert tensors of `index` that `claim` found while the session's context
+    /// was created as `source`'s. A tensor the kernel was never offered (its products placed on
+    /// a GPU, say) is computed by ggml's own kernel: its layer must be read before it runs.
+    pub fn register(index: &ExpertIndex, claim: &Claim, source: &Arc<ExpertSource>) -> Claims {
         let mut map = claimed().write().unwrap_or_else(|p| p.into_inner());
-        let keys = index
-            .experts
-            .iter()
-            .enumerate()
-            .map(|(k, t)| {
-                let key = found[&t.name];
-                map.insert(key, Claimed { source: Arc::clone(source), tensor: k, name: t.name.clone() });
-                key
-            })
-            .collect();
-        Ok(Claims { keys })
+        let mut keys = Vec::with_capacity(index.experts.len());
+        let mut taken = vec![false; index.experts.len()];
+        for (k, t) in index.experts.iter().enumerate() {
+            let Some(&key) = claim.found.get(&t.name) else {
+                log::warn!(
+                    "expert tensor {} is not computed by the streamed-experts kernel: its layer is read serially",
+                    t.name
+                );
+                continue;
+            };
+            map.insert(key, Claimed { source: Arc::clone(source), tensor: k, name: t.name.clone() });
+            keys.push(key);
+            taken[k] = true;
+        }
+        Claims { keys, taken }
+    }
+
+    /// Which expert tensors (by index) the kernel computes.
+    pub fn taken(&self) -> &[bool] {
+        &self.taken
     }
 }
 

@@ -234,7 +234,8 @@ impl<'m> StreamedSession<'m> {
         let callback: ggml_sys::EvalCallback<'m> = Box::new(move |t, phase| lock(&cb_streamer).on_eval(t, phase));
         let (session, claim) = kernel::claiming(&index, || Session::new(model, n_ctx, threads, Some(callback)))?;
         let mut session = session?;
-        let claims = kernel::Claims::register(&index, &claim, &source)?;
+        let claims = kernel::Claims::register(&index, &claim, &source);
+        lock(&streamer).set_kernel_tensors(claims.taken());
         session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0))?;
         let dense_bytes_read = lock(&streamer).finish_capture()?;
         if let Some(bound) = config.overlap {
