@@ -37,6 +37,16 @@ fn write(dir: &Path, file: &str, value: &str) -> io::Result<()> {
     std::fs::write(dir.join(file), value)
 }
 
+/// Creates the cgroup directory `dir` (one that exists already is taken as it is).
+fn make_dir(dir: &Path) -> Result<(), CgroupError> {
+    match std::fs::create_dir(dir) {
+        Err(e) if e.kind() != io::ErrorKind::AlreadyExists => {
+            Err(CgroupError::Setup { dir: dir.to_path_buf(), source: e })
+        }
+        _ => Ok(()),
+    }
+}
+
 fn read_u64(path: &Path) -> Option<u64> {
     std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
@@ -53,12 +63,8 @@ impl MemoryCgroup {
             (None, None) => return Err(CgroupError::NoHierarchy),
         };
         let dir = PathBuf::from(&mount.point).join(name);
+        make_dir(&dir)?;
         let setup = |source| CgroupError::Setup { dir: dir.clone(), source };
-        match std::fs::create_dir(&dir) {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(setup(e)),
-        }
         let cg = MemoryCgroup { dir: dir.clone(), version };
         match version {
             CgroupVersion::V1 => {
@@ -126,12 +132,8 @@ impl ReadThrottle {
                 let (blkio, _) = controller_mounts(&root.read("/proc/self/mountinfo").unwrap_or_default(), "blkio");
                 let blkio = blkio.ok_or(CgroupError::NoIoController)?;
                 let dir = PathBuf::from(&blkio.point).join(name);
+                make_dir(&dir)?;
                 let setup = |source| CgroupError::Setup { dir: dir.clone(), source };
-                match std::fs::create_dir(&dir) {
-                    Ok(()) => {}
-                    Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-                    Err(e) => return Err(setup(e)),
-                }
                 let throttle = ReadThrottle { dir: dir.clone(), owned: Some(dir.clone()) };
                 write(&dir, "blkio.throttle.read_bps_device", &format!("{major}:{minor} {bytes_per_s}"))
                     .map_err(setup)?;
