@@ -123,7 +123,6 @@ pub struct Streamer<'m> {
     captured_dense: Vec<bool>,
     dense_bytes_read: u64,
     reservations: Vec<Arc<Reservation>>,
-    lanes: Arc<IoLanes>,
     source: Arc<ExpertSource>,
     /// Each layer's expert tensors in the order the graph uses them (from the capture).
     use_order: Vec<Vec<usize>>,
@@ -177,7 +176,6 @@ impl<'m> Streamer<'m> {
             captured_dense: vec![false; index.dense.len()],
             dense_bytes_read: 0,
             reservations: Vec::new(),
-            lanes: Arc::clone(source.lanes()),
             source,
             use_order: vec![Vec::new(); index.n_layer as usize],
             gpu,
@@ -224,7 +222,7 @@ impl<'m> Streamer<'m> {
 
     /// The I/O lanes.
     pub fn lanes(&self) -> &Arc<IoLanes> {
-        &self.lanes
+        self.source.lanes()
     }
 
     /// The cache's counters.
@@ -275,7 +273,7 @@ impl<'m> Streamer<'m> {
             if self.jobs.is_empty() {
                 continue;
             }
-            let result = self.lanes.read_all(&mut self.jobs);
+            let result = self.source.lanes().read_all(&mut self.jobs);
             let bytes = result.as_ref().map_or(0, |s| s.bytes);
             self.account(result)?;
             done.experts += self.loading.len() as u64;
@@ -314,7 +312,7 @@ impl<'m> Streamer<'m> {
     /// memory is released, so the next decode reads what it needs afresh.
     pub fn reset_after_panic(&mut self) {
         let bound = self.overlap.as_ref().map_or(super::io::READ_BOUND, |o| o.bound);
-        let _ = self.lanes.wait(&mut self.jobs, Some(bound));
+        let _ = self.source.lanes().wait(&mut self.jobs, Some(bound));
         if let Some(o) = self.overlap.as_mut() {
             o.in_flight = false;
         }
@@ -358,7 +356,7 @@ impl<'m> Streamer<'m> {
         }
         let bound = o.bound;
         let t0 = Instant::now();
-        let result = self.lanes.wait(&mut self.jobs, Some(bound));
+        let result = self.source.lanes().wait(&mut self.jobs, Some(bound));
         self.stats.io_wait += t0.elapsed();
         self.account(result)
     }
@@ -497,7 +495,7 @@ impl<'m> Streamer<'m> {
             tag: (u32::MAX, k as u32),
             tensor: usize::MAX,
         });
-        let stats = self.lanes.read_all(&mut self.jobs)?;
+        let stats = self.source.lanes().read_all(&mut self.jobs)?;
         self.dense_bytes_read += stats.bytes;
         w.rebind(self.model, r).map_err(|e| StreamError::Graph(e.to_string()))?;
         Ok(())
@@ -562,16 +560,15 @@ impl<'m> Streamer<'m> {
         self.loading.extend(self.plan.load.iter().map(|&e| (layer, e)));
         let t0 = Instant::now();
         let tokens = t.ne()[1];
-        let in_kernel = self.index.layer_tensors(layer).all(|(k, _)| self.in_kernel[k])
-            && kernel::computes_layer(self.index.layer_tensors(layer).map(|(_, x)| x.ty), tokens)
-            && !(self.gpu && tokens >= GPU_OFFLOAD_BATCH);
+        let in_kernel = !(self.gpu && tokens >= GPU_OFFLOAD_BATCH)
+            && self.index.layer_tensors(layer).all(|(k, x)| self.in_kernel[k] && kernel::computes(x.ty, tokens));
         if let Some(o) = self.overlap.as_mut().filter(|_| in_kernel) {
-            self.lanes.submit(&mut self.jobs);
+            self.source.lanes().submit(&mut self.jobs);
             o.in_flight = true;
             self.stats.io_wait += t0.elapsed();
             return Ok(());
         }
-        let result = self.lanes.read_all(&mut self.jobs);
+        let result = self.source.lanes().read_all(&mut self.jobs);
         self.stats.io_wait += t0.elapsed();
         self.account(result)
     }

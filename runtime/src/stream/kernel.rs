@@ -96,7 +96,7 @@ impl ExpertGate for TensorGate<'_> {
 struct Claimed {
     source: Arc<ExpertSource>,
     tensor: usize,
-    name: String,
+    name: Arc<str>,
 }
 
 /// Every live session's expert tensors, by tensor identity.
@@ -169,7 +169,7 @@ impl Kernel for StreamedMatmul {
             let c = map
                 .get(&weights.key())
                 .ok_or_else(|| KernelError(format!("{} belongs to no live streaming session", weights.name())))?;
-            (Arc::clone(&c.source), c.tensor, c.name.clone())
+            (Arc::clone(&c.source), c.tensor, Arc::clone(&c.name))
         };
         routed::mul_mat_id(run, &TensorGate { source: &source, tensor, name: &name })?;
         source.nodes.fetch_add(1, Ordering::Relaxed);
@@ -236,7 +236,7 @@ impl Claims {
                 );
                 continue;
             };
-            map.insert(key, Claimed { source: Arc::clone(source), tensor: k, name: t.name.clone() });
+            map.insert(key, Claimed { source: Arc::clone(source), tensor: k, name: t.name.as_str().into() });
             keys.push(key);
             taken[k] = true;
         }
@@ -258,8 +258,8 @@ impl Drop for Claims {
     }
 }
 
-/// Whether the kernel computes a layer of experts of types `types` for a batch of `tokens`
-/// (else ggml-cpu's own kernel does, and the layer's experts must all be resident first).
-pub fn computes_layer(types: impl IntoIterator<Item = GgmlType>, tokens: i64) -> bool {
-    types.into_iter().all(|t| routed::reproduces_native(t, tokens))
+/// Whether the kernel computes an expert tensor of type `ty` for a batch of `tokens` (else
+/// ggml-cpu's own kernel does, and the layer's experts must all be resident first).
+pub fn computes(ty: GgmlType, tokens: i64) -> bool {
+    routed::reproduces_native(ty, tokens)
 }

@@ -42,29 +42,43 @@ pub trait ExpertGate: Sync {
 /// over (x86 builds with AVX, K- and IQ-quant weights, 8 or more rows routed to one expert,
 /// which needs as many tokens): that path rounds differently.
 pub fn reproduces_native(weights: GgmlType, tokens: i64) -> bool {
-    !(native_tiling_built() && tiled_type(weights) && (tokens >= 8 || env_flag("GGML_CPU_TILED_MM_FORCE", false)))
+    let tiling = native_tiling();
+    !(tiling.on && tiled_type(weights) && (tokens >= 8 || tiling.forced))
 }
 
-/// Whether ggml-cpu was built with its tiled path (x86 with AVX) and has it switched on.
-fn native_tiling_built() -> bool {
-    // SAFETY: plain queries of ggml-cpu's compile-time features.
-    let x86 = unsafe {
-        sys::ggml_cpu_has_avx() != 0 || sys::ggml_cpu_has_avx2() != 0 || sys::ggml_cpu_has_avx512_vnni() != 0
-    };
-    x86 && env_flag("GGML_CPU_TILED_MM", true)
+/// ggml-cpu's tiled path as this process has it: built (x86 with AVX) and switched on
+/// (`GGML_CPU_TILED_MM`, default on), and forced even where unprofitable
+/// (`GGML_CPU_TILED_MM_FORCE=1`). Read once, as ggml-cpu reads its switches.
+struct Tiling {
+    on: bool,
+    forced: bool,
 }
 
-/// An environment switch read as ggml-cpu reads it (`atoi`): unset gives `default`.
-fn env_flag(name: &str, default: bool) -> bool {
-    match std::env::var(name) {
-        Err(_) => default,
-        Ok(v) => {
-            let v = v.trim_start();
-            let digits: String =
-                v.chars().skip_while(|c| *c == '+' || *c == '-').take_while(char::is_ascii_digit).collect();
-            digits.parse::<u64>().is_ok_and(|n| n != 0)
+fn native_tiling() -> &'static Tiling {
+    static TILING: OnceLock<Tiling> = OnceLock::new();
+    TILING.get_or_init(|| {
+        // SAFETY: plain queries of ggml-cpu's compile-time features.
+        let x86 = unsafe {
+            sys::ggml_cpu_has_avx() != 0 || sys::ggml_cpu_has_avx2() != 0 || sys::ggml_cpu_has_avx512_vnni() != 0
+        };
+        Tiling {
+            on: x86 && env_atoi("GGML_CPU_TILED_MM").is_none_or(|n| n != 0),
+            forced: env_atoi("GGML_CPU_TILED_MM_FORCE") == Some(1),
         }
-    }
+    })
+}
+
+/// An environment variable read as C's `atoi` reads it (leading blanks, a sign, digits; no
+/// digits give 0), or `None` when unset.
+fn env_atoi(name: &str) -> Option<i64> {
+    let v = std::env::var(name).ok()?;
+    let v = v.trim_start();
+    let (sign, rest) = match v.strip_prefix('-') {
+        Some(r) => (-1, r),
+        None => (1, v.strip_prefix('+').unwrap_or(v)),
+    };
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    Some(sign * digits.parse::<i64>().unwrap_or(0))
 }
 
 /// The weight types ggml-cpu's tiled path takes.
