@@ -92,6 +92,22 @@ fn bad_synth_parameters_name_the_option() {
 }
 
 #[test]
+fn bad_storage_speeds_name_the_value_and_the_fix() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let o = sluice(&["bench", "-m", &model, "--budget-mb", "512", "--storage-mbps", "fast"], dir.path());
+    assert_clean_error(&o, "'fast' is not a speed");
+    assert!(stderr(&o).contains("nvme-gen3"), "{}", stderr(&o));
+    let o = sluice(&["bench", "-m", &model, "--storage-mbps", "sd"], dir.path());
+    assert_clean_error(&o, "--budget-mb");
+    let o = sluice(
+        &["--board", "generic", "bench", "-m", &model, "--budget-mb", "512", "--storage-mbps", "board"],
+        dir.path(),
+    );
+    assert_clean_error(&o, "names no storage.medium");
+}
+
+#[test]
 fn run_prints_the_continuation_and_its_speed() {
     let dir = tempfile::tempdir().unwrap();
     let model = small_model(dir.path());
