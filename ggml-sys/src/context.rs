@@ -232,6 +232,11 @@ impl<'m> Context<'m> {
         Ok(unsafe { std::slice::from_raw_parts(p, self.n_vocab) })
     }
 
+    /// The llama.cpp handle, for the sampler.
+    pub(crate) fn raw(&self) -> *mut sys::llama_context {
+        self.raw
+    }
+
     /// Forgets every cached position (KV cache cleared, data too).
     pub fn clear_memory(&mut self) {
         // SAFETY: live context; the memory handle belongs to it.

@@ -87,11 +87,14 @@ pub enum Error {
         /// Threads asked for.
         count: u32,
     },
-    /// llama.cpp does not recognise a chat template.
-    #[error("llama.cpp does not support the chat template {template:?} (it knows a fixed list; see llama_chat_builtin_templates)")]
-    ChatTemplate {
-        /// The template's first characters.
-        template: String,
+    /// llama.cpp's chat layer refused a template, a request or a grammar (its message says
+    /// what and where).
+    #[error("{call}: {message}")]
+    Chat {
+        /// The llama.cpp common function.
+        call: &'static str,
+        /// Its message.
+        message: String,
     },
     /// A decode was stopped by its abort flag.
     #[error("the decode was aborted")]

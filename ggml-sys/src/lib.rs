@@ -16,6 +16,7 @@ mod model;
 mod pagecache;
 mod quantize;
 mod reservation;
+mod sampler;
 mod services;
 mod shim;
 mod tensor;
@@ -24,7 +25,9 @@ mod types;
 
 pub use backend::{exit_now, init, system_info};
 pub use batch::Batch;
-pub use chat::{apply_chat_template, ChatMessage};
+pub use chat::{
+    ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarTrigger, ParsedMessage, ReasoningFormat, ToolCall, ToolChoice,
+};
 pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes};
 pub use error::Error;
 pub use gguf::{GgufFile, GgufTensor};
@@ -32,6 +35,7 @@ pub use model::{Model, ModelParams, Token};
 pub use pagecache::cached_bytes;
 pub use quantize::{quantize, QuantType};
 pub use reservation::{page_size, Reservation};
+pub use sampler::{GrammarKind, Sampler, SamplerParams};
 pub use services::{backends, extension_services, supports_gpu_offload, ServiceLookup, EXTENSION_SERVICES};
 pub use tensor::{TensorView, WeightTensor};
 pub use threadpool::{SchedPriority, Threads};

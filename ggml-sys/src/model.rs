@@ -242,9 +242,15 @@ impl Model {
     /// of a UTF-8 sequence). Control tokens give nothing, and so does a token llama.cpp cannot
     /// render (logged).
     pub fn token_piece(&self, token: Token) -> Vec<u8> {
+        self.token_piece_with(token, false)
+    }
+
+    /// [`Model::token_piece`], with control tokens' text too when `special` (the chat parsers
+    /// need to see some of them, e.g. gpt-oss's `<|channel|>`).
+    pub fn token_piece_with(&self, token: Token, special: bool) -> Vec<u8> {
         let mut buf = vec![0u8; 32];
         for _ in 0..2 {
-            match self.piece_into(token, &mut buf, false) {
+            match self.piece_into(token, &mut buf, special) {
                 Ok(n) if n >= 0 => {
                     buf.truncate(n as usize);
                     return buf;

@@ -36,6 +36,11 @@ void record(const char * what) {
 
 extern "C" {
 
+// Records an exception message for this thread (chat_shim.cpp's entry points use it too).
+void sluice_shim_record(const char * what) {
+    record(what);
+}
+
 // Whether the last shimmed call on this thread threw; its message is copied into buf (at most
 // len bytes, NUL-terminated) and the record is cleared.
 bool sluice_shim_take_error(char * buf, size_t len) {
@@ -93,14 +98,6 @@ int32_t sluice_token_to_piece(const struct llama_vocab * vocab, llama_token toke
         return llama_token_to_piece(vocab, token, buf, length, lstrip, special);
     }
     SLUICE_CATCH(0)
-}
-
-int32_t sluice_chat_apply_template(const char * tmpl, const struct llama_chat_message * chat, size_t n_msg,
-                                   bool add_ass, char * buf, int32_t length) {
-    try {
-        return llama_chat_apply_template(tmpl, chat, n_msg, add_ass, buf, length);
-    }
-    SLUICE_CATCH(-1)
 }
 
 }  // extern "C"

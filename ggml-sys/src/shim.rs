@@ -40,20 +40,12 @@ unsafe extern "C" {
         lstrip: i32,
         special: bool,
     ) -> i32;
-    pub(crate) fn sluice_chat_apply_template(
-        tmpl: *const c_char,
-        chat: *const sys::llama_chat_message,
-        n_msg: usize,
-        add_ass: bool,
-        buf: *mut c_char,
-        length: i32,
-    ) -> i32;
 }
 
 /// `Err` with the message of the exception the last shimmed call on this thread threw in
 /// `call`, if it threw.
 pub(crate) fn caught(call: &'static str) -> Result<(), Error> {
-    let mut buf = [0 as c_char; 512];
+    let mut buf = [0 as c_char; 2048];
     // SAFETY: buf is writable for its length; the shim writes a NUL-terminated message into it.
     if !unsafe { sluice_shim_take_error(buf.as_mut_ptr(), buf.len()) } {
         return Ok(());

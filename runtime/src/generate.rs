@@ -4,10 +4,9 @@ use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use rand_chacha::rand_core::{RngCore, SeedableRng};
-use rand_chacha::ChaCha8Rng;
+use std::collections::HashSet;
 
-use ggml_sys::{Batch, Context, ContextParams, EvalCallback, Model, ModelParams, Threads, Token};
+use ggml_sys::{Batch, Context, ContextParams, EvalCallback, Model, ModelParams, SamplerParams, Threads, Token};
 
 /// Largest number of prompt tokens decoded in one batch.
 const MAX_BATCH: u32 = 512;
@@ -58,98 +57,53 @@ impl From<ggml_sys::Error> for GenerateError {
     }
 }
 
-/// How the next token is chosen from the logits.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Sampling {
-    /// The highest logit, lowest id on ties: the same text as a resident run, every time.
-    Greedy,
-    /// Softmax of logits / `temperature`, restricted to the smallest set of tokens whose
-    /// probability reaches `top_p`, drawn with a ChaCha8 generator seeded by `seed`: the same
-    /// seed gives the same text.
-    Random {
-        /// Above 0.
-        temperature: f32,
-        /// In (0, 1].
-        top_p: f32,
-        /// Generator seed.
-        seed: u64,
-    },
-}
-
-/// Chooses tokens as its [`Sampling`] says.
-#[derive(Debug)]
+/// Chooses tokens with llama.cpp's sampler ([`SamplerParams`]: greedy, or penalties, top-k,
+/// top-p, min-p, temperature and a seeded draw, under an optional grammar), and renders them
+/// as text.
 pub struct Sampler {
-    sampling: Sampling,
-    rng: ChaCha8Rng,
-    scratch: Vec<(f32, u32)>,
+    inner: ggml_sys::Sampler,
+    /// Special tokens whose text is kept in the output (a chat format's markers).
+    shown: HashSet<Token>,
 }
 
 impl Sampler {
-    /// A sampler for `sampling`.
-    pub fn new(sampling: Sampling) -> Sampler {
-        let seed = match sampling {
-            Sampling::Random { seed, .. } => seed,
-            Sampling::Greedy => 0,
-        };
-        Sampler { sampling, rng: ChaCha8Rng::seed_from_u64(seed), scratch: Vec::new() }
+    /// A sampler over `model`'s vocabulary. A grammar llama.cpp cannot parse is an error.
+    pub fn new(model: &Model, params: &SamplerParams) -> Result<Sampler, GenerateError> {
+        Ok(Sampler { inner: ggml_sys::Sampler::new(model, params)?, shown: HashSet::new() })
     }
 
-    /// The token chosen from `logits`.
-    pub fn choose(&mut self, logits: &[f32]) -> Token {
-        let Sampling::Random { temperature, top_p, .. } = self.sampling else {
-            return argmax(logits);
-        };
-        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        self.scratch.clear();
-        let mut total = 0f64;
-        for (i, &l) in logits.iter().enumerate() {
-            let p = (((l - max) / temperature) as f64).exp();
-            total += p;
-            self.scratch.push((p as f32, i as u32));
-        }
-        // Nucleus sampling needs the most probable first (ties by id, so the order and the draw
-        // stay deterministic); without it, id order serves and a vocabulary-sized sort is saved.
-        if top_p < 1.0 {
-            self.scratch.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
-        }
-        let mut kept = 0;
-        let mut mass = 0f64;
-        for &(p, _) in &self.scratch {
-            kept += 1;
-            mass += p as f64;
-            if mass >= top_p as f64 * total {
-                break;
-            }
-        }
-        let draw = (self.rng.next_u64() >> 11) as f64 / (1u64 << 53) as f64 * mass;
-        let mut acc = 0f64;
-        for &(p, id) in &self.scratch[..kept] {
-            acc += p as f64;
-            if draw < acc {
-                return id as Token;
-            }
-        }
-        self.scratch[kept - 1].1 as Token
+    /// The highest logit every time (lowest id on ties): the same text as a resident run.
+    pub fn greedy(model: &Model) -> Result<Sampler, GenerateError> {
+        Sampler::new(model, &SamplerParams::greedy())
     }
+
+    /// Keeps the text of these special tokens in the output (they are dropped otherwise).
+    pub fn show_special(&mut self, tokens: impl IntoIterator<Item = Token>) {
+        self.shown.extend(tokens);
+    }
+
+    fn piece(&self, model: &Model, token: Token) -> Vec<u8> {
+        model.token_piece_with(token, self.shown.contains(&token))
+    }
+}
+
+/// A token as it is chosen.
+#[derive(Debug, Clone, Copy)]
+pub struct Chosen<'a> {
+    /// The token.
+    pub token: Token,
+    /// Its text.
+    pub piece: &'a [u8],
+    /// The model's logits it was chosen from (before any sampling step).
+    pub logits: &'a [f32],
 }
 
 /// A token callback that never stops the generation, from one that only watches.
-pub fn to_end(mut on_token: impl FnMut(Token, &[u8])) -> impl FnMut(Token, &[u8]) -> ControlFlow<()> {
-    move |t, b| {
-        on_token(t, b);
+pub fn to_end(mut on_token: impl FnMut(Token, &[u8])) -> impl FnMut(&Chosen<'_>) -> ControlFlow<()> {
+    move |c| {
+        on_token(c.token, c.piece);
         ControlFlow::Continue(())
     }
-}
-
-/// The highest logit, lowest id on ties.
-fn argmax(logits: &[f32]) -> Token {
-    let mut best = 0usize;
-    for (j, &v) in logits.iter().enumerate() {
-        if v > logits[best] {
-            best = j;
-        }
-    }
-    best as Token
 }
 
 /// One `llama_decode` call, as reported to a [`DecodeObserver`].
@@ -326,7 +280,13 @@ impl<'m> Session<'m> {
         on_token: impl FnMut(Token, &[u8]),
         observer: &mut DecodeObserver<'_>,
     ) -> Result<Generation, GenerateError> {
-        self.generate_with(prompt, n_predict, &mut Sampler::new(Sampling::Greedy), to_end(on_token), observer)
+        let mut sampler = Sampler::greedy(self.model)?;
+        self.generate_with(prompt, n_predict, &mut sampler, to_end(on_token), observer)
+    }
+
+    /// The model this session runs.
+    pub fn model(&self) -> &'m Model {
+        self.model
     }
 
     /// Makes every later decode of this session stop as soon as `flag` is set (between graph
@@ -336,7 +296,7 @@ impl<'m> Session<'m> {
     }
 
     /// Generates up to `n_predict` tokens after `prompt`, chosen by `sampler`. `on_token` gets
-    /// each token and its bytes as it is chosen and may end the generation early
+    /// each token, its bytes and its logits as it is chosen and may end the generation early
     /// ([`ControlFlow::Break`], e.g. at a stop sequence); `observer` runs after every decode.
     /// Starts from an empty context every time.
     pub fn generate_with(
@@ -344,10 +304,11 @@ impl<'m> Session<'m> {
         prompt: &[Token],
         n_predict: u32,
         sampler: &mut Sampler,
-        mut on_token: impl FnMut(Token, &[u8]) -> ControlFlow<()>,
+        mut on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
         observer: &mut DecodeObserver<'_>,
     ) -> Result<Generation, GenerateError> {
         self.ctx.clear_memory();
+        sampler.inner.accept_prompt(prompt)?;
         let n_batch = self.batch_capacity();
         let t0 = Instant::now();
         let mut pos = 0i32;
@@ -362,7 +323,7 @@ impl<'m> Session<'m> {
         }
         let prefill = t0.elapsed();
         let t1 = Instant::now();
-        let mut next = sampler.choose(self.ctx.logits(-1)?);
+        let mut next = sampler.inner.sample(&self.ctx, -1)?;
         let mut out = Generation {
             prompt_tokens: prompt.to_vec(),
             tokens: Vec::new(),
@@ -377,8 +338,8 @@ impl<'m> Session<'m> {
                 out.stopped_at_eog = true;
                 break;
             }
-            let piece = self.model.token_piece(next);
-            let flow = on_token(next, &piece);
+            let piece = sampler.piece(self.model, next);
+            let flow = on_token(&Chosen { token: next, piece: &piece, logits: self.ctx.logits(-1)? });
             out.tokens.push(next);
             out.bytes.extend_from_slice(&piece);
             if flow.is_break() || i + 1 == n_predict {
@@ -389,7 +350,7 @@ impl<'m> Session<'m> {
             self.timed_decode(false, observer)?;
             out.decoded += 1;
             pos += 1;
-            next = sampler.choose(self.ctx.logits(-1)?);
+            next = sampler.inner.sample(&self.ctx, -1)?;
         }
         out.decode = t1.elapsed();
         Ok(out)
@@ -412,25 +373,3 @@ pub fn generate(
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn sampling_is_seeded_and_top_p_keeps_the_likeliest() {
-        let logits = [0.0, 5.0, 4.9, -3.0];
-        assert_eq!(Sampler::new(Sampling::Greedy).choose(&logits), 1);
-        let draw = |seed, top_p| {
-            let mut s = Sampler::new(Sampling::Random { temperature: 1.0, top_p, seed });
-            (0..200).map(|_| s.choose(&logits)).collect::<Vec<_>>()
-        };
-        assert_eq!(draw(7, 1.0), draw(7, 1.0), "the same seed gives the same tokens");
-        assert_ne!(draw(7, 1.0), draw(8, 1.0));
-        let all = draw(7, 1.0);
-        assert!(all.contains(&1) && all.contains(&2), "both likely tokens are drawn");
-        // Tokens 1 and 2 hold ~99.6% of the mass: top_p 0.9 never draws 0 or 3.
-        assert!(draw(7, 0.9).iter().all(|&t| t == 1 || t == 2));
-        // top_p so small that only the most probable token is left: greedy.
-        assert!(draw(7, 0.01).iter().all(|&t| t == 1));
-    }
-}

@@ -1,8 +1,11 @@
 //! The OpenAI-compatible request bodies, their checks, and error bodies.
 
+use ggml_sys::{ChatInputs, SamplerParams};
+use serde::de::IgnoredAny;
 use serde::Deserialize;
+use serde_json::{Map, Value};
 
-use crate::generate::Sampling;
+use super::chat::{chat_inputs, ChatFields};
 
 /// An HTTP error with an OpenAI-style body: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq)]
@@ -71,93 +74,92 @@ pub enum StopField {
     Many(Vec<String>),
 }
 
-/// A chat message's content: a string, or text parts.
+/// `logprobs`: a count of alternatives (`/v1/completions`) or a switch (`/v1/chat/completions`).
 #[derive(Debug, Deserialize)]
-#[serde(untagged, expecting = "a string or an array of {\"type\": \"text\", \"text\": ...} parts")]
-pub enum ContentField {
-    /// `"content": "text"`.
-    Text(String),
-    /// `"content": [{"type": "text", "text": "..."}]`.
-    Parts(Vec<ContentPart>),
+#[serde(untagged, expecting = "true/false (chat) or a number of alternatives (completions)")]
+pub enum LogprobsField {
+    /// `"logprobs": true`.
+    Switch(bool),
+    /// `"logprobs": 3`.
+    Count(u32),
 }
 
-/// One part of a message's content.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ContentPart {
-    #[serde(rename = "type")]
-    kind: String,
-    text: String,
-}
-
-/// One message of a chat request.
+/// `stream_options`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ChatMessageField {
-    role: Role,
-    content: ContentField,
-    #[allow(dead_code)] // accepted for compatibility; a name does not change the prompt
-    name: Option<String>,
-}
-
-/// Who speaks.
-#[derive(Debug, Clone, Copy, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Role {
-    /// Instructions.
-    System,
-    /// Instructions (the newer name for `system`).
-    Developer,
-    /// The user.
-    User,
-    /// The model.
-    Assistant,
+pub struct StreamOptions {
+    /// Whether a last chunk carries the usage.
+    include_usage: Option<bool>,
 }
 
 /// The body of `POST /v1/completions` (`prompt`) and `POST /v1/chat/completions` (`messages`):
-/// the fields OpenAI defines that sluice honours or accepts.
+/// the fields OpenAI defines that sluice honours or knowingly ignores. Any other field is a 400.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RequestBody {
     model: Option<String>,
     prompt: Option<PromptField>,
-    messages: Option<Vec<ChatMessageField>>,
+    messages: Option<Vec<Value>>,
     max_tokens: Option<u32>,
     max_completion_tokens: Option<u32>,
     temperature: Option<f32>,
     top_p: Option<f32>,
+    top_k: Option<i32>,
+    min_p: Option<f32>,
     n: Option<u32>,
     stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
     stop: Option<StopField>,
-    seed: Option<u64>,
-    #[allow(dead_code)] // accepted for compatibility; it does not change the generation
-    user: Option<String>,
+    seed: Option<i64>,
     frequency_penalty: Option<f32>,
     presence_penalty: Option<f32>,
+    #[serde(alias = "repeat_penalty")]
+    repetition_penalty: Option<f32>,
+    logprobs: Option<LogprobsField>,
+    top_logprobs: Option<u32>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
+    response_format: Option<Value>,
+    chat_template_kwargs: Option<Map<String, Value>>,
+    reasoning_effort: Option<String>,
+    // Known OpenAI fields that do not change what sluice generates: accepted, logged at debug.
+    user: Option<IgnoredAny>,
+    store: Option<IgnoredAny>,
+    metadata: Option<IgnoredAny>,
+    service_tier: Option<IgnoredAny>,
+    logit_bias: Option<IgnoredAny>,
+    prediction: Option<IgnoredAny>,
+    safety_identifier: Option<IgnoredAny>,
+    prompt_cache_key: Option<IgnoredAny>,
 }
 
 /// What a generation request asks for, checked.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub struct GenerationRequest {
     /// The prompt.
     pub prompt: PromptInput,
     /// Tokens to generate at most; `None`: what the context leaves.
     pub max_tokens: Option<u32>,
-    /// How tokens are chosen.
-    pub sampling: Sampling,
+    /// How tokens are chosen (a chat's grammar is added when its template is applied).
+    pub sampling: SamplerParams,
     /// Stop sequences.
     pub stop: Vec<String>,
     /// Server-sent events.
     pub stream: bool,
+    /// Whether a streamed response ends with a usage chunk.
+    pub include_usage: bool,
+    /// Log probabilities of the chosen tokens, with this many alternatives each.
+    pub logprobs: Option<usize>,
 }
 
 /// The prompt of a request.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone)]
 pub enum PromptInput {
     /// Completion text, tokenized as is (with BOS).
     Text(String),
-    /// Chat messages, formatted with the model's template.
-    Chat(Vec<ggml_sys::ChatMessage>),
+    /// Chat messages and options, for the model's template.
+    Chat(Box<ChatInputs>),
 }
 
 /// The most bytes of text a prompt can have and still fit the context: every token stands for
@@ -182,7 +184,7 @@ impl PromptBound {
         let Some(limit) = self.bytes() else { return Ok(()) };
         let (bytes, param) = match &request.prompt {
             PromptInput::Text(t) => (t.len(), "prompt"),
-            PromptInput::Chat(m) => (m.iter().map(|m| m.content.len() + m.role.len()).sum(), "messages"),
+            PromptInput::Chat(c) => (c.messages.to_string().len(), "messages"),
         };
         if bytes <= limit {
             return Ok(());
@@ -232,9 +234,14 @@ fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     })
 }
 
+/// Most alternatives `logprobs` may ask for on `/v1/completions` (OpenAI's limit).
+const MAX_COMPLETION_LOGPROBS: u32 = 5;
+/// Most alternatives `top_logprobs` may ask for on `/v1/chat/completions` (OpenAI's limit).
+const MAX_TOP_LOGPROBS: u32 = 20;
+
 impl RequestBody {
     /// Checks the fields both endpoints share; returns the sampling and the stop sequences.
-    fn sampling_and_stop(&mut self, served: &str) -> Result<(Sampling, Vec<String>), ApiError> {
+    fn sampling_and_stop(&mut self, served: &str) -> Result<(SamplerParams, Vec<String>), ApiError> {
         if let Some(m) = self.model.take().filter(|m| m != served) {
             return Err(ApiError {
                 status: 404,
@@ -247,32 +254,41 @@ impl RequestBody {
         if self.n.is_some_and(|n| n != 1) {
             return Err(ApiError::invalid("n: sluice generates one choice per request; use n = 1", Some("n")));
         }
-        for (name, v) in [("frequency_penalty", self.frequency_penalty), ("presence_penalty", self.presence_penalty)] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(ApiError::invalid(
-                    format!("{name}: not supported by sluice; leave it out or use 0"),
-                    Some(name),
-                ));
-            }
+        let ignored = [
+            ("user", self.user.is_some()),
+            ("store", self.store.is_some()),
+            ("metadata", self.metadata.is_some()),
+            ("service_tier", self.service_tier.is_some()),
+            ("logit_bias", self.logit_bias.is_some()),
+            ("prediction", self.prediction.is_some()),
+            ("safety_identifier", self.safety_identifier.is_some()),
+            ("prompt_cache_key", self.prompt_cache_key.is_some()),
+        ];
+        for (name, _) in ignored.iter().filter(|(_, sent)| *sent) {
+            log::debug!("request field {name} accepted and ignored: it does not change what sluice generates");
         }
-        let temperature = self.temperature.unwrap_or(1.0);
-        if !(0.0..=2.0).contains(&temperature) {
-            return Err(ApiError::invalid(
-                format!("temperature: {temperature} is out of range; use 0 (greedy) to 2"),
-                Some("temperature"),
-            ));
+        let mut p = SamplerParams::greedy();
+        p.temperature = in_range("temperature", self.temperature, 1.0, 0.0..=2.0, "use 0 (greedy) to 2")?;
+        p.top_p = in_range("top_p", self.top_p, 1.0, 0.0..=1.0, "use a value in (0, 1]")?;
+        if p.top_p == 0.0 {
+            return Err(ApiError::invalid("top_p: 0 keeps no token; use a value in (0, 1]", Some("top_p")));
         }
-        let top_p = self.top_p.unwrap_or(1.0);
-        if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(ApiError::invalid(
-                format!("top_p: {top_p} is out of range; use a value in (0, 1]"),
-                Some("top_p"),
-            ));
+        p.top_k = self.top_k.unwrap_or(0);
+        if p.top_k < 0 {
+            return Err(ApiError::invalid(format!("top_k: {} is negative; use 0 (off) or more", p.top_k), Some("top_k")));
         }
-        let sampling = if temperature == 0.0 {
-            Sampling::Greedy
-        } else {
-            Sampling::Random { temperature, top_p, seed: self.seed.unwrap_or_else(random_seed) }
+        p.min_p = in_range("min_p", self.min_p, 0.0, 0.0..=1.0, "use 0 (off) to 1")?;
+        p.penalty_freq = in_range("frequency_penalty", self.frequency_penalty, 0.0, -2.0..=2.0, "use -2 to 2")?;
+        p.penalty_present = in_range("presence_penalty", self.presence_penalty, 0.0, -2.0..=2.0, "use -2 to 2")?;
+        p.penalty_repeat =
+            in_range("repetition_penalty", self.repetition_penalty, 1.0, 0.0..=10.0, "use 1 (off); above 1 penalizes")?;
+        if p.penalty_repeat == 0.0 {
+            return Err(ApiError::invalid("repetition_penalty: must be above 0; 1 is off", Some("repetition_penalty")));
+        }
+        // OpenAI seeds are 64-bit; llama.cpp's are 32: both halves count.
+        p.seed = match self.seed {
+            Some(s) => ((s as u64) ^ ((s as u64) >> 32)) as u32,
+            None => random_seed(),
         };
         let stop = match self.stop.take() {
             None => Vec::new(),
@@ -288,7 +304,36 @@ impl RequestBody {
         if stop.iter().any(String::is_empty) {
             return Err(ApiError::invalid("stop: a stop sequence is empty", Some("stop")));
         }
-        Ok((sampling, stop))
+        Ok((p, stop))
+    }
+
+    /// `stream` and `stream_options.include_usage`.
+    fn streaming(&self) -> Result<(bool, bool), ApiError> {
+        let stream = self.stream.unwrap_or(false);
+        let usage = self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
+        if self.stream_options.is_some() && !stream {
+            return Err(ApiError::invalid(
+                "stream_options: only allowed when stream is true",
+                Some("stream_options"),
+            ));
+        }
+        Ok((stream, usage))
+    }
+}
+
+/// `value` (or `default`) when it lies in `range`, else a 400 naming `name` and `fix`.
+fn in_range(
+    name: &str,
+    value: Option<f32>,
+    default: f32,
+    range: std::ops::RangeInclusive<f32>,
+    fix: &str,
+) -> Result<f32, ApiError> {
+    let v = value.unwrap_or(default);
+    if range.contains(&v) {
+        Ok(v)
+    } else {
+        Err(ApiError::invalid(format!("{name}: {v} is out of range; {fix}"), Some(name)))
     }
 }
 
@@ -301,9 +346,9 @@ fn wrong_endpoint(field: &str, endpoint: &str) -> ApiError {
 }
 
 /// A seed for a request that gives none.
-fn random_seed() -> u64 {
+fn random_seed() -> u32 {
     let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)
+    (t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)) as u32
 }
 
 fn check_max_tokens(v: Option<u32>, param: &str) -> Result<Option<u32>, ApiError> {
@@ -316,9 +361,17 @@ fn check_max_tokens(v: Option<u32>, param: &str) -> Result<Option<u32>, ApiError
 /// Parses and checks a `/v1/completions` body for the model `served`.
 pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiError> {
     let mut r: RequestBody = parse(body)?;
-    for (field, sent) in
-        [("messages", r.messages.is_some()), ("max_completion_tokens", r.max_completion_tokens.is_some())]
-    {
+    for (field, sent) in [
+        ("messages", r.messages.is_some()),
+        ("max_completion_tokens", r.max_completion_tokens.is_some()),
+        ("top_logprobs", r.top_logprobs.is_some()),
+        ("tools", r.tools.is_some()),
+        ("tool_choice", r.tool_choice.is_some()),
+        ("parallel_tool_calls", r.parallel_tool_calls.is_some()),
+        ("response_format", r.response_format.is_some()),
+        ("chat_template_kwargs", r.chat_template_kwargs.is_some()),
+        ("reasoning_effort", r.reasoning_effort.is_some()),
+    ] {
         if sent {
             return Err(wrong_endpoint(field, "/v1/completions"));
         }
@@ -337,14 +390,33 @@ pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest
     if prompt.is_empty() {
         return Err(ApiError::invalid("prompt: the prompt is empty", Some("prompt")));
     }
+    let logprobs = match r.logprobs.take() {
+        None => None,
+        Some(LogprobsField::Count(n)) if n <= MAX_COMPLETION_LOGPROBS => Some(n as usize),
+        Some(LogprobsField::Count(n)) => {
+            return Err(ApiError::invalid(
+                format!("logprobs: at most {MAX_COMPLETION_LOGPROBS} alternatives, got {n}"),
+                Some("logprobs"),
+            ))
+        }
+        Some(LogprobsField::Switch(_)) => {
+            return Err(ApiError::invalid(
+                "logprobs: /v1/completions takes a number of alternatives (0 to 5), not true/false",
+                Some("logprobs"),
+            ))
+        }
+    };
     let max_tokens = Some(check_max_tokens(r.max_tokens, "max_tokens")?.unwrap_or(DEFAULT_COMPLETION_TOKENS));
+    let (stream, include_usage) = r.streaming()?;
     let (sampling, stop) = r.sampling_and_stop(served)?;
     Ok(GenerationRequest {
         prompt: PromptInput::Text(prompt),
         max_tokens,
         sampling,
         stop,
-        stream: r.stream.unwrap_or(false),
+        stream,
+        include_usage,
+        logprobs,
     })
 }
 
@@ -354,71 +426,54 @@ pub fn chat_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiE
     if r.prompt.is_some() {
         return Err(wrong_endpoint("prompt", "/v1/chat/completions"));
     }
-    let Some(fields) = r.messages.take() else {
+    let Some(messages) = r.messages.take() else {
         return Err(ApiError::invalid("missing field `messages`", Some("messages")));
     };
-    if fields.is_empty() {
-        return Err(ApiError::invalid("messages: at least one message is needed", Some("messages")));
-    }
-    let mut messages = Vec::with_capacity(fields.len());
-    for (i, m) in fields.into_iter().enumerate() {
-        let content = match m.content {
-            ContentField::Text(t) => t,
-            ContentField::Parts(parts) => {
-                let mut text = String::new();
-                for (j, p) in parts.into_iter().enumerate() {
-                    if p.kind != "text" {
-                        let param = format!("messages[{i}].content[{j}].type");
-                        return Err(ApiError::invalid(
-                            format!("{param}: only \"text\" parts are supported, got {:?}", p.kind),
-                            Some(&param),
-                        ));
-                    }
-                    text.push_str(&p.text);
-                }
-                text
+    let inputs = chat_inputs(ChatFields {
+        messages,
+        tools: r.tools.take(),
+        tool_choice: r.tool_choice.take(),
+        parallel_tool_calls: r.parallel_tool_calls,
+        response_format: r.response_format.take(),
+        chat_template_kwargs: r.chat_template_kwargs.take(),
+        reasoning_effort: r.reasoning_effort.take(),
+    })?;
+    let logprobs = match (r.logprobs.take(), r.top_logprobs) {
+        (None | Some(LogprobsField::Switch(false)), None) => None,
+        (Some(LogprobsField::Switch(true)), top) => match top.unwrap_or(0) {
+            top if top <= MAX_TOP_LOGPROBS => Some(top as usize),
+            top => {
+                return Err(ApiError::invalid(
+                    format!("top_logprobs: at most {MAX_TOP_LOGPROBS}, got {top}"),
+                    Some("top_logprobs"),
+                ))
             }
-        };
-        let role = match m.role {
-            Role::System | Role::Developer => "system",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-        };
-        messages.push(ggml_sys::ChatMessage { role: role.into(), content });
-    }
+        },
+        (None | Some(LogprobsField::Switch(false)), Some(_)) => {
+            return Err(ApiError::invalid("top_logprobs: needs \"logprobs\": true", Some("top_logprobs")))
+        }
+        (Some(LogprobsField::Count(_)), _) => {
+            return Err(ApiError::invalid(
+                "logprobs: /v1/chat/completions takes true or false (and top_logprobs for alternatives)",
+                Some("logprobs"),
+            ))
+        }
+    };
     let max_tokens = match (r.max_completion_tokens, r.max_tokens) {
         (Some(v), _) => check_max_tokens(Some(v), "max_completion_tokens")?,
         (None, v) => check_max_tokens(v, "max_tokens")?,
     };
+    let (stream, include_usage) = r.streaming()?;
     let (sampling, stop) = r.sampling_and_stop(served)?;
     Ok(GenerationRequest {
-        prompt: PromptInput::Chat(messages),
+        prompt: PromptInput::Chat(Box::new(inputs)),
         max_tokens,
         sampling,
         stop,
-        stream: r.stream.unwrap_or(false),
+        stream,
+        include_usage,
+        logprobs,
     })
-}
-
-/// Formats chat `messages` as one prompt: with `template` (the model's own) when llama.cpp
-/// knows it, else a plain transcript (`role: content` lines, then `assistant:`). Returns the
-/// text and whether it came from the template (its control tokens are then parsed).
-pub fn chat_prompt(template: Option<&str>, messages: &[ggml_sys::ChatMessage]) -> (String, bool) {
-    if let Some(t) = template {
-        match ggml_sys::apply_chat_template(t, messages) {
-            Ok(text) => return (text, true),
-            Err(e) => log::warn!("{e}; using the plain chat format"),
-        }
-    }
-    let mut text = String::new();
-    for m in messages {
-        text.push_str(&m.role);
-        text.push_str(": ");
-        text.push_str(&m.content);
-        text.push('\n');
-    }
-    text.push_str("assistant:");
-    (text, false)
 }
 
 #[cfg(test)]
@@ -436,13 +491,24 @@ mod tests {
             "m",
         )
         .unwrap();
-        assert_eq!(r.prompt, PromptInput::Text("hi".into()));
+        assert!(matches!(&r.prompt, PromptInput::Text(t) if t == "hi"));
         assert_eq!(r.max_tokens, Some(5));
-        assert_eq!(r.sampling, Sampling::Random { temperature: 0.5, top_p: 0.9, seed: 7 });
+        assert_eq!((r.sampling.temperature, r.sampling.top_p, r.sampling.seed), (0.5, 0.9, 7));
         assert_eq!(r.stop, ["x"]);
-        assert!(r.stream);
+        assert!(r.stream && !r.include_usage && r.logprobs.is_none());
         let r = completion_request(br#"{"prompt":"hi","temperature":0}"#, "m").unwrap();
-        assert_eq!((r.sampling, r.max_tokens), (Sampling::Greedy, Some(DEFAULT_COMPLETION_TOKENS)));
+        assert!(r.sampling.is_greedy());
+        assert_eq!(r.max_tokens, Some(DEFAULT_COMPLETION_TOKENS));
+        let r = completion_request(
+            br#"{"prompt":"hi","top_k":5,"min_p":0.1,"presence_penalty":0.5,"frequency_penalty":-0.5,"repetition_penalty":1.1,"logprobs":2,"stream":true,"stream_options":{"include_usage":true},"user":"u","logit_bias":{"1":2}}"#,
+            "m",
+        )
+        .unwrap();
+        let s = &r.sampling;
+        assert_eq!((s.top_k, s.min_p, s.penalty_present, s.penalty_freq, s.penalty_repeat), (5, 0.1, 0.5, -0.5, 1.1));
+        assert_eq!((r.logprobs, r.include_usage), (Some(2), true));
+        let r = completion_request(br#"{"prompt":"hi","repeat_penalty":1.2,"seed":-1}"#, "m").unwrap();
+        assert_eq!((r.sampling.penalty_repeat, r.sampling.seed), (1.2, 0));
     }
 
     #[test]
@@ -462,24 +528,47 @@ mod tests {
         assert_eq!(err(r#"{"prompt":["a","b"]}"#).param.as_deref(), Some("prompt"));
         assert_eq!(err(r#"{"prompt":""}"#).param.as_deref(), Some("prompt"));
         assert_eq!(err(r#"{"prompt":"hi","stop":["a","b","c","d","e"]}"#).param.as_deref(), Some("stop"));
+        for (body, param) in [
+            (r#"{"prompt":"hi","top_k":-1}"#, "top_k"),
+            (r#"{"prompt":"hi","min_p":2}"#, "min_p"),
+            (r#"{"prompt":"hi","presence_penalty":3}"#, "presence_penalty"),
+            (r#"{"prompt":"hi","repetition_penalty":0}"#, "repetition_penalty"),
+            (r#"{"prompt":"hi","logprobs":9}"#, "logprobs"),
+            (r#"{"prompt":"hi","logprobs":true}"#, "logprobs"),
+            (r#"{"prompt":"hi","stream_options":{"include_usage":true}}"#, "stream_options"),
+            (r#"{"prompt":"hi","tools":[]}"#, "tools"),
+            (r#"{"prompt":"hi","top_p":0}"#, "top_p"),
+        ] {
+            assert_eq!(err(body).param.as_deref(), Some(param), "{body}");
+        }
         let e = err(r#"{"prompt":"hi","model":"gpt-4"}"#);
         assert_eq!((e.status, e.code), (404, Some("model_not_found")));
     }
 
     #[test]
-    fn chat_requests_read_roles_and_text_parts() {
+    fn chat_requests_read_messages_logprobs_and_tools() {
         let r = chat_request(
-            br#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_completion_tokens":4}"#,
+            br#"{"messages":[{"role":"system","content":"be brief"},{"role":"user","content":[{"type":"text","text":"hi"}]}],"max_completion_tokens":4,"logprobs":true,"top_logprobs":3,"tools":[{"type":"function","function":{"name":"f"}}],"tool_choice":"auto","parallel_tool_calls":true,"response_format":{"type":"text"},"store":false}"#,
             "m",
         )
         .unwrap();
-        let PromptInput::Chat(m) = r.prompt else { panic!("chat prompt expected") };
-        assert_eq!((m[0].role.as_str(), m[1].content.as_str()), ("system", "hi"));
-        assert_eq!(r.max_tokens, Some(4));
-        let e = chat_request(br#"{"messages":[{"role":"robot","content":"x"}]}"#, "m").unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
-        let e = chat_request(br#"{"messages":[]}"#, "m").unwrap_err();
-        assert_eq!(e.param.as_deref(), Some("messages"));
+        let PromptInput::Chat(c) = &r.prompt else { panic!("chat prompt expected") };
+        assert_eq!(c.messages[1]["content"][0]["text"], "hi");
+        assert!(c.parse_tool_calls && c.parallel_tool_calls && c.json_schema.is_none());
+        assert_eq!((r.max_tokens, r.logprobs), (Some(4), Some(3)));
+        let r = chat_request(br#"{"messages":[{"role":"user","content":"x"}],"logprobs":false}"#, "m").unwrap();
+        assert_eq!(r.logprobs, None);
+        for (body, param) in [
+            (r#"{"messages":[{"role":"robot","content":"x"}]}"#, "messages[0].role"),
+            (r#"{"messages":[]}"#, "messages"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"top_logprobs":2}"#, "top_logprobs"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"logprobs":true,"top_logprobs":21}"#, "top_logprobs"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"logprobs":2}"#, "logprobs"),
+            (r#"{"messages":[{"role":"user","content":"x"}],"functions":[]}"#, "functions"),
+        ] {
+            let e = chat_request(body.as_bytes(), "m").unwrap_err();
+            assert_eq!(e.param.as_deref(), Some(param), "{body}");
+        }
     }
 
     #[test]
@@ -499,15 +588,5 @@ mod tests {
         );
         assert_eq!(bound.check(&chat.unwrap()).unwrap_err().param.as_deref(), Some("messages"));
         assert!(PromptBound::default().check(&completion_request(br#"{"prompt":"hi"}"#, "m").unwrap()).is_ok());
-    }
-
-    #[test]
-    fn chat_prompts_use_a_known_template_or_the_plain_format() {
-        let m = vec![ggml_sys::ChatMessage { role: "user".into(), content: "hi".into() }];
-        let (text, templated) = chat_prompt(Some("chatml"), &m);
-        assert!(templated);
-        assert_eq!(text, "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
-        assert_eq!(chat_prompt(None, &m), ("user: hi\nassistant:".to_string(), false));
-        assert!(!chat_prompt(Some("{{ not a template llama.cpp knows }}"), &m).1);
     }
 }

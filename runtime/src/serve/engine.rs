@@ -8,18 +8,20 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use ggml_sys::{Model, Token};
+use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, Model, ParsedMessage, Token};
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::{chat_prompt, ApiError, GenerationRequest, PromptBound, PromptInput};
+use super::api::{ApiError, GenerationRequest, PromptBound, PromptInput};
+use super::chat::{MessageDelta, MessageStream};
+use super::logprobs::TokenLogprob;
 use super::heat::{self, ModelIdentity};
 use super::metrics::GenerationCounts;
 use super::text::ResponseText;
 use super::Shared;
 use crate::board::resolve::Sourced;
 use crate::budget::{self, PlanRequest};
-use crate::generate::{GenerateError, Sampler};
+use crate::generate::{Chosen, GenerateError, Sampler};
 use crate::stream::{self, ExpertIndex, StreamConfig, StreamedSession};
 
 /// Context length when `--ctx` is not given (or the model's, if shorter).
@@ -56,6 +58,8 @@ pub enum Finish {
     Stop,
     /// `max_tokens` reached.
     Length,
+    /// The answer calls tools.
+    ToolCalls,
 }
 
 impl Finish {
@@ -64,11 +68,21 @@ impl Finish {
         match self {
             Finish::Stop => "stop",
             Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
         }
     }
 }
 
-/// What the engine tells the request's handler, in order: `Started`, any `Text`, then `Done`;
+/// Output that is final.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    /// Completion text.
+    Text(String),
+    /// What a chat answer gained.
+    Delta(MessageDelta),
+}
+
+/// What the engine tells the request's handler, in order: `Started`, any `Output`, then `Done`;
 /// or `Failed` at any point.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
@@ -77,8 +91,13 @@ pub enum Event {
         /// Prompt tokens.
         prompt_tokens: usize,
     },
-    /// Text that is final.
-    Text(String),
+    /// Output that is final, and the log probabilities of the tokens behind it (when asked).
+    Output {
+        /// The text or message delta.
+        piece: Piece,
+        /// Chosen tokens not reported before.
+        logprobs: Vec<TokenLogprob>,
+    },
     /// The generation ended.
     Done {
         /// Why.
@@ -87,6 +106,8 @@ pub enum Event {
         prompt_tokens: usize,
         /// Generated tokens.
         completion_tokens: usize,
+        /// A chat's whole answer, parsed.
+        message: Option<ParsedMessage>,
     },
     /// The request failed.
     Failed(ApiError),
@@ -158,58 +179,112 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     Ok(())
 }
 
-/// A prompt to tokenize, and where the tokens go.
-type TokenizeJob = (PromptInput, Sender<Result<Vec<Token>, ApiError>>);
+/// A prompt ready to generate from.
+struct Prepared {
+    /// Its tokens.
+    tokens: Vec<Token>,
+    /// For a chat: how the template wants the answer generated and parsed.
+    chat: Option<ChatSetup>,
+}
 
-/// Tokenizes prompts on a thread of its own, so that the engine keeps beating and notices a
-/// cancelled request or a stop while a long prompt is tokenized (llama.cpp's tokenizer cannot
-/// be interrupted). A prompt abandoned that way finishes tokenizing in the background.
+/// What a chat template asks of its answer's generation.
+struct ChatSetup {
+    prompt: ChatPrompt,
+    parser: ChatParser,
+    grammar_kind: GrammarKind,
+    /// The special tokens whose text the parser needs (the template's preserved tokens).
+    shown: Vec<Token>,
+}
+
+/// A prompt to prepare, and where the result goes.
+type TokenizeJob = (PromptInput, Sender<Result<Prepared, ApiError>>);
+
+/// Renders chat prompts and tokenizes prompts on a thread of its own, so that the engine keeps
+/// beating and notices a cancelled request or a stop while a long prompt is tokenized
+/// (llama.cpp's tokenizer cannot be interrupted). A prompt abandoned that way finishes in the
+/// background.
 struct Tokenizer {
     jobs: Sender<TokenizeJob>,
 }
 
 /// Why a prompt has no tokens.
 enum TokenizeError {
-    /// The prompt cannot be tokenized.
+    /// The prompt cannot be rendered or tokenized.
     Invalid(ApiError),
     /// The request was cancelled, or the server is stopping, while it was tokenized.
     Interrupted,
 }
 
+/// The model's chat templates; ChatML (llama.cpp's default) when they cannot be parsed.
+fn chat_templates(model: &Model) -> Result<ChatTemplates> {
+    match ChatTemplates::of_model(model) {
+        Ok(t) => Ok(t),
+        Err(e) => {
+            log::warn!(
+                "the chat template in {} cannot be used ({e}); chats are formatted as ChatML",
+                model.path().display()
+            );
+            Ok(ChatTemplates::from_source(Some(model), "chatml", "", "")?)
+        }
+    }
+}
+
+/// Renders `inputs` with the model's template and tokenizes the prompt.
+fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -> Result<Prepared, ApiError> {
+    let (prompt, parser) = templates.apply(inputs).map_err(|e| {
+        ApiError::invalid(format!("the model's chat template cannot take this request: {e}"), Some("messages"))
+    })?;
+    let tokens = model
+        .tokenize_with(&prompt.prompt, true, true)
+        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("messages")))?;
+    let shown = prompt
+        .preserved_tokens
+        .iter()
+        .filter_map(|t| match model.tokenize_with(t, false, true).as_deref() {
+            Ok([one]) => Some(*one),
+            _ => None,
+        })
+        .collect();
+    let grammar_kind = if inputs.json_schema.is_some() && inputs.tools.is_none() {
+        GrammarKind::Output
+    } else {
+        GrammarKind::Tools
+    };
+    Ok(Prepared { tokens, chat: Some(ChatSetup { prompt, parser, grammar_kind, shown }) })
+}
+
 impl Tokenizer {
-    /// Starts the tokenizer thread for `model` (with its own chat template).
-    fn start(model: Arc<Model>) -> std::io::Result<Tokenizer> {
+    /// Starts the tokenizer thread for `model` (with its own chat templates).
+    fn start(model: Arc<Model>) -> Result<Tokenizer> {
         let (jobs, rx) = channel::<TokenizeJob>();
+        let templates = chat_templates(&model)?;
         std::thread::Builder::new().name("sluice-tokenize".into()).spawn(move || {
-            let template = model.chat_template();
             for (prompt, reply) in rx {
                 let t0 = Instant::now();
-                let tokens = match &prompt {
-                    PromptInput::Text(t) => model.tokenize(t, true),
-                    PromptInput::Chat(messages) => {
-                        let (text, templated) = chat_prompt(template.as_deref(), messages);
-                        model.tokenize_with(&text, true, templated)
-                    }
+                let prepared = match &prompt {
+                    PromptInput::Text(t) => model
+                        .tokenize(t, true)
+                        .map(|tokens| Prepared { tokens, chat: None })
+                        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt"))),
+                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, inputs),
                 };
-                if let Ok(t) = &tokens {
-                    log::debug!("prompt tokenized: {} tokens in {:.3} s", t.len(), t0.elapsed().as_secs_f64());
+                if let Ok(p) = &prepared {
+                    log::debug!("prompt prepared: {} tokens in {:.3} s", p.tokens.len(), t0.elapsed().as_secs_f64());
                 }
-                let tokens = tokens
-                    .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt")));
-                let _ = reply.send(tokens);
+                let _ = reply.send(prepared);
             }
         })?;
         Ok(Tokenizer { jobs })
     }
 
-    /// The prompt's tokens. While they are computed the engine beats, and gives up when
-    /// `cancel` is set or the server cancels everything.
-    fn tokenize(&self, prompt: PromptInput, shared: &Shared, cancel: &AtomicBool) -> Result<Vec<Token>, TokenizeError> {
-        let (reply, tokens) = channel();
+    /// The prompt, prepared. While it is computed the engine beats, and gives up when `cancel`
+    /// is set or the server cancels everything.
+    fn tokenize(&self, prompt: PromptInput, shared: &Shared, cancel: &AtomicBool) -> Result<Prepared, TokenizeError> {
+        let (reply, prepared) = channel();
         let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
         self.jobs.send((prompt, reply)).map_err(|_| gone())?;
         loop {
-            match tokens.recv_timeout(IDLE_BEAT) {
+            match prepared.recv_timeout(IDLE_BEAT) {
                 Ok(t) => return t.map_err(TokenizeError::Invalid),
                 Err(RecvTimeoutError::Timeout) => {
                     shared.beat();
@@ -295,8 +370,8 @@ impl Engine<'_, '_> {
             let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
             return;
         }
-        let tokens = match self.tokenizer.tokenize(request.prompt, self.shared, &cancel) {
-            Ok(t) => t,
+        let prompt = match self.tokenizer.tokenize(request.prompt.clone(), self.shared, &cancel) {
+            Ok(p) => p,
             Err(TokenizeError::Invalid(e)) => {
                 let _ = events.send(Event::Failed(e));
                 return;
@@ -308,6 +383,7 @@ impl Engine<'_, '_> {
                 return;
             }
         };
+        let tokens = &prompt.tokens;
         let room = (self.n_ctx as usize).saturating_sub(tokens.len());
         let max_tokens = request.max_tokens.map_or(room, |m| m as usize);
         if max_tokens == 0 || tokens.len() + max_tokens > self.n_ctx as usize {
@@ -326,23 +402,31 @@ impl Engine<'_, '_> {
             let _ = events.send(Event::Failed(e));
             return;
         }
+        let (mut sampler, mut output) = match Output::new(self.session.model(), &request, prompt.chat) {
+            Ok(o) => o,
+            Err(e) => {
+                let _ = events.send(Event::Failed(e));
+                return;
+            }
+        };
         let _ = events.send(Event::Started { prompt_tokens: tokens.len() });
         self.shared.set_current(Some(Arc::clone(&cancel)));
         self.session.set_abort_flag(Some(Arc::clone(&cancel)));
-        let mut text = ResponseText::new(&request.stop);
-        let mut sampler = Sampler::new(request.sampling);
         let shared = self.shared;
+        let model = self.session.model();
         let result = self.session.generate_with(
-            &tokens,
+            tokens,
             max_tokens as u32,
             &mut sampler,
-            |_, bytes| {
-                let t = text.push(bytes);
-                if !t.is_empty() && events.send(Event::Text(t)).is_err() {
-                    cancel.store(true, Ordering::Relaxed);
-                    return ControlFlow::Break(());
+            |chosen| {
+                let event = output.take(model, chosen, request.logprobs);
+                if let Some(e) = event {
+                    if events.send(e).is_err() {
+                        cancel.store(true, Ordering::Relaxed);
+                        return ControlFlow::Break(());
+                    }
                 }
-                if text.stopped() {
+                if output.text.stopped() {
                     ControlFlow::Break(())
                 } else {
                     ControlFlow::Continue(())
@@ -358,9 +442,9 @@ impl Engine<'_, '_> {
         self.heat_dirty = true;
         match result {
             Ok((g, _)) => {
-                let rest = text.finish();
-                if !rest.is_empty() {
-                    let _ = events.send(Event::Text(rest));
+                let (last, message) = output.finish();
+                if let Some(e) = last {
+                    let _ = events.send(e);
                 }
                 self.shared.metrics.generation(GenerationCounts {
                     prompt_tokens: tokens.len() as u64,
@@ -372,9 +456,19 @@ impl Engine<'_, '_> {
                     self.shared.metrics.cancelled();
                     return;
                 }
-                let finish = if text.stopped() || g.stopped_at_eog { Finish::Stop } else { Finish::Length };
-                let _ =
-                    events.send(Event::Done { finish, prompt_tokens: tokens.len(), completion_tokens: g.tokens.len() });
+                let finish = if message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()) {
+                    Finish::ToolCalls
+                } else if output.text.stopped() || g.stopped_at_eog {
+                    Finish::Stop
+                } else {
+                    Finish::Length
+                };
+                let _ = events.send(Event::Done {
+                    finish,
+                    prompt_tokens: tokens.len(),
+                    completion_tokens: g.tokens.len(),
+                    message,
+                });
             }
             Err(GenerateError::Cancelled) => {
                 self.shared.metrics.cancelled();
@@ -387,5 +481,95 @@ impl Engine<'_, '_> {
                     events.send(Event::Failed(ApiError::new(500, "server_error", format!("generation failed: {e}"))));
             }
         }
+    }
+}
+
+/// A prefix for the ids of one answer's tool calls that no other answer of this server uses.
+fn tool_call_prefix() -> String {
+    static ANSWERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!("call_{:x}{:04x}", t.as_secs(), ANSWERS.fetch_add(1, Ordering::Relaxed))
+}
+
+/// One generation's output: its text (stops, UTF-8), a chat's parsed message, and the log
+/// probabilities not sent yet.
+struct Output {
+    text: ResponseText,
+    message: Option<MessageStream>,
+    logprobs: Vec<TokenLogprob>,
+}
+
+impl Output {
+    /// The sampler and output of `request`, with a chat template's grammar, stops and parser.
+    /// A grammar llama.cpp cannot enforce is a 400.
+    fn new(model: &Model, request: &GenerationRequest, chat: Option<ChatSetup>) -> Result<(Sampler, Output), ApiError> {
+        let mut params = request.sampling.clone();
+        let mut stops = request.stop.clone();
+        let mut shown = Vec::new();
+        let mut message = None;
+        if let Some(c) = chat {
+            params.grammar = c.prompt.grammar;
+            params.grammar_kind = c.grammar_kind;
+            params.grammar_lazy = c.prompt.grammar_lazy;
+            params.grammar_triggers = c.prompt.grammar_triggers;
+            params.generation_prompt = c.prompt.generation_prompt;
+            params.thinking_start_tag = c.prompt.thinking_start_tag;
+            params.thinking_end_tags = c.prompt.thinking_end_tags;
+            stops.extend(c.prompt.additional_stops);
+            shown = c.shown;
+            message = Some(MessageStream::new(c.parser, &tool_call_prefix()));
+        }
+        let mut sampler = Sampler::new(model, &params).map_err(|e| {
+            let param = if params.grammar_kind == GrammarKind::Output { "response_format" } else { "tools" };
+            ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some(param))
+        })?;
+        sampler.show_special(shown);
+        Ok((sampler, Output { text: ResponseText::new(&stops), message, logprobs: Vec::new() }))
+    }
+
+    /// Takes a chosen token; returns the event to send, if there is news.
+    fn take(&mut self, model: &Model, chosen: &Chosen<'_>, logprobs: Option<usize>) -> Option<Event> {
+        if let Some(top) = logprobs {
+            self.logprobs.push(TokenLogprob::of(model, chosen.token, chosen.piece, chosen.logits, top));
+        }
+        let text = self.text.push(chosen.piece);
+        let piece = match &mut self.message {
+            None => Piece::Text(text),
+            Some(m) => match m.push(&text) {
+                Ok(d) => Piece::Delta(d),
+                Err(e) => {
+                    log::debug!("partial chat output not parsed yet: {e}");
+                    Piece::Delta(MessageDelta::default())
+                }
+            },
+        };
+        self.event(piece)
+    }
+
+    /// The last event (text held back until the end) and a chat's whole message.
+    fn finish(&mut self) -> (Option<Event>, Option<ParsedMessage>) {
+        let rest = self.text.finish();
+        let Some(m) = &mut self.message else {
+            return (self.event(Piece::Text(rest)), None);
+        };
+        let (delta, message) = match m.finish(&rest) {
+            Ok((delta, message)) => (delta, message),
+            Err(e) => {
+                log::warn!("the answer does not parse as the chat format says ({e}); it is returned as plain content");
+                (MessageDelta::default(), ParsedMessage { content: m.text().to_string(), ..ParsedMessage::default() })
+            }
+        };
+        (self.event(Piece::Delta(delta)), Some(message))
+    }
+
+    fn event(&mut self, piece: Piece) -> Option<Event> {
+        let empty = match &piece {
+            Piece::Text(t) => t.is_empty(),
+            Piece::Delta(d) => d.is_empty(),
+        };
+        if empty && self.logprobs.is_empty() {
+            return None;
+        }
+        Some(Event::Output { piece, logprobs: std::mem::take(&mut self.logprobs) })
     }
 }

@@ -14,9 +14,11 @@
 
 pub mod access;
 pub mod api;
+pub mod chat;
 pub mod engine;
 pub mod heat;
 pub mod http;
+pub mod logprobs;
 pub mod metrics;
 pub mod notify;
 pub mod text;

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use ggml_sys::{Model, Token};
 
-use crate::generate::{to_end, DecodeEvent, GenerateError, Generation, Sampler, Sampling, Session};
+use crate::generate::{to_end, Chosen, DecodeEvent, GenerateError, Generation, Sampler, Session};
 use crate::telemetry::{TokenRow, Usage};
 pub use cache::CacheCounters;
 pub use engine::{DecodeStats, RouteRecord, Streamer};
@@ -249,6 +249,11 @@ impl<'m> StreamedSession<'m> {
         lock(&self.streamer)
     }
 
+    /// The model this session runs.
+    pub fn model(&self) -> &'m Model {
+        self.session.model()
+    }
+
     /// Generates like [`Session::generate`], returning per-decode telemetry rows too.
     pub fn generate(
         &mut self,
@@ -257,7 +262,8 @@ impl<'m> StreamedSession<'m> {
         on_token: impl FnMut(Token, &[u8]),
         on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
-        self.generate_with(prompt, n_predict, &mut Sampler::new(Sampling::Greedy), to_end(on_token), on_row)
+        let mut sampler = Sampler::greedy(self.session.model())?;
+        self.generate_with(prompt, n_predict, &mut sampler, to_end(on_token), on_row)
     }
 
     /// Generates like [`Session::generate_with`], returning per-decode telemetry rows too.
@@ -266,7 +272,7 @@ impl<'m> StreamedSession<'m> {
         prompt: &[Token],
         n_predict: u32,
         sampler: &mut Sampler,
-        on_token: impl FnMut(Token, &[u8]) -> ControlFlow<()>,
+        on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
         mut on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
         let streamer = Arc::clone(&self.streamer);

@@ -10,12 +10,11 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use hyper::body::{Body as HttpBody, Frame, SizeHint};
-use serde_json::json;
 use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::conn::RequestGuard;
 use super::reply::{Kind, Reply};
-use crate::serve::engine::Event;
+use crate::serve::engine::{Event, Piece};
 
 /// A response body.
 pub struct Body {
@@ -96,12 +95,14 @@ pub struct EventStream {
     _cancel: CancelOnDrop,
     started: bool,
     ended: bool,
+    /// Bytes of completion text sent (log probabilities' text offsets count from it).
+    sent: usize,
 }
 
 impl EventStream {
     /// The stream of `events`, formatted as `reply`, cancelled through `cancel`.
     pub fn new(reply: Reply, events: UnboundedReceiver<Event>, cancel: CancelOnDrop, gone: Gone) -> EventStream {
-        EventStream { reply, events, gone, _cancel: cancel, started: false, ended: false }
+        EventStream { reply, events, gone, _cancel: cancel, started: false, ended: false, sent: 0 }
     }
 
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
@@ -111,8 +112,7 @@ impl EventStream {
         if !self.started {
             self.started = true;
             if self.reply.kind == Kind::Chat {
-                let role = self.reply.chunk(json!({ "role": "assistant", "content": "" }), None, None);
-                return Poll::Ready(Some(event(&role.to_string())));
+                return Poll::Ready(Some(event(&self.reply.role_chunk().to_string())));
             }
         }
         if self.gone.as_mut().poll(cx).is_ready() {
@@ -126,11 +126,23 @@ impl EventStream {
                 return Poll::Ready(None);
             };
             let out = match e {
-                Event::Text(t) => event(&self.reply.chunk(json!({ "content": t }), Some(&t), None).to_string()),
-                Event::Done { finish, .. } => {
+                Event::Output { piece, logprobs } => {
+                    let chunk = self.reply.chunk(&piece, &logprobs, self.sent);
+                    if let Piece::Text(t) = &piece {
+                        self.sent += t.len();
+                    }
+                    event(&chunk.to_string())
+                }
+                Event::Done { finish, prompt_tokens, completion_tokens, .. } => {
                     self.ended = true;
-                    let last = self.reply.chunk(json!({}), None, Some(finish)).to_string();
-                    Bytes::from(format!("data: {last}\n\ndata: [DONE]\n\n"))
+                    let mut out = String::new();
+                    for chunk in std::iter::once(self.reply.finish_chunk(finish)).chain(
+                        self.reply.include_usage.then(|| self.reply.usage_chunk(prompt_tokens, completion_tokens)),
+                    ) {
+                        out.push_str(&format!("data: {chunk}\n\n"));
+                    }
+                    out.push_str("data: [DONE]\n\n");
+                    Bytes::from(out)
                 }
                 Event::Failed(e) => {
                     self.ended = true;

@@ -16,11 +16,11 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::body::{Body, CancelOnDrop, EventStream, Gone};
 use super::conn::ConnState;
-use super::reply::{Kind, Reply};
+use super::reply::{Gathered, Kind, Reply};
 use super::transport::peer_gone;
 use super::Front;
 use crate::serve::api::{self, ApiError, GenerationRequest};
-use crate::serve::engine::{Event, Job};
+use crate::serve::engine::{Event, Job, Piece};
 use crate::serve::State;
 
 const ENDPOINTS: [&str; 5] = ["/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"];
@@ -35,7 +35,13 @@ pub async fn handle(
     let guard = conn.begin_request();
     let shared = front.shared();
     let path = req.uri().path().to_string();
-    let endpoint = if ENDPOINTS.contains(&path.as_str()) { path.as_str() } else { "other" };
+    let endpoint = if ENDPOINTS.contains(&path.as_str()) {
+        path.as_str()
+    } else if path.starts_with("/v1/models/") {
+        "/v1/models/{id}"
+    } else {
+        "other"
+    };
     let origin = req.headers().get(header::ORIGIN).cloned();
     let access = &shared.access;
     let mut response = if req.method() == Method::OPTIONS && access.cors_allows(origin.as_ref()).is_some() {
@@ -80,11 +86,23 @@ async fn route(
             r
         }
         (&Method::GET, "/v1/models") => {
-            let body = json!({
-                "object": "list",
-                "data": [{ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "sluice" }]
-            });
+            let body = json!({ "object": "list", "data": [model_json(shared)] });
             json_response(200, body.to_string())
+        }
+        (&Method::GET, p) if p.starts_with("/v1/models/") => {
+            let id = &p["/v1/models/".len()..];
+            if id == shared.model_id {
+                json_response(200, model_json(shared).to_string())
+            } else {
+                let mut e = ApiError::new(
+                    404,
+                    "invalid_request_error",
+                    format!("The model `{id}` does not exist: this server serves `{}`", shared.model_id),
+                )
+                .with_code("model_not_found");
+                e.param = Some("model".into());
+                error(&e)
+            }
         }
         (&Method::POST, "/v1/completions") => generate(req, front, tcp, Kind::Completion).await,
         (&Method::POST, "/v1/chat/completions") => generate(req, front, tcp, Kind::Chat).await,
@@ -99,6 +117,11 @@ async fn route(
             ),
         )),
     }
+}
+
+/// The served model, as OpenAI's model object.
+fn model_json(shared: &crate::serve::Shared) -> serde_json::Value {
+    json!({ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "sluice" })
 }
 
 fn json_response(status: u16, body: String) -> Response<Body> {
@@ -205,13 +228,17 @@ async fn read_body(req: Request<Incoming>, front: &Front) -> Result<Vec<u8>, Api
     body
 }
 
-/// Checks, parses and queues a generation request: whether it streams, its events, and the
-/// flag that cancels it.
-async fn enqueue(
-    req: Request<Incoming>,
-    front: &Front,
-    kind: Kind,
-) -> Result<(bool, UnboundedReceiver<Event>, CancelOnDrop), ApiError> {
+/// A queued generation: its options, its events, and the flag that cancels it.
+struct Queued {
+    stream: bool,
+    include_usage: bool,
+    logprobs: bool,
+    events: UnboundedReceiver<Event>,
+    cancel: CancelOnDrop,
+}
+
+/// Checks, parses and queues a generation request.
+async fn enqueue(req: Request<Incoming>, front: &Front, kind: Kind) -> Result<Queued, ApiError> {
     let shared = front.shared();
     match shared.state() {
         State::Ready => {}
@@ -225,20 +252,20 @@ async fn enqueue(
     };
     drop(body);
     shared.prompt_bound().check(&request)?;
-    let stream = request.stream;
+    let (stream, include_usage, logprobs) = (request.stream, request.include_usage, request.logprobs.is_some());
     let (tx, events) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     shared
         .enqueue(Job { request, events: tx, cancel: Arc::clone(&cancel) })
         .map_err(|why| ApiError::new(503, "server_error", why))?;
-    Ok((stream, events, CancelOnDrop(cancel)))
+    Ok(Queued { stream, include_usage, logprobs, events, cancel: CancelOnDrop(cancel) })
 }
 
 /// A generation request, answered.
 async fn generate(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, kind: Kind) -> Response<Body> {
     let shared = front.shared();
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let (stream, mut events, cancel) = match enqueue(req, front, kind).await {
+    let Queued { stream, include_usage, logprobs, mut events, cancel } = match enqueue(req, front, kind).await {
         Ok(q) => q,
         Err(e) => return error(&e),
     };
@@ -264,6 +291,8 @@ async fn generate(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, k
         id: format!("{}-{:x}{:04x}", kind.id_prefix(), created, shared.next_id()),
         created,
         model: shared.model_id.clone(),
+        logprobs,
+        include_usage,
     };
     if stream {
         let mut r = Response::new(Body::events(EventStream::new(reply, events, cancel, gone)));
@@ -273,7 +302,7 @@ async fn generate(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, k
         return r;
     }
     let _cancel = cancel;
-    let mut text = String::new();
+    let mut out = Gathered::default();
     loop {
         let e = tokio::select! {
             e = events.recv() => e,
@@ -283,9 +312,15 @@ async fn generate(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, k
             }
         };
         match e {
-            Some(Event::Text(t)) => text.push_str(&t),
-            Some(Event::Done { finish, completion_tokens, .. }) => {
-                return json_response(200, reply.full(&text, finish, prompt_tokens, completion_tokens).to_string());
+            Some(Event::Output { piece, logprobs }) => {
+                if let Piece::Text(t) = piece {
+                    out.text.push_str(&t);
+                }
+                out.logprobs.extend(logprobs);
+            }
+            Some(Event::Done { finish, completion_tokens, message, .. }) => {
+                out.message = message;
+                return json_response(200, reply.full(&out, finish, prompt_tokens, completion_tokens).to_string());
             }
             Some(Event::Failed(e)) => return error(&e),
             Some(Event::Started { .. }) => {}

@@ -1,0 +1,309 @@
+// The chat layer of llama.cpp's common/ (what llama-server runs), behind a narrow C interface:
+// the model's Jinja templates applied to OpenAI messages, tools and options; generated text
+// parsed back into content, reasoning and tool calls; and common's sampler (grammar, lazy
+// grammar triggers, penalties, top-k/top-p/min-p, temperature, seed).
+//
+// Requests and results cross as JSON text, so the interface stays a handful of functions. Every
+// entry point catches what common throws (bad templates, bad schemas, bad grammars) and records
+// it with sluice_shim_record(), the same per-thread record shim.cpp keeps; the Rust side turns
+// it into an error with `caught`. What common would GGML_ASSERT on is checked here first.
+
+#include "chat.h"
+#include "common.h"
+#include "llama.h"
+#include "sampling.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <memory>
+#include <string>
+#include <vector>
+
+extern "C" void sluice_shim_record(const char * what);
+
+namespace {
+
+char * dup_string(const std::string & s) {
+    char * out = static_cast<char *>(std::malloc(s.size() + 1));
+    if (out == nullptr) {
+        throw std::bad_alloc();
+    }
+    std::memcpy(out, s.data(), s.size());
+    out[s.size()] = '\0';
+    return out;
+}
+
+std::vector<llama_token> tokenize_tag(const llama_vocab * vocab, const std::string & tag) {
+    return common_tokenize(vocab, tag, /* add_special */ false, /* parse_special */ true);
+}
+
+}  // namespace
+
+#define SLUICE_CHAT_CATCH(neutral)                \
+    catch (const std::exception & e) {            \
+        sluice_shim_record(e.what());             \
+        return neutral;                           \
+    }                                             \
+    catch (...) {                                 \
+        sluice_shim_record("unknown C++ exception"); \
+        return neutral;                           \
+    }
+
+// A model's chat templates (default and tool_use), parsed.
+struct sluice_chat_templates {
+    common_chat_templates_ptr tmpls;
+};
+
+// How one generation's text is parsed back into a message: the format and PEG parser the
+// template's handler chose, with the request's reasoning and tool-call settings.
+struct sluice_chat_parser {
+    common_chat_parser_params params;
+};
+
+// common's sampler for one generation.
+struct sluice_sampler {
+    common_sampler * smpl = nullptr;
+    ~sluice_sampler() {
+        if (smpl != nullptr) {
+            common_sampler_free(smpl);
+        }
+    }
+};
+
+extern "C" {
+
+void sluice_string_free(char * s) {
+    std::free(s);
+}
+
+// The templates of `model` (tokenizer.chat_template and tokenizer.chat_template.tool_use; chatml
+// when it has none), or of `source` when it is not NULL (then `model` may be NULL, and `bos` /
+// `eos` name the tokens the template may print). NULL after an exception.
+struct sluice_chat_templates * sluice_chat_templates_init(const struct llama_model * model, const char * source,
+                                                          const char * bos, const char * eos) {
+    try {
+        if (model == nullptr && (source == nullptr || source[0] == '\0')) {
+            throw std::invalid_argument("a chat template needs a model or a template source");
+        }
+        auto t = std::make_unique<sluice_chat_templates>();
+        t->tmpls = common_chat_templates_init(model, source ? source : "", bos ? bos : "", eos ? eos : "");
+        return t.release();
+    }
+    SLUICE_CHAT_CATCH(nullptr)
+}
+
+void sluice_chat_templates_free(struct sluice_chat_templates * t) {
+    delete t;
+}
+
+// Whether the default template reacts to `enable_thinking`.
+bool sluice_chat_templates_support_thinking(const struct sluice_chat_templates * t) {
+    try {
+        return common_chat_templates_support_enable_thinking(t->tmpls.get());
+    }
+    SLUICE_CHAT_CATCH(false)
+}
+
+// Applies the templates to `inputs_json`:
+//   {"messages": [OpenAI messages], "tools": [OpenAI tools]?, "tool_choice": "auto"|"none"|"required",
+//    "parallel_tool_calls": bool, "json_schema": {schema}?, "enable_thinking": bool,
+//    "reasoning_format": "none"|"auto"|"deepseek"|"deepseek-legacy", "parse_tool_calls": bool,
+//    "kwargs": {name: value}, "now": unix seconds?, "add_generation_prompt": bool}
+// Returns the result as JSON (freed with sluice_string_free):
+//   {"prompt", "format", "grammar", "grammar_lazy", "grammar_triggers": [{"type", "value", "token"}],
+//    "preserved_tokens", "additional_stops", "generation_prompt", "supports_thinking",
+//    "thinking_start_tag", "thinking_end_tags"}
+// and the parser for the generation's text in *parser. NULL after an exception.
+char * sluice_chat_templates_apply(const struct sluice_chat_templates * t, const char * inputs_json,
+                                   struct sluice_chat_parser ** parser) {
+    try {
+        const auto in = common_json::parse(inputs_json);
+        common_chat_templates_inputs inputs;
+        inputs.messages = common_chat_msgs_parse_oaicompat(in.at("messages"));
+        if (in.contains("tools")) {
+            inputs.tools = common_chat_tools_parse_oaicompat(in.at("tools"));
+        }
+        inputs.tool_choice = common_chat_tool_choice_parse_oaicompat(in.value("tool_choice", std::string("auto")));
+        inputs.parallel_tool_calls = in.value("parallel_tool_calls", false);
+        if (in.contains("json_schema")) {
+            inputs.json_schema = in.at("json_schema").dump();
+        }
+        inputs.enable_thinking = in.value("enable_thinking", true);
+        inputs.reasoning_format = common_reasoning_format_from_name(in.value("reasoning_format", std::string("auto")));
+        inputs.add_generation_prompt = in.value("add_generation_prompt", true);
+        if (in.contains("now")) {
+            inputs.now = std::chrono::system_clock::time_point(std::chrono::seconds(in.at("now").get<long long>()));
+        }
+        if (in.contains("kwargs")) {
+            for (const auto & kv : in.at("kwargs").items()) {
+                inputs.chat_template_kwargs[kv.key()] = kv.value().dump();
+            }
+        }
+        const common_chat_params params = common_chat_templates_apply(t->tmpls.get(), inputs);
+
+        auto p = std::make_unique<sluice_chat_parser>();
+        p->params = common_chat_parser_params(params);
+        p->params.reasoning_format = inputs.reasoning_format;
+        p->params.parse_tool_calls = in.value("parse_tool_calls", !inputs.tools.empty());
+        if (!params.parser.empty()) {
+            p->params.parser.load(params.parser);
+        }
+
+        common_json triggers = common_json::array();
+        for (const auto & trigger : params.grammar_triggers) {
+            common_json t = common_json::object();
+            t["type"] = static_cast<int>(trigger.type);
+            t["value"] = trigger.value;
+            t["token"] = static_cast<int>(trigger.token);
+            triggers.push_back(t);
+        }
+        common_json out = common_json::object();
+        out["prompt"] = params.prompt;
+        out["format"] = std::string(common_chat_format_name(params.format));
+        out["grammar"] = params.grammar;
+        out["grammar_lazy"] = params.grammar_lazy;
+        out["grammar_triggers"] = triggers;
+        out["preserved_tokens"] = params.preserved_tokens;
+        out["additional_stops"] = params.additional_stops;
+        out["generation_prompt"] = params.generation_prompt;
+        out["supports_thinking"] = params.supports_thinking;
+        out["thinking_start_tag"] = params.thinking_start_tag;
+        out["thinking_end_tags"] = params.thinking_end_tags;
+        char * json = dup_string(out.dump());
+        *parser = p.release();
+        return json;
+    }
+    SLUICE_CHAT_CATCH(nullptr)
+}
+
+void sluice_chat_parser_free(struct sluice_chat_parser * p) {
+    delete p;
+}
+
+// Parses generated `text` (`len` bytes; `partial` while more may follow) into
+//   {"content", "reasoning_content", "tool_calls": [{"name", "arguments", "id"}]}
+// (freed with sluice_string_free). NULL after an exception.
+char * sluice_chat_parse(const struct sluice_chat_parser * p, const char * text, size_t len, bool partial) {
+    try {
+        const common_chat_msg msg = common_chat_parse(std::string(text, len), partial, p->params);
+        common_json calls = common_json::array();
+        for (const auto & call : msg.tool_calls) {
+            common_json c = common_json::object();
+            c["name"] = call.name;
+            c["arguments"] = call.arguments;
+            c["id"] = call.id;
+            calls.push_back(c);
+        }
+        common_json out = common_json::object();
+        out["content"] = msg.content;
+        out["reasoning_content"] = msg.reasoning_content;
+        out["tool_calls"] = calls;
+        return dup_string(out.dump_safe());
+    }
+    SLUICE_CHAT_CATCH(nullptr)
+}
+
+// common's sampler for `model`, from `params_json`:
+//   {"temperature", "top_k", "top_p", "min_p", "penalty_last_n", "penalty_repeat", "penalty_freq",
+//    "penalty_present", "seed", "grammar", "grammar_kind": "user"|"output"|"tools", "grammar_lazy",
+//    "grammar_triggers": [{"type", "value", "token"}], "generation_prompt", "thinking_start_tag",
+//    "thinking_end_tags": [...]}
+// A temperature of 0 chooses the highest logit (the lowest id on ties). NULL after an exception.
+struct sluice_sampler * sluice_sampler_init(const struct llama_model * model, const char * params_json) {
+    try {
+        const auto in = common_json::parse(params_json);
+        const llama_vocab * vocab = llama_model_get_vocab(model);
+        common_params_sampling sp;
+        sp.no_perf = true;
+        sp.temp = in.value("temperature", 0.0f);
+        sp.top_k = in.value("top_k", 0);
+        sp.top_p = in.value("top_p", 1.0f);
+        sp.min_p = in.value("min_p", 0.0f);
+        sp.penalty_last_n = in.value("penalty_last_n", 64);
+        sp.penalty_repeat = in.value("penalty_repeat", 1.0f);
+        sp.penalty_freq = in.value("penalty_freq", 0.0f);
+        sp.penalty_present = in.value("penalty_present", 0.0f);
+        sp.seed = in.value("seed", 0u);
+        if (sp.temp <= 0.0f) {
+            // Greedy: only the penalties and the temperature-0 filter, which keeps the first
+            // highest logit in id order (no sort before it, so ties go to the lowest id).
+            sp.samplers = { COMMON_SAMPLER_TYPE_PENALTIES, COMMON_SAMPLER_TYPE_TEMPERATURE };
+        } else {
+            sp.samplers = { COMMON_SAMPLER_TYPE_PENALTIES, COMMON_SAMPLER_TYPE_TOP_K, COMMON_SAMPLER_TYPE_TOP_P,
+                            COMMON_SAMPLER_TYPE_MIN_P, COMMON_SAMPLER_TYPE_TEMPERATURE };
+        }
+        const std::string grammar = in.value("grammar", std::string());
+        if (!grammar.empty()) {
+            const std::string kind = in.value("grammar_kind", std::string("user"));
+            const common_grammar_type type = kind == "tools"  ? COMMON_GRAMMAR_TYPE_TOOL_CALLS :
+                                             kind == "output" ? COMMON_GRAMMAR_TYPE_OUTPUT_FORMAT :
+                                                                COMMON_GRAMMAR_TYPE_USER;
+            sp.grammar = common_grammar(type, grammar);
+            sp.grammar_lazy = in.value("grammar_lazy", false);
+            if (in.contains("grammar_triggers")) {
+                for (const auto & t : in.at("grammar_triggers")) {
+                    const int type = t.at("type").get<int>();
+                    if (type < COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN || type > COMMON_GRAMMAR_TRIGGER_TYPE_PATTERN_FULL) {
+                        throw std::invalid_argument("unknown grammar trigger type " + std::to_string(type));
+                    }
+                    common_grammar_trigger trigger;
+                    trigger.type = static_cast<common_grammar_trigger_type>(type);
+                    trigger.value = t.value("value", std::string());
+                    trigger.token = t.value("token", static_cast<int>(LLAMA_TOKEN_NULL));
+                    if (trigger.type == COMMON_GRAMMAR_TRIGGER_TYPE_TOKEN &&
+                        (trigger.token < 0 || trigger.token >= llama_vocab_n_tokens(vocab))) {
+                        throw std::invalid_argument("grammar trigger token " + std::to_string(trigger.token) +
+                                                    " is not in the vocabulary");
+                    }
+                    sp.grammar_triggers.push_back(trigger);
+                }
+            }
+        }
+        sp.generation_prompt = in.value("generation_prompt", std::string());
+        // A lazy (tool-call) grammar must not wake inside a thinking block: common's reasoning
+        // budget sampler, unlimited, tracks the block as llama-server arranges it.
+        const std::string think_start = in.value("thinking_start_tag", std::string());
+        const auto think_ends = in.value("thinking_end_tags", std::vector<std::string>());
+        if (sp.grammar_lazy && !think_start.empty() && !think_ends.empty()) {
+            sp.reasoning_budget_start = tokenize_tag(vocab, think_start);
+            for (const auto & end : think_ends) {
+                sp.reasoning_budget_end.push_back(tokenize_tag(vocab, end));
+            }
+            sp.reasoning_budget_forced = sp.reasoning_budget_end.front();
+        }
+        auto s = std::make_unique<sluice_sampler>();
+        s->smpl = common_sampler_init(model, sp);
+        if (s->smpl == nullptr) {
+            throw std::runtime_error("the sampler could not be created (is the grammar valid?)");
+        }
+        return s.release();
+    }
+    SLUICE_CHAT_CATCH(nullptr)
+}
+
+void sluice_sampler_free(struct sluice_sampler * s) {
+    delete s;
+}
+
+// Feeds a token the model did not generate (a prompt token) to the penalties' history.
+void sluice_sampler_accept_prompt(struct sluice_sampler * s, llama_token token) {
+    try {
+        common_sampler_accept(s->smpl, token, /* is_generated */ false);
+    }
+    SLUICE_CHAT_CATCH()
+}
+
+// Chooses the token for output `idx` of the last decode of `ctx` and accepts it (grammar,
+// penalties). LLAMA_TOKEN_NULL after an exception.
+llama_token sluice_sampler_sample(struct sluice_sampler * s, struct llama_context * ctx, int32_t idx) {
+    try {
+        const llama_token token = common_sampler_sample(s->smpl, ctx, idx);
+        common_sampler_accept(s->smpl, token, /* is_generated */ true);
+        return token;
+    }
+    SLUICE_CHAT_CATCH(LLAMA_TOKEN_NULL)
+}
+
+}  // extern "C"
