@@ -31,7 +31,7 @@ unsafe extern "C" {
         eos: *const c_char,
     ) -> *mut RawTemplates;
     fn sluice_chat_templates_free(t: *mut RawTemplates);
-    fn sluice_chat_templates_support_thinking(t: *const RawTemplates) -> bool;
+    fn sluice_chat_templates_support_tool_calls(t: *const RawTemplates) -> bool;
     fn sluice_chat_templates_apply(
         t: *const RawTemplates,
         inputs_json: *const c_char,
@@ -103,12 +103,11 @@ impl ChatTemplates {
             .ok_or(Error::Chat { call: "common_chat_templates_init", message: "no templates".into() })
     }
 
-    /// Whether the template reacts to `enable_thinking` (a thinking model that can be told not
-    /// to think).
-    pub fn supports_thinking(&self) -> bool {
+    /// Whether the template renders tool calls (a model that was taught to call tools).
+    pub fn supports_tool_calls(&self) -> bool {
         // SAFETY: live templates.
-        let yes = unsafe { sluice_chat_templates_support_thinking(self.raw.as_ptr()) };
-        chat_caught("common_chat_templates_support_enable_thinking").is_ok() && yes
+        let yes = unsafe { sluice_chat_templates_support_tool_calls(self.raw.as_ptr()) };
+        chat_caught("common_chat_templates_get_caps").is_ok() && yes
     }
 
     /// Renders `inputs` into a prompt, with the grammar, stops and parser its generation needs.
@@ -243,8 +242,6 @@ pub struct ChatPrompt {
     pub additional_stops: Vec<String>,
     /// The start of the assistant's turn the template wrote at the end of the prompt.
     pub generation_prompt: String,
-    /// Whether the answer may begin with thinking.
-    pub supports_thinking: bool,
     /// The tag that opens thinking (`<think>`), if the format has one.
     pub thinking_start_tag: String,
     /// The tags that close thinking.

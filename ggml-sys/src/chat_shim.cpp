@@ -98,10 +98,12 @@ void sluice_chat_templates_free(struct sluice_chat_templates * t) {
     delete t;
 }
 
-// Whether the default template reacts to `enable_thinking`.
-bool sluice_chat_templates_support_thinking(const struct sluice_chat_templates * t) {
+// Whether the templates render tool calls (tool_use variant first, as common reads it).
+bool sluice_chat_templates_support_tool_calls(const struct sluice_chat_templates * t) {
     try {
-        return common_chat_templates_support_enable_thinking(t->tmpls.get());
+        const auto caps = common_chat_templates_get_caps(t->tmpls.get());
+        const auto it = caps.find("supports_tool_calls");
+        return it != caps.end() && it->second;
     }
     SLUICE_CHAT_CATCH(false)
 }
@@ -113,8 +115,8 @@ bool sluice_chat_templates_support_thinking(const struct sluice_chat_templates *
 //    "kwargs": {name: value}, "now": unix seconds?, "add_generation_prompt": bool}
 // Returns the result as JSON (freed with sluice_string_free):
 //   {"prompt", "format", "grammar", "grammar_lazy", "grammar_triggers": [{"type", "value", "token"}],
-//    "preserved_tokens", "additional_stops", "generation_prompt", "supports_thinking",
-//    "thinking_start_tag", "thinking_end_tags"}
+//    "preserved_tokens", "additional_stops", "generation_prompt", "thinking_start_tag",
+//    "thinking_end_tags"}
 // and the parser for the generation's text in *parser. NULL after an exception.
 char * sluice_chat_templates_apply(const struct sluice_chat_templates * t, const char * inputs_json,
                                    struct sluice_chat_parser ** parser) {
@@ -168,7 +170,6 @@ char * sluice_chat_templates_apply(const struct sluice_chat_templates * t, const
         out["preserved_tokens"] = params.preserved_tokens;
         out["additional_stops"] = params.additional_stops;
         out["generation_prompt"] = params.generation_prompt;
-        out["supports_thinking"] = params.supports_thinking;
         out["thinking_start_tag"] = params.thinking_start_tag;
         out["thinking_end_tags"] = params.thinking_end_tags;
         char * json = dup_string(out.dump());
@@ -207,7 +208,7 @@ char * sluice_chat_parse(const struct sluice_chat_parser * p, const char * text,
 
 // common's sampler for `model`, from `params_json`:
 //   {"temperature", "top_k", "top_p", "min_p", "penalty_last_n", "penalty_repeat", "penalty_freq",
-//    "penalty_present", "seed", "grammar", "grammar_kind": "user"|"output"|"tools", "grammar_lazy",
+//    "penalty_present", "seed", "logit_bias": [[token, bias]], "grammar", "grammar_kind": "user"|"output"|"tools", "grammar_lazy",
 //    "grammar_triggers": [{"type", "value", "token"}], "generation_prompt", "thinking_start_tag",
 //    "thinking_end_tags": [...]}
 // A temperature of 0 chooses the highest logit (the lowest id on ties). NULL after an exception.
@@ -226,6 +227,17 @@ struct sluice_sampler * sluice_sampler_init(const struct llama_model * model, co
         sp.penalty_freq = in.value("penalty_freq", 0.0f);
         sp.penalty_present = in.value("penalty_present", 0.0f);
         sp.seed = in.value("seed", 0u);
+        if (in.contains("logit_bias")) {
+            for (const auto & b : in.at("logit_bias")) {
+                const int token = b.at(static_cast<size_t>(0)).get<int>();
+                if (token < 0 || token >= llama_vocab_n_tokens(vocab)) {
+                    throw std::invalid_argument("logit_bias: token " + std::to_string(token) +
+                                                " is not in the vocabulary (0 to " +
+                                                std::to_string(llama_vocab_n_tokens(vocab) - 1) + ")");
+                }
+                sp.logit_bias.push_back({ token, b.at(static_cast<size_t>(1)).get<float>() });
+            }
+        }
         if (sp.temp <= 0.0f) {
             // Greedy: only the penalties and the temperature-0 filter, which keeps the first
             // highest logit in id order (no sort before it, so ties go to the lowest id).

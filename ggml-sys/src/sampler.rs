@@ -58,6 +58,8 @@ pub struct SamplerParams {
     pub penalty_present: f32,
     /// The draw's seed: the same seed, the same text.
     pub seed: u32,
+    /// Added to these tokens' logits: (token, bias).
+    pub logit_bias: Vec<(Token, f32)>,
     /// A GBNF grammar every chosen token must keep valid; empty: none.
     pub grammar: String,
     /// Where the grammar comes from.
@@ -87,6 +89,7 @@ impl SamplerParams {
             penalty_freq: 0.0,
             penalty_present: 0.0,
             seed: 0,
+            logit_bias: Vec::new(),
             grammar: String::new(),
             grammar_kind: GrammarKind::User,
             grammar_lazy: false,
@@ -113,7 +116,8 @@ pub struct Sampler {
 unsafe impl Send for Sampler {}
 
 impl Sampler {
-    /// A sampler over `model`'s vocabulary. A grammar llama.cpp cannot parse is [`Error::Chat`].
+    /// A sampler over `model`'s vocabulary. A grammar llama.cpp cannot parse, or a biased token
+    /// outside the vocabulary, is [`Error::Chat`].
     pub fn new(model: &Model, params: &SamplerParams) -> Result<Sampler> {
         let json = serde_json::to_string(params)
             .map_err(|e| Error::Chat { call: "common_sampler_init", message: format!("params: {e}") })?;

@@ -315,3 +315,196 @@ fn the_official_openai_client_parses_every_response() {
     assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
     assert!(out.contains("7 passed, 0 failed"), "{out}");
 }
+
+/// A bounded schema: every answer the grammar allows ends within a few dozen tokens.
+const SCHEMA: &str = r#"{"type":"object","properties":{"n":{"type":"integer","minimum":0,"maximum":9},"ok":{"type":"boolean"}},"required":["n","ok"],"additionalProperties":false}"#;
+const WEATHER_TOOL: &str = r#"{"type":"function","function":{"name":"get_weather","description":"Weather in a city","parameters":{"type":"object","properties":{"city":{"type":"string","enum":["Paris","Oslo"]}},"required":["city"],"additionalProperties":false}}}"#;
+
+#[test]
+fn structured_output_always_parses_and_follows_the_schema() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_qwen3(dir.path());
+    let mut server = Server::start(dir.path(), &model, &[]);
+    server.wait_note("READY=1");
+    for seed in 0..20 {
+        let body = format!(
+            r#"{{"messages":[{{"role":"user","content":"A number and a flag, as JSON"}}],"max_tokens":400,"temperature":1,"seed":{seed},"chat_template_kwargs":{{"enable_thinking":false}},"response_format":{{"type":"json_schema","json_schema":{{"name":"answer","schema":{SCHEMA}}}}}}}"#
+        );
+        let r = server.request("POST", "/v1/chat/completions", Some(&body));
+        assert_eq!(r.status, 200, "{}", r.body);
+        let v = r.json();
+        assert_eq!(v["choices"][0]["finish_reason"], "stop", "seed {seed}: the grammar ends the answer: {}", r.body);
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        let answer: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("seed {seed}: {text:?} is not JSON: {e}"));
+        let obj = answer.as_object().unwrap_or_else(|| panic!("seed {seed}: {text:?} is not an object"));
+        let mut keys: Vec<&str> = obj.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, ["n", "ok"], "seed {seed}: {text:?}");
+        assert!(obj["n"].as_u64().is_some_and(|n| n <= 9), "seed {seed}: {text:?}");
+        assert!(obj["ok"].is_boolean(), "seed {seed}: {text:?}");
+    }
+    // json_object: any object.
+    let body = r#"{"messages":[{"role":"user","content":"JSON"}],"max_tokens":200,"temperature":0,"chat_template_kwargs":{"enable_thinking":false},"response_format":{"type":"json_object"}}"#;
+    let r = server.request("POST", "/v1/chat/completions", Some(body));
+    let v = r.json();
+    if v["choices"][0]["finish_reason"] == "stop" {
+        let text = v["choices"][0]["message"]["content"].as_str().unwrap();
+        assert!(serde_json::from_str::<Value>(text).is_ok_and(|a| a.is_object()), "{text:?}");
+    }
+    // A schema the grammar converter cannot enforce is refused, never answered unconstrained.
+    let body = r#"{"messages":[{"role":"user","content":"x"}],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"object","properties":{"a":{"$ref":"https://example.com/a.json"}}}}}}"#;
+    assert_api_error(&server.request("POST", "/v1/chat/completions", Some(body)), 400, Some("response_format"), "$ref");
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// The tool calls of a chat answer: (id, name, arguments).
+fn tool_calls(message: &Value) -> Vec<(String, String, String)> {
+    message["tool_calls"]
+        .as_array()
+        .map(|calls| {
+            calls
+                .iter()
+                .map(|c| {
+                    let f = &c["function"];
+                    (
+                        c["id"].as_str().unwrap().to_string(),
+                        f["name"].as_str().unwrap().to_string(),
+                        f["arguments"].as_str().unwrap().to_string(),
+                    )
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Makes a random-weight model call a tool and stop, whatever its weights: `<tool_call>` (token
+/// 264 of the synthetic vocabulary: 3 specials, 256 bytes, `▁`, `<|im_start|>`, `<|im_end|>`,
+/// `<think>`, `</think>`, `<tool_call>`, `</tool_call>`) is the likeliest token until the
+/// frequency penalty lets a newline (13) start the call, which the grammar then writes;
+/// `<|im_end|>` (261), above both, ends the answer as soon as the grammar allows. The biases
+/// dwarf the weights' own preferences.
+const CALL_ONCE: &str = r#""logit_bias":{"264":95,"13":99,"261":100},"frequency_penalty":2"#;
+
+#[test]
+fn tool_calls_are_parsed_streamed_and_taken_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_qwen3(dir.path());
+    let mut server = Server::start(dir.path(), &model, &[]);
+    server.wait_note("READY=1");
+    let ask = |stream: bool| {
+        format!(
+            r#"{{"messages":[{{"role":"user","content":"Weather in Paris?"}}],"tools":[{WEATHER_TOOL}],"tool_choice":"required","max_tokens":200,"temperature":0,"stream":{stream},"reasoning_effort":"none",{CALL_ONCE}}}"#
+        )
+    };
+    let r = server.request("POST", "/v1/chat/completions", Some(&ask(false)));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{}", r.body);
+    let calls = tool_calls(&choice["message"]);
+    assert!(!calls.is_empty(), "{}", r.body);
+    for (_, name, arguments) in &calls {
+        assert_eq!(name, "get_weather");
+        let args: Value = serde_json::from_str(arguments).unwrap();
+        assert!(args["city"] == "Paris" || args["city"] == "Oslo", "{arguments}");
+    }
+    let (id, _, arguments) = &calls[0];
+    let args: Value = serde_json::from_str(arguments).unwrap();
+
+    // Streamed: deltas that add up to the same first call.
+    let r = server.request("POST", "/v1/chat/completions", Some(&ask(true)));
+    let data = sse_data(&r.body);
+    let (mut streamed_name, mut streamed_args, mut deltas, mut finish) = (String::new(), String::new(), 0, String::new());
+    for d in &data[..data.len() - 1] {
+        let c: Value = serde_json::from_str(d).unwrap();
+        let c = &c["choices"][0];
+        if let Some(calls) = c["delta"]["tool_calls"].as_array() {
+            for call in calls {
+                if call["index"] != 0 {
+                    continue;
+                }
+                deltas += 1;
+                if let Some(n) = call["function"]["name"].as_str() {
+                    streamed_name.push_str(n);
+                    assert!(call["id"].is_string() && call["type"] == "function", "{d}");
+                }
+                streamed_args.push_str(call["function"]["arguments"].as_str().unwrap_or(""));
+            }
+        }
+        finish = c["finish_reason"].as_str().map(str::to_string).unwrap_or(finish);
+    }
+    assert_eq!((streamed_name.as_str(), finish.as_str()), ("get_weather", "tool_calls"), "{}", r.body);
+    assert_eq!(serde_json::from_str::<Value>(&streamed_args).unwrap(), args, "{}", r.body);
+    assert!(deltas > 1, "the call's arguments arrive over several deltas: {}", r.body);
+
+    // The round trip: the call and its result go back; the template renders them.
+    let back = format!(
+        r#"{{"messages":[{{"role":"user","content":"Weather in Paris?"}},{{"role":"assistant","content":null,"tool_calls":[{{"id":"{id}","type":"function","function":{{"name":"get_weather","arguments":{arguments:?}}}}}]}},{{"role":"tool","tool_call_id":"{id}","content":"sunny, 18 C"}}],"tools":[{WEATHER_TOOL}],"tool_choice":"none","max_tokens":8,"temperature":0}}"#
+    );
+    let r = server.request("POST", "/v1/chat/completions", Some(&back));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 40, "{}", r.body);
+    assert!(tool_calls(&v["choices"][0]["message"]).is_empty(), "tool_choice none: {}", r.body);
+
+    // A model without tool calls in its template refuses tools instead of ignoring them.
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+    let plain = synth(dir.path());
+    let mut server = Server::start(dir.path(), &plain, &[]);
+    server.wait_note("READY=1");
+    assert_api_error(&server.request("POST", "/v1/chat/completions", Some(&ask(false))), 400, Some("tools"), "no tool calls");
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}
+
+#[test]
+fn logprobs_usage_and_model_lookup_follow_openai() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let mut server = Server::start(dir.path(), &model, &[]);
+    server.wait_note("READY=1");
+    // Greedy: the chosen token is the likeliest, so it heads its own alternatives.
+    let body = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":6,"temperature":0,"logprobs":true,"top_logprobs":3}"#;
+    let v = server.request("POST", "/v1/chat/completions", Some(body)).json();
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    assert_eq!(content.len(), v["usage"]["completion_tokens"].as_u64().unwrap() as usize);
+    for t in content {
+        let top = t["top_logprobs"].as_array().unwrap();
+        assert_eq!(top.len(), 3);
+        assert_eq!(top[0]["logprob"], t["logprob"], "{t}");
+        assert!(t["logprob"].as_f64().unwrap() <= 0.0);
+        assert!(top.windows(2).all(|w| w[0]["logprob"].as_f64() >= w[1]["logprob"].as_f64()), "{t}");
+    }
+    let body = r#"{"prompt":"The quick brown fox","max_tokens":5,"temperature":0,"logprobs":2}"#;
+    let v = server.request("POST", "/v1/completions", Some(body)).json();
+    let lp = &v["choices"][0]["logprobs"];
+    assert_eq!(lp["tokens"].as_array().unwrap().len(), 5, "{v}");
+    let text: String = lp["tokens"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert_eq!(lp["text_offset"][0], 0);
+    if !text.contains('\u{fffd}') {
+        assert_eq!(text, v["choices"][0]["text"].as_str().unwrap());
+    }
+    // include_usage: every chunk says usage null, one last chunk carries it.
+    let body = r#"{"prompt":"The quick brown fox","max_tokens":4,"temperature":0,"stream":true,"stream_options":{"include_usage":true}}"#;
+    let r = server.request("POST", "/v1/completions", Some(body));
+    let data = sse_data(&r.body);
+    let last: Value = serde_json::from_str(&data[data.len() - 2]).unwrap();
+    assert_eq!(last["choices"], serde_json::json!([]));
+    assert_eq!(last["usage"]["completion_tokens"], 4);
+    let first: Value = serde_json::from_str(&data[0]).unwrap();
+    assert!(first["usage"].is_null() && first.get("usage").is_some());
+    // GET /v1/models/{id}.
+    assert_eq!(server.request("GET", "/v1/models/m", None).json()["id"], "m");
+    assert_api_error(&server.request("GET", "/v1/models/other", None), 404, Some("model"), "does not exist");
+    // Known fields are accepted; n > 1 and image parts are refused with the field named.
+    let ok = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,"user":"u","store":false,"metadata":{"a":"b"},"service_tier":"auto","top_k":5,"min_p":0.05,"presence_penalty":0.5,"frequency_penalty":0.5,"repetition_penalty":1.1,"seed":9}"#;
+    assert_eq!(server.request("POST", "/v1/chat/completions", Some(ok)).status, 200);
+    let n2 = r#"{"messages":[{"role":"user","content":"Hi"}],"n":2}"#;
+    assert_api_error(&server.request("POST", "/v1/chat/completions", Some(n2)), 400, Some("n"), "n = 1");
+    let image = r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:,"}}]}]}"#;
+    assert_api_error(&server.request("POST", "/v1/chat/completions", Some(image)), 400, Some("messages[0].content[0]"), "text-only");
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}

@@ -123,12 +123,12 @@ pub struct RequestBody {
     response_format: Option<Value>,
     chat_template_kwargs: Option<Map<String, Value>>,
     reasoning_effort: Option<String>,
+    logit_bias: Option<Map<String, Value>>,
     // Known OpenAI fields that do not change what sluice generates: accepted, logged at debug.
     user: Option<IgnoredAny>,
     store: Option<IgnoredAny>,
     metadata: Option<IgnoredAny>,
     service_tier: Option<IgnoredAny>,
-    logit_bias: Option<IgnoredAny>,
     prediction: Option<IgnoredAny>,
     safety_identifier: Option<IgnoredAny>,
     prompt_cache_key: Option<IgnoredAny>,
@@ -259,7 +259,6 @@ impl RequestBody {
             ("store", self.store.is_some()),
             ("metadata", self.metadata.is_some()),
             ("service_tier", self.service_tier.is_some()),
-            ("logit_bias", self.logit_bias.is_some()),
             ("prediction", self.prediction.is_some()),
             ("safety_identifier", self.safety_identifier.is_some()),
             ("prompt_cache_key", self.prompt_cache_key.is_some()),
@@ -285,6 +284,7 @@ impl RequestBody {
         if p.penalty_repeat == 0.0 {
             return Err(ApiError::invalid("repetition_penalty: must be above 0; 1 is off", Some("repetition_penalty")));
         }
+        p.logit_bias = logit_bias(self.logit_bias.take())?;
         // OpenAI seeds are 64-bit; llama.cpp's are 32: both halves count.
         p.seed = match self.seed {
             Some(s) => ((s as u64) ^ ((s as u64) >> 32)) as u32,
@@ -319,6 +319,26 @@ impl RequestBody {
         }
         Ok((stream, usage))
     }
+}
+
+/// `logit_bias`: token ids (as strings) to biases in [-100, 100]. Whether the tokens exist is
+/// checked against the vocabulary when the sampler is made.
+fn logit_bias(map: Option<Map<String, Value>>) -> Result<Vec<(ggml_sys::Token, f32)>, ApiError> {
+    let mut out = Vec::new();
+    for (key, value) in map.unwrap_or_default() {
+        let param = format!("logit_bias.{key}");
+        let token = key
+            .parse::<ggml_sys::Token>()
+            .ok()
+            .filter(|t| *t >= 0)
+            .ok_or_else(|| ApiError::invalid(format!("{param}: {key:?} is not a token id"), Some(&param)))?;
+        let bias = value
+            .as_f64()
+            .filter(|b| (-100.0..=100.0).contains(b))
+            .ok_or_else(|| ApiError::invalid(format!("{param}: {value} is not a bias from -100 to 100"), Some(&param)))?;
+        out.push((token, bias as f32));
+    }
+    Ok(out)
 }
 
 /// `value` (or `default`) when it lies in `range`, else a 400 naming `name` and `fix`.
@@ -500,13 +520,14 @@ mod tests {
         assert!(r.sampling.is_greedy());
         assert_eq!(r.max_tokens, Some(DEFAULT_COMPLETION_TOKENS));
         let r = completion_request(
-            br#"{"prompt":"hi","top_k":5,"min_p":0.1,"presence_penalty":0.5,"frequency_penalty":-0.5,"repetition_penalty":1.1,"logprobs":2,"stream":true,"stream_options":{"include_usage":true},"user":"u","logit_bias":{"1":2}}"#,
+            br#"{"prompt":"hi","top_k":5,"min_p":0.1,"presence_penalty":0.5,"frequency_penalty":-0.5,"repetition_penalty":1.1,"logprobs":2,"stream":true,"stream_options":{"include_usage":true},"user":"u","logit_bias":{"1":2,"7":-100}}"#,
             "m",
         )
         .unwrap();
         let s = &r.sampling;
         assert_eq!((s.top_k, s.min_p, s.penalty_present, s.penalty_freq, s.penalty_repeat), (5, 0.1, 0.5, -0.5, 1.1));
         assert_eq!((r.logprobs, r.include_usage), (Some(2), true));
+        assert_eq!(s.logit_bias, [(1, 2.0), (7, -100.0)]);
         let r = completion_request(br#"{"prompt":"hi","repeat_penalty":1.2,"seed":-1}"#, "m").unwrap();
         assert_eq!((r.sampling.penalty_repeat, r.sampling.seed), (1.2, 0));
     }
@@ -538,6 +559,8 @@ mod tests {
             (r#"{"prompt":"hi","stream_options":{"include_usage":true}}"#, "stream_options"),
             (r#"{"prompt":"hi","tools":[]}"#, "tools"),
             (r#"{"prompt":"hi","top_p":0}"#, "top_p"),
+            (r#"{"prompt":"hi","logit_bias":{"x":1}}"#, "logit_bias.x"),
+            (r#"{"prompt":"hi","logit_bias":{"5":101}}"#, "logit_bias.5"),
         ] {
             assert_eq!(err(body).param.as_deref(), Some(param), "{body}");
         }

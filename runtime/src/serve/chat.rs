@@ -111,6 +111,10 @@ pub fn chat_inputs(f: ChatFields) -> Result<ChatInputs, ApiError> {
             ))
         }
     }
+    // Templates that cannot turn thinking off (gpt-oss) think least at "low".
+    if !inputs.enable_thinking {
+        inputs.kwargs.entry("reasoning_effort").or_insert_with(|| json!("low"));
+    }
     Ok(inputs)
 }
 
@@ -426,7 +430,9 @@ mod tests {
 
         let mut f = fields(json!([{"role": "user", "content": "hi"}]));
         f.reasoning_effort = Some("none".into());
-        assert!(!chat_inputs(f).unwrap().enable_thinking);
+        let inputs = chat_inputs(f).unwrap();
+        assert!(!inputs.enable_thinking);
+        assert_eq!(inputs.kwargs["reasoning_effort"], "low", "the least thinking where it cannot be turned off");
 
         let refused_with = |set: fn(&mut ChatFields), param: &str| {
             let mut f = fields(json!([{"role": "user", "content": "hi"}]));

@@ -231,9 +231,18 @@ fn chat_templates(model: &Model) -> Result<ChatTemplates> {
 
 /// Renders `inputs` with the model's template and tokenizes the prompt.
 fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -> Result<Prepared, ApiError> {
+    if inputs.tools.is_some() && !templates.supports_tool_calls() {
+        return Err(ApiError::invalid(
+            "tools: this model's chat template has no tool calls (its model was not taught a tool-call format); leave tools out",
+            Some("tools"),
+        ));
+    }
     let (prompt, parser) = templates.apply(inputs).map_err(|e| {
-        ApiError::invalid(format!("the model's chat template cannot take this request: {e}"), Some("messages"))
+        let text = e.to_string();
+        let param = if inputs.json_schema.is_some() && text.contains("schema") { "response_format" } else { "messages" };
+        ApiError::invalid(format!("the model's chat template cannot take this request: {text}"), Some(param))
     })?;
+    log::debug!("chat prompt rendered in llama.cpp's {} format", prompt.format);
     let tokens = model
         .tokenize_with(&prompt.prompt, true, true)
         .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("messages")))?;
@@ -456,12 +465,12 @@ impl Engine<'_, '_> {
                     self.shared.metrics.cancelled();
                     return;
                 }
-                let finish = if message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()) {
-                    Finish::ToolCalls
-                } else if output.text.stopped() || g.stopped_at_eog {
-                    Finish::Stop
-                } else {
+                let finish = if !(output.text.stopped() || g.stopped_at_eog) {
                     Finish::Length
+                } else if message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()) {
+                    Finish::ToolCalls
+                } else {
+                    Finish::Stop
                 };
                 let _ = events.send(Event::Done {
                     finish,
@@ -520,8 +529,12 @@ impl Output {
             message = Some(MessageStream::new(c.parser, &tool_call_prefix()));
         }
         let mut sampler = Sampler::new(model, &params).map_err(|e| {
-            let param = if params.grammar_kind == GrammarKind::Output { "response_format" } else { "tools" };
-            ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some(param))
+            let text = e.to_string();
+            match params.grammar_kind {
+                _ if text.contains("logit_bias") => ApiError::invalid(text, Some("logit_bias")),
+                GrammarKind::Output => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("response_format")),
+                _ => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("tools")),
+            }
         })?;
         sampler.show_special(shown);
         Ok((sampler, Output { text: ResponseText::new(&stops), message, logprobs: Vec::new() }))

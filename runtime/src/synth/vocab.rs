@@ -1,5 +1,8 @@
 //! The synthetic models' vocabulary: a byte-fallback SentencePiece (`llama`) vocabulary of
-//! `<unk>`, `<s>`, `</s>` and the 256 `<0xNN>` byte tokens, so any text tokenizes.
+//! `<unk>`, `<s>`, `</s>` and the 256 `<0xNN>` byte tokens, so any text tokenizes, plus the
+//! word separator `▁` and the markers of the common chat formats (ChatML's `<|im_start|>` /
+//! `<|im_end|>`, thinking and tool-call tags), so that a chat template's prompt tokenizes and
+//! renders back to the same text (no space prefix is added) and a chat ends at `<|im_end|>`.
 
 use super::gguf_writer::Value;
 
@@ -9,12 +12,26 @@ pub const UNK: i32 = 0;
 pub const BOS: i32 = 1;
 /// Token id of `</s>` (end of sequence).
 pub const EOS: i32 = 2;
-/// Number of tokens: three specials and 256 bytes.
-pub const N_VOCAB: u64 = 3 + 256;
+/// The chat tokens after the byte tokens: text and llama.cpp token type.
+const CHAT_TOKENS: [(&str, i32); 7] = [
+    ("\u{2581}", TYPE_NORMAL),
+    ("<|im_start|>", TYPE_CONTROL),
+    ("<|im_end|>", TYPE_CONTROL),
+    ("<think>", TYPE_USER_DEFINED),
+    ("</think>", TYPE_USER_DEFINED),
+    ("<tool_call>", TYPE_USER_DEFINED),
+    ("</tool_call>", TYPE_USER_DEFINED),
+];
+/// Token id of `<|im_end|>` (end of a chat turn).
+const IM_END: u32 = 3 + 256 + 2;
+/// Number of tokens: three specials, 256 bytes and the chat tokens.
+pub const N_VOCAB: u64 = 3 + 256 + CHAT_TOKENS.len() as u64;
 
 // llama.cpp's token attributes (enum llama_token_type).
+const TYPE_NORMAL: i32 = 1;
 const TYPE_UNKNOWN: i32 = 2;
 const TYPE_CONTROL: i32 = 3;
+const TYPE_USER_DEFINED: i32 = 4;
 const TYPE_BYTE: i32 = 6;
 
 /// The `tokenizer.ggml.*` metadata entries.
@@ -23,6 +40,8 @@ pub fn metadata() -> Vec<(String, Value)> {
     tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
     let mut types = vec![TYPE_UNKNOWN, TYPE_CONTROL, TYPE_CONTROL];
     types.extend(std::iter::repeat_n(TYPE_BYTE, 256));
+    tokens.extend(CHAT_TOKENS.iter().map(|(t, _)| t.to_string()));
+    types.extend(CHAT_TOKENS.iter().map(|(_, kind)| *kind));
     let scores = vec![0.0f32; tokens.len()];
     vec![
         ("tokenizer.ggml.model".into(), Value::Str("llama".into())),
@@ -34,5 +53,7 @@ pub fn metadata() -> Vec<(String, Value)> {
         ("tokenizer.ggml.eos_token_id".into(), Value::U32(EOS as u32)),
         ("tokenizer.ggml.add_bos_token".into(), Value::Bool(true)),
         ("tokenizer.ggml.add_eos_token".into(), Value::Bool(false)),
+        ("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)),
+        ("tokenizer.ggml.eot_token_id".into(), Value::U32(IM_END)),
     ]
 }
