@@ -1,6 +1,6 @@
 //! Compiles `src/shim.cpp` (the llama.cpp entry points that can throw, wrapped so that no C++
-//! exception unwinds into Rust) and `src/chat_shim.cpp` (llama.cpp common's chat templates,
-//! parsers and sampler behind a C interface) against the vendored headers. The operator
+//! exception unwinds into Rust) and `src/common_shim.cpp` (llama.cpp common's chat templates,
+//! parsers, sampler and n-gram drafting behind a C interface) against the vendored headers. The operator
 //! extensions of vendor patch 0005 (`ggml-ext.h`) are required.
 
 use std::path::PathBuf;
@@ -16,12 +16,12 @@ fn main() {
     );
     let llama = dir.join("../vendor/llama-cpp-sys-2/llama.cpp");
     println!("cargo::rerun-if-changed=src/shim.cpp");
-    println!("cargo::rerun-if-changed=src/chat_shim.cpp");
+    println!("cargo::rerun-if-changed=src/common_shim.cpp");
     cc::Build::new()
         .cpp(true)
         .std("c++17")
         .file("src/shim.cpp")
-        .file("src/chat_shim.cpp")
+        .file("src/common_shim.cpp")
         .include(llama.join("include"))
         .include(llama.join("ggml/include"))
         .include(llama.join("common"))

@@ -1,4 +1,4 @@
-//! llama.cpp's chat layer (`common/chat.h`, what llama-server runs), through `chat_shim.cpp`: a
+//! llama.cpp's chat layer (`common/chat.h`, what llama-server runs), through `common_shim.cpp`: a
 //! model's Jinja chat templates applied to OpenAI messages, tools and options, and generated
 //! text parsed back into content, reasoning and tool calls by the parser the template's family
 //! handler chose.

@@ -242,6 +242,19 @@ impl<'m> Context<'m> {
         // SAFETY: live context; the memory handle belongs to it.
         unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.raw), true) };
     }
+
+    /// Forgets the cached positions from `pos` on (rejected draft tokens); `Err` when the
+    /// model's memory cannot drop a tail (recurrent state).
+    pub fn forget_from(&mut self, pos: i32) -> Result<()> {
+        // SAFETY: live context; the memory handle belongs to it; sequence 0 is the only one used
+        // and p1 = -1 means "to the end".
+        let ok = unsafe { sys::llama_memory_seq_rm(sys::llama_get_memory(self.raw), 0, pos, -1) };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::Decode { status: -1, meaning: "the model's memory cannot forget rejected draft tokens" })
+        }
+    }
 }
 
 impl Drop for Context<'_> {

@@ -9,6 +9,7 @@ mod backend;
 mod batch;
 mod chat;
 mod context;
+mod draft;
 mod error;
 pub mod ext;
 mod gguf;
@@ -28,6 +29,7 @@ pub use batch::Batch;
 pub use chat::{
     ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarTrigger, ParsedMessage, ReasoningFormat, ToolCall, ToolChoice,
 };
+pub use draft::NgramDraft;
 pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes};
 pub use error::Error;
 pub use gguf::{GgufFile, GgufTensor};

@@ -1,4 +1,4 @@
-//! llama.cpp common's sampler (what llama-server samples with), through `chat_shim.cpp`:
+//! llama.cpp common's sampler (what llama-server samples with), through `common_shim.cpp`:
 //! penalties, top-k, top-p, min-p, temperature and a seeded draw, with a GBNF grammar (eager, or
 //! lazy behind triggers) enforced on every token.
 

@@ -36,7 +36,7 @@ void record(const char * what) {
 
 extern "C" {
 
-// Records an exception message for this thread (chat_shim.cpp's entry points use it too).
+// Records an exception message for this thread (common_shim.cpp's entry points use it too).
 void sluice_shim_record(const char * what) {
     record(what);
 }

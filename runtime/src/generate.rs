@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 
 use std::collections::HashSet;
 
-use ggml_sys::{Batch, Context, ContextParams, EvalCallback, Model, ModelParams, SamplerParams, Threads, Token};
+use ggml_sys::{
+    Batch, Context, ContextParams, EvalCallback, Model, ModelParams, NgramDraft, SamplerParams, Threads, Token,
+};
 
 /// Largest number of prompt tokens decoded in one batch.
 const MAX_BATCH: u32 = 512;
@@ -163,7 +165,13 @@ pub struct GenerateParams {
     pub n_predict: u32,
     /// Compute threads: how many, on which cores.
     pub threads: Threads,
+    /// N-gram drafting: the most tokens drafted per decode (`None`: off).
+    pub draft: Option<usize>,
 }
+
+/// The most tokens `--draft ngram` drafts per decode (llama.cpp's lookup decoding drafts fewer
+/// when its statistics are less sure).
+pub const NGRAM_DRAFT_MAX: usize = 8;
 
 /// The result of one generation.
 #[derive(Debug, Clone, PartialEq)]
@@ -180,8 +188,13 @@ pub struct Generation {
     pub prefill: Duration,
     /// Time spent decoding generated tokens.
     pub decode: Duration,
-    /// Number of single-token decodes.
+    /// Tokens the decodes after the prompt produced (every token but the first, which the
+    /// prompt's decode gives).
     pub decoded: u32,
+    /// Tokens drafted from the context's n-grams.
+    pub drafted: u32,
+    /// Drafted tokens the model agreed with.
+    pub accepted: u32,
 }
 
 impl Generation {
@@ -217,6 +230,8 @@ pub struct Session<'m> {
     model: &'m Model,
     ctx: Context<'m>,
     batch: Batch,
+    /// N-gram drafting: the most tokens drafted per decode (`None`: off).
+    draft: Option<usize>,
 }
 
 impl<'m> Session<'m> {
@@ -229,7 +244,7 @@ impl<'m> Session<'m> {
     ) -> Result<Session<'m>, GenerateError> {
         let params = context_params(n_ctx, threads);
         let ctx = Context::new(model, &params, callback)?;
-        Ok(Session { model, ctx, batch: Batch::new(params.n_batch as usize) })
+        Ok(Session { model, ctx, batch: Batch::new(params.n_batch as usize), draft: None })
     }
 
     /// Tokenizes `prompt` and checks it fits with `n_predict` more tokens.
@@ -289,6 +304,13 @@ impl<'m> Session<'m> {
         self.model
     }
 
+    /// Drafts up to `max` tokens per decode from the context's n-grams (llama.cpp's lookup
+    /// decoding) and verifies them in the same batch; `None` turns it off. Greedy output is the
+    /// same text either way.
+    pub fn set_draft(&mut self, max: Option<usize>) {
+        self.draft = max.filter(|&m| m > 0);
+    }
+
     /// Makes every later decode of this session stop as soon as `flag` is set (between graph
     /// nodes): the generation then ends with [`GenerateError::Cancelled`].
     pub fn set_abort_flag(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
@@ -323,7 +345,16 @@ impl<'m> Session<'m> {
         }
         let prefill = t0.elapsed();
         let t1 = Instant::now();
+        let mut drafter = match self.draft {
+            Some(_) => {
+                let mut d = NgramDraft::new()?;
+                d.add(prompt)?;
+                Some(d)
+            }
+            None => None,
+        };
         let mut next = sampler.inner.sample(&self.ctx, -1)?;
+        let mut next_at = -1;
         let mut out = Generation {
             prompt_tokens: prompt.to_vec(),
             tokens: Vec::new(),
@@ -332,28 +363,78 @@ impl<'m> Session<'m> {
             prefill,
             decode: Duration::ZERO,
             decoded: 0,
+            drafted: 0,
+            accepted: 0,
         };
-        for i in 0..n_predict {
-            if self.model.is_eog(next) {
-                out.stopped_at_eog = true;
+        'generate: loop {
+            if self.take(next, next_at, sampler, &mut on_token, &mut out, n_predict)?.is_break() {
                 break;
             }
-            let piece = sampler.piece(self.model, next);
-            let flow = on_token(&Chosen { token: next, piece: &piece, logits: self.ctx.logits(-1)? });
-            out.tokens.push(next);
-            out.bytes.extend_from_slice(&piece);
-            if flow.is_break() || i + 1 == n_predict {
-                break;
-            }
+            let remaining = n_predict as usize - out.tokens.len();
+            let drafts = match (&mut drafter, self.draft) {
+                (Some(d), Some(max)) => {
+                    d.add(&[next])?;
+                    d.draft(max.min(remaining - 1).min(self.batch_capacity() - 1))?
+                }
+                _ => Vec::new(),
+            };
             self.batch.clear();
             self.batch.push(next, pos, true)?;
+            for (i, &t) in drafts.iter().enumerate() {
+                self.batch.push(t, pos + 1 + i as i32, true)?;
+            }
             self.timed_decode(false, observer)?;
+            out.drafted += drafts.len() as u32;
+            // The model's choice after `next`, then after each draft token it agreed with.
+            let mut at = 0;
+            next = sampler.inner.sample(&self.ctx, 0)?;
+            while at < drafts.len() && next == drafts[at] {
+                out.accepted += 1;
+                out.decoded += 1;
+                if self.take(next, at as i32, sampler, &mut on_token, &mut out, n_predict)?.is_break() {
+                    break 'generate;
+                }
+                if let Some(d) = &mut drafter {
+                    d.add(&[next])?;
+                }
+                at += 1;
+                next = sampler.inner.sample(&self.ctx, at as i32)?;
+            }
             out.decoded += 1;
-            pos += 1;
-            next = sampler.inner.sample(&self.ctx, -1)?;
+            next_at = at as i32;
+            if at < drafts.len() {
+                self.ctx.forget_from(pos + 1 + at as i32)?;
+            }
+            pos += 1 + at as i32;
         }
         out.decode = t1.elapsed();
         Ok(out)
+    }
+
+    /// Takes a chosen token (its logits at batch output `at`): ends the generation at an
+    /// end-of-generation token, else passes it to `on_token` and records it; `Break` when the
+    /// generation is over.
+    fn take(
+        &self,
+        token: Token,
+        at: i32,
+        sampler: &Sampler,
+        on_token: &mut impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
+        out: &mut Generation,
+        n_predict: u32,
+    ) -> Result<ControlFlow<()>, GenerateError> {
+        if self.model.is_eog(token) {
+            out.stopped_at_eog = true;
+            return Ok(ControlFlow::Break(()));
+        }
+        let piece = sampler.piece(self.model, token);
+        let flow = on_token(&Chosen { token, piece: &piece, logits: self.ctx.logits(at)? });
+        out.tokens.push(token);
+        out.bytes.extend_from_slice(&piece);
+        if flow.is_break() || out.tokens.len() == n_predict as usize {
+            return Ok(ControlFlow::Break(()));
+        }
+        Ok(ControlFlow::Continue(()))
     }
 
     fn batch_capacity(&self) -> usize {
@@ -370,6 +451,7 @@ pub fn generate(
 ) -> Result<Generation, GenerateError> {
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
     let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
+    session.set_draft(params.draft);
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }
 

@@ -150,7 +150,7 @@ pub fn mib(b: u64) -> f64 {
 /// Totals over the generated tokens (prompt batches excluded).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Summary {
-    /// Single-token decodes.
+    /// Tokens the decodes after the prompt generated (one per decode unless drafting).
     pub tokens: usize,
     /// Their wall time.
     pub wall: Duration,
@@ -169,7 +169,12 @@ pub struct Summary {
 }
 
 impl Summary {
-    /// Sums `rows`.
+    /// Sums the rows of `generation`'s decodes.
+    pub fn of_generation(rows: &[TokenRow], generation: &crate::generate::Generation) -> Summary {
+        Summary { tokens: generation.decoded as usize, ..Summary::of(rows) }
+    }
+
+    /// Sums `rows`, one generated token per decode after the prompt.
     pub fn of(rows: &[TokenRow]) -> Summary {
         let mut s = Summary::default();
         for r in rows {

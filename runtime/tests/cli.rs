@@ -185,6 +185,21 @@ fn run_streams_by_default_and_matches_resident() {
 }
 
 #[test]
+fn ngram_drafting_prints_the_same_text_and_its_acceptance() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let plain = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "24", "--cache-mb", "0"], dir.path());
+    assert!(plain.status.success(), "{}", stderr(&plain));
+    let drafted = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "24", "--cache-mb", "0", "--draft", "ngram"], dir.path());
+    assert!(drafted.status.success(), "{}", stderr(&drafted));
+    assert_eq!(plain.stdout, drafted.stdout, "drafting changes no token");
+    assert!(stderr(&drafted).contains("drafted tokens accepted"), "{}", stderr(&drafted));
+    assert!(stderr(&drafted).contains("streamed decode: 23 tokens"), "{}", stderr(&drafted));
+    let bad = sluice(&["run", "-m", &model, "--draft", "eagle"], dir.path());
+    assert_clean_error(&bad, "eagle");
+}
+
+#[test]
 fn a_cache_below_one_token_is_refused_with_the_minimum() {
     let dir = tempfile::tempdir().unwrap();
     let model = small_model(dir.path());

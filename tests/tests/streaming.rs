@@ -537,3 +537,42 @@ fn evicted_experts_leave_no_memory_the_cache_does_not_account() {
         }
     }
 }
+
+#[test]
+fn ngram_drafting_gives_the_greedy_tokens_resident_and_streamed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut drafted, mut accepted) = (0, 0);
+    for f in gate_fixtures() {
+        let (files, index) = setup(f, dir.path());
+        let reference = resident_reference(&files[0], N);
+        let model = sluice::generate::load_model(&files[0]).unwrap();
+        let params = sluice::generate::GenerateParams {
+            n_predict: N,
+            threads: ggml_sys::Threads::unpinned(2),
+            draft: Some(sluice::generate::NGRAM_DRAFT_MAX),
+        };
+        let g = sluice::generate::generate(&model, sluice_tests::PROMPT, &params, |_, _| {}).unwrap();
+        assert_eq!(g.tokens, reference, "{f:?}: resident with drafting differs from plain greedy");
+        (drafted, accepted) = (drafted + g.drafted, accepted + g.accepted);
+        drop(model);
+        for (what, cache) in [("cache off", 0), ("cache holds everything", UNBOUNDED)] {
+            let config = stream_config(cache, 2, true, DensePolicy::Anon);
+            let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+            let prompt = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap();
+            let mut session = StreamedSession::open(
+                &model,
+                Arc::clone(&index),
+                &config,
+                prompt.len() as u32 + N,
+                &ggml_sys::Threads::unpinned(2),
+            )
+            .unwrap();
+            session.set_draft(Some(sluice::generate::NGRAM_DRAFT_MAX));
+            let (g, _) = session.generate(&prompt, N, |_, _| {}, |_| {}).unwrap();
+            assert_eq!(g.tokens, reference, "{f:?}, {what}: streamed with drafting differs from plain greedy");
+            (drafted, accepted) = (drafted + g.drafted, accepted + g.accepted);
+        }
+    }
+    assert!(drafted > 0 && accepted > 0, "the fixtures' repetitive text is drafted and accepted ({accepted} of {drafted})");
+    eprintln!("drafted {drafted}, accepted {accepted}");
+}

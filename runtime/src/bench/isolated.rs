@@ -18,7 +18,7 @@ use sluice_hal::storage::{measure_direct_read, StorageProbe};
 use super::{drop_cached, run_resident, run_streamed, BenchError, BenchRow};
 use crate::board::ResolvedBoard;
 use crate::budget::{self, PlanRequest};
-use crate::generate::{GenerateError, GenerateParams};
+use crate::generate::{GenerateError, GenerateParams, NGRAM_DRAFT_MAX};
 use crate::stream::{DensePolicy, ExpertIndex, StreamConfig};
 use crate::telemetry::Usage;
 
@@ -35,6 +35,10 @@ pub enum ChildKind {
     StreamedAuto,
     /// Overlapped streaming with the expert cache the budget leaves.
     StreamedAutoOverlap,
+    /// llama.cpp's own mmap load, drafting n-grams.
+    ResidentDraft,
+    /// Serial streaming with the automatic cache, drafting n-grams.
+    StreamedAutoDraft,
     /// The storage ceiling: O_DIRECT reads of the model file.
     Ceiling,
 }
@@ -42,12 +46,14 @@ pub enum ChildKind {
 /// The order the parent runs them in. The ceiling comes last: storage behind a cache of its own
 /// (a VM's host, a drive's DRAM) is then as warm for it as for the decodes before it, so the
 /// streamer's share of it is not flattered.
-pub const KINDS: [ChildKind; 6] = [
+pub const KINDS: [ChildKind; 8] = [
     ChildKind::Resident,
     ChildKind::StreamedNoCache,
     ChildKind::StreamedNoCacheOverlap,
     ChildKind::StreamedAuto,
     ChildKind::StreamedAutoOverlap,
+    ChildKind::ResidentDraft,
+    ChildKind::StreamedAutoDraft,
     ChildKind::Ceiling,
 ];
 
@@ -91,7 +97,7 @@ pub fn run_child(
 ) -> Result<ChildOutput, BenchError> {
     let index =
         Arc::new(ExpertIndex::open(model).map_err(|e| GenerateError::from(crate::stream::StreamError::from(e)))?);
-    let params = GenerateParams { n_predict, threads: board.threads() };
+    let params = GenerateParams { n_predict, threads: board.threads(), draft: None };
     let config = StreamConfig {
         cache_bytes: 0,
         force_cache: false,
@@ -104,11 +110,21 @@ pub fn run_child(
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
         ChildKind::Resident => run_resident(model, &index.shards, prompt, &params)?,
+        ChildKind::ResidentDraft => {
+            let params = GenerateParams { draft: Some(NGRAM_DRAFT_MAX), ..params };
+            run_resident(model, &index.shards, prompt, &params)?
+        }
         ChildKind::StreamedNoCache
         | ChildKind::StreamedNoCacheOverlap
         | ChildKind::StreamedAuto
-        | ChildKind::StreamedAutoOverlap => {
-            let auto = matches!(kind, ChildKind::StreamedAuto | ChildKind::StreamedAutoOverlap);
+        | ChildKind::StreamedAutoOverlap
+        | ChildKind::StreamedAutoDraft => {
+            let auto = matches!(
+                kind,
+                ChildKind::StreamedAuto | ChildKind::StreamedAutoOverlap | ChildKind::StreamedAutoDraft
+            );
+            let draft = kind == ChildKind::StreamedAutoDraft;
+            let params = GenerateParams { draft: draft.then_some(NGRAM_DRAFT_MAX), ..params.clone() };
             let overlap = matches!(kind, ChildKind::StreamedNoCacheOverlap | ChildKind::StreamedAutoOverlap);
             let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
             let ledger = budget::plan_within_budget(&PlanRequest {
@@ -125,9 +141,10 @@ pub fn run_child(
                 ..config
             };
             let label = format!(
-                "streamed, {}, {}",
+                "streamed, {}, {}{}",
                 if auto { "auto cache" } else { "no cache" },
-                if overlap { "overlap" } else { "serial" }
+                if overlap { "overlap" } else { "serial" },
+                if draft { ", ngram draft" } else { "" }
             );
             run_streamed(model, &index, &config, label, prompt, &params)?
         }

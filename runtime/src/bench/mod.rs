@@ -79,8 +79,15 @@ pub struct BenchRow {
     pub open_read: u64,
     /// Time to first token: open plus prompt, seconds.
     pub ttft_s: f64,
+    /// Drafting: the share of drafted tokens the model agreed with.
+    pub draft_accept: Option<f64>,
     /// The generated tokens (to check every configuration agrees).
     pub tokens: Vec<ggml_sys::Token>,
+}
+
+/// The share of `g`'s drafted tokens that were accepted, when it drafted.
+fn draft_accept(params: &GenerateParams, g: &generate::Generation) -> Option<f64> {
+    params.draft.map(|_| if g.drafted == 0 { 0.0 } else { f64::from(g.accepted) / f64::from(g.drafted) })
 }
 
 /// What to run.
@@ -98,6 +105,8 @@ pub struct BenchPlan {
     pub cache_percents: Vec<u32>,
     /// The streaming configuration (its cache size is replaced per row).
     pub stream: StreamConfig,
+    /// N-gram drafting for every row: the most tokens drafted per decode.
+    pub draft: Option<usize>,
 }
 
 pub(crate) fn drop_cached(files: &[PathBuf]) {
@@ -122,6 +131,7 @@ pub(crate) fn run_resident(
     let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let mut session = Session::new(&model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
+    session.set_draft(params.draft);
     let mut peak_rss = 0u64;
     let mut faults = 0u64;
     let mut read = 0u64;
@@ -141,7 +151,7 @@ pub(crate) fn run_resident(
     };
     let g = session.generate(&tokens, params.n_predict, |_, _| {}, &mut observer)?;
     Ok(BenchRow {
-        label: "resident-mmap".into(),
+        label: if params.draft.is_some() { "resident-mmap, ngram draft".into() } else { "resident-mmap".into() },
         cache_bytes: None,
         tokens_per_s: g.decode_tokens_per_s(),
         mib_per_token: if g.decoded == 0 { 0.0 } else { mib(read) / f64::from(g.decoded) },
@@ -155,6 +165,7 @@ pub(crate) fn run_resident(
         open_s,
         open_read,
         ttft_s: open_s + g.prefill.as_secs_f64(),
+        draft_accept: draft_accept(params, &g),
         tokens: g.tokens,
     })
 }
@@ -176,8 +187,9 @@ pub(crate) fn run_streamed(
     let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, &params.threads)?;
     let (open_wall, open_read) = meter.finish();
     let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
+    session.set_draft(params.draft);
     let (g, rows) = session.generate(&tokens, params.n_predict, |_, _| {}, |_| {})?;
-    let s = Summary::of(&rows);
+    let s = Summary::of_generation(&rows, &g);
     Ok(BenchRow {
         label,
         cache_bytes: Some(config.cache_bytes),
@@ -193,6 +205,7 @@ pub(crate) fn run_streamed(
         open_s,
         open_read,
         ttft_s: open_s + g.prefill.as_secs_f64(),
+        draft_accept: draft_accept(params, &g),
         tokens: g.tokens,
     })
 }
@@ -200,13 +213,14 @@ pub(crate) fn run_streamed(
 /// Runs every configuration of `plan`, the resident reference first.
 pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
     let index = Arc::new(ExpertIndex::open(&plan.model).map_err(crate::stream::StreamError::from)?);
-    let params = GenerateParams { n_predict: plan.n_predict, threads: plan.threads.clone() };
+    let params = GenerateParams { n_predict: plan.n_predict, threads: plan.threads.clone(), draft: plan.draft };
     let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params)?];
     let all = index.all_expert_window_bytes();
     for &pct in &plan.cache_percents {
         let cache_bytes = all * u64::from(pct) / 100;
         let config = StreamConfig { cache_bytes, force_cache: true, ..plan.stream.clone() };
-        rows.push(run_streamed(&plan.model, &index, &config, format!("streamed cache {pct}%"), &plan.prompt, &params)?);
+        let label = format!("streamed cache {pct}%{}", if plan.draft.is_some() { ", ngram draft" } else { "" });
+        rows.push(run_streamed(&plan.model, &index, &config, label, &plan.prompt, &params)?);
     }
     Ok(rows)
 }
@@ -255,6 +269,9 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
     if rows.iter().any(|r| r.stall_ms.is_some()) {
         cols.push(column("stall ms/tok", rows, |r| opt(r.stall_ms, |v| format!("{v:.1}"))));
     }
+    if rows.iter().any(|r| r.draft_accept.is_some()) {
+        cols.push(column("draft acc %", rows, |r| opt(r.draft_accept, |v| format!("{:.0}", 100.0 * v))));
+    }
     cols.push(column("read MiB/s", rows, |r| opt(r.read_mib_s, |v| format!("{v:.1}"))));
     if let Some(c) = ceiling {
         cols.push(column("% ceiling", rows, |r| opt(r.read_mib_s, |v| format!("{:.0}", 100.0 * v / c))));
@@ -288,7 +305,7 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
 /// The results as CSV (one header line, one record per configuration, quoted where a field needs
 /// it; sizes in MiB).
 pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
-    const HEADER: [&str; 18] = [
+    const HEADER: [&str; 19] = [
         "config",
         "cache_mib",
         "tok_s",
@@ -306,6 +323,7 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
         "share_of_io_bound",
         "open_s",
         "ttft_s",
+        "draft_accept",
         "same_text",
     ];
     let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
@@ -330,6 +348,7 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
             num(ceiling.and_then(|c| io_bound(r, c)).map(|b| r.tokens_per_s / b)),
             format!("{:.3}", r.open_s),
             format!("{:.3}", r.ttft_s),
+            num(r.draft_accept),
             (r.tokens == rows[0].tokens).to_string(),
         ]
     }));
@@ -360,6 +379,7 @@ mod tests {
             open_s: 0.5,
             open_read: 0,
             ttft_s: 0.7,
+            draft_accept: Some(0.25),
             tokens: vec![1, 2, 3],
         }
     }
@@ -370,7 +390,7 @@ mod tests {
         let text = csv(&rows, Some(1000.0));
         let mut reader = ::csv::Reader::from_reader(text.as_bytes());
         let width = reader.headers().unwrap().len();
-        assert_eq!(width, 18);
+        assert_eq!(width, 19);
         let records: Vec<::csv::StringRecord> = reader.records().map(Result::unwrap).collect();
         assert_eq!(records.len(), 2);
         assert!(records.iter().all(|r| r.len() == width), "{text}");
@@ -379,5 +399,6 @@ mod tests {
         assert_eq!(&records[1][12], "0.8000", "share of the ceiling");
         assert_eq!(&records[1][13], "400.0000", "I/O bound: 1000 MiB/s over 2.5 MiB per token");
         assert_eq!(&records[1][14], "0.0125", "5 tok/s of the bound");
+        assert_eq!(&records[1][17], "0.2500", "draft acceptance");
     }
 }

@@ -147,6 +147,18 @@ pub enum ServiceName {
     Cuda,
 }
 
+/// `compute.draft`: how decodes draft tokens to verify in one batch.
+#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Draft {
+    /// One token per decode.
+    #[default]
+    Off,
+    /// Tokens that followed the same n-gram earlier in the context (llama.cpp's lookup
+    /// decoding), verified in one batch; greedy output is unchanged.
+    Ngram,
+}
+
 /// `[compute]`.
 #[derive(Debug, Clone, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
@@ -161,6 +173,8 @@ pub struct ComputeSection {
     /// board has no CUDA.
     #[serde(default)]
     pub cpu_fallback: bool,
+    /// Draft tokens per decode (`"off"`, `"ngram"`); absent: off.
+    pub draft: Option<Draft>,
 }
 
 /// `[build]`.

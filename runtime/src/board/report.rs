@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use sluice_hal::cpulist;
 use sluice_hal::probe::HardwareProbe;
 
-use super::profile::BoardProfile;
+use super::profile::{BoardProfile, Draft};
 use super::resolve::{ComputeService, ResolvedBoard};
 use super::BUILTIN;
 
@@ -123,6 +123,11 @@ pub fn describe_resolved(r: &ResolvedBoard) -> String {
     let _ = writeln!(o, "  lanes: {} ({})", r.lanes.value, r.lanes.source);
     let _ = writeln!(o, "  direct I/O: {}", if r.direct_io { "on" } else { "off" });
     let _ = writeln!(o, "  overlap: {} ({})", if r.overlap.value { "on" } else { "off" }, r.overlap.source);
+    let draft = match r.draft.value {
+        Draft::Off => "off",
+        Draft::Ngram => "ngram",
+    };
+    let _ = writeln!(o, "  draft: {draft} ({})", r.draft.source);
     let _ = writeln!(o, "  budget: {} ({})", mib(r.budget.value), r.budget.source);
     let _ = writeln!(
         o,

@@ -7,7 +7,7 @@ use sluice_hal::storage::Medium;
 
 use ggml_sys::SchedPriority;
 
-use super::profile::ServiceName;
+use super::profile::{Draft, ServiceName};
 use super::select::SelectedBoard;
 use super::BoardError;
 
@@ -24,6 +24,8 @@ pub struct Overrides {
     pub no_direct_io: bool,
     /// `--overlap` (`Some(true)`) or `--no-overlap` (`Some(false)`).
     pub overlap: Option<bool>,
+    /// `--draft`.
+    pub draft: Option<Draft>,
 }
 
 /// The compute service a run uses.
@@ -76,6 +78,8 @@ pub struct ResolvedBoard {
     pub direct_io: bool,
     /// Overlap expert reads with expert compute.
     pub overlap: Sourced<bool>,
+    /// Draft tokens per decode.
+    pub draft: Sourced<Draft>,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
     /// The compute service.
@@ -273,6 +277,11 @@ pub fn resolve(
         (compute_cores, threads)
     };
 
+    let draft = match (overrides.draft, p.compute.draft) {
+        (Some(d), _) => sourced(d, "--draft"),
+        (None, Some(d)) => sourced(d, "profile compute.draft"),
+        (None, None) => sourced(Draft::Off, "default: off, measured slower streamed (docs/benchmarks.md)"),
+    };
     let compute = match (p.compute.service, gpu) {
         (ServiceName::Cpu, _) => ComputeService::Cpu,
         (ServiceName::Cuda, true) => ComputeService::Cuda { n_gpu_layers: p.compute.n_gpu_layers },
@@ -307,6 +316,7 @@ pub fn resolve(
         lanes,
         direct_io: p.storage.direct_io && !overrides.no_direct_io,
         overlap,
+        draft,
         budget,
         compute,
         notes,
@@ -315,6 +325,11 @@ pub fn resolve(
 }
 
 impl ResolvedBoard {
+    /// The most tokens a decode drafts (`None`: drafting is off).
+    pub fn draft_max(&self) -> Option<usize> {
+        (self.draft.value == Draft::Ngram).then_some(crate::generate::NGRAM_DRAFT_MAX)
+    }
+
     /// The compute threads as ggml's thread pool should run them.
     pub fn threads(&self) -> ggml_sys::Threads {
         ggml_sys::Threads {

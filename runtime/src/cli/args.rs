@@ -32,6 +32,10 @@ pub struct TuningArgs {
     /// Stream serially: read a layer's experts, then compute it.
     #[arg(long)]
     pub no_overlap: bool,
+    /// Draft tokens to verify in one batch: off, or ngram (tokens that followed the same words
+    /// earlier in the text; greedy output is unchanged). Default: the profile's, else off.
+    #[arg(long, value_enum)]
+    pub draft: Option<sluice::board::Draft>,
 }
 
 impl TuningArgs {
@@ -49,6 +53,7 @@ impl TuningArgs {
             } else {
                 None
             },
+            draft: self.draft,
         }
     }
 }

@@ -104,6 +104,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         threads: board.threads(),
         cache_percents: a.cache_percents.clone(),
         stream: args::stream_config(&board, 0, true, DensePolicy::Anon),
+        draft: board.draft_max(),
     };
     eprintln!(
         "bench: {} ({:.1} MiB), {} tokens per configuration, {} threads on CPUs {}, {} lanes, reads of {} KiB (board {})",

@@ -62,6 +62,9 @@ fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GeneratePa
         generation.decode_tokens_per_s(),
         if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
     );
+    if params.draft.is_some() {
+        eprintln!("draft: {} of {} drafted tokens accepted", generation.accepted, generation.drafted);
+    }
     Ok(generation)
 }
 
@@ -76,7 +79,7 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     };
     generate::check_model_file(model_path)?;
     let board = args::board(choice, Some(model_path), &a.tuning)?;
-    let params = GenerateParams { n_predict: a.n_predict, threads: board.threads() };
+    let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };
     if a.stream.resident {
         let gpu_layers = match board.compute {
             ComputeService::Cpu => 0,
@@ -125,6 +128,7 @@ fn run_streamed(
     log::info!("{}", ledger.describe());
     config.cache_bytes = ledger.cache_bytes();
     let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &params.threads)?;
+    session.set_draft(params.draft);
     let (open_wall, open_read) = meter.finish();
     log::info!(
         "streaming {} experts/layer over {} layers; cache {} MiB",
@@ -149,7 +153,7 @@ fn run_streamed(
     if progress {
         eprintln!();
     }
-    let summary = Summary::of(&rows);
+    let summary = Summary::of_generation(&rows, &generation);
     let streamer = session.streamer();
     let direct = (0..index.shards.len()).all(|s| streamer.lanes().is_direct(s));
     let (cache_used, counters) = (streamer.cache_used(), streamer.cache_counters());
@@ -229,7 +233,7 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         "The weights are random: the text below is noise, not language. It shows the model loading and generating."
     );
     eprintln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
-    let params = GenerateParams { n_predict: a.n_predict, threads: board.threads() };
+    let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };
     let args = StreamArgs {
         resident: false,
         cache_mb: Some(0),

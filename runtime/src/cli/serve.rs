@@ -112,6 +112,7 @@ pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
         ctx: a.ctx,
         state_dir: state_dir.clone(),
         save_every: Duration::from_secs(a.save_secs),
+        draft: board.draft_max(),
     };
     let keys = KeySources {
         key: a.api_key.clone(),

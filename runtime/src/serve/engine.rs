@@ -49,6 +49,8 @@ pub struct EngineConfig {
     pub state_dir: Option<PathBuf>,
     /// How often the heat map is saved while serving.
     pub save_every: Duration,
+    /// N-gram drafting: the most tokens drafted per decode (`None`: off).
+    pub draft: Option<usize>,
 }
 
 /// Why a generation ended.
@@ -149,7 +151,8 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     shared.metrics.set_ledger(&ledger);
     config.cache_bytes = ledger.cache_bytes();
     shared.loading_step("reading dense weights and warming up");
-    let session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &cfg.threads)?;
+    let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &cfg.threads)?;
+    session.set_draft(cfg.draft);
     let identity = ModelIdentity::of(&index);
     let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
     let tokenizer = Tokenizer::start(Arc::clone(&model))?;

@@ -302,6 +302,11 @@ impl<'m> StreamedSession<'m> {
         Ok((generation, rows))
     }
 
+    /// Drafts up to `max` tokens per decode from the context's n-grams ([`Session::set_draft`]).
+    pub fn set_draft(&mut self, max: Option<usize>) {
+        self.session.set_draft(max);
+    }
+
     /// Makes every later decode stop as soon as `flag` is set: the generation then ends with
     /// [`GenerateError::Cancelled`] and the session stays usable.
     /// A read the decode waits for is given up as soon as the flag is set, too.

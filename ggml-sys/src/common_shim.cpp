@@ -1,7 +1,8 @@
-// The chat layer of llama.cpp's common/ (what llama-server runs), behind a narrow C interface:
-// the model's Jinja templates applied to OpenAI messages, tools and options; generated text
-// parsed back into content, reasoning and tool calls; and common's sampler (grammar, lazy
-// grammar triggers, penalties, top-k/top-p/min-p, temperature, seed).
+// The parts of llama.cpp's common/ that sluice uses (what llama-server and llama.cpp's lookup
+// decoding run), behind a narrow C interface: the model's Jinja chat templates applied to OpenAI
+// messages, tools and options; generated text parsed back into content, reasoning and tool
+// calls; common's sampler (grammar, lazy grammar triggers, penalties, top-k/top-p/min-p,
+// temperature, seed); and the n-gram cache that drafts tokens from the context.
 //
 // Requests and results cross as JSON text, so the interface stays a handful of functions. Every
 // entry point catches what common throws (bad templates, bad schemas, bad grammars) and records
@@ -11,8 +12,10 @@
 #include "chat.h"
 #include "common.h"
 #include "llama.h"
+#include "ngram-cache.h"
 #include "sampling.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -316,6 +319,52 @@ llama_token sluice_sampler_sample(struct sluice_sampler * s, struct llama_contex
         return token;
     }
     SLUICE_CHAT_CATCH(LLAMA_TOKEN_NULL)
+}
+
+// The context of one generation (prompt and accepted tokens) and its n-gram statistics, as
+// llama.cpp's lookup decoding keeps them.
+struct sluice_ngram_draft {
+    std::vector<llama_token> inp;
+    common_ngram_cache context;
+    common_ngram_cache dynamic;
+    common_ngram_cache statik;
+};
+
+struct sluice_ngram_draft * sluice_ngram_draft_new(void) {
+    try {
+        return new sluice_ngram_draft();
+    }
+    SLUICE_CHAT_CATCH(nullptr)
+}
+
+void sluice_ngram_draft_free(struct sluice_ngram_draft * d) {
+    delete d;
+}
+
+// Appends `n` tokens to the context and counts the n-grams they end.
+void sluice_ngram_draft_add(struct sluice_ngram_draft * d, const llama_token * tokens, size_t n) {
+    try {
+        d->inp.insert(d->inp.end(), tokens, tokens + n);
+        common_ngram_cache_update(d->context, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, d->inp, (int) n, false);
+    }
+    SLUICE_CHAT_CATCH()
+}
+
+// Drafts up to `max` tokens to follow the context (fewer, or none, when the statistics are not
+// confident); returns how many were written to `out`.
+size_t sluice_ngram_draft_make(struct sluice_ngram_draft * d, llama_token * out, size_t max) {
+    try {
+        if (d->inp.empty() || max == 0) {
+            return 0;
+        }
+        std::vector<llama_token> draft = { d->inp.back() };
+        common_ngram_cache_draft(d->inp, draft, (int) max, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, d->context, d->dynamic,
+                                 d->statik);
+        const size_t n = std::min(max, draft.size() - 1);
+        std::copy(draft.begin() + 1, draft.begin() + 1 + n, out);
+        return n;
+    }
+    SLUICE_CHAT_CATCH(0)
 }
 
 }  // extern "C"
