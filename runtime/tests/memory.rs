@@ -112,6 +112,8 @@ fn bench_under_a_budget_writes_its_table_csv_and_chart() {
         "resident-mmap",
         "streamed, no cache",
         "streamed, auto cache",
+        "ngram draft",
+        "draft acc %",
         "cgroup peak MiB",
         "% ceiling",
         "storage ceiling",
@@ -119,8 +121,8 @@ fn bench_under_a_budget_writes_its_table_csv_and_chart() {
         assert!(table.contains(needle), "{needle:?} missing:\n{table}");
     }
     let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
-    assert_eq!(csv.lines().count(), 6, "{csv}");
+    assert_eq!(csv.lines().count(), 8, "{csv}");
     assert!(csv.lines().skip(1).all(|l| l.ends_with(",true")), "every configuration generates the same tokens:\n{csv}");
     let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
-    assert!(svg.starts_with("<svg") && svg.matches("<rect x=").count() == 5, "{svg}");
+    assert!(svg.starts_with("<svg") && svg.matches("<rect x=").count() == 7, "{svg}");
 }

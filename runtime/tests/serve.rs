@@ -97,9 +97,9 @@ fn serve_answers_openai_requests_notifies_systemd_and_stops_cleanly() {
         ("/v1/completions", r#"{"prompt":5}"#, 400, Some("prompt"), "a string or an array of one string"),
         (
             "/v1/completions",
-            r#"{"prompt":"hi","logit_bias":{}}"#,
+            r#"{"prompt":"hi","logit_biases":{}}"#,
             400,
-            Some("logit_bias"),
+            Some("logit_biases"),
             "Unrecognized request argument",
         ),
         (
@@ -115,8 +115,8 @@ fn serve_answers_openai_requests_notifies_systemd_and_stops_cleanly() {
             "/v1/chat/completions",
             r#"{"messages":[{"role":"user"}]}"#,
             400,
-            Some("messages[0]"),
-            "missing field `content`",
+            Some("messages[0].content"),
+            "a user message needs content",
         ),
         (
             "/v1/chat/completions",

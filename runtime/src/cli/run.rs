@@ -172,6 +172,9 @@ fn run_streamed(
         generation.tokens.len(),
         if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
     );
+    if params.draft.is_some() {
+        eprintln!("draft: {} of {} drafted tokens accepted", generation.accepted, generation.drafted);
+    }
     eprintln!("{}", summary.describe());
     let usage = telemetry::Usage::sample();
     eprintln!(

@@ -13,6 +13,8 @@ use super::api::ApiError;
 
 /// Roles a message may have.
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
+/// The fields a message may have (OpenAI's, and llama-server's `reasoning_content`).
+const MESSAGE_FIELDS: [&str; 7] = ["role", "content", "name", "tool_calls", "tool_call_id", "refusal", "reasoning_content"];
 /// `reasoning_effort` values passed to templates that read them (gpt-oss).
 const EFFORTS: [&str; 4] = ["minimal", "low", "medium", "high"];
 
@@ -123,6 +125,10 @@ fn check_message(i: usize, m: &Value) -> Result<(), ApiError> {
     let Some(obj) = m.as_object() else {
         return Err(ApiError::invalid(format!("{}: a message must be an object", at("")), Some(&at(""))));
     };
+    if let Some(field) = obj.keys().find(|k| !MESSAGE_FIELDS.contains(&k.as_str())) {
+        let param = at(&format!(".{field}"));
+        return Err(ApiError::invalid(format!("Unrecognized request argument supplied: {param}"), Some(&param)));
+    }
     let role = obj.get("role").and_then(Value::as_str).unwrap_or_default();
     if !ROLES.contains(&role) {
         let param = at(".role");
@@ -398,6 +404,8 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
         let e = refused(fields(json!([{"role": "user", "content": null}])));
         assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+        let e = refused(fields(json!([{"role": "user", "content": "x", "extra": 1}])));
+        assert_eq!(e.param.as_deref(), Some("messages[0].extra"));
         let e = refused(fields(
             json!([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]),
         ));

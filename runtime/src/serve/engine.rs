@@ -3,31 +3,32 @@
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Result;
-use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, Model, ParsedMessage, Token};
+use ggml_sys::ParsedMessage;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::{ApiError, GenerationRequest, PromptBound, PromptInput};
-use super::chat::{MessageDelta, MessageStream};
+use super::api::{ApiError, GenerationRequest, PromptBound};
+use super::answer::Answer;
+use super::chat::MessageDelta;
 use super::logprobs::TokenLogprob;
 use super::heat::{self, ModelIdentity};
 use super::metrics::GenerationCounts;
-use super::text::ResponseText;
+use super::prompt::{TokenizeError, Tokenizer};
 use super::Shared;
 use crate::board::resolve::Sourced;
 use crate::budget::{self, PlanRequest};
-use crate::generate::{Chosen, GenerateError, Sampler};
+use crate::generate::GenerateError;
 use crate::stream::{self, ExpertIndex, StreamConfig, StreamedSession};
 
 /// Context length when `--ctx` is not given (or the model's, if shorter).
 pub const DEFAULT_CTX: u32 = 4096;
 /// How long the engine waits for a request before it reports that it is alive.
-const IDLE_BEAT: Duration = Duration::from_millis(250);
+pub(super) const IDLE_BEAT: Duration = Duration::from_millis(250);
 
 /// What the engine serves, and how.
 #[derive(Debug, Clone)]
@@ -182,134 +183,6 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     Ok(())
 }
 
-/// A prompt ready to generate from.
-struct Prepared {
-    /// Its tokens.
-    tokens: Vec<Token>,
-    /// For a chat: how the template wants the answer generated and parsed.
-    chat: Option<ChatSetup>,
-}
-
-/// What a chat template asks of its answer's generation.
-struct ChatSetup {
-    prompt: ChatPrompt,
-    parser: ChatParser,
-    grammar_kind: GrammarKind,
-    /// The special tokens whose text the parser needs (the template's preserved tokens).
-    shown: Vec<Token>,
-}
-
-/// A prompt to prepare, and where the result goes.
-type TokenizeJob = (PromptInput, Sender<Result<Prepared, ApiError>>);
-
-/// Renders chat prompts and tokenizes prompts on a thread of its own, so that the engine keeps
-/// beating and notices a cancelled request or a stop while a long prompt is tokenized
-/// (llama.cpp's tokenizer cannot be interrupted). A prompt abandoned that way finishes in the
-/// background.
-struct Tokenizer {
-    jobs: Sender<TokenizeJob>,
-}
-
-/// Why a prompt has no tokens.
-enum TokenizeError {
-    /// The prompt cannot be rendered or tokenized.
-    Invalid(ApiError),
-    /// The request was cancelled, or the server is stopping, while it was tokenized.
-    Interrupted,
-}
-
-/// The model's chat templates; ChatML (llama.cpp's default) when they cannot be parsed.
-fn chat_templates(model: &Model) -> Result<ChatTemplates> {
-    match ChatTemplates::of_model(model) {
-        Ok(t) => Ok(t),
-        Err(e) => {
-            log::warn!(
-                "the chat template in {} cannot be used ({e}); chats are formatted as ChatML",
-                model.path().display()
-            );
-            Ok(ChatTemplates::from_source(Some(model), "chatml", "", "")?)
-        }
-    }
-}
-
-/// Renders `inputs` with the model's template and tokenizes the prompt.
-fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -> Result<Prepared, ApiError> {
-    if inputs.tools.is_some() && !templates.supports_tool_calls() {
-        return Err(ApiError::invalid(
-            "tools: this model's chat template has no tool calls (its model was not taught a tool-call format); leave tools out",
-            Some("tools"),
-        ));
-    }
-    let (prompt, parser) = templates.apply(inputs).map_err(|e| {
-        let text = e.to_string();
-        let param = if inputs.json_schema.is_some() && text.contains("schema") { "response_format" } else { "messages" };
-        ApiError::invalid(format!("the model's chat template cannot take this request: {text}"), Some(param))
-    })?;
-    log::debug!("chat prompt rendered in llama.cpp's {} format", prompt.format);
-    let tokens = model
-        .tokenize_with(&prompt.prompt, true, true)
-        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("messages")))?;
-    let shown = prompt
-        .preserved_tokens
-        .iter()
-        .filter_map(|t| match model.tokenize_with(t, false, true).as_deref() {
-            Ok([one]) => Some(*one),
-            _ => None,
-        })
-        .collect();
-    let grammar_kind = if inputs.json_schema.is_some() && inputs.tools.is_none() {
-        GrammarKind::Output
-    } else {
-        GrammarKind::Tools
-    };
-    Ok(Prepared { tokens, chat: Some(ChatSetup { prompt, parser, grammar_kind, shown }) })
-}
-
-impl Tokenizer {
-    /// Starts the tokenizer thread for `model` (with its own chat templates).
-    fn start(model: Arc<Model>) -> Result<Tokenizer> {
-        let (jobs, rx) = channel::<TokenizeJob>();
-        let templates = chat_templates(&model)?;
-        std::thread::Builder::new().name("sluice-tokenize".into()).spawn(move || {
-            for (prompt, reply) in rx {
-                let t0 = Instant::now();
-                let prepared = match &prompt {
-                    PromptInput::Text(t) => model
-                        .tokenize(t, true)
-                        .map(|tokens| Prepared { tokens, chat: None })
-                        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt"))),
-                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, inputs),
-                };
-                if let Ok(p) = &prepared {
-                    log::debug!("prompt prepared: {} tokens in {:.3} s", p.tokens.len(), t0.elapsed().as_secs_f64());
-                }
-                let _ = reply.send(prepared);
-            }
-        })?;
-        Ok(Tokenizer { jobs })
-    }
-
-    /// The prompt, prepared. While it is computed the engine beats, and gives up when `cancel`
-    /// is set or the server cancels everything.
-    fn tokenize(&self, prompt: PromptInput, shared: &Shared, cancel: &AtomicBool) -> Result<Prepared, TokenizeError> {
-        let (reply, prepared) = channel();
-        let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
-        self.jobs.send((prompt, reply)).map_err(|_| gone())?;
-        loop {
-            match prepared.recv_timeout(IDLE_BEAT) {
-                Ok(t) => return t.map_err(TokenizeError::Invalid),
-                Err(RecvTimeoutError::Timeout) => {
-                    shared.beat();
-                    if cancel.load(Ordering::Relaxed) || shared.cancelling() {
-                        return Err(TokenizeError::Interrupted);
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => return Err(gone()),
-            }
-        }
-    }
-}
-
 /// The loaded model and its session.
 struct Engine<'m, 's> {
     tokenizer: Tokenizer,
@@ -414,7 +287,7 @@ impl Engine<'_, '_> {
             let _ = events.send(Event::Failed(e));
             return;
         }
-        let (mut sampler, mut output) = match Output::new(self.session.model(), &request, prompt.chat) {
+        let (mut sampler, mut answer) = match Answer::new(self.session.model(), &request, prompt.chat) {
             Ok(o) => o,
             Err(e) => {
                 let _ = events.send(Event::Failed(e));
@@ -431,14 +304,14 @@ impl Engine<'_, '_> {
             max_tokens as u32,
             &mut sampler,
             |chosen| {
-                let event = output.take(model, chosen, request.logprobs);
+                let event = answer.take(model, chosen, request.logprobs);
                 if let Some(e) = event {
                     if events.send(e).is_err() {
                         cancel.store(true, Ordering::Relaxed);
                         return ControlFlow::Break(());
                     }
                 }
-                if output.text.stopped() {
+                if answer.stopped() {
                     ControlFlow::Break(())
                 } else {
                     ControlFlow::Continue(())
@@ -454,7 +327,7 @@ impl Engine<'_, '_> {
         self.heat_dirty = true;
         match result {
             Ok((g, _)) => {
-                let (last, message) = output.finish();
+                let (last, message) = answer.finish();
                 if let Some(e) = last {
                     let _ = events.send(e);
                 }
@@ -468,7 +341,7 @@ impl Engine<'_, '_> {
                     self.shared.metrics.cancelled();
                     return;
                 }
-                let finish = if !(output.text.stopped() || g.stopped_at_eog) {
+                let finish = if !(answer.stopped() || g.stopped_at_eog) {
                     Finish::Length
                 } else if message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()) {
                     Finish::ToolCalls
@@ -493,99 +366,5 @@ impl Engine<'_, '_> {
                     events.send(Event::Failed(ApiError::new(500, "server_error", format!("generation failed: {e}"))));
             }
         }
-    }
-}
-
-/// A prefix for the ids of one answer's tool calls that no other answer of this server uses.
-fn tool_call_prefix() -> String {
-    static ANSWERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-    format!("call_{:x}{:04x}", t.as_secs(), ANSWERS.fetch_add(1, Ordering::Relaxed))
-}
-
-/// One generation's output: its text (stops, UTF-8), a chat's parsed message, and the log
-/// probabilities not sent yet.
-struct Output {
-    text: ResponseText,
-    message: Option<MessageStream>,
-    logprobs: Vec<TokenLogprob>,
-}
-
-impl Output {
-    /// The sampler and output of `request`, with a chat template's grammar, stops and parser.
-    /// A grammar llama.cpp cannot enforce is a 400.
-    fn new(model: &Model, request: &GenerationRequest, chat: Option<ChatSetup>) -> Result<(Sampler, Output), ApiError> {
-        let mut params = request.sampling.clone();
-        let mut stops = request.stop.clone();
-        let mut shown = Vec::new();
-        let mut message = None;
-        if let Some(c) = chat {
-            params.grammar = c.prompt.grammar;
-            params.grammar_kind = c.grammar_kind;
-            params.grammar_lazy = c.prompt.grammar_lazy;
-            params.grammar_triggers = c.prompt.grammar_triggers;
-            params.generation_prompt = c.prompt.generation_prompt;
-            params.thinking_start_tag = c.prompt.thinking_start_tag;
-            params.thinking_end_tags = c.prompt.thinking_end_tags;
-            stops.extend(c.prompt.additional_stops);
-            shown = c.shown;
-            message = Some(MessageStream::new(c.parser, &tool_call_prefix()));
-        }
-        let mut sampler = Sampler::new(model, &params).map_err(|e| {
-            let text = e.to_string();
-            match params.grammar_kind {
-                _ if text.contains("logit_bias") => ApiError::invalid(text, Some("logit_bias")),
-                GrammarKind::Output => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("response_format")),
-                _ => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("tools")),
-            }
-        })?;
-        sampler.show_special(shown);
-        Ok((sampler, Output { text: ResponseText::new(&stops), message, logprobs: Vec::new() }))
-    }
-
-    /// Takes a chosen token; returns the event to send, if there is news.
-    fn take(&mut self, model: &Model, chosen: &Chosen<'_>, logprobs: Option<usize>) -> Option<Event> {
-        if let Some(top) = logprobs {
-            self.logprobs.push(TokenLogprob::of(model, chosen.token, chosen.piece, chosen.logits, top));
-        }
-        let text = self.text.push(chosen.piece);
-        let piece = match &mut self.message {
-            None => Piece::Text(text),
-            Some(m) => match m.push(&text) {
-                Ok(d) => Piece::Delta(d),
-                Err(e) => {
-                    log::debug!("partial chat output not parsed yet: {e}");
-                    Piece::Delta(MessageDelta::default())
-                }
-            },
-        };
-        self.event(piece)
-    }
-
-    /// The last event (text held back until the end) and a chat's whole message.
-    fn finish(&mut self) -> (Option<Event>, Option<ParsedMessage>) {
-        let rest = self.text.finish();
-        let Some(m) = &mut self.message else {
-            return (self.event(Piece::Text(rest)), None);
-        };
-        let (delta, message) = match m.finish(&rest) {
-            Ok((delta, message)) => (delta, message),
-            Err(e) => {
-                log::warn!("the answer does not parse as the chat format says ({e}); it is returned as plain content");
-                (MessageDelta::default(), ParsedMessage { content: m.text().to_string(), ..ParsedMessage::default() })
-            }
-        };
-        (self.event(Piece::Delta(delta)), Some(message))
-    }
-
-    fn event(&mut self, piece: Piece) -> Option<Event> {
-        let empty = match &piece {
-            Piece::Text(t) => t.is_empty(),
-            Piece::Delta(d) => d.is_empty(),
-        };
-        if empty && self.logprobs.is_empty() {
-            return None;
-        }
-        Some(Event::Output { piece, logprobs: std::mem::take(&mut self.logprobs) })
     }
 }

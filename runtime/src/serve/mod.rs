@@ -13,6 +13,7 @@
 //! and the process exits 0.
 
 pub mod access;
+mod answer;
 pub mod api;
 pub mod chat;
 pub mod engine;
@@ -21,6 +22,7 @@ pub mod http;
 pub mod logprobs;
 pub mod metrics;
 pub mod notify;
+mod prompt;
 pub mod text;
 pub mod unit;
 

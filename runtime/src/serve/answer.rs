@@ -1,0 +1,114 @@
+//! One generation's answer as the client gets it: its sampler (with a chat template's grammar),
+//! its text (stop sequences, whole UTF-8 characters), a chat's message parsed as it grows, and the
+//! log probabilities not sent yet.
+
+use std::sync::atomic::Ordering;
+
+use ggml_sys::{GrammarKind, Model, ParsedMessage};
+
+use super::api::{ApiError, GenerationRequest};
+use super::chat::{MessageDelta, MessageStream};
+use super::engine::{Event, Piece};
+use super::logprobs::TokenLogprob;
+use super::prompt::ChatSetup;
+use super::text::ResponseText;
+use crate::generate::{Chosen, Sampler};
+
+/// A prefix for the ids of one answer's tool calls that no other answer of this server uses.
+fn tool_call_prefix() -> String {
+    static ANSWERS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!("call_{:x}{:04x}", t.as_secs(), ANSWERS.fetch_add(1, Ordering::Relaxed))
+}
+
+/// One generation's answer: its text (stops, UTF-8), a chat's parsed message, and the log
+/// probabilities not sent yet.
+pub(super) struct Answer {
+    text: ResponseText,
+    message: Option<MessageStream>,
+    logprobs: Vec<TokenLogprob>,
+}
+
+impl Answer {
+    /// The sampler and output of `request`, with a chat template's grammar, stops and parser.
+    /// A grammar llama.cpp cannot enforce is a 400.
+    pub(super) fn new(model: &Model, request: &GenerationRequest, chat: Option<ChatSetup>) -> Result<(Sampler, Answer), ApiError> {
+        let mut params = request.sampling.clone();
+        let mut stops = request.stop.clone();
+        let mut shown = Vec::new();
+        let mut message = None;
+        if let Some(c) = chat {
+            params.grammar = c.prompt.grammar;
+            params.grammar_kind = c.grammar_kind;
+            params.grammar_lazy = c.prompt.grammar_lazy;
+            params.grammar_triggers = c.prompt.grammar_triggers;
+            params.generation_prompt = c.prompt.generation_prompt;
+            params.thinking_start_tag = c.prompt.thinking_start_tag;
+            params.thinking_end_tags = c.prompt.thinking_end_tags;
+            stops.extend(c.prompt.additional_stops);
+            shown = c.shown;
+            message = Some(MessageStream::new(c.parser, &tool_call_prefix()));
+        }
+        let mut sampler = Sampler::new(model, &params).map_err(|e| {
+            let text = e.to_string();
+            match params.grammar_kind {
+                _ if text.contains("logit_bias") => ApiError::invalid(text, Some("logit_bias")),
+                GrammarKind::Output => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("response_format")),
+                _ => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("tools")),
+            }
+        })?;
+        sampler.show_special(shown);
+        Ok((sampler, Answer { text: ResponseText::new(&stops), message, logprobs: Vec::new() }))
+    }
+
+    /// Takes a chosen token; returns the event to send, if there is news.
+    pub(super) fn take(&mut self, model: &Model, chosen: &Chosen<'_>, logprobs: Option<usize>) -> Option<Event> {
+        if let Some(top) = logprobs {
+            self.logprobs.push(TokenLogprob::of(model, chosen.token, chosen.piece, chosen.logits, top));
+        }
+        let text = self.text.push(chosen.piece);
+        let piece = match &mut self.message {
+            None => Piece::Text(text),
+            Some(m) => match m.push(&text) {
+                Ok(d) => Piece::Delta(d),
+                Err(e) => {
+                    log::debug!("partial chat output not parsed yet: {e}");
+                    Piece::Delta(MessageDelta::default())
+                }
+            },
+        };
+        self.event(piece)
+    }
+
+    /// The last event (text held back until the end) and a chat's whole message.
+    pub(super) fn finish(&mut self) -> (Option<Event>, Option<ParsedMessage>) {
+        let rest = self.text.finish();
+        let Some(m) = &mut self.message else {
+            return (self.event(Piece::Text(rest)), None);
+        };
+        let (delta, message) = match m.finish(&rest) {
+            Ok((delta, message)) => (delta, message),
+            Err(e) => {
+                log::warn!("the answer does not parse as the chat format says ({e}); it is returned as plain content");
+                (MessageDelta::default(), ParsedMessage { content: m.text().to_string(), ..ParsedMessage::default() })
+            }
+        };
+        (self.event(Piece::Delta(delta)), Some(message))
+    }
+
+    /// Whether a stop sequence ended the text.
+    pub(super) fn stopped(&self) -> bool {
+        self.text.stopped()
+    }
+
+    fn event(&mut self, piece: Piece) -> Option<Event> {
+        let empty = match &piece {
+            Piece::Text(t) => t.is_empty(),
+            Piece::Delta(d) => d.is_empty(),
+        };
+        if empty && self.logprobs.is_empty() {
+            return None;
+        }
+        Some(Event::Output { piece, logprobs: std::mem::take(&mut self.logprobs) })
+    }
+}

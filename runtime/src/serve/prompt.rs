@@ -1,0 +1,147 @@
+//! Prompts made ready on a thread of their own: completion text tokenized, chat messages rendered
+//! by the model's Jinja template (with the grammar, stops and parser the template's family
+//! wants for the answer) and then tokenized.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, RecvTimeoutError, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::Result;
+use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, Model, Token};
+
+use super::api::{ApiError, PromptInput};
+use super::engine::IDLE_BEAT;
+use super::Shared;
+
+/// A prompt ready to generate from.
+pub(super) struct Prepared {
+    /// Its tokens.
+    pub(super) tokens: Vec<Token>,
+    /// For a chat: how the template wants the answer generated and parsed.
+    pub(super) chat: Option<ChatSetup>,
+}
+
+/// What a chat template asks of its answer's generation.
+pub(super) struct ChatSetup {
+    /// The rendered prompt, with its grammar, stops and thinking tags.
+    pub(super) prompt: ChatPrompt,
+    /// The parser of the answer.
+    pub(super) parser: ChatParser,
+    /// Where the grammar comes from.
+    pub(super) grammar_kind: GrammarKind,
+    /// The special tokens whose text the parser needs (the template's preserved tokens).
+    pub(super) shown: Vec<Token>,
+}
+
+/// A prompt to prepare, and where the result goes.
+type TokenizeJob = (PromptInput, Sender<Result<Prepared, ApiError>>);
+
+/// Renders chat prompts and tokenizes prompts on a thread of its own, so that the engine keeps
+/// beating and notices a cancelled request or a stop while a long prompt is tokenized
+/// (llama.cpp's tokenizer cannot be interrupted). A prompt abandoned that way finishes in the
+/// background.
+pub(super) struct Tokenizer {
+    jobs: Sender<TokenizeJob>,
+}
+
+/// Why a prompt has no tokens.
+pub(super) enum TokenizeError {
+    /// The prompt cannot be rendered or tokenized.
+    Invalid(ApiError),
+    /// The request was cancelled, or the server is stopping, while it was tokenized.
+    Interrupted,
+}
+
+/// The model's chat templates; ChatML (llama.cpp's default) when they cannot be parsed.
+fn chat_templates(model: &Model) -> Result<ChatTemplates> {
+    match ChatTemplates::of_model(model) {
+        Ok(t) => Ok(t),
+        Err(e) => {
+            log::warn!(
+                "the chat template in {} cannot be used ({e}); chats are formatted as ChatML",
+                model.path().display()
+            );
+            Ok(ChatTemplates::from_source(Some(model), "chatml", "", "")?)
+        }
+    }
+}
+
+/// Renders `inputs` with the model's template and tokenizes the prompt.
+fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -> Result<Prepared, ApiError> {
+    if inputs.tools.is_some() && !templates.supports_tool_calls() {
+        return Err(ApiError::invalid(
+            "tools: this model's chat template has no tool calls (its model was not taught a tool-call format); leave tools out",
+            Some("tools"),
+        ));
+    }
+    let (prompt, parser) = templates.apply(inputs).map_err(|e| {
+        let text = e.to_string();
+        let param = if inputs.json_schema.is_some() && text.contains("schema") { "response_format" } else { "messages" };
+        ApiError::invalid(format!("the model's chat template cannot take this request: {text}"), Some(param))
+    })?;
+    log::debug!("chat prompt rendered in llama.cpp's {} format", prompt.format);
+    let tokens = model
+        .tokenize_with(&prompt.prompt, true, true)
+        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("messages")))?;
+    let shown = prompt
+        .preserved_tokens
+        .iter()
+        .filter_map(|t| match model.tokenize_with(t, false, true).as_deref() {
+            Ok([one]) => Some(*one),
+            _ => None,
+        })
+        .collect();
+    let grammar_kind = if inputs.json_schema.is_some() && inputs.tools.is_none() {
+        GrammarKind::Output
+    } else {
+        GrammarKind::Tools
+    };
+    Ok(Prepared { tokens, chat: Some(ChatSetup { prompt, parser, grammar_kind, shown }) })
+}
+
+impl Tokenizer {
+    /// Starts the tokenizer thread for `model` (with its own chat templates).
+    pub(super) fn start(model: Arc<Model>) -> Result<Tokenizer> {
+        let (jobs, rx) = channel::<TokenizeJob>();
+        let templates = chat_templates(&model)?;
+        std::thread::Builder::new().name("sluice-tokenize".into()).spawn(move || {
+            for (prompt, reply) in rx {
+                let t0 = Instant::now();
+                let prepared = match &prompt {
+                    // Control tokens' text is parsed, as llama-server does: the client writes the whole prompt.
+                    PromptInput::Text(t) => model
+                        .tokenize_with(t, true, true)
+                        .map(|tokens| Prepared { tokens, chat: None })
+                        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt"))),
+                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, inputs),
+                };
+                if let Ok(p) = &prepared {
+                    log::debug!("prompt prepared: {} tokens in {:.3} s", p.tokens.len(), t0.elapsed().as_secs_f64());
+                }
+                let _ = reply.send(prepared);
+            }
+        })?;
+        Ok(Tokenizer { jobs })
+    }
+
+    /// The prompt, prepared. While it is computed the engine beats, and gives up when `cancel`
+    /// is set or the server cancels everything.
+    pub(super) fn tokenize(&self, prompt: PromptInput, shared: &Shared, cancel: &AtomicBool) -> Result<Prepared, TokenizeError> {
+        let (reply, prepared) = channel();
+        let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
+        self.jobs.send((prompt, reply)).map_err(|_| gone())?;
+        loop {
+            match prepared.recv_timeout(IDLE_BEAT) {
+                Ok(t) => return t.map_err(TokenizeError::Invalid),
+                Err(RecvTimeoutError::Timeout) => {
+                    shared.beat();
+                    if cancel.load(Ordering::Relaxed) || shared.cancelling() {
+                        return Err(TokenizeError::Interrupted);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(gone()),
+            }
+        }
+    }
+}
