@@ -27,10 +27,11 @@ mod types;
 pub use backend::{exit_now, init, system_info};
 pub use batch::Batch;
 pub use chat::{
-    ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarTrigger, ParsedMessage, ReasoningFormat, ToolCall, ToolChoice,
+    ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarTrigger, ParsedMessage, ReasoningFormat, ToolCall,
+    ToolChoice,
 };
-pub use draft::NgramDraft;
 pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes};
+pub use draft::NgramDraft;
 pub use error::Error;
 pub use gguf::{GgufFile, GgufTensor};
 pub use model::{Model, ModelParams, Token};

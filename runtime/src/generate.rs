@@ -454,4 +454,3 @@ pub fn generate(
     session.set_draft(params.draft);
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }
-

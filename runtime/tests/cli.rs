@@ -190,7 +190,8 @@ fn ngram_drafting_prints_the_same_text_and_its_acceptance() {
     let model = small_model(dir.path());
     let plain = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "24", "--cache-mb", "0"], dir.path());
     assert!(plain.status.success(), "{}", stderr(&plain));
-    let drafted = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "24", "--cache-mb", "0", "--draft", "ngram"], dir.path());
+    let drafted =
+        sluice(&["run", "-m", &model, "-p", "Hello", "-n", "24", "--cache-mb", "0", "--draft", "ngram"], dir.path());
     assert!(drafted.status.success(), "{}", stderr(&drafted));
     assert_eq!(plain.stdout, drafted.stdout, "drafting changes no token");
     assert!(stderr(&drafted).contains("drafted tokens accepted"), "{}", stderr(&drafted));

@@ -337,7 +337,8 @@ fn structured_output_always_parses_and_follows_the_schema() {
         let v = r.json();
         assert_eq!(v["choices"][0]["finish_reason"], "stop", "seed {seed}: the grammar ends the answer: {}", r.body);
         let text = v["choices"][0]["message"]["content"].as_str().unwrap();
-        let answer: Value = serde_json::from_str(text).unwrap_or_else(|e| panic!("seed {seed}: {text:?} is not JSON: {e}"));
+        let answer: Value =
+            serde_json::from_str(text).unwrap_or_else(|e| panic!("seed {seed}: {text:?} is not JSON: {e}"));
         let obj = answer.as_object().unwrap_or_else(|| panic!("seed {seed}: {text:?} is not an object"));
         let mut keys: Vec<&str> = obj.keys().map(String::as_str).collect();
         keys.sort_unstable();
@@ -417,7 +418,8 @@ fn tool_calls_are_parsed_streamed_and_taken_back() {
     // Streamed: deltas that add up to the same first call.
     let r = server.request("POST", "/v1/chat/completions", Some(&ask(true)));
     let data = sse_data(&r.body);
-    let (mut streamed_name, mut streamed_args, mut deltas, mut finish) = (String::new(), String::new(), 0, String::new());
+    let (mut streamed_name, mut streamed_args, mut deltas, mut finish) =
+        (String::new(), String::new(), 0, String::new());
     for d in &data[..data.len() - 1] {
         let c: Value = serde_json::from_str(d).unwrap();
         let c = &c["choices"][0];
@@ -456,7 +458,12 @@ fn tool_calls_are_parsed_streamed_and_taken_back() {
     let plain = synth(dir.path());
     let mut server = Server::start(dir.path(), &plain, &[]);
     server.wait_note("READY=1");
-    assert_api_error(&server.request("POST", "/v1/chat/completions", Some(&ask(false))), 400, Some("tools"), "no tool calls");
+    assert_api_error(
+        &server.request("POST", "/v1/chat/completions", Some(&ask(false))),
+        400,
+        Some("tools"),
+        "no tool calls",
+    );
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
 }
@@ -506,7 +513,12 @@ fn logprobs_usage_and_model_lookup_follow_openai() {
     let n2 = r#"{"messages":[{"role":"user","content":"Hi"}],"n":2}"#;
     assert_api_error(&server.request("POST", "/v1/chat/completions", Some(n2)), 400, Some("n"), "n = 1");
     let image = r#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":{"url":"data:,"}}]}]}"#;
-    assert_api_error(&server.request("POST", "/v1/chat/completions", Some(image)), 400, Some("messages[0].content[0]"), "text-only");
+    assert_api_error(
+        &server.request("POST", "/v1/chat/completions", Some(image)),
+        400,
+        Some("messages[0].content[0]"),
+        "text-only",
+    );
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
 }

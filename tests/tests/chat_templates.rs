@@ -46,11 +46,18 @@ fn real_templates_render_the_documented_prompts() {
             let (prompt, _) = templates.apply(&inputs).unwrap_or_else(|e| panic!("{name} / {request}: {e}"));
             let expected = read(&dir().join("expected").join(name).join(format!("{request}.txt")));
             if prompt.prompt != expected {
-                failures.push(format!("{name} / {request}:\n--- expected\n{expected}\n--- rendered\n{}\n", prompt.prompt));
+                failures
+                    .push(format!("{name} / {request}:\n--- expected\n{expected}\n--- rendered\n{}\n", prompt.prompt));
             }
         }
     }
-    assert!(failures.is_empty(), "{} of {} prompts differ:\n{}", failures.len(), TEMPLATES.len() * REQUESTS.len(), failures.join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} prompts differ:\n{}",
+        failures.len(),
+        TEMPLATES.len() * REQUESTS.len(),
+        failures.join("\n")
+    );
 }
 
 /// A recorded answer of a model in its own format, and what it must parse into.
@@ -98,8 +105,10 @@ fn recorded_answers_parse_into_content_reasoning_and_tool_calls_whole_and_stream
         for r in recorded {
             let case = format!("{name} / {}", r.request);
             // Whole.
-            let m = parser_for(&templates, &r.request).parse(&r.output, false).unwrap_or_else(|e| panic!("{case}: {e}"));
-            let got: Vec<(String, String)> = m.tool_calls.iter().map(|c| (c.name.clone(), c.arguments.clone())).collect();
+            let m =
+                parser_for(&templates, &r.request).parse(&r.output, false).unwrap_or_else(|e| panic!("{case}: {e}"));
+            let got: Vec<(String, String)> =
+                m.tool_calls.iter().map(|c| (c.name.clone(), c.arguments.clone())).collect();
             // Whitespace around the thinking and the answer is the format's, as llama-server keeps it.
             assert_eq!(
                 (m.content.trim(), m.reasoning_content.trim(), calls(&got)),
@@ -137,8 +146,13 @@ fn recorded_answers_parse_into_content_reasoning_and_tool_calls_whole_and_stream
             }
             let (last, whole) = stream.finish("").unwrap();
             add(last);
-            assert_eq!((content.as_str(), reasoning.as_str()), (whole.content.as_str(), whole.reasoning_content.as_str()), "{case}: streamed text");
-            let expected: Vec<(String, String)> = whole.tool_calls.iter().map(|c| (c.name.clone(), c.arguments.clone())).collect();
+            assert_eq!(
+                (content.as_str(), reasoning.as_str()),
+                (whole.content.as_str(), whole.reasoning_content.as_str()),
+                "{case}: streamed text"
+            );
+            let expected: Vec<(String, String)> =
+                whole.tool_calls.iter().map(|c| (c.name.clone(), c.arguments.clone())).collect();
             assert_eq!(calls(&streamed), calls(&expected), "{case}: streamed tool calls");
             assert!(whole.tool_calls.iter().all(|c| c.id.starts_with("call_")), "{case}: ids as streamed");
             if call_deltas > whole.tool_calls.len() {

@@ -573,6 +573,9 @@ fn ngram_drafting_gives_the_greedy_tokens_resident_and_streamed() {
             (drafted, accepted) = (drafted + g.drafted, accepted + g.accepted);
         }
     }
-    assert!(drafted > 0 && accepted > 0, "the fixtures' repetitive text is drafted and accepted ({accepted} of {drafted})");
+    assert!(
+        drafted > 0 && accepted > 0,
+        "the fixtures' repetitive text is drafted and accepted ({accepted} of {drafted})"
+    );
     eprintln!("drafted {drafted}, accepted {accepted}");
 }

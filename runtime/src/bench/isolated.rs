@@ -119,10 +119,8 @@ pub fn run_child(
         | ChildKind::StreamedAuto
         | ChildKind::StreamedAutoOverlap
         | ChildKind::StreamedAutoDraft => {
-            let auto = matches!(
-                kind,
-                ChildKind::StreamedAuto | ChildKind::StreamedAutoOverlap | ChildKind::StreamedAutoDraft
-            );
+            let auto =
+                matches!(kind, ChildKind::StreamedAuto | ChildKind::StreamedAutoOverlap | ChildKind::StreamedAutoDraft);
             let draft = kind == ChildKind::StreamedAutoDraft;
             let params = GenerateParams { draft: draft.then_some(NGRAM_DRAFT_MAX), ..params.clone() };
             let overlap = matches!(kind, ChildKind::StreamedNoCacheOverlap | ChildKind::StreamedAutoOverlap);

@@ -32,7 +32,11 @@ pub(super) struct Answer {
 impl Answer {
     /// The sampler and output of `request`, with a chat template's grammar, stops and parser.
     /// A grammar llama.cpp cannot enforce is a 400.
-    pub(super) fn new(model: &Model, request: &GenerationRequest, chat: Option<ChatSetup>) -> Result<(Sampler, Answer), ApiError> {
+    pub(super) fn new(
+        model: &Model,
+        request: &GenerationRequest,
+        chat: Option<ChatSetup>,
+    ) -> Result<(Sampler, Answer), ApiError> {
         let mut params = request.sampling.clone();
         let mut stops = request.stop.clone();
         let mut shown = Vec::new();
@@ -53,7 +57,9 @@ impl Answer {
             let text = e.to_string();
             match params.grammar_kind {
                 _ if text.contains("logit_bias") => ApiError::invalid(text, Some("logit_bias")),
-                GrammarKind::Output => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("response_format")),
+                GrammarKind::Output => {
+                    ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("response_format"))
+                }
                 _ => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("tools")),
             }
         })?;

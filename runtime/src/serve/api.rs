@@ -274,7 +274,10 @@ impl RequestBody {
         }
         p.top_k = self.top_k.unwrap_or(0);
         if p.top_k < 0 {
-            return Err(ApiError::invalid(format!("top_k: {} is negative; use 0 (off) or more", p.top_k), Some("top_k")));
+            return Err(ApiError::invalid(
+                format!("top_k: {} is negative; use 0 (off) or more", p.top_k),
+                Some("top_k"),
+            ));
         }
         p.min_p = in_range("min_p", self.min_p, 0.0, 0.0..=1.0, "use 0 (off) to 1")?;
         p.penalty_freq = in_range("frequency_penalty", self.frequency_penalty, 0.0, -2.0..=2.0, "use -2 to 2")?;
@@ -312,10 +315,7 @@ impl RequestBody {
         let stream = self.stream.unwrap_or(false);
         let usage = self.stream_options.as_ref().and_then(|o| o.include_usage).unwrap_or(false);
         if self.stream_options.is_some() && !stream {
-            return Err(ApiError::invalid(
-                "stream_options: only allowed when stream is true",
-                Some("stream_options"),
-            ));
+            return Err(ApiError::invalid("stream_options: only allowed when stream is true", Some("stream_options")));
         }
         Ok((stream, usage))
     }
@@ -332,10 +332,9 @@ fn logit_bias(map: Option<Map<String, Value>>) -> Result<Vec<(ggml_sys::Token, f
             .ok()
             .filter(|t| *t >= 0)
             .ok_or_else(|| ApiError::invalid(format!("{param}: {key:?} is not a token id"), Some(&param)))?;
-        let bias = value
-            .as_f64()
-            .filter(|b| (-100.0..=100.0).contains(b))
-            .ok_or_else(|| ApiError::invalid(format!("{param}: {value} is not a bias from -100 to 100"), Some(&param)))?;
+        let bias = value.as_f64().filter(|b| (-100.0..=100.0).contains(b)).ok_or_else(|| {
+            ApiError::invalid(format!("{param}: {value} is not a bias from -100 to 100"), Some(&param))
+        })?;
         out.push((token, bias as f32));
     }
     Ok(out)

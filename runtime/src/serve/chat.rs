@@ -14,7 +14,8 @@ use super::api::ApiError;
 /// Roles a message may have.
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
 /// The fields a message may have (OpenAI's, and llama-server's `reasoning_content`).
-const MESSAGE_FIELDS: [&str; 7] = ["role", "content", "name", "tool_calls", "tool_call_id", "refusal", "reasoning_content"];
+const MESSAGE_FIELDS: [&str; 7] =
+    ["role", "content", "name", "tool_calls", "tool_call_id", "refusal", "reasoning_content"];
 /// `reasoning_effort` values passed to templates that read them (gpt-oss).
 const EFFORTS: [&str; 4] = ["minimal", "low", "medium", "high"];
 
@@ -189,10 +190,9 @@ fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
     }
     match t.pointer("/function/parameters") {
         None | Some(Value::Object(_)) => Ok(()),
-        Some(_) => Err(ApiError::invalid(
-            format!("{param}.function.parameters: must be a JSON schema object"),
-            Some(&param),
-        )),
+        Some(_) => {
+            Err(ApiError::invalid(format!("{param}.function.parameters: must be a JSON schema object"), Some(&param)))
+        }
     }
 }
 
@@ -474,10 +474,7 @@ mod tests {
             ..Default::default()
         });
         assert_eq!(d.tool_calls, [ToolCallDelta { index: 0, id: None, name: None, arguments: "ty\": 1}".into() }]);
-        assert_eq!(
-            d.to_json(),
-            json!({"tool_calls": [{"index": 0, "function": {"arguments": "ty\": 1}"}}]})
-        );
+        assert_eq!(d.to_json(), json!({"tool_calls": [{"index": 0, "function": {"arguments": "ty\": 1}"}}]}));
     }
 
     impl MessageStream {

@@ -12,11 +12,11 @@ use ggml_sys::ParsedMessage;
 
 use tokio::sync::mpsc::UnboundedSender;
 
-use super::api::{ApiError, GenerationRequest, PromptBound};
 use super::answer::Answer;
+use super::api::{ApiError, GenerationRequest, PromptBound};
 use super::chat::MessageDelta;
-use super::logprobs::TokenLogprob;
 use super::heat::{self, ModelIdentity};
+use super::logprobs::TokenLogprob;
 use super::metrics::GenerationCounts;
 use super::prompt::{TokenizeError, Tokenizer};
 use super::Shared;

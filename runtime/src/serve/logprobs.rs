@@ -48,7 +48,8 @@ impl TokenLogprob {
 
 /// The chat shape: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
 pub fn chat_json(tokens: &[TokenLogprob]) -> Value {
-    let entry = |bytes: &[u8], logprob: f32| json!({ "token": TokenLogprob::text(bytes), "logprob": logprob, "bytes": bytes });
+    let entry =
+        |bytes: &[u8], logprob: f32| json!({ "token": TokenLogprob::text(bytes), "logprob": logprob, "bytes": bytes });
     let content: Vec<Value> = tokens
         .iter()
         .map(|t| {
@@ -92,7 +93,11 @@ mod tests {
 
     #[test]
     fn offsets_count_bytes_from_the_text_already_sent() {
-        let t = |s: &str, l: f32| TokenLogprob { bytes: s.as_bytes().to_vec(), logprob: l, top: vec![(s.as_bytes().to_vec(), l)] };
+        let t = |s: &str, l: f32| TokenLogprob {
+            bytes: s.as_bytes().to_vec(),
+            logprob: l,
+            top: vec![(s.as_bytes().to_vec(), l)],
+        };
         let j = completion_json(&[t("ab", -0.5), t("c", -1.0)], 10);
         assert_eq!(j["text_offset"], json!([10, 12]));
         assert_eq!(j["tokens"], json!(["ab", "c"]));

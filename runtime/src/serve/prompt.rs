@@ -77,7 +77,8 @@ fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -
     }
     let (prompt, parser) = templates.apply(inputs).map_err(|e| {
         let text = e.to_string();
-        let param = if inputs.json_schema.is_some() && text.contains("schema") { "response_format" } else { "messages" };
+        let param =
+            if inputs.json_schema.is_some() && text.contains("schema") { "response_format" } else { "messages" };
         ApiError::invalid(format!("the model's chat template cannot take this request: {text}"), Some(param))
     })?;
     log::debug!("chat prompt rendered in llama.cpp's {} format", prompt.format);
@@ -92,11 +93,8 @@ fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -
             _ => None,
         })
         .collect();
-    let grammar_kind = if inputs.json_schema.is_some() && inputs.tools.is_none() {
-        GrammarKind::Output
-    } else {
-        GrammarKind::Tools
-    };
+    let grammar_kind =
+        if inputs.json_schema.is_some() && inputs.tools.is_none() { GrammarKind::Output } else { GrammarKind::Tools };
     Ok(Prepared { tokens, chat: Some(ChatSetup { prompt, parser, grammar_kind, shown }) })
 }
 
@@ -127,7 +125,12 @@ impl Tokenizer {
 
     /// The prompt, prepared. While it is computed the engine beats, and gives up when `cancel`
     /// is set or the server cancels everything.
-    pub(super) fn tokenize(&self, prompt: PromptInput, shared: &Shared, cancel: &AtomicBool) -> Result<Prepared, TokenizeError> {
+    pub(super) fn tokenize(
+        &self,
+        prompt: PromptInput,
+        shared: &Shared,
+        cancel: &AtomicBool,
+    ) -> Result<Prepared, TokenizeError> {
         let (reply, prepared) = channel();
         let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
         self.jobs.send((prompt, reply)).map_err(|_| gone())?;

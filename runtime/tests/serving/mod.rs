@@ -30,10 +30,8 @@ pub fn synth_qwen3(dir: &Path) -> PathBuf {
     let template = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/chat/templates/Qwen-Qwen3-0.6B.jinja");
     let template = std::fs::read_to_string(template).unwrap();
     let p = dir.join("qwen3.gguf");
-    let o = sluice_command()
-        .args(["synth", "--out", p.to_str().unwrap(), "--chat-template", &template])
-        .output()
-        .unwrap();
+    let o =
+        sluice_command().args(["synth", "--out", p.to_str().unwrap(), "--chat-template", &template]).output().unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     p
 }

@@ -159,7 +159,9 @@ fn message_json(m: &ParsedMessage) -> Value {
         msg["tool_calls"] = m
             .tool_calls
             .iter()
-            .map(|c| json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } }))
+            .map(
+                |c| json!({ "id": c.id, "type": "function", "function": { "name": c.name, "arguments": c.arguments } }),
+            )
             .collect();
     }
     msg
