@@ -17,6 +17,7 @@ fn main() {
     let llama = dir.join("../vendor/llama-cpp-sys-2/llama.cpp");
     println!("cargo::rerun-if-changed=src/shim.cpp");
     println!("cargo::rerun-if-changed=src/common_shim.cpp");
+    println!("cargo::rerun-if-changed=src/shim.h");
     cc::Build::new()
         .cpp(true)
         .std("c++17")

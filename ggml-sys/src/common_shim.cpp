@@ -6,14 +6,15 @@
 //
 // Requests and results cross as JSON text, so the interface stays a handful of functions. Every
 // entry point catches what common throws (bad templates, bad schemas, bad grammars) and records
-// it with sluice_shim_record(), the same per-thread record shim.cpp keeps; the Rust side turns
-// it into an error with `caught`. What common would GGML_ASSERT on is checked here first.
+// it in the per-thread record shim.cpp keeps (shim.h); the Rust side turns it into an error with
+// `caught`. What common would GGML_ASSERT on is checked here first.
 
 #include "chat.h"
 #include "common.h"
 #include "llama.h"
 #include "ngram-cache.h"
 #include "sampling.h"
+#include "shim.h"
 
 #include <algorithm>
 #include <chrono>
@@ -23,8 +24,6 @@
 #include <memory>
 #include <string>
 #include <vector>
-
-extern "C" void sluice_shim_record(const char * what);
 
 namespace {
 
@@ -43,16 +42,6 @@ std::vector<llama_token> tokenize_tag(const llama_vocab * vocab, const std::stri
 }
 
 }  // namespace
-
-#define SLUICE_CHAT_CATCH(neutral)                \
-    catch (const std::exception & e) {            \
-        sluice_shim_record(e.what());             \
-        return neutral;                           \
-    }                                             \
-    catch (...) {                                 \
-        sluice_shim_record("unknown C++ exception"); \
-        return neutral;                           \
-    }
 
 // A model's chat templates (default and tool_use), parsed.
 struct sluice_chat_templates {
@@ -94,7 +83,7 @@ struct sluice_chat_templates * sluice_chat_templates_init(const struct llama_mod
         t->tmpls = common_chat_templates_init(model, source ? source : "", bos ? bos : "", eos ? eos : "");
         return t.release();
     }
-    SLUICE_CHAT_CATCH(nullptr)
+    SLUICE_CATCH(nullptr)
 }
 
 void sluice_chat_templates_free(struct sluice_chat_templates * t) {
@@ -108,7 +97,7 @@ bool sluice_chat_templates_support_tool_calls(const struct sluice_chat_templates
         const auto it = caps.find("supports_tool_calls");
         return it != caps.end() && it->second;
     }
-    SLUICE_CHAT_CATCH(false)
+    SLUICE_CATCH(false)
 }
 
 // Applies the templates to `inputs_json`:
@@ -179,7 +168,7 @@ char * sluice_chat_templates_apply(const struct sluice_chat_templates * t, const
         *parser = p.release();
         return json;
     }
-    SLUICE_CHAT_CATCH(nullptr)
+    SLUICE_CATCH(nullptr)
 }
 
 void sluice_chat_parser_free(struct sluice_chat_parser * p) {
@@ -206,7 +195,7 @@ char * sluice_chat_parse(const struct sluice_chat_parser * p, const char * text,
         out["tool_calls"] = calls;
         return dup_string(out.dump_safe());
     }
-    SLUICE_CHAT_CATCH(nullptr)
+    SLUICE_CATCH(nullptr)
 }
 
 // common's sampler for `model`, from `params_json`:
@@ -295,7 +284,7 @@ struct sluice_sampler * sluice_sampler_init(const struct llama_model * model, co
         }
         return s.release();
     }
-    SLUICE_CHAT_CATCH(nullptr)
+    SLUICE_CATCH(nullptr)
 }
 
 void sluice_sampler_free(struct sluice_sampler * s) {
@@ -307,7 +296,7 @@ void sluice_sampler_accept_prompt(struct sluice_sampler * s, llama_token token) 
     try {
         common_sampler_accept(s->smpl, token, /* is_generated */ false);
     }
-    SLUICE_CHAT_CATCH()
+    SLUICE_CATCH()
 }
 
 // Chooses the token for output `idx` of the last decode of `ctx` and accepts it (grammar,
@@ -318,7 +307,7 @@ llama_token sluice_sampler_sample(struct sluice_sampler * s, struct llama_contex
         common_sampler_accept(s->smpl, token, /* is_generated */ true);
         return token;
     }
-    SLUICE_CHAT_CATCH(LLAMA_TOKEN_NULL)
+    SLUICE_CATCH(LLAMA_TOKEN_NULL)
 }
 
 // The context of one generation (prompt and accepted tokens) and its n-gram statistics, as
@@ -334,7 +323,7 @@ struct sluice_ngram_draft * sluice_ngram_draft_new(void) {
     try {
         return new sluice_ngram_draft();
     }
-    SLUICE_CHAT_CATCH(nullptr)
+    SLUICE_CATCH(nullptr)
 }
 
 void sluice_ngram_draft_free(struct sluice_ngram_draft * d) {
@@ -347,7 +336,7 @@ void sluice_ngram_draft_add(struct sluice_ngram_draft * d, const llama_token * t
         d->inp.insert(d->inp.end(), tokens, tokens + n);
         common_ngram_cache_update(d->context, LLAMA_NGRAM_MIN, LLAMA_NGRAM_MAX, d->inp, (int) n, false);
     }
-    SLUICE_CHAT_CATCH()
+    SLUICE_CATCH()
 }
 
 // Drafts up to `max` tokens to follow the context (fewer, or none, when the statistics are not
@@ -364,7 +353,7 @@ size_t sluice_ngram_draft_make(struct sluice_ngram_draft * d, llama_token * out,
         std::copy(draft.begin() + 1, draft.begin() + 1 + n, out);
         return n;
     }
-    SLUICE_CHAT_CATCH(0)
+    SLUICE_CATCH(0)
 }
 
 }  // extern "C"

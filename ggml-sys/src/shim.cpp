@@ -6,39 +6,24 @@
 
 #include "llama.h"
 #include "gguf.h"
+#include "shim.h"
 
-#include <exception>
 #include <string>
 
 namespace {
 thread_local std::string g_error;
 thread_local bool g_failed = false;
+}  // namespace
 
-void record(const char * what) {
+extern "C" {
+
+void sluice_shim_record(const char * what) {
     g_failed = true;
     try {
         g_error = what;
     } catch (...) {
         g_error.clear();
     }
-}
-}  // namespace
-
-#define SLUICE_CATCH(neutral)                 \
-    catch (const std::exception & e) {        \
-        record(e.what());                     \
-        return neutral;                       \
-    }                                         \
-    catch (...) {                             \
-        record("unknown C++ exception");      \
-        return neutral;                       \
-    }
-
-extern "C" {
-
-// Records an exception message for this thread (common_shim.cpp's entry points use it too).
-void sluice_shim_record(const char * what) {
-    record(what);
 }
 
 // Whether the last shimmed call on this thread threw; its message is copied into buf (at most
