@@ -30,8 +30,8 @@ pub(super) struct Answer {
 }
 
 impl Answer {
-    /// The sampler and output of `request`, with a chat template's grammar, stops and parser.
-    /// A grammar llama.cpp cannot enforce is a 400.
+    /// The sampler and answer of `request`, with a chat template's grammar, stops and parser.
+    /// A grammar llama.cpp cannot enforce, or a biased token outside the vocabulary, is a 400.
     pub(super) fn new(
         model: &Model,
         request: &GenerationRequest,
@@ -54,14 +54,12 @@ impl Answer {
             message = Some(MessageStream::new(c.parser, &tool_call_prefix()));
         }
         let mut sampler = Sampler::new(model, &params).map_err(|e| {
-            let text = e.to_string();
-            match params.grammar_kind {
-                _ if text.contains("logit_bias") => ApiError::invalid(text, Some("logit_bias")),
-                GrammarKind::Output => {
-                    ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("response_format"))
-                }
-                _ => ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some("tools")),
+            let e = e.to_string();
+            if e.contains("logit_bias") {
+                return ApiError::invalid(e, Some("logit_bias"));
             }
+            let param = if params.grammar_kind == GrammarKind::Output { "response_format" } else { "tools" };
+            ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some(param))
         })?;
         sampler.show_special(shown);
         Ok((sampler, Answer { text: ResponseText::new(&stops), message, logprobs: Vec::new() }))
