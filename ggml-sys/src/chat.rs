@@ -43,15 +43,18 @@ unsafe extern "C" {
 
 /// The chat layer's answer for `call`: the JSON it returned, or the exception it threw.
 fn take_json<T: serde::de::DeserializeOwned>(call: &'static str, raw: *mut c_char) -> Result<T> {
-    chat_caught(call)?;
-    if raw.is_null() {
-        return Err(Error::Chat { call, message: "returned nothing".into() });
-    }
+    let raw = made(call, raw)?.as_ptr();
     // SAFETY: the shim returned a NUL-terminated string from malloc, freed right after the copy.
     let text = unsafe { CStr::from_ptr(raw) }.to_string_lossy().into_owned();
     // SAFETY: raw came from the shim's malloc and is freed once.
     unsafe { sluice_string_free(raw) };
     serde_json::from_str(&text).map_err(|e| Error::Chat { call, message: format!("unreadable result: {e}") })
+}
+
+/// The object the shim's `call` made: `raw`, or the exception it threw (or that it made nothing).
+pub(crate) fn made<T>(call: &'static str, raw: *mut T) -> Result<NonNull<T>> {
+    chat_caught(call)?;
+    NonNull::new(raw).ok_or(Error::Chat { call, message: "returned nothing".into() })
 }
 
 /// [`crate::shim::caught`], as a chat error (not a malformed model).
@@ -97,10 +100,7 @@ impl ChatTemplates {
     }
 
     fn wrap(raw: *mut RawTemplates) -> Result<ChatTemplates> {
-        chat_caught("common_chat_templates_init")?;
-        NonNull::new(raw)
-            .map(|raw| ChatTemplates { raw })
-            .ok_or(Error::Chat { call: "common_chat_templates_init", message: "no templates".into() })
+        made("common_chat_templates_init", raw).map(|raw| ChatTemplates { raw })
     }
 
     /// Whether the template renders tool calls (a model that was taught to call tools).
@@ -123,9 +123,7 @@ impl ChatTemplates {
         // shim sets only when it returns a result.
         let raw = unsafe { sluice_chat_templates_apply(self.raw.as_ptr(), json.as_ptr(), &mut parser) };
         let prompt: ChatPrompt = take_json("common_chat_templates_apply", raw)?;
-        let parser = NonNull::new(parser)
-            .map(|raw| ChatParser { raw })
-            .ok_or(Error::Chat { call: "common_chat_templates_apply", message: "no parser".into() })?;
+        let parser = ChatParser { raw: made("common_chat_templates_apply", parser)? };
         Ok((prompt, parser))
     }
 }

@@ -6,8 +6,8 @@ use std::ptr::NonNull;
 
 use llama_cpp_sys_2 as sys;
 
-use crate::chat::chat_caught;
-use crate::{Error, Result, Token};
+use crate::chat::{chat_caught, made};
+use crate::{Result, Token};
 
 #[repr(C)]
 struct RawDraft {
@@ -34,10 +34,7 @@ impl NgramDraft {
     pub fn new() -> Result<NgramDraft> {
         // SAFETY: no arguments; returns a new object or null after an exception.
         let raw = unsafe { sluice_ngram_draft_new() };
-        chat_caught("common_ngram_cache")?;
-        NonNull::new(raw)
-            .map(|raw| NgramDraft { raw })
-            .ok_or(Error::Chat { call: "common_ngram_cache", message: "no draft state".into() })
+        made("common_ngram_cache", raw).map(|raw| NgramDraft { raw })
     }
 
     /// Appends tokens to the context (the prompt, then each accepted token).

@@ -176,19 +176,6 @@ impl Model {
         unsafe { sys::llama_vocab_is_eog(self.vocab(), token) }
     }
 
-    /// The model's own chat template (`tokenizer.chat_template`), if the file has one.
-    pub fn chat_template(&self) -> Option<String> {
-        // SAFETY: live model; a null name asks for the default template; the returned string
-        // (or null) belongs to the model and is copied before the model can go away.
-        let p = unsafe { sys::llama_model_chat_template(self.raw, std::ptr::null()) };
-        if p.is_null() {
-            return None;
-        }
-        // SAFETY: p is a NUL-terminated string owned by the live model.
-        let s = unsafe { std::ffi::CStr::from_ptr(p) };
-        Some(s.to_string_lossy().into_owned())
-    }
-
     /// Tokenizes `text`, adding the model's BOS token where the vocabulary asks for it.
     pub fn tokenize(&self, text: &str, add_special: bool) -> Result<Vec<Token>> {
         self.tokenize_with(text, add_special, false)

@@ -8,7 +8,7 @@ use std::ptr::NonNull;
 use llama_cpp_sys_2 as sys;
 use serde::Serialize;
 
-use crate::chat::{chat_caught, GrammarTrigger};
+use crate::chat::{chat_caught, made, GrammarTrigger};
 use crate::{Context, Error, Model, Result, Token};
 
 #[repr(C)]
@@ -124,10 +124,7 @@ impl Sampler {
         let json = CString::new(json).map_err(|e| Error::TextNul(e.nul_position()))?;
         // SAFETY: live model; json is NUL-terminated and lives for the call.
         let raw = unsafe { sluice_sampler_init(model.raw().cast_const(), json.as_ptr()) };
-        chat_caught("common_sampler_init")?;
-        NonNull::new(raw)
-            .map(|raw| Sampler { raw })
-            .ok_or(Error::Chat { call: "common_sampler_init", message: "no sampler".into() })
+        made("common_sampler_init", raw).map(|raw| Sampler { raw })
     }
 
     /// Feeds prompt tokens to the penalties' history.

@@ -345,11 +345,12 @@ impl<'m> Session<'m> {
         }
         let prefill = t0.elapsed();
         let t1 = Instant::now();
+        // The draft state and the most tokens a decode drafts.
         let mut drafter = match self.draft {
-            Some(_) => {
+            Some(max) => {
                 let mut d = NgramDraft::new()?;
                 d.add(prompt)?;
-                Some(d)
+                Some((d, max))
             }
             None => None,
         };
@@ -371,12 +372,12 @@ impl<'m> Session<'m> {
                 break;
             }
             let remaining = n_predict as usize - out.tokens.len();
-            let drafts = match (&mut drafter, self.draft) {
-                (Some(d), Some(max)) => {
+            let drafts = match &mut drafter {
+                Some((d, max)) => {
                     d.add(&[next])?;
-                    d.draft(max.min(remaining - 1).min(self.batch_capacity() - 1))?
+                    d.draft((*max).min(remaining - 1).min(self.batch_capacity() - 1))?
                 }
-                _ => Vec::new(),
+                None => Vec::new(),
             };
             self.batch.clear();
             self.batch.push(next, pos, true)?;
@@ -394,7 +395,7 @@ impl<'m> Session<'m> {
                 if self.take(next, at as i32, sampler, &mut on_token, &mut out, n_predict)?.is_break() {
                     break 'generate;
                 }
-                if let Some(d) = &mut drafter {
+                if let Some((d, _)) = &mut drafter {
                     d.add(&[next])?;
                 }
                 at += 1;

@@ -4,9 +4,9 @@
 
 use std::sync::atomic::Ordering;
 
-use ggml_sys::{GrammarKind, Model, ParsedMessage};
+use ggml_sys::{GrammarKind, Model, ParsedMessage, SamplerParams};
 
-use super::api::{ApiError, GenerationRequest};
+use super::api::ApiError;
 use super::chat::{MessageDelta, MessageStream};
 use super::engine::{Event, Piece};
 use super::logprobs::TokenLogprob;
@@ -30,15 +30,15 @@ pub(super) struct Answer {
 }
 
 impl Answer {
-    /// The sampler and answer of `request`, with a chat template's grammar, stops and parser.
-    /// A grammar llama.cpp cannot enforce, or a biased token outside the vocabulary, is a 400.
+    /// The sampler and answer of a request's `params` and `stops`, with a chat template's
+    /// grammar, stops and parser. A grammar llama.cpp cannot enforce, or a biased token outside
+    /// the vocabulary, is a 400.
     pub(super) fn new(
         model: &Model,
-        request: &GenerationRequest,
+        mut params: SamplerParams,
+        mut stops: Vec<String>,
         chat: Option<ChatSetup>,
     ) -> Result<(Sampler, Answer), ApiError> {
-        let mut params = request.sampling.clone();
-        let mut stops = request.stop.clone();
         let mut shown = Vec::new();
         let mut message = None;
         if let Some(c) = chat {

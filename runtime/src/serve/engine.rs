@@ -245,7 +245,11 @@ impl Engine<'_, '_> {
 
     /// Runs one request, sending its events.
     fn handle(&mut self, job: Job) {
-        let Job { request, events, cancel } = job;
+        let Job {
+            request: GenerationRequest { prompt, max_tokens: asked, sampling, stop, logprobs, .. },
+            events,
+            cancel,
+        } = job;
         self.shared.dequeued();
         if cancel.load(Ordering::Relaxed) {
             self.shared.metrics.cancelled();
@@ -255,7 +259,7 @@ impl Engine<'_, '_> {
             let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
             return;
         }
-        let prompt = match self.tokenizer.tokenize(request.prompt.clone(), self.shared, &cancel) {
+        let prompt = match self.tokenizer.tokenize(prompt, self.shared, &cancel) {
             Ok(p) => p,
             Err(TokenizeError::Invalid(e)) => {
                 let _ = events.send(Event::Failed(e));
@@ -270,9 +274,9 @@ impl Engine<'_, '_> {
         };
         let tokens = &prompt.tokens;
         let room = (self.n_ctx as usize).saturating_sub(tokens.len());
-        let max_tokens = request.max_tokens.map_or(room, |m| m as usize);
+        let max_tokens = asked.map_or(room, |m| m as usize);
         if max_tokens == 0 || tokens.len() + max_tokens > self.n_ctx as usize {
-            let param = if request.max_tokens.is_some() { "max_tokens" } else { "messages" };
+            let param = if asked.is_some() { "max_tokens" } else { "messages" };
             let e = ApiError::invalid(
                 format!(
                     "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
@@ -287,7 +291,7 @@ impl Engine<'_, '_> {
             let _ = events.send(Event::Failed(e));
             return;
         }
-        let (mut sampler, mut answer) = match Answer::new(self.session.model(), &request, prompt.chat) {
+        let (mut sampler, mut answer) = match Answer::new(self.session.model(), sampling, stop, prompt.chat) {
             Ok(o) => o,
             Err(e) => {
                 let _ = events.send(Event::Failed(e));
@@ -304,7 +308,7 @@ impl Engine<'_, '_> {
             max_tokens as u32,
             &mut sampler,
             |chosen| {
-                let event = answer.take(model, chosen, request.logprobs);
+                let event = answer.take(model, chosen, logprobs);
                 if let Some(e) = event {
                     if events.send(e).is_err() {
                         cancel.store(true, Ordering::Relaxed);
