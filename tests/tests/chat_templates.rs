@@ -32,6 +32,17 @@ fn read(path: &Path) -> String {
     std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// The template inputs of a request file, as the server makes them, at [`NOW`]. Every test
+/// renders at the same time: llama.cpp's `strftime_now` formats through `std::localtime`, whose
+/// shared buffer tests rendering in parallel would otherwise race on with different times.
+fn inputs_for(request: &str) -> ggml_sys::ChatInputs {
+    let body = read(&dir().join("requests").join(format!("{request}.json")));
+    let r = chat_request(body.as_bytes(), "m").unwrap_or_else(|e| panic!("{request}: {}", e.message));
+    let PromptInput::Chat(mut inputs) = r.prompt else { panic!("{request}: not a chat") };
+    inputs.now = Some(NOW);
+    *inputs
+}
+
 #[test]
 fn real_templates_render_the_documented_prompts() {
     let mut failures = Vec::new();
@@ -39,11 +50,8 @@ fn real_templates_render_the_documented_prompts() {
         let source = read(&dir().join("templates").join(format!("{name}.jinja")));
         let templates = ChatTemplates::from_source(None, &source, bos, eos).unwrap_or_else(|e| panic!("{name}: {e}"));
         for request in REQUESTS {
-            let body = read(&dir().join("requests").join(format!("{request}.json")));
-            let r = chat_request(body.as_bytes(), "m").unwrap_or_else(|e| panic!("{request}: {}", e.message));
-            let PromptInput::Chat(mut inputs) = r.prompt else { panic!("{request}: not a chat") };
-            inputs.now = Some(NOW);
-            let (prompt, _) = templates.apply(&inputs).unwrap_or_else(|e| panic!("{name} / {request}: {e}"));
+            let (prompt, _) =
+                templates.apply(&inputs_for(request)).unwrap_or_else(|e| panic!("{name} / {request}: {e}"));
             let expected = read(&dir().join("expected").join(name).join(format!("{request}.txt")));
             if prompt.prompt != expected {
                 failures
@@ -78,10 +86,7 @@ struct ExpectedCall {
 
 /// The parser each template's family gives a request.
 fn parser_for(templates: &ChatTemplates, request: &str) -> ggml_sys::ChatParser {
-    let body = read(&dir().join("requests").join(format!("{request}.json")));
-    let r = chat_request(body.as_bytes(), "m").unwrap();
-    let PromptInput::Chat(inputs) = r.prompt else { panic!("{request}: not a chat") };
-    templates.apply(&inputs).unwrap().1
+    templates.apply(&inputs_for(request)).unwrap().1
 }
 
 fn calls(calls: &[(String, String)]) -> Vec<ExpectedCall> {
