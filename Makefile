@@ -27,12 +27,13 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 
 .PHONY: help deps vendor build demo test aarch64 lint bench cuda-check clean
 
-# make bench: a synthetic model about 3x a small board's memory, streamed vs llama.cpp's mmap load,
-# each configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build: at the
-# disk's own speed, then throttled to an SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s).
+# make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
+# router (uniform) and one with skewed expert popularity, streamed vs llama.cpp's mmap load, each
+# configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build, with a
+# 512-token prompt: at the disk's own speed, then throttled to an SD card's (85 MB/s) and a Pi 5
+# NVMe HAT's (400 MB/s). Results under BENCH_DIR/<routing>-<speed>/.
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
-BENCH_MODEL := $(BENCH_DIR)/moe-f16-1650mb.gguf
 
 help:
 	@echo "make demo     synthesize a small random-weight MoE model and run it"
@@ -67,14 +68,17 @@ aarch64: vendor
 bench: vendor
 	$(CARGO) build --release --bin sluice
 	@mkdir -p $(BENCH_DIR)
-	@test -f $(BENCH_MODEL) || target/release/sluice synth --out $(BENCH_MODEL) \
-		--size 1650MB --layers 8 --experts 32 --experts-used 4
-	target/release/sluice bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
-		-n 32 --out $(BENCH_DIR)
-	target/release/sluice bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
-		-n 32 --storage-mbps sd --out $(BENCH_DIR)/sd
-	target/release/sluice bench --model $(BENCH_MODEL) --budget-mb $(BENCH_BUDGET_MB) \
-		-n 32 --storage-mbps nvme-gen2 --out $(BENCH_DIR)/nvme-gen2
+	@for r in uniform skewed; do \
+		m=$(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf; \
+		test -f $$m || target/release/sluice synth --out $$m --arch gpt-oss --routing $$r \
+			--size 1650MB --layers 8 --experts 32 --experts-used 4 || exit 1; \
+	done
+	@for r in uniform skewed; do for s in disk sd nvme-gen2; do \
+		t=$$(test $$s = disk || echo "--storage-mbps $$s"); \
+		echo "== $$r routing, $$s"; \
+		target/release/sluice bench --model $(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf \
+			--budget-mb $(BENCH_BUDGET_MB) -n 32 --prompt-tokens 512 $$t --out $(BENCH_DIR)/$$r-$$s || exit 1; \
+	done; done
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.
 cuda-check: vendor

@@ -22,6 +22,7 @@ pub fn demo_spec() -> SynthSpec {
         alignment: 32,
         split_max_tensors: None,
         chat_template: None,
+        routing: synth::Routing::Uniform,
     }
 }
 

@@ -69,6 +69,7 @@ mod tests {
             open_s: 0.0,
             open_read: 0,
             ttft_s: 0.0,
+            prefill_read: 0,
             draft_accept: None,
             tokens: Vec::new(),
         }

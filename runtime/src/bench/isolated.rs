@@ -43,19 +43,23 @@ pub enum ChildKind {
     Ceiling,
 }
 
-/// The order the parent runs them in. The ceiling comes last: storage behind a cache of its own
-/// (a VM's host, a drive's DRAM) is then as warm for it as for the decodes before it, so the
-/// streamer's share of it is not flattered.
-pub const KINDS: [ChildKind; 8] = [
-    ChildKind::Resident,
-    ChildKind::StreamedNoCache,
-    ChildKind::StreamedNoCacheOverlap,
-    ChildKind::StreamedAuto,
-    ChildKind::StreamedAutoOverlap,
-    ChildKind::ResidentDraft,
-    ChildKind::StreamedAutoDraft,
-    ChildKind::Ceiling,
-];
+/// The kinds the parent runs, in order: the drafting rows only when the board drafts. The
+/// ceiling comes last: storage behind a cache of its own (a VM's host, a drive's DRAM) is then as
+/// warm for it as for the decodes before it, so the streamer's share of it is not flattered.
+pub fn kinds(draft: bool) -> Vec<ChildKind> {
+    let mut kinds = vec![
+        ChildKind::Resident,
+        ChildKind::StreamedNoCache,
+        ChildKind::StreamedNoCacheOverlap,
+        ChildKind::StreamedAuto,
+        ChildKind::StreamedAutoOverlap,
+    ];
+    if draft {
+        kinds.extend([ChildKind::ResidentDraft, ChildKind::StreamedAutoDraft]);
+    }
+    kinds.push(ChildKind::Ceiling);
+    kinds
+}
 
 /// The storage ceiling measured on the model file.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
@@ -187,6 +191,8 @@ pub struct IsolatedPlan {
     pub budget: u64,
     /// A read-rate limit on the model's disk for every child.
     pub throttle: Option<DiskThrottle>,
+    /// Whether to add the n-gram drafting rows.
+    pub draft: bool,
 }
 
 /// A read-rate limit on one disk.
@@ -207,11 +213,11 @@ pub struct IsolatedReport {
     pub ceiling: Ceiling,
 }
 
-/// Parent side: runs every kind of [`KINDS`] in its own child and cgroup.
+/// Parent side: runs every kind of [`kinds`] in its own child and cgroup.
 pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut rows = Vec::new();
     let mut ceiling = None;
-    for (i, kind) in KINDS.iter().enumerate() {
+    for (i, kind) in kinds(plan.draft).iter().enumerate() {
         let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), plan.budget)?;
         let throttle = plan.throttle.map(|t| ReadThrottle::create(&cg, t.disk, t.bytes_per_s)).transpose()?;
         let kind_name = format!("{kind:?}");

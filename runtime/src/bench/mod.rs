@@ -79,6 +79,9 @@ pub struct BenchRow {
     pub open_read: u64,
     /// Time to first token: open plus prompt, seconds.
     pub ttft_s: f64,
+    /// Bytes read from storage while the prompt was processed (the engine's expert reads when
+    /// streaming, the kernel's `read_bytes` when resident).
+    pub prefill_read: u64,
     /// Drafting: the share of drafted tokens the model agreed with.
     pub draft_accept: Option<f64>,
     /// The generated tokens (to check every configuration agrees).
@@ -109,6 +112,27 @@ pub struct BenchPlan {
     pub draft: Option<usize>,
 }
 
+/// `base` repeated (space-separated) and cut to `n` tokens of `model`'s tokenizer (its BOS
+/// included), or the longest text below that when the tokenizer merges across the cut: a long
+/// prompt of a given length, for time to first token where a batch routes most experts.
+pub fn prompt_of_tokens(model: &Path, base: &str, n: usize) -> Result<String, GenerateError> {
+    if base.trim().is_empty() {
+        return Err(GenerateError::EmptyPrompt);
+    }
+    generate::check_model_file(model)?;
+    let m = ggml_sys::Model::load(model, &ggml_sys::ModelParams { metadata_only: true, ..Default::default() })?;
+    let count = |text: &str| m.tokenize(text, true).map(|t| t.len());
+    let mut text = base.to_string();
+    while count(&text)? < n {
+        text.push(' ');
+        text.push_str(base);
+    }
+    while count(&text)? > n {
+        text.pop();
+    }
+    Ok(text)
+}
+
 pub(crate) fn drop_cached(files: &[PathBuf]) {
     for f in files {
         if let Err(e) = sluice_hal::storage::drop_cached(f) {
@@ -135,12 +159,15 @@ pub(crate) fn run_resident(
     let mut peak_rss = 0u64;
     let mut faults = 0u64;
     let mut read = 0u64;
+    let mut prefill_read = 0u64;
     let mut before = Usage::sample();
     let mut read_before = sluice_hal::storage::process_read_bytes().unwrap_or(0);
     let mut observer = |e: generate::DecodeEvent| -> Result<(), GenerateError> {
         let now = Usage::sample();
         let read_now = sluice_hal::storage::process_read_bytes().unwrap_or(0);
-        if !e.prefill {
+        if e.prefill {
+            prefill_read += read_now.saturating_sub(read_before);
+        } else {
             faults += now.major_faults.saturating_sub(before.major_faults);
             read += read_now.saturating_sub(read_before);
         }
@@ -165,6 +192,7 @@ pub(crate) fn run_resident(
         open_s,
         open_read,
         ttft_s: open_s + g.prefill.as_secs_f64(),
+        prefill_read,
         draft_accept: draft_accept(params, &g),
         tokens: g.tokens,
     })
@@ -205,6 +233,7 @@ pub(crate) fn run_streamed(
         open_s,
         open_read,
         ttft_s: open_s + g.prefill.as_secs_f64(),
+        prefill_read: rows.iter().filter(|r| r.prefill).map(|r| r.bytes_read).sum(),
         draft_accept: draft_accept(params, &g),
         tokens: g.tokens,
     })
@@ -282,6 +311,7 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
     }
     cols.push(column("open s", rows, |r| format!("{:.2}", r.open_s)));
     cols.push(column("TTFT s", rows, |r| format!("{:.2}", r.ttft_s)));
+    cols.push(column("prefill MiB", rows, |r| format!("{:.1}", mib(r.prefill_read))));
     cols.push(column("same text", rows, |r| if r.tokens == first { "yes".into() } else { "NO".into() }));
     let widths: Vec<usize> =
         cols.iter().map(|c| c.cells.iter().map(String::len).chain([c.header.len()]).max().unwrap_or(0)).collect();
@@ -305,7 +335,7 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
 /// The results as CSV (one header line, one record per configuration, quoted where a field needs
 /// it; sizes in MiB).
 pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
-    const HEADER: [&str; 19] = [
+    const HEADER: [&str; 20] = [
         "config",
         "cache_mib",
         "tok_s",
@@ -323,6 +353,7 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
         "share_of_io_bound",
         "open_s",
         "ttft_s",
+        "prefill_mib",
         "draft_accept",
         "same_text",
     ];
@@ -348,6 +379,7 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
             num(ceiling.and_then(|c| io_bound(r, c)).map(|b| r.tokens_per_s / b)),
             format!("{:.3}", r.open_s),
             format!("{:.3}", r.ttft_s),
+            format!("{:.1}", mib(r.prefill_read)),
             num(r.draft_accept),
             (r.tokens == rows[0].tokens).to_string(),
         ]
@@ -379,6 +411,7 @@ mod tests {
             open_s: 0.5,
             open_read: 0,
             ttft_s: 0.7,
+            prefill_read: 96 << 20,
             draft_accept: Some(0.25),
             tokens: vec![1, 2, 3],
         }
@@ -390,7 +423,7 @@ mod tests {
         let text = csv(&rows, Some(1000.0));
         let mut reader = ::csv::Reader::from_reader(text.as_bytes());
         let width = reader.headers().unwrap().len();
-        assert_eq!(width, 19);
+        assert_eq!(width, 20);
         let records: Vec<::csv::StringRecord> = reader.records().map(Result::unwrap).collect();
         assert_eq!(records.len(), 2);
         assert!(records.iter().all(|r| r.len() == width), "{text}");
@@ -399,6 +432,7 @@ mod tests {
         assert_eq!(&records[1][12], "0.8000", "share of the ceiling");
         assert_eq!(&records[1][13], "400.0000", "I/O bound: 1000 MiB/s over 2.5 MiB per token");
         assert_eq!(&records[1][14], "0.0125", "5 tok/s of the bound");
-        assert_eq!(&records[1][17], "0.2500", "draft acceptance");
+        assert_eq!(&records[1][17], "96.0", "prefill MiB");
+        assert_eq!(&records[1][18], "0.2500", "draft acceptance");
     }
 }

@@ -25,6 +25,10 @@ pub struct BenchArgs {
     /// The prompt.
     #[arg(short, long, default_value = sluice::demo::DEMO_PROMPT)]
     prompt: String,
+    /// Repeat the prompt to this many tokens: time to first token on a long prompt, whose
+    /// batch routes most experts of every layer (the TTFT and prefill MiB columns).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    prompt_tokens: Option<u32>,
     /// Tokens to generate per configuration.
     #[arg(short = 'n', long = "n-predict", default_value_t = 32, value_parser = clap::value_parser!(u32).range(2..))]
     n_predict: u32,
@@ -32,8 +36,8 @@ pub struct BenchArgs {
     #[arg(long, value_delimiter = ',', default_value = "0,25,100", conflicts_with = "budget_mb")]
     cache_percents: Vec<u32>,
     /// Run each configuration (mmap-resident, streamed without cache, streamed with the automatic
-    /// cache) and the storage ceiling in its own child process inside a memory cgroup of this many
-    /// MiB: a small board's RAM. Needs root.
+    /// cache; with n-gram drafting on, each of those drafting too) and the storage ceiling in its
+    /// own child process inside a memory cgroup of this many MiB: a small board's RAM. Needs root.
     #[arg(long, value_parser = clap::value_parser!(u64).range(64..))]
     budget_mb: Option<u64>,
     /// With --budget-mb: throttle reads from the model's disk for every configuration (the
@@ -79,8 +83,14 @@ fn model_mib(model: &std::path::Path) -> Result<f64> {
 /// Runs `sluice bench`.
 pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     generate::check_model_file(&a.model)?;
+    let prompt = match a.prompt_tokens {
+        Some(n) => sluice::bench::prompt_of_tokens(&a.model, &a.prompt, n as usize)
+            .with_context(|| format!("--prompt-tokens {n}"))?,
+        None => a.prompt.clone(),
+    };
+    let prompt_tokens = generate::prompt_positions(&a.model, &prompt, 0)?;
     if let Some(budget_mb) = a.budget_mb {
-        return run_isolated(a, choice, budget_mb);
+        return run_isolated(a, &prompt, prompt_tokens, choice, budget_mb);
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     // Every streamed configuration must fit the board's budget, like a run. A plan's total
@@ -90,7 +100,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         budget::plan_within_budget(&PlanRequest {
             model: &a.model,
             index: &index,
-            positions: generate::prompt_positions(&a.model, &a.prompt, a.n_predict)?,
+            positions: prompt_tokens + a.n_predict,
             dense: DensePolicy::Anon,
             cache_bytes: Some(index.all_expert_window_bytes() * u64::from(pct) / 100),
             budget: board.budget.clone(),
@@ -99,7 +109,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     }
     let plan = sluice::bench::BenchPlan {
         model: a.model.clone(),
-        prompt: a.prompt.clone(),
+        prompt,
         n_predict: a.n_predict,
         threads: board.threads(),
         cache_percents: a.cache_percents.clone(),
@@ -107,7 +117,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         draft: board.draft_max(),
     };
     eprintln!(
-        "bench: {} ({:.1} MiB), {} tokens per configuration, {} threads on CPUs {}, {} lanes, reads of {} KiB (board {})",
+        "bench: {} ({:.1} MiB), a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads on CPUs {}, {} lanes, reads of {} KiB (board {})",
         a.model.display(),
         model_mib(&a.model)?,
         a.n_predict,
@@ -149,7 +159,7 @@ fn tuning_args(t: &TuningArgs) -> Vec<OsString> {
     out
 }
 
-fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<()> {
+fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardChoice, budget_mb: u64) -> Result<()> {
     let model = std::fs::canonicalize(&a.model).with_context(|| format!("{}", a.model.display()))?;
     let board = args::board(choice, Some(&model), &a.tuning)?;
     let throttle = match a.storage_mbps {
@@ -157,7 +167,7 @@ fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<(
         Some(speed) => Some(storage_throttle(speed, &model, &board)?),
     };
     eprintln!(
-        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}, {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
+        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}, a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
         model.display(),
         model_mib(&model)?,
         throttle.as_ref().map_or(String::new(), |(speed, _)| format!(", reads throttled to {speed}")),
@@ -171,7 +181,7 @@ fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<(
         "--model".into(),
         model.clone().into(),
         "--prompt".into(),
-        a.prompt.clone().into(),
+        prompt.into(),
         "-n".into(),
         a.n_predict.to_string().into(),
     ];
@@ -182,6 +192,7 @@ fn run_isolated(a: &BenchArgs, choice: &BoardChoice, budget_mb: u64) -> Result<(
         child_args,
         budget: budget_mb << 20,
         throttle: throttle.map(|(_, t)| t),
+        draft: board.draft_max().is_some(),
     };
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;

@@ -5,7 +5,16 @@ use std::path::PathBuf;
 use anyhow::{Context as _, Result};
 use clap::Args;
 
-use sluice::synth::{self, OutputType, SynthArch, SynthSpec};
+use sluice::synth::{self, OutputType, Routing, SynthArch, SynthSpec};
+
+/// `--routing`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum RoutingKind {
+    /// A random router: every expert about equally often.
+    Uniform,
+    /// Popular experts, as real routers have (gpt-oss: written as the router's bias).
+    Skewed,
+}
 
 /// `sluice synth` arguments.
 #[derive(Args)]
@@ -66,6 +75,14 @@ pub struct SynthArgs {
     /// Store a chat template (`tokenizer.chat_template`), e.g. `chatml` or a template's text.
     #[arg(long)]
     chat_template: Option<String>,
+    /// How tokens spread over each layer's experts. skewed: log-normal expert popularity of
+    /// spread --skew, calibrated into gpt-oss's router bias (needs --arch gpt-oss).
+    #[arg(long, value_enum, default_value_t = RoutingKind::Uniform)]
+    routing: RoutingKind,
+    /// With --routing skewed: the popularity spread σ (expert shares ∝ exp(σ·z)); the default
+    /// puts 90% of the routing in about half the experts, as measured for Qwen3-30B-A3B.
+    #[arg(long, default_value_t = synth::routing::DEFAULT_SKEW)]
+    skew: f64,
     /// Threads for quantizing (default: every CPU this process may run on).
     #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
@@ -89,6 +106,10 @@ impl SynthArgs {
             alignment: self.alignment,
             split_max_tensors: self.split_max_tensors,
             chat_template: self.chat_template.clone(),
+            routing: match self.routing {
+                RoutingKind::Uniform => Routing::Uniform,
+                RoutingKind::Skewed => Routing::Skewed(self.skew),
+            },
         };
         if let Some(size) = self.size {
             spec.expert_ff = synth::fit_expert_ff(&spec, size.as_u64())?;
@@ -117,5 +138,11 @@ pub fn run_synth(a: &SynthArgs) -> Result<()> {
         spec.expert_ff,
         spec.out_type
     );
+    if let Some(c) = out.calibration {
+        eprintln!(
+            "skewed routing calibrated in {} round(s) on the model itself: each expert's routed share within {:.3} of its target",
+            c.rounds, c.max_error
+        );
+    }
     Ok(())
 }

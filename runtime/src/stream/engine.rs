@@ -13,8 +13,10 @@
 //! computed, the layer's routed expert ids are read (stride-aware: the node is a view of the
 //! whole argsort), deduplicated, planned against the cache, evicted experts' pages released, and
 //! the missing slices read by the I/O lanes straight into place before the callback returns and
-//! the layer's expert matmuls run. The reads go out tensor by tensor in the order the graph
-//! uses the tensors (recorded at capture), so the first product's slices land first.
+//! the layer's expert matmuls run. Serial reads go out in file order (a prompt batch that routes
+//! most of a layer reads its tensors nearly end to end); overlapped ones tensor by tensor in the
+//! order the graph uses the tensors (recorded at capture), so the first product's slices land
+//! first, each tensor's experts in file order.
 //!
 //! The layer's routed products run in the extension kernel ([`super::kernel`]), which computes
 //! each expert once its slices have landed. Overlap (`--overlap`): the callback hands the
@@ -548,6 +550,9 @@ impl<'m> Streamer<'m> {
         for &(l, e) in &self.plan.evict {
             self.release_expert(l, e);
         }
+        // Each tensor's experts in file order: a prompt batch that routes most of a layer reads
+        // its tensors nearly end to end.
+        self.plan.load.sort_unstable();
         for &k in &self.use_order[layer as usize] {
             for &e in &self.plan.load {
                 self.jobs.push(slice_read(&self.index, &self.reservations, k, e));
@@ -568,6 +573,9 @@ impl<'m> Streamer<'m> {
             self.stats.io_wait += t0.elapsed();
             return Ok(());
         }
+        // Serial: nothing computes before the whole batch has landed, so the lanes take it in
+        // file order (the graph's use order only matters to an overlapped kernel).
+        self.jobs.sort_unstable_by_key(|j| (j.shard, j.start));
         let result = self.source.lanes().read_all(&mut self.jobs);
         self.stats.io_wait += t0.elapsed();
         self.account(result)

@@ -4,6 +4,7 @@
 //! biases, quantized experts, leading dense layers and blocks llama.cpp does not run.
 
 use super::gguf_writer::{TensorSpec, TensorType, Value};
+use super::routing::{self, Routing};
 use super::weights::Init;
 use super::{vocab, SynthSpec};
 
@@ -113,6 +114,13 @@ impl Table {
 pub fn tensors(spec: &SynthSpec) -> Vec<(TensorSpec, Init)> {
     let (e, v) = (u64::from(spec.embd), vocab::N_VOCAB);
     let mut t = Table { out: Vec::new(), matrix: spec.out_type.matrix_type() };
+    // Calibrated once; each layer permutes it.
+    let skew = match spec.routing {
+        Routing::Uniform => None,
+        Routing::Skewed(sigma) => routing::routed_chances(spec.experts, spec.experts_used, sigma)
+            .ok()
+            .map(|chances| routing::calibrated_bias(&chances, spec.experts_used, spec.seed)),
+    };
     // Embedding rows of about unit variance.
     t.push("token_embd.weight".into(), vec![e, v], t.matrix, Init::Uniform { gain: 1.0, fan_in: 3 });
     t.norm("output_norm.weight".into(), e);
@@ -120,7 +128,7 @@ pub fn tensors(spec: &SynthSpec) -> Vec<(TensorSpec, Init)> {
     match spec.arch {
         SynthArch::Qwen3moe => (0..spec.layers).for_each(|il| qwen3moe_layer(spec, il, &mut t)),
         SynthArch::Deepseek2 => (0..=spec.layers).for_each(|il| deepseek2_layer(spec, il, &mut t)),
-        SynthArch::GptOss => (0..spec.layers).for_each(|il| gpt_oss_layer(spec, il, &mut t)),
+        SynthArch::GptOss => (0..spec.layers).for_each(|il| gpt_oss_layer(spec, il, skew.as_deref(), &mut t)),
     }
     t.out
 }
@@ -151,7 +159,7 @@ fn routed_experts(spec: &SynthSpec, il: u32, fused: bool, t: &mut Table) {
 /// The router: a large gain makes top-k choices clear-cut, and since the router reads each
 /// token's own hidden state, routing varies from token to token.
 fn router(spec: &SynthSpec, il: u32, t: &mut Table) {
-    t.matrix(weight(il, "ffn_gate_inp"), vec![u64::from(spec.embd), u64::from(spec.experts)], 4.0);
+    t.matrix(weight(il, "ffn_gate_inp"), vec![u64::from(spec.embd), u64::from(spec.experts)], routing::ROUTER_GAIN);
 }
 
 fn qwen3moe_layer(spec: &SynthSpec, il: u32, t: &mut Table) {
@@ -205,7 +213,8 @@ fn deepseek2_layer(spec: &SynthSpec, il: u32, t: &mut Table) {
     }
 }
 
-fn gpt_oss_layer(spec: &SynthSpec, il: u32, t: &mut Table) {
+/// A gpt-oss block; `skew` is the calibrated router bias profile of skewed routing.
+fn gpt_oss_layer(spec: &SynthSpec, il: u32, skew: Option<&[f32]>, t: &mut Table) {
     let (e, ne, ff) = (u64::from(spec.embd), u64::from(spec.experts), u64::from(spec.expert_ff));
     let (hd, nh, nkv) = (u64::from(spec.head_dim()), u64::from(spec.heads), u64::from(spec.kv_heads));
     t.norm(weight(il, "attn_norm"), e);
@@ -218,7 +227,13 @@ fn gpt_oss_layer(spec: &SynthSpec, il: u32, t: &mut Table) {
     t.bias(bias(il, "attn_output"), vec![e]);
     t.bias(weight(il, "attn_sinks"), vec![nh]);
     router(spec, il, t);
-    t.bias(bias(il, "ffn_gate_inp"), vec![ne]);
+    match skew {
+        Some(profile) => {
+            let b = routing::by_expert(profile, spec.seed, il);
+            t.push(bias(il, "ffn_gate_inp"), vec![ne], TensorType::F32, Init::Values(b.into()));
+        }
+        None => t.bias(bias(il, "ffn_gate_inp"), vec![ne]),
+    }
     routed_experts(spec, il, false, t);
     t.bias(bias(il, "ffn_gate_exps"), vec![ff, ne]);
     t.bias(bias(il, "ffn_up_exps"), vec![ff, ne]);

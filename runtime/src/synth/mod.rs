@@ -7,7 +7,9 @@
 //! byte-identical files.
 
 mod arch;
+pub mod calibrate;
 pub mod gguf_writer;
+pub mod routing;
 mod size;
 mod vocab;
 mod weights;
@@ -17,6 +19,7 @@ use std::path::{Path, PathBuf};
 use crate::stream::index::is_expert_weight;
 pub use arch::SynthArch;
 use gguf_writer::{GgufWriter, TensorSpec, TensorType, Value, WriteError};
+pub use routing::Routing;
 pub use size::{fit_expert_ff, SizeError};
 use weights::Init;
 
@@ -134,6 +137,8 @@ pub struct SynthSpec {
     /// A chat template stored as `tokenizer.chat_template` (llama.cpp recognises templates by
     /// their text, or by a name such as `chatml`).
     pub chat_template: Option<String>,
+    /// How the router spreads tokens over experts.
+    pub routing: Routing,
 }
 
 impl Default for SynthSpec {
@@ -154,6 +159,7 @@ impl Default for SynthSpec {
             alignment: 32,
             split_max_tensors: None,
             chat_template: None,
+            routing: Routing::Uniform,
         }
     }
 }
@@ -198,6 +204,8 @@ pub struct SynthOutput {
     pub total_bytes: u64,
     /// Bytes of routed-expert tensor data.
     pub expert_bytes: u64,
+    /// How closely skewed routing was calibrated (`None` for uniform routing).
+    pub calibration: Option<calibrate::Calibration>,
 }
 
 impl SynthSpec {
@@ -251,6 +259,22 @@ impl SynthSpec {
             return Err(invalid("alignment", format!("{} is not a power of two of at least 8", self.alignment)));
         }
         arch::validate(self).map_err(|(field, reason)| invalid(field, reason))?;
+        if let Routing::Skewed(sigma) = self.routing {
+            if self.arch != SynthArch::GptOss {
+                return Err(invalid(
+                    "routing",
+                    format!(
+                        "skewed routing is written as a router bias, which {} has not; use --arch gpt-oss",
+                        self.arch.name()
+                    ),
+                ));
+            }
+            if !(sigma.is_finite() && sigma >= 0.0) {
+                return Err(invalid("skew", format!("{sigma} is not a spread of at least 0")));
+            }
+            routing::routed_chances(self.experts, self.experts_used, sigma)
+                .map_err(|e| invalid("skew", e.to_string()))?;
+        }
         if self.split_max_tensors == Some(0) {
             return Err(invalid("split-max-tensors", "must be at least 1"));
         }
@@ -283,6 +307,12 @@ impl SynthSpec {
         meta.extend(vocab::metadata());
         if let Some(t) = &self.chat_template {
             meta.push(("tokenizer.chat_template".to_string(), Value::Str(t.clone())));
+        }
+        if let Routing::Skewed(sigma) = self.routing {
+            meta.push((
+                "sluice.synth.routing".to_string(),
+                Value::Str(format!("skewed, log-normal popularity σ {sigma}")),
+            ));
         }
         meta
     }
@@ -317,27 +347,43 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: u32) -> Result<SynthO
         }
         Ok(sum)
     };
-    if let Some(max) = spec.split_max_tensors {
-        let files = write_split(out, &metadata, &tensors, spec, max)?;
-        let total_bytes = files.iter().map(|f| file_len(f)).sum::<Result<u64, _>>()?;
-        let expert_bytes = expert_bytes_of(&files)?;
-        return Ok(SynthOutput { files, total_bytes, expert_bytes });
-    }
-    match spec.out_type.quant() {
-        None => {
-            write_one(out, &metadata, &tensors, spec, None)?;
+    let files = if let Some(max) = spec.split_max_tensors {
+        write_split(out, &metadata, &tensors, spec, max)?
+    } else {
+        match spec.out_type.quant() {
+            None => write_one(out, &metadata, &tensors, spec, None)?,
+            Some(q) => {
+                let tmp = out.with_extension("f16.tmp.gguf");
+                let result = write_one(&tmp, &metadata, &tensors, spec, None)
+                    .and_then(|()| Ok(ggml_sys::quantize(&tmp, out, q, n_threads)?));
+                let _ = std::fs::remove_file(&tmp);
+                result?;
+            }
         }
-        Some(q) => {
-            let tmp = out.with_extension("f16.tmp.gguf");
-            let result = write_one(&tmp, &metadata, &tensors, spec, None)
-                .and_then(|()| Ok(ggml_sys::quantize(&tmp, out, q, n_threads)?));
-            let _ = std::fs::remove_file(&tmp);
-            result?;
-        }
-    }
-    let files = vec![out.to_path_buf()];
+        vec![out.to_path_buf()]
+    };
+    let calibration = match spec.routing {
+        Routing::Uniform => None,
+        Routing::Skewed(sigma) => Some(calibrate_routing(spec, sigma, &files, n_threads)?),
+    };
+    let total_bytes = files.iter().map(|f| file_len(f)).sum::<Result<u64, _>>()?;
     let expert_bytes = expert_bytes_of(&files)?;
-    Ok(SynthOutput { total_bytes: file_len(out)?, files, expert_bytes })
+    Ok(SynthOutput { files, total_bytes, expert_bytes, calibration })
+}
+
+/// Calibrates the router biases of a skewed model just written to `files` against its routing.
+fn calibrate_routing(
+    spec: &SynthSpec,
+    sigma: f64,
+    files: &[PathBuf],
+    n_threads: u32,
+) -> Result<calibrate::Calibration, SynthError> {
+    let k = spec.experts_used;
+    let chances = routing::routed_chances(spec.experts, k, sigma).map_err(|e| invalid("skew", e.to_string()))?;
+    let profile = routing::calibrated_bias(&chances, k, spec.seed);
+    let biases = (0..spec.layers).map(|il| routing::by_expert(&profile, spec.seed, il)).collect();
+    let want: Vec<Vec<f64>> = (0..spec.layers).map(|il| routing::by_expert(&chances, spec.seed, il)).collect();
+    calibrate::calibrate(files, biases, &want, k, n_threads)
 }
 
 fn file_len(path: &Path) -> Result<u64, SynthError> {
@@ -356,7 +402,7 @@ fn write_one(
     let specs: Vec<TensorSpec> = tensors[range.clone()].iter().map(|(s, _)| s.clone()).collect();
     let mut w = GgufWriter::create(path, metadata, &specs, spec.alignment)?;
     for (index, (ts, init)) in tensors.iter().enumerate().skip(range.start).take(range.len()) {
-        w.write_tensor(ts, |o| weights::write_values(o, spec.seed, index as u64, ts.n_elements(), ts.ty, *init))?;
+        w.write_tensor(ts, |o| weights::write_values(o, spec.seed, index as u64, ts.n_elements(), ts.ty, init))?;
     }
     w.finish()?;
     Ok(())

@@ -12,7 +12,7 @@ use rand_chacha::ChaCha8Rng;
 use super::gguf_writer::TensorType;
 
 /// How a tensor's values are drawn.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Init {
     /// Every element 1.0 (norm weights).
     Ones,
@@ -24,18 +24,28 @@ pub enum Init {
         /// Input width (`ne[0]`).
         fan_in: u64,
     },
+    /// These values, in order (a calibrated router bias).
+    Values(std::sync::Arc<[f32]>),
 }
 
 const CHUNK: usize = 1 << 16;
 
 /// Writes `n` elements of type `ty` drawn by `init` from stream `stream` of `seed`.
-pub fn write_values(out: &mut dyn Write, seed: u64, stream: u64, n: u64, ty: TensorType, init: Init) -> io::Result<()> {
+pub fn write_values(
+    out: &mut dyn Write,
+    seed: u64,
+    stream: u64,
+    n: u64,
+    ty: TensorType,
+    init: &Init,
+) -> io::Result<()> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     rng.set_stream(stream);
-    let bound = match init {
-        Init::Ones => 0.0,
+    let bound = match *init {
+        Init::Ones | Init::Values(_) => 0.0,
         Init::Uniform { gain, fan_in } => gain * (3.0 / fan_in.max(1) as f32).sqrt(),
     };
+    let mut given = 0usize;
     let mut buf = Vec::with_capacity(CHUNK * ty.element_size() as usize);
     let mut left = n;
     while left > 0 {
@@ -44,6 +54,10 @@ pub fn write_values(out: &mut dyn Write, seed: u64, stream: u64, n: u64, ty: Ten
         for _ in 0..take {
             let v = match init {
                 Init::Ones => 1.0,
+                Init::Values(values) => {
+                    given += 1;
+                    values.get(given - 1).copied().unwrap_or(0.0)
+                }
                 // 24 random bits → [0, 1) exactly representable in f32, then → [-bound, bound).
                 Init::Uniform { .. } => ((rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * bound,
             };
@@ -64,7 +78,7 @@ mod tests {
 
     fn draw(seed: u64, stream: u64) -> Vec<u8> {
         let mut v = Vec::new();
-        write_values(&mut v, seed, stream, 100, TensorType::F32, Init::Uniform { gain: 1.0, fan_in: 3 }).unwrap();
+        write_values(&mut v, seed, stream, 100, TensorType::F32, &Init::Uniform { gain: 1.0, fan_in: 3 }).unwrap();
         v
     }
 

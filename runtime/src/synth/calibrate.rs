@@ -1,0 +1,186 @@
+//! Calibrating a written skewed model's router biases against the model's own routing.
+//!
+//! The bias [`super::routing::calibrated_bias`] computes assumes router logits of independent
+//! noise around the bias. A model's hidden states also share a common part from token to token
+//! (attention and its biases add nearly the same vector to every position), which gives each
+//! expert a fixed offset and shrinks the noise, so the written model routes more unevenly than
+//! asked. This pass runs the model on a fixed prompt, counts each layer's top-k choices per
+//! token, moves each bias by the log of wanted over measured, writes the biases back into the
+//! file and repeats, all layers at once (a layer's routing changes the next one's input).
+
+use std::fs::OpenOptions;
+use std::os::unix::fs::FileExt;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use ggml_sys::{EvalPhase, GgufFile, Threads, Token};
+
+use super::{invalid, SynthError};
+use crate::generate::{load_model, Session};
+
+/// Tokens of the calibration prompt.
+pub const CALIBRATION_TOKENS: usize = 512;
+/// The most calibration rounds.
+const MAX_ROUNDS: usize = 16;
+/// Log-space step: how far the first round moves a bias per unit of log(want / got); halved
+/// whenever a round does worse than the best so far.
+const INITIAL_STEP: f32 = 1.5;
+
+/// The calibration prompt: byte tokens (ids 8 to 258) in a fixed scrambled order, so every
+/// round and every run sees the same tokens and many different ones.
+pub fn calibration_prompt(n: usize, scramble: u32) -> Vec<Token> {
+    (0..n as u32).map(|i| ((i.wrapping_mul(scramble).wrapping_add(13)) % 251 + 8) as Token).collect()
+}
+
+/// How often each layer's experts were among a token's top k over `prompt`, layer by layer,
+/// read from the `ffn_moe_topk-<il>` nodes of the model at `path` loaded resident.
+pub fn routed_counts(
+    path: &std::path::Path,
+    prompt: &[Token],
+    layers: usize,
+    experts: usize,
+    threads: u32,
+) -> Result<Vec<Vec<u64>>, SynthError> {
+    let model = load_model(path).map_err(|e| invalid("routing", format!("calibrating {}: {e}", path.display())))?;
+    let counts = Arc::new(Mutex::new(vec![vec![0u64; experts]; layers]));
+    let record = Arc::clone(&counts);
+    let callback: ggml_sys::EvalCallback<'_> = Box::new(move |t, phase| {
+        let Some(layer) = t.name().strip_prefix("ffn_moe_topk-").and_then(|l| l.parse::<usize>().ok()) else {
+            return phase == EvalPhase::Computed;
+        };
+        if phase == EvalPhase::Ask {
+            return true;
+        }
+        let (Some(bytes), Ok(mut c)) = (t.host_bytes(), record.lock()) else { return true };
+        let [k, n, ..] = t.ne();
+        let [nb0, nb1, ..] = t.nb();
+        for tok in 0..n as usize {
+            for j in 0..k as usize {
+                let at = tok * nb1 + j * nb0;
+                let Some(raw) = bytes.get(at..at + 4) else { continue };
+                let id = i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
+                if let Some(slot) = c.get_mut(layer).and_then(|row| row.get_mut(id as usize)) {
+                    *slot += 1;
+                }
+            }
+        }
+        true
+    });
+    let fail = |e: crate::generate::GenerateError| invalid("routing", format!("calibrating {}: {e}", path.display()));
+    let mut session =
+        Session::new(&model, prompt.len() as u32 + 2, &Threads::unpinned(threads), Some(callback)).map_err(fail)?;
+    session.generate(prompt, 1, |_, _| {}, &mut |_| Ok(())).map_err(fail)?;
+    drop(session);
+    let counts = counts.lock().map(|c| c.clone()).unwrap_or_default();
+    Ok(counts)
+}
+
+/// A router bias tensor in the written files.
+struct BiasTensor {
+    file: PathBuf,
+    offset: u64,
+}
+
+fn find_biases(files: &[PathBuf], layers: u32, experts: u32) -> Result<Vec<BiasTensor>, SynthError> {
+    let mut found = Vec::new();
+    for il in 0..layers {
+        let name = format!("blk.{il}.ffn_gate_inp.bias");
+        let hit = files.iter().find_map(|f| {
+            let g = GgufFile::open(f).ok()?;
+            let t = g.tensor(&name)?;
+            (t.ty == ggml_sys::GgmlType::F32 && t.size == 4 * u64::from(experts))
+                .then(|| BiasTensor { file: f.clone(), offset: t.offset })
+        });
+        found.push(
+            hit.ok_or_else(|| {
+                invalid("routing", format!("{name} (f32, {experts} values) is not in the written file"))
+            })?,
+        );
+    }
+    Ok(found)
+}
+
+fn write_bias(t: &BiasTensor, values: &[f32]) -> Result<(), SynthError> {
+    let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let io = |source| SynthError::Io { path: t.file.clone(), source };
+    let f = OpenOptions::new().write(true).open(&t.file).map_err(io)?;
+    f.write_all_at(&bytes, t.offset).map_err(io)
+}
+
+/// What calibration reached.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Calibration {
+    /// Rounds run.
+    pub rounds: usize,
+    /// The largest difference between an expert's measured and wanted chance of being routed,
+    /// over every layer, after the last round.
+    pub max_error: f64,
+}
+
+/// Calibrates the router biases of the model written to `files` (first file first): `biases`
+/// are each layer's written values, `want` each layer's wanted chance per expert of being among
+/// a token's top `k`. Rewrites the biases in place.
+pub fn calibrate(
+    files: &[PathBuf],
+    mut biases: Vec<Vec<f32>>,
+    want: &[Vec<f64>],
+    k: u32,
+    threads: u32,
+) -> Result<Calibration, SynthError> {
+    let layers = biases.len() as u32;
+    let experts = biases.first().map_or(0, Vec::len) as u32;
+    let tensors = find_biases(files, layers, experts)?;
+    let prompt = calibration_prompt(CALIBRATION_TOKENS, 7919);
+    let tokens = prompt.len() as f64;
+    let error_of = |counts: &[Vec<u64>]| {
+        want.iter()
+            .flatten()
+            .zip(counts.iter().flatten())
+            .map(|(w, &c)| (c as f64 / tokens - w).abs())
+            .fold(0.0, f64::max)
+    };
+    // The best biases so far (written or not), what they routed, and their error.
+    let mut best: Option<(Vec<Vec<f32>>, Vec<Vec<u64>>, f64)> = None;
+    let mut step = INITIAL_STEP;
+    let mut rounds = 0;
+    loop {
+        let counts = routed_counts(&files[0], &prompt, layers as usize, experts as usize, threads)?;
+        rounds += 1;
+        let error = error_of(&counts);
+        log::debug!("synth: routing calibration round {rounds}: largest error {error:.3} (step {step})");
+        if best.as_ref().is_none_or(|b| error < b.2) {
+            best = Some((biases.clone(), counts, error));
+        } else {
+            // Overshot: retry from the best with a shorter step.
+            step *= 0.5;
+        }
+        let Some((from, routed, best_error)) = best.as_ref() else { break };
+        if *best_error <= CONVERGED + f64::from(k) / 100.0 || rounds == MAX_ROUNDS {
+            break;
+        }
+        biases = from.clone();
+        for ((b, w), c) in biases.iter_mut().zip(want).zip(routed) {
+            for ((b, &want), &count) in b.iter_mut().zip(w).zip(c) {
+                // Half a count keeps an expert never routed moving up by a bounded step.
+                let ratio = (want * tokens + 0.5) / (count as f64 + 0.5);
+                *b += step * ratio.ln() as f32;
+            }
+            let mean = b.iter().sum::<f32>() / b.len() as f32;
+            b.iter_mut().for_each(|v| *v -= mean);
+        }
+        for (t, b) in tensors.iter().zip(&biases) {
+            write_bias(t, b)?;
+        }
+    }
+    let (chosen, _, max_error) = best.unwrap_or_default();
+    if chosen != biases {
+        for (t, b) in tensors.iter().zip(&chosen) {
+            write_bias(t, b)?;
+        }
+    }
+    Ok(Calibration { rounds, max_error })
+}
+
+/// Calibration stops once every expert's chance is within this (plus a point per routed
+/// expert) of what it should be.
+const CONVERGED: f64 = 0.02;

@@ -1,0 +1,117 @@
+//! Skewed routing (`sluice synth --routing skewed`): the same spec gives the same file, and the
+//! model's measured expert popularity follows its parameters, where a uniform model's does not.
+
+use sluice::synth::calibrate;
+use sluice::synth::routing::{self, Routing};
+use sluice::synth::{self, OutputType, SynthArch, SynthSpec};
+
+/// Tokens of the measured prompt.
+const TOKENS: usize = 400;
+
+fn spec(routing: Routing) -> SynthSpec {
+    SynthSpec {
+        arch: SynthArch::GptOss,
+        layers: 3,
+        experts: 16,
+        experts_used: 2,
+        out_type: OutputType::F16,
+        seed: 11,
+        routing,
+        ..SynthSpec::default()
+    }
+}
+
+/// How often each layer's experts were among a token's top k over a prompt the calibration
+/// did not see.
+fn routed_counts(path: &std::path::Path, layers: usize, experts: usize) -> Vec<Vec<u64>> {
+    let prompt = calibrate::calibration_prompt(TOKENS, 104_729);
+    calibrate::routed_counts(path, &prompt, layers, experts, 2).unwrap()
+}
+
+/// The fewest experts that hold 90% of `counts`.
+fn coverage(counts: &[u64]) -> usize {
+    let mut sorted = counts.to_vec();
+    sorted.sort_unstable_by(|a, b| b.cmp(a));
+    let total: u64 = sorted.iter().sum();
+    let mut acc = 0;
+    sorted
+        .iter()
+        .position(|&c| {
+            acc += c;
+            acc * 10 >= total * 9
+        })
+        .map_or(sorted.len(), |i| i + 1)
+}
+
+#[test]
+fn skewed_routing_is_deterministic_and_routes_by_its_popularity_profile() {
+    let dir = tempfile::tempdir().unwrap();
+    let skewed = spec(Routing::Skewed(routing::DEFAULT_SKEW));
+    let (a, b) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
+    synth::synthesize(&skewed, &a, 2).unwrap();
+    synth::synthesize(&skewed, &b, 2).unwrap();
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap(), "the same spec gives the same bytes");
+
+    let (n, k) = (skewed.experts, skewed.experts_used);
+    let chances = routing::routed_chances(n, k, routing::DEFAULT_SKEW).unwrap();
+    let counts = routed_counts(&a, skewed.layers as usize, n as usize);
+    let want_cover = {
+        let mut acc = 0.0;
+        chances
+            .iter()
+            .position(|c| {
+                acc += c / f64::from(k);
+                acc >= 0.9
+            })
+            .unwrap()
+            + 1
+    };
+    for (layer, c) in counts.iter().enumerate() {
+        assert_eq!(c.iter().sum::<u64>(), (TOKENS as u64) * u64::from(k), "layer {layer}: every token routed");
+        // Each expert's measured chance against the chance of its rank in this layer's order.
+        let order = routing::layer_order(n as usize, skewed.seed, layer as u32);
+        let got: Vec<f64> = order.iter().map(|&e| c[e] as f64 / TOKENS as f64).collect();
+        eprintln!("layer {layer}: measured {got:.3?}\n         want {chances:.3?}");
+        for (rank, (g, w)) in got.iter().zip(&chances).enumerate() {
+            assert!((g - w).abs() <= 0.06 + 0.3 * w, "layer {layer}, rank {rank}: routed {g:.3}, want {w:.3}");
+        }
+        let cover = coverage(c);
+        eprintln!("layer {layer}: 90% in {cover} experts, want {want_cover}");
+        assert!(cover.abs_diff(want_cover) <= 2, "layer {layer}: 90% of routing in {cover} experts, want {want_cover}");
+    }
+
+    // The same model with its random router follows its own, unshaped popularity: not the
+    // profile's order.
+    let uniform = spec(Routing::Uniform);
+    let u = dir.path().join("u.gguf");
+    synth::synthesize(&uniform, &u, 2).unwrap();
+    let random = routed_counts(&u, uniform.layers as usize, n as usize);
+    for (layer, (c, r)) in counts.iter().zip(&random).enumerate() {
+        let want = routing::by_expert(&chances, skewed.seed, layer as u32);
+        let (fit, unshaped) = (correlation(c, &want), correlation(r, &want));
+        eprintln!("layer {layer}: correlation with the profile {fit:.3} skewed, {unshaped:.3} random router");
+        assert!(fit > 0.95 && unshaped < fit - 0.3, "layer {layer}: correlation {fit:.3} skewed, {unshaped:.3} random");
+    }
+}
+
+/// Pearson correlation of routed counts with wanted chances.
+fn correlation(counts: &[u64], want: &[f64]) -> f64 {
+    let x: Vec<f64> = counts.iter().map(|&c| c as f64).collect();
+    let mean = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
+    let (mx, my) = (mean(&x), mean(want));
+    let cov: f64 = x.iter().zip(want).map(|(a, b)| (a - mx) * (b - my)).sum();
+    let var = |v: &[f64], m: f64| v.iter().map(|a| (a - m) * (a - m)).sum::<f64>();
+    cov / (var(&x, mx) * var(want, my)).sqrt()
+}
+
+#[test]
+fn skewed_routing_needs_a_router_bias_and_a_possible_spread() {
+    spec(Routing::Skewed(1.0)).validate().unwrap();
+    let qwen = SynthSpec { routing: Routing::Skewed(1.0), ..SynthSpec::default() };
+    let msg = qwen.validate().unwrap_err().to_string();
+    assert!(msg.contains("--routing") && msg.contains("gpt-oss"), "{msg}");
+    let msg = spec(Routing::Skewed(9.0)).validate().unwrap_err().to_string();
+    assert!(msg.contains("--skew"), "{msg}");
+    let msg = spec(Routing::Skewed(-1.0)).validate().unwrap_err().to_string();
+    assert!(msg.contains("--skew"), "{msg}");
+}
