@@ -11,6 +11,9 @@ pub enum Error {
     /// A string could not be passed to C (it holds a NUL byte).
     #[error("text contains a NUL byte at position {0}")]
     TextNul(usize),
+    /// A metadata override's key cannot be passed to llama.cpp.
+    #[error("metadata override key {0:?} is longer than 127 bytes or holds a NUL byte")]
+    MetadataOverride(String),
     /// gguf could not parse the file.
     #[error(
         "{path}: not a readable GGUF file (ggml rejected its header or metadata; is it truncated or another format?)"

@@ -33,6 +33,34 @@ pub struct ModelParams {
     /// allocated, and contexts over the model report the sizes they would hold
     /// ([`crate::Context::memory_sizes`]) without computing anything.
     pub metadata_only: bool,
+    /// Integer metadata values to use instead of the file's (`kv_overrides`), e.g.
+    /// `("gpt-oss.expert_used_count", 2)`. Keys are at most 127 bytes.
+    pub int_overrides: Vec<(String, i64)>,
+}
+
+/// llama.cpp's metadata overrides for `ints`, ended by an entry with an empty key (empty when
+/// there is nothing to override).
+fn kv_overrides(ints: &[(String, i64)]) -> Result<Vec<sys::llama_model_kv_override>> {
+    if ints.is_empty() {
+        return Ok(Vec::new());
+    }
+    let entry = |key: &str, value: i64| -> Result<sys::llama_model_kv_override> {
+        let mut k = [0 as c_char; 128];
+        if key.len() >= k.len() || key.contains('\0') {
+            return Err(Error::MetadataOverride(key.to_string()));
+        }
+        for (dst, &b) in k.iter_mut().zip(key.as_bytes()) {
+            *dst = b as c_char;
+        }
+        Ok(sys::llama_model_kv_override {
+            tag: sys::LLAMA_KV_OVERRIDE_TYPE_INT,
+            key: k,
+            __bindgen_anon_1: sys::llama_model_kv_override__bindgen_ty_1 { val_i64: value },
+        })
+    };
+    let mut out = ints.iter().map(|(k, v)| entry(k, *v)).collect::<Result<Vec<_>>>()?;
+    out.push(entry("", 0)?);
+    Ok(out)
 }
 
 /// A loaded model. Read-only after load (except for weights rebound by the streaming engine);
@@ -87,9 +115,14 @@ impl Model {
         if !overrides.is_empty() {
             p.tensor_buft_overrides = overrides.as_ptr();
         }
+        let kv = kv_overrides(&params.int_overrides)?;
+        if !kv.is_empty() {
+            p.kv_overrides = kv.as_ptr();
+        }
         // SAFETY: c_path is NUL-terminated; p is a fully initialized parameter struct whose
-        // pointers are the library defaults (NULL), `pattern`, or `overrides` (NULL-terminated,
-        // its patterns in `cpu_pattern`), all of which outlive the call.
+        // pointers are the library defaults (NULL), `pattern`, `overrides` (NULL-terminated,
+        // its patterns in `cpu_pattern`) or `kv` (ended by an empty key), all of which outlive
+        // the call.
         let raw = unsafe { crate::shim::sluice_model_load_from_file(c_path.as_ptr(), p) };
         crate::shim::caught("llama_model_load_from_file")?;
         if raw.is_null() {

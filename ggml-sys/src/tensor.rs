@@ -103,6 +103,23 @@ impl<'a> TensorView<'a> {
         // tensor; the contents are not written while the callback runs (the node is computed).
         Some(unsafe { std::slice::from_raw_parts(t.data as *const u8, self.n_bytes()) })
     }
+
+    /// Overwrites the tensor's bytes from `offset` with `bytes`, when its buffer lives in host
+    /// memory and the range is inside the tensor. For the eval callback's computed phase only: the
+    /// node's consumers (which then read the new bytes) have not run, and no slice from
+    /// [`TensorView::host_bytes`] of it may be held across the call. Returns whether it wrote.
+    pub fn write_host_bytes(&self, offset: usize, bytes: &[u8]) -> bool {
+        let Some(current) = self.host_bytes() else { return false };
+        if offset.checked_add(bytes.len()).is_none_or(|end| end > current.len()) {
+            return false;
+        }
+        let dst = current.as_ptr() as *mut u8;
+        // SAFETY: [offset, offset + len) lies within the tensor's host bytes (checked above);
+        // during the eval callback ggml's compute is paused between nodes, so nothing else
+        // reads or writes this tensor, and the caller holds no slice of it.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.add(offset), bytes.len()) };
+        true
+    }
 }
 
 impl std::fmt::Debug for TensorView<'_> {

@@ -42,6 +42,9 @@ pub enum GenerateError {
     /// The caller stopped the generation (its abort flag was set).
     #[error("generation cancelled")]
     Cancelled,
+    /// A lossy setting the model cannot take.
+    #[error(transparent)]
+    Lossy(crate::lossy::LossyError),
     /// llama.cpp reported an error.
     #[error(transparent)]
     Llama(ggml_sys::Error),
@@ -331,18 +334,8 @@ impl<'m> Session<'m> {
     ) -> Result<Generation, GenerateError> {
         self.ctx.clear_memory();
         sampler.inner.accept_prompt(prompt)?;
-        let n_batch = self.batch_capacity();
         let t0 = Instant::now();
-        let mut pos = 0i32;
-        for chunk in prompt.chunks(n_batch) {
-            self.batch.clear();
-            for (i, &t) in chunk.iter().enumerate() {
-                let last = pos as usize + i + 1 == prompt.len();
-                self.batch.push(t, pos + i as i32, last)?;
-            }
-            self.timed_decode(true, observer)?;
-            pos += chunk.len() as i32;
-        }
+        let mut pos = self.prefill(prompt, observer)?;
         let prefill = t0.elapsed();
         let t1 = Instant::now();
         // The draft state and the most tokens a decode drafts.
@@ -410,6 +403,49 @@ impl<'m> Session<'m> {
         }
         out.decode = t1.elapsed();
         Ok(out)
+    }
+
+    /// Decodes `prompt` into the (empty) context in batches, the last token's logits kept;
+    /// returns the next position.
+    fn prefill(&mut self, prompt: &[Token], observer: &mut DecodeObserver<'_>) -> Result<i32, GenerateError> {
+        let n_batch = self.batch_capacity();
+        let mut pos = 0i32;
+        for chunk in prompt.chunks(n_batch) {
+            self.batch.clear();
+            for (i, &t) in chunk.iter().enumerate() {
+                let last = pos as usize + i + 1 == prompt.len();
+                self.batch.push(t, pos + i as i32, last)?;
+            }
+            self.timed_decode(true, observer)?;
+            pos += chunk.len() as i32;
+        }
+        Ok(pos)
+    }
+
+    /// Teacher forcing: decodes `prompt`, then `continuation` one token at a time, and passes
+    /// `on_logits(i, logits)` the model's next-token logits before `continuation[i]`: what the
+    /// model predicts at each step of a given text (to compare two configurations on the same
+    /// text). Starts from an empty context.
+    pub fn score_continuation(
+        &mut self,
+        prompt: &[Token],
+        continuation: &[Token],
+        mut on_logits: impl FnMut(usize, &[f32]),
+        observer: &mut DecodeObserver<'_>,
+    ) -> Result<(), GenerateError> {
+        self.ctx.clear_memory();
+        let mut pos = self.prefill(prompt, observer)?;
+        for (i, &t) in continuation.iter().enumerate() {
+            on_logits(i, self.ctx.logits(-1)?);
+            if i + 1 == continuation.len() {
+                break;
+            }
+            self.batch.clear();
+            self.batch.push(t, pos, true)?;
+            self.timed_decode(false, observer)?;
+            pos += 1;
+        }
+        Ok(())
     }
 
     /// Takes a chosen token (its logits at batch output `at`): ends the generation at an

@@ -12,6 +12,7 @@ pub mod board;
 pub mod budget;
 pub mod demo;
 pub mod generate;
+pub mod lossy;
 pub mod metadata;
 pub mod serve;
 pub mod stream;

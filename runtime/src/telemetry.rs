@@ -79,6 +79,8 @@ pub struct TokenRow {
     pub hits: u64,
     /// Cache misses.
     pub misses: u64,
+    /// Chosen experts replaced by cached ones (lossy `--substitute`).
+    pub substituted: u64,
     /// Cumulative hit rate.
     pub hit_rate: f64,
     /// Major faults during the decode.
@@ -111,6 +113,7 @@ impl TokenRow {
             experts_routed: stats.experts_routed,
             hits: stats.hits,
             misses: stats.misses,
+            substituted: stats.substituted,
             hit_rate: cache.hit_rate(),
             major_faults: after.major_faults.saturating_sub(before.major_faults),
             rss_anon: after.rss_anon,
@@ -162,6 +165,8 @@ pub struct Summary {
     pub bytes_read: u64,
     /// Their major faults.
     pub major_faults: u64,
+    /// Chosen experts they replaced by cached ones (lossy `--substitute`).
+    pub substituted: u64,
     /// Cumulative hit rate at the end.
     pub hit_rate: f64,
     /// Highest RSS seen after a decode.
@@ -189,6 +194,7 @@ impl Summary {
             s.stall += r.stall;
             s.bytes_read += r.bytes_read;
             s.major_faults += r.major_faults;
+            s.substituted += r.substituted;
         }
         s
     }
@@ -265,6 +271,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
             r.experts_routed.to_string(),
             r.hits.to_string(),
             r.misses.to_string(),
+            r.substituted.to_string(),
             format!("{:.4}", r.hit_rate),
             r.major_faults.to_string(),
             r.rss_anon.to_string(),
@@ -275,7 +282,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
 }
 
 /// The columns of the per-token CSV.
-const CSV_HEADER: [&str; 16] = [
+const CSV_HEADER: [&str; 17] = [
     "index",
     "prefill",
     "n_tokens",
@@ -288,6 +295,7 @@ const CSV_HEADER: [&str; 16] = [
     "experts_routed",
     "hits",
     "misses",
+    "substituted",
     "hit_rate",
     "major_faults",
     "rss_anon",
@@ -311,6 +319,7 @@ mod tests {
             experts_routed: 4,
             hits: 1,
             misses: 3,
+            substituted: 0,
             hit_rate: 0.25,
             major_faults: 0,
             rss_anon: 1 << 20,

@@ -161,6 +161,7 @@ pub fn stream_config(
         trace_routes: true,
         gpu_layers: 0,
         overlap: None,
+        lossy: sluice::lossy::Lossy::default(),
     }
 }
 

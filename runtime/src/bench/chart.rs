@@ -71,6 +71,7 @@ mod tests {
             ttft_s: 0.0,
             prefill_read: 0,
             draft_accept: None,
+            lossy_quality: None,
             tokens: Vec::new(),
         }
     }

@@ -19,6 +19,7 @@ use super::{drop_cached, run_resident, run_streamed, BenchError, BenchRow};
 use crate::board::ResolvedBoard;
 use crate::budget::{self, PlanRequest};
 use crate::generate::{GenerateError, GenerateParams, NGRAM_DRAFT_MAX};
+use crate::lossy::Lossy;
 use crate::stream::{DensePolicy, ExpertIndex, StreamConfig};
 use crate::telemetry::Usage;
 
@@ -39,14 +40,19 @@ pub enum ChildKind {
     ResidentDraft,
     /// Serial streaming with the automatic cache, drafting n-grams.
     StreamedAutoDraft,
+    /// Serial streaming with the automatic cache and fewer experts per token (lossy).
+    StreamedAutoFewerExperts,
+    /// Serial streaming with the automatic cache and cache-aware substitution (lossy).
+    StreamedAutoSubstitute,
     /// The storage ceiling: O_DIRECT reads of the model file.
     Ceiling,
 }
 
-/// The kinds the parent runs, in order: the drafting rows only when the board drafts. The
-/// ceiling comes last: storage behind a cache of its own (a VM's host, a drive's DRAM) is then as
-/// warm for it as for the decodes before it, so the streamer's share of it is not flattered.
-pub fn kinds(draft: bool) -> Vec<ChildKind> {
+/// The kinds the parent runs, in order: the drafting rows only when the board drafts, a lossy
+/// row for each lossy mode `lossy` sets. The ceiling comes last: storage behind a cache of its
+/// own (a VM's host, a drive's DRAM) is then as warm for it as for the decodes before it, so the
+/// streamer's share of it is not flattered.
+pub fn kinds(draft: bool, lossy: &Lossy) -> Vec<ChildKind> {
     let mut kinds = vec![
         ChildKind::Resident,
         ChildKind::StreamedNoCache,
@@ -56,6 +62,12 @@ pub fn kinds(draft: bool) -> Vec<ChildKind> {
     ];
     if draft {
         kinds.extend([ChildKind::ResidentDraft, ChildKind::StreamedAutoDraft]);
+    }
+    if lossy.experts_used.is_some() {
+        kinds.push(ChildKind::StreamedAutoFewerExperts);
+    }
+    if lossy.substitute.is_some() {
+        kinds.push(ChildKind::StreamedAutoSubstitute);
     }
     kinds.push(ChildKind::Ceiling);
     kinds
@@ -91,13 +103,15 @@ pub enum ChildOutput {
 const CEILING_LIMIT: u64 = 4 << 30;
 
 /// Child side: runs `kind` on `model` (the process has joined its cgroup, and `board` was
-/// resolved after that, so its budget is the cgroup's limit).
+/// resolved after that, so its budget is the cgroup's limit); a lossy kind takes its mode's
+/// setting from `lossy` and also measures its quality against exact decoding.
 pub fn run_child(
     kind: ChildKind,
     model: &Path,
     prompt: &str,
     n_predict: u32,
     board: &ResolvedBoard,
+    lossy: &Lossy,
 ) -> Result<ChildOutput, BenchError> {
     let index =
         Arc::new(ExpertIndex::open(model).map_err(|e| GenerateError::from(crate::stream::StreamError::from(e)))?);
@@ -110,6 +124,7 @@ pub fn run_child(
         trace_routes: false,
         gpu_layers: 0,
         overlap: None,
+        lossy: crate::lossy::Lossy::default(),
     };
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
@@ -122,9 +137,15 @@ pub fn run_child(
         | ChildKind::StreamedNoCacheOverlap
         | ChildKind::StreamedAuto
         | ChildKind::StreamedAutoOverlap
-        | ChildKind::StreamedAutoDraft => {
-            let auto =
-                matches!(kind, ChildKind::StreamedAuto | ChildKind::StreamedAutoOverlap | ChildKind::StreamedAutoDraft);
+        | ChildKind::StreamedAutoDraft
+        | ChildKind::StreamedAutoFewerExperts
+        | ChildKind::StreamedAutoSubstitute => {
+            let auto = !matches!(kind, ChildKind::StreamedNoCache | ChildKind::StreamedNoCacheOverlap);
+            let lossy = match kind {
+                ChildKind::StreamedAutoFewerExperts => Lossy { experts_used: lossy.experts_used, substitute: None },
+                ChildKind::StreamedAutoSubstitute => Lossy { experts_used: None, substitute: lossy.substitute },
+                _ => Lossy::default(),
+            };
             let draft = kind == ChildKind::StreamedAutoDraft;
             let params = GenerateParams { draft: draft.then_some(NGRAM_DRAFT_MAX), ..params.clone() };
             let overlap = matches!(kind, ChildKind::StreamedNoCacheOverlap | ChildKind::StreamedAutoOverlap);
@@ -140,19 +161,34 @@ pub fn run_child(
             let config = StreamConfig {
                 cache_bytes: ledger.cache_bytes(),
                 overlap: overlap.then_some(crate::stream::READ_BOUND),
+                lossy,
                 ..config
             };
             let label = format!(
-                "streamed, {}, {}{}",
+                "streamed, {}, {}{}{}",
                 if auto { "auto cache" } else { "no cache" },
                 if overlap { "overlap" } else { "serial" },
-                if draft { ", ngram draft" } else { "" }
+                if draft { ", ngram draft" } else { "" },
+                lossy_label(&lossy, index.n_expert_used)
             );
-            run_streamed(model, &index, &config, label, prompt, &params)?
+            let mut row = run_streamed(model, &index, &config, label, prompt, &params)?;
+            if !lossy.is_exact() {
+                row.lossy_quality = Some(super::lossy_quality(model, &index, &config, prompt, &params)?);
+            }
+            row
         }
     };
     row.peak_rss = Usage::sample().rss_peak;
     Ok(ChildOutput::Row(row))
+}
+
+/// A lossy row's label suffix (empty for an exact row).
+fn lossy_label(lossy: &Lossy, model_used: u32) -> String {
+    match (lossy.experts_used, lossy.substitute) {
+        (Some(k), _) => format!(", LOSSY {k} of {model_used} experts"),
+        (None, Some(n)) => format!(", LOSSY substitute from {n} ranks"),
+        (None, None) => String::new(),
+    }
 }
 
 /// Reads the model's first file with one reader at the largest expert slice's size, then with
@@ -193,6 +229,8 @@ pub struct IsolatedPlan {
     pub throttle: Option<DiskThrottle>,
     /// Whether to add the n-gram drafting rows.
     pub draft: bool,
+    /// The lossy modes to add a row for (each measured alone).
+    pub lossy: Lossy,
 }
 
 /// A read-rate limit on one disk.
@@ -217,7 +255,7 @@ pub struct IsolatedReport {
 pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut rows = Vec::new();
     let mut ceiling = None;
-    for (i, kind) in kinds(plan.draft).iter().enumerate() {
+    for (i, kind) in kinds(plan.draft, &plan.lossy).iter().enumerate() {
         let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), plan.budget)?;
         let throttle = plan.throttle.map(|t| ReadThrottle::create(&cg, t.disk, t.bytes_per_s)).transpose()?;
         let kind_name = format!("{kind:?}");

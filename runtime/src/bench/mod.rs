@@ -84,6 +84,8 @@ pub struct BenchRow {
     pub prefill_read: u64,
     /// Drafting: the share of drafted tokens the model agreed with.
     pub draft_accept: Option<f64>,
+    /// A lossy row's quality against exact decoding of the same prompt (`None`: exact row).
+    pub lossy_quality: Option<crate::lossy::Agreement>,
     /// The generated tokens (to check every configuration agrees).
     pub tokens: Vec<ggml_sys::Token>,
 }
@@ -194,6 +196,7 @@ pub(crate) fn run_resident(
         ttft_s: open_s + g.prefill.as_secs_f64(),
         prefill_read,
         draft_accept: draft_accept(params, &g),
+        lossy_quality: None,
         tokens: g.tokens,
     })
 }
@@ -209,7 +212,7 @@ pub(crate) fn run_streamed(
 ) -> Result<BenchRow, GenerateError> {
     drop_cached(&index.shards);
     let meter = PhaseMeter::start();
-    let model = crate::stream::load_streamed_model(path, index, config.dense, config.gpu_layers)?;
+    let model = crate::stream::load_configured(path, index, config)?;
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
     let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, &params.threads)?;
@@ -235,8 +238,46 @@ pub(crate) fn run_streamed(
         ttft_s: open_s + g.prefill.as_secs_f64(),
         prefill_read: rows.iter().filter(|r| r.prefill).map(|r| r.bytes_read).sum(),
         draft_accept: draft_accept(params, &g),
+        lossy_quality: None,
         tokens: g.tokens,
     })
+}
+
+/// What `config`'s lossy modes cost in quality on `prompt`: an exact streamed run generates
+/// greedily (keeping each step's logits), then a run with `config` is fed the same tokens, and
+/// its next-token distributions are compared step by step.
+pub(crate) fn lossy_quality(
+    path: &Path,
+    index: &Arc<ExpertIndex>,
+    config: &StreamConfig,
+    prompt: &str,
+    params: &GenerateParams,
+) -> Result<crate::lossy::Agreement, GenerateError> {
+    let exact_config = StreamConfig { lossy: crate::lossy::Lossy::default(), ..config.clone() };
+    let (prompt_tokens, tokens, logits) = {
+        let model = crate::stream::load_configured(path, index, &exact_config)?;
+        let prompt_tokens = Session::prepare(&model, prompt, params.n_predict)?;
+        let n_ctx = (prompt_tokens.len() + params.n_predict as usize) as u32;
+        let mut session = StreamedSession::open(&model, Arc::clone(index), &exact_config, n_ctx, &params.threads)?;
+        let mut sampler = generate::Sampler::greedy(&model)?;
+        let mut logits = Vec::new();
+        let keep = |c: &generate::Chosen<'_>| {
+            logits.push(c.logits.to_vec());
+            std::ops::ControlFlow::Continue(())
+        };
+        let (g, _) = session.generate_with(&prompt_tokens, params.n_predict, &mut sampler, keep, |_| {})?;
+        (prompt_tokens, g.tokens, logits)
+    };
+    let model = crate::stream::load_configured(path, index, config)?;
+    let n_ctx = (prompt_tokens.len() + params.n_predict as usize) as u32;
+    let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, &params.threads)?;
+    let mut meter = crate::lossy::AgreementMeter::default();
+    session.score_continuation(&prompt_tokens, &tokens, |i, l| {
+        if let Some(exact) = logits.get(i) {
+            meter.add(exact, l);
+        }
+    })?;
+    Ok(meter.finish())
 }
 
 /// Runs every configuration of `plan`, the resident reference first.
@@ -301,6 +342,10 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
     if rows.iter().any(|r| r.draft_accept.is_some()) {
         cols.push(column("draft acc %", rows, |r| opt(r.draft_accept, |v| format!("{:.0}", 100.0 * v))));
     }
+    if rows.iter().any(|r| r.lossy_quality.is_some()) {
+        cols.push(column("top-1 %", rows, |r| opt(r.lossy_quality, |q| format!("{:.1}", 100.0 * q.top1))));
+        cols.push(column("mean KL", rows, |r| opt(r.lossy_quality, |q| format!("{:.4}", q.mean_kl))));
+    }
     cols.push(column("read MiB/s", rows, |r| opt(r.read_mib_s, |v| format!("{v:.1}"))));
     if let Some(c) = ceiling {
         cols.push(column("% ceiling", rows, |r| opt(r.read_mib_s, |v| format!("{:.0}", 100.0 * v / c))));
@@ -335,7 +380,7 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
 /// The results as CSV (one header line, one record per configuration, quoted where a field needs
 /// it; sizes in MiB).
 pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
-    const HEADER: [&str; 20] = [
+    const HEADER: [&str; 22] = [
         "config",
         "cache_mib",
         "tok_s",
@@ -355,6 +400,8 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
         "ttft_s",
         "prefill_mib",
         "draft_accept",
+        "top1_agreement",
+        "mean_kl",
         "same_text",
     ];
     let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
@@ -381,6 +428,8 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
             format!("{:.3}", r.ttft_s),
             format!("{:.1}", mib(r.prefill_read)),
             num(r.draft_accept),
+            num(r.lossy_quality.map(|q| q.top1)),
+            num(r.lossy_quality.map(|q| q.mean_kl)),
             (r.tokens == rows[0].tokens).to_string(),
         ]
     }));
@@ -413,6 +462,7 @@ mod tests {
             ttft_s: 0.7,
             prefill_read: 96 << 20,
             draft_accept: Some(0.25),
+            lossy_quality: None,
             tokens: vec![1, 2, 3],
         }
     }
@@ -423,7 +473,7 @@ mod tests {
         let text = csv(&rows, Some(1000.0));
         let mut reader = ::csv::Reader::from_reader(text.as_bytes());
         let width = reader.headers().unwrap().len();
-        assert_eq!(width, 20);
+        assert_eq!(width, 22);
         let records: Vec<::csv::StringRecord> = reader.records().map(Result::unwrap).collect();
         assert_eq!(records.len(), 2);
         assert!(records.iter().all(|r| r.len() == width), "{text}");

@@ -65,12 +65,32 @@ pub fn board(choice: &BoardChoice, model: Option<&Path>, tuning: &TuningArgs) ->
     Ok(resolved)
 }
 
+/// Opt-in lossy modes: the output then differs from the model's exact output. Off unless given.
+#[derive(Args, Clone, Default)]
+pub struct LossyArgs {
+    /// LOSSY: route each token to K experts instead of the model's count (fewer expert reads and
+    /// products per token; the run summary, /metrics and `sluice bench` show the cost).
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
+    pub experts_used: Option<u32>,
+    /// LOSSY: when a token's chosen expert is not in the expert cache, run a cached expert the
+    /// router ranked at most N places after the token's chosen ones instead.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
+    pub substitute: Option<u32>,
+}
+
+impl LossyArgs {
+    /// The settings these arguments make.
+    pub fn lossy(&self) -> sluice::lossy::Lossy {
+        sluice::lossy::Lossy { experts_used: self.experts_used, substitute: self.substitute }
+    }
+}
+
 /// How a streamed run is configured beyond the board.
 #[derive(Args)]
 pub struct StreamArgs {
     /// Load everything with llama.cpp's own mmap and do not stream (the reference for
     /// comparison). The streaming flags do not apply to it and are refused beside it.
-    #[arg(long, conflicts_with_all = ["cache_mb", "force_cache", "dense", "csv", "progress"])]
+    #[arg(long, conflicts_with_all = ["cache_mb", "force_cache", "dense", "csv", "progress", "experts_used", "substitute"])]
     pub resident: bool,
     /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: what the
     /// board's memory budget leaves after the rest of the ledger (`sluice plan`), at most all the
@@ -89,6 +109,8 @@ pub struct StreamArgs {
     /// Show a live status line while generating.
     #[arg(long)]
     pub progress: bool,
+    #[command(flatten)]
+    pub lossy: LossyArgs,
 }
 
 /// A streaming configuration on `board`: its lanes and compute service.
@@ -111,5 +133,6 @@ pub fn stream_config(board: &ResolvedBoard, cache_bytes: u64, force_cache: bool,
         trace_routes: false,
         gpu_layers,
         overlap: board.overlap.value.then_some(sluice::stream::READ_BOUND),
+        lossy: sluice::lossy::Lossy::default(),
     }
 }

@@ -14,7 +14,7 @@ use sluice::budget::{self, PlanRequest};
 use sluice::generate;
 use sluice::stream::{DensePolicy, ExpertIndex};
 
-use super::args::{self, TuningArgs};
+use super::args::{self, LossyArgs, TuningArgs};
 
 /// `sluice bench` arguments.
 #[derive(Args)]
@@ -51,6 +51,10 @@ pub struct BenchArgs {
     out: PathBuf,
     #[command(flatten)]
     tuning: TuningArgs,
+    /// With --budget-mb, each lossy mode given adds a row (streamed, automatic cache) with its
+    /// speed and its quality against exact decoding of the same prompt.
+    #[command(flatten)]
+    lossy: LossyArgs,
 }
 
 /// `sluice bench-child` arguments (started by `sluice bench --budget-mb`).
@@ -73,6 +77,8 @@ pub struct BenchChildArgs {
     n_predict: u32,
     #[command(flatten)]
     tuning: TuningArgs,
+    #[command(flatten)]
+    lossy: LossyArgs,
 }
 
 fn model_mib(model: &std::path::Path) -> Result<f64> {
@@ -91,6 +97,9 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     let prompt_tokens = generate::prompt_positions(&a.model, &prompt, 0)?;
     if let Some(budget_mb) = a.budget_mb {
         return run_isolated(a, &prompt, prompt_tokens, choice, budget_mb);
+    }
+    if !a.lossy.lossy().is_exact() {
+        anyhow::bail!("--experts-used and --substitute add rows to a --budget-mb run; give --budget-mb too");
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     // Every streamed configuration must fit the board's budget, like a run. A plan's total
@@ -186,6 +195,11 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         a.n_predict.to_string().into(),
     ];
     child_args.extend(tuning_args(&a.tuning));
+    for (flag, v) in [("--experts-used", a.lossy.experts_used), ("--substitute", a.lossy.substitute)] {
+        if let Some(v) = v {
+            child_args.extend([flag.into(), v.to_string().into()]);
+        }
+    }
     let plan = IsolatedPlan {
         exe: std::env::current_exe().context("locating the sluice binary")?,
         global_args: vec!["--board".into(), choice.to_string().into()],
@@ -193,6 +207,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         budget: budget_mb << 20,
         throttle: throttle.map(|(_, t)| t),
         draft: board.draft_max().is_some(),
+        lossy: a.lossy.lossy(),
     };
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;
@@ -219,8 +234,8 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     std::fs::write(&svg, sluice::bench::svg_bar_chart(&report.rows, &title))
         .with_context(|| format!("writing {}", svg.display()))?;
     eprintln!("wrote {} and {}", csv.display(), svg.display());
-    if report.rows.iter().any(|r| r.tokens != report.rows[0].tokens) {
-        anyhow::bail!("a streamed configuration generated different tokens from the resident run");
+    if report.rows.iter().any(|r| r.lossy_quality.is_none() && r.tokens != report.rows[0].tokens) {
+        anyhow::bail!("an exact streamed configuration generated different tokens from the resident run");
     }
     Ok(())
 }
@@ -255,7 +270,7 @@ pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
         sluice_hal::cgroup::join(dir).with_context(|| format!("joining {}", dir.display()))?;
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
-    let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board)?;
+    let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board, &a.lossy.lossy())?;
     outln!("{}", serde_json::to_string(&out)?);
     Ok(())
 }

@@ -112,9 +112,10 @@ fn run_streamed(
         .transpose()?;
     let index = Arc::new(ExpertIndex::open(model_path)?);
     let mut config = args::stream_config(board, 0, args.force_cache, args.dense);
+    config.lossy = args.lossy.lossy();
     let meter = telemetry::PhaseMeter::start();
     // Every tensor is lazy here: loading reads the metadata and the vocabulary, no weight.
-    let model = stream::load_streamed_model(model_path, &index, config.dense, config.gpu_layers)?;
+    let model = stream::load_configured(model_path, &index, &config)?;
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
     let ledger = budget::plan_within_budget(&PlanRequest {
@@ -176,6 +177,13 @@ fn run_streamed(
         eprintln!("draft: {} of {} drafted tokens accepted", generation.accepted, generation.drafted);
     }
     eprintln!("{}", summary.describe());
+    if !config.lossy.is_exact() {
+        eprintln!(
+            "{}; {} chosen experts substituted by cached ones",
+            config.lossy.describe(index.n_expert_used),
+            summary.substituted
+        );
+    }
     let usage = telemetry::Usage::sample();
     eprintln!(
         "memory: peak RSS {:.1} MiB (now anon {:.1} + file {:.1} MiB), ledger total {:.1} MiB, budget {:.1} MiB ({})",
@@ -244,6 +252,7 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         dense: DensePolicy::Anon,
         csv: None,
         progress: false,
+        lossy: Default::default(),
     };
     run_streamed(&path, demo::DEMO_PROMPT, &params, &args, &board)
 }

@@ -17,7 +17,7 @@ use sluice::serve::{self, ServeConfig};
 use sluice::stream::DensePolicy;
 use sluice_hal::root::SysRoot;
 
-use super::args::{self, TuningArgs};
+use super::args::{self, LossyArgs, TuningArgs};
 
 /// `sluice serve` arguments.
 #[derive(Args)]
@@ -57,6 +57,8 @@ pub struct ServeArgs {
     /// Where dense weights live.
     #[arg(long, value_enum, default_value_t = DensePolicy::Anon)]
     dense: DensePolicy,
+    #[command(flatten)]
+    lossy: LossyArgs,
     /// Largest request body in KiB (larger: 413).
     #[arg(long, default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..=1 << 20))]
     max_body_kib: u64,
@@ -105,7 +107,10 @@ pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
     });
     let engine = EngineConfig {
         model: a.model.clone(),
-        stream: args::stream_config(&board, 0, a.force_cache, a.dense),
+        stream: sluice::stream::StreamConfig {
+            lossy: a.lossy.lossy(),
+            ..args::stream_config(&board, 0, a.force_cache, a.dense)
+        },
         cache_bytes: a.cache_mb.map(|m| m.saturating_mul(1 << 20)),
         threads: board.threads(),
         budget: board.budget.clone(),

@@ -135,7 +135,10 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     let index = Arc::new(ExpertIndex::open(&cfg.model)?);
     let mut config = cfg.stream.clone();
     shared.loading_step("loading the model's metadata and vocabulary");
-    let model = Arc::new(stream::load_streamed_model(&cfg.model, &index, config.dense, config.gpu_layers)?);
+    let model = Arc::new(stream::load_configured(&cfg.model, &index, &config)?);
+    if !config.lossy.is_exact() {
+        log::warn!("{}", config.lossy.describe(index.n_expert_used));
+    }
     // A --ctx beyond the model's own length is refused by the plan (BudgetError::ContextTooLong).
     let n_ctx = cfg.ctx.unwrap_or_else(|| model.n_ctx_train().min(DEFAULT_CTX));
     shared.set_prompt_bound(PromptBound { n_ctx, max_token_bytes: model.max_token_bytes() });
@@ -150,6 +153,7 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     })?;
     log::info!("{}", ledger.describe());
     shared.metrics.set_ledger(&ledger);
+    shared.metrics.set_lossy(&config.lossy);
     config.cache_bytes = ledger.cache_bytes();
     shared.loading_step("reading dense weights and warming up");
     let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &cfg.threads)?;

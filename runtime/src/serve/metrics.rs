@@ -42,6 +42,9 @@ pub struct Metrics {
     connections_total: AtomicU64,
     connections_refused: AtomicU64,
     accept_errors: AtomicU64,
+    substituted: AtomicU64,
+    /// Lossy settings: experts per token (0: the model's), substitution window (0: off).
+    lossy: Mutex<(u64, u64)>,
 }
 
 impl Metrics {
@@ -56,6 +59,13 @@ impl Metrics {
         self.hits.fetch_add(row.hits, Ordering::Relaxed);
         self.misses.fetch_add(row.misses, Ordering::Relaxed);
         self.bytes_read.fetch_add(row.bytes_read, Ordering::Relaxed);
+        self.substituted.fetch_add(row.substituted, Ordering::Relaxed);
+    }
+
+    /// Records the lossy modes the engine runs with.
+    pub fn set_lossy(&self, lossy: &crate::lossy::Lossy) {
+        let settings = (u64::from(lossy.experts_used.unwrap_or(0)), u64::from(lossy.substitute.unwrap_or(0)));
+        *self.lossy.lock().unwrap_or_else(|e| e.into_inner()) = settings;
     }
 
     /// Adds a generation's tokens and decode time.
@@ -174,6 +184,25 @@ impl Metrics {
         let ratio = if hits + misses == 0.0 { 0.0 } else { hits / (hits + misses) };
         metric("expert_cache_hit_ratio", "gauge", "Hits over routed experts, since start.", &one(ratio));
         metric("expert_bytes_read_total", "counter", "Expert bytes read from storage.", &one(n(&self.bytes_read)));
+        let (experts_used, substitute) = *self.lossy.lock().unwrap_or_else(|e| e.into_inner());
+        metric(
+            "lossy_experts_used",
+            "gauge",
+            "LOSSY --experts-used: experts per token, fewer than the model's (0: off, the model's own count).",
+            &one(experts_used as f64),
+        );
+        metric(
+            "lossy_substitute_ranks",
+            "gauge",
+            "LOSSY --substitute: router ranks a cached substitute may come from (0: off).",
+            &one(substitute as f64),
+        );
+        metric(
+            "expert_substitutions_total",
+            "counter",
+            "Chosen experts replaced by cached ones (LOSSY --substitute).",
+            &one(n(&self.substituted)),
+        );
         metric(
             "warm_start_bytes",
             "gauge",

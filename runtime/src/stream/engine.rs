@@ -74,6 +74,8 @@ pub struct DecodeStats {
     pub misses: u64,
     /// Experts evicted.
     pub evictions: u64,
+    /// Chosen experts replaced by a cached one (lossy `--substitute`).
+    pub substituted: u64,
 }
 
 /// One layer's distinct routed experts in one decode (recorded when tracing is on).
@@ -148,6 +150,10 @@ pub struct Streamer<'m> {
     decode_no: u64,
     /// Times each (layer, expert) was routed, `layer * n_expert + expert`.
     heat: Vec<u64>,
+    /// Lossy: the router ranks after a token's chosen experts a cached substitute may come from.
+    substitute: Option<u32>,
+    /// One token's router ranking (the argsort row), for substitution.
+    ranking: Vec<i32>,
 }
 
 /// What a warm start read ahead of the first request.
@@ -194,6 +200,8 @@ impl<'m> Streamer<'m> {
             trace: None,
             decode_no: 0,
             heat: vec![0; n_expert * index.n_layer as usize],
+            substitute: None,
+            ranking: Vec::with_capacity(n_expert),
             mode: Mode::Capture,
             dense_anon,
             index,
@@ -210,6 +218,13 @@ impl<'m> Streamer<'m> {
     /// expert by expert, by the kernel. `bound` limits each collection of a batch.
     pub fn enable_overlap(&mut self, bound: Duration) {
         self.overlap = Some(Overlap { in_flight: false, bound });
+    }
+
+    /// Lossy: from now on, a single token's chosen expert that the cache misses is replaced by
+    /// a cached expert the router ranked within `window` places after the chosen ones
+    /// ([`crate::lossy`]); `None` turns it off.
+    pub fn set_substitute(&mut self, window: Option<u32>) {
+        self.substitute = window;
     }
 
     /// Records every layer's routed experts from now on.
@@ -532,6 +547,9 @@ impl<'m> Streamer<'m> {
             // is used through it).
             return Ok(());
         }
+        if let Some(window) = self.substitute.filter(|_| t.ne()[1] == 1) {
+            self.substitute_cached(t, layer, window)?;
+        }
         self.read_routed_ids(t, layer)?;
         if let Some(trace) = self.trace.as_mut() {
             trace.push(RouteRecord { decode: self.decode_no, layer, experts: self.ids.to_vec() });
@@ -579,6 +597,60 @@ impl<'m> Streamer<'m> {
         let result = self.source.lanes().read_all(&mut self.jobs);
         self.stats.io_wait += t0.elapsed();
         self.account(result)
+    }
+
+    /// Lossy substitution for one token: each chosen expert of `layer` the cache misses (the
+    /// lowest-ranked first) is swapped, in the router's ranking, with the best-ranked cached
+    /// expert among the `window` ranked right after the chosen ones. The ranking is the argsort
+    /// the top-k node `topk` views, rewritten in place before the layer's products (and the
+    /// routing weights) read it.
+    fn substitute_cached(&mut self, topk: TensorView<'_>, layer: u32, window: u32) -> Result<(), StreamError> {
+        let graph = |what: &str| StreamError::Graph(format!("{}: {what}", topk.name()));
+        let sorted = topk.src(0).filter(|s| s.op_name() == "ARGSORT").ok_or_else(|| {
+            graph("--substitute needs the router's full ranking, and this node is not a view of an argsort")
+        })?;
+        let k = topk.ne()[0] as usize;
+        let n = (sorted.ne()[0] as usize).min(self.index.n_expert as usize);
+        let reach = n.min(k + window as usize);
+        {
+            let bytes = sorted.host_bytes().ok_or_else(|| graph("the ranking is not in host memory"))?;
+            let nb0 = sorted.nb()[0];
+            self.ranking.clear();
+            for r in 0..reach {
+                let raw =
+                    bytes.get(r * nb0..r * nb0 + 4).ok_or_else(|| graph("the ranking is shorter than its shape"))?;
+                self.ranking.push(i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]));
+            }
+        }
+        let cached = |cache: &ExpertCache, id: i32| {
+            u32::try_from(id).is_ok_and(|e| e < self.index.n_expert && cache.is_resident(layer, e))
+        };
+        let mut next = k;
+        let mut changed = false;
+        for chosen in (0..k.min(reach)).rev() {
+            if cached(&self.cache, self.ranking[chosen]) {
+                continue;
+            }
+            while next < reach && !cached(&self.cache, self.ranking[next]) {
+                next += 1;
+            }
+            if next == reach {
+                break;
+            }
+            self.ranking.swap(chosen, next);
+            next += 1;
+            changed = true;
+            self.stats.substituted += 1;
+        }
+        if changed {
+            let nb0 = sorted.nb()[0];
+            for (r, id) in self.ranking.iter().enumerate() {
+                if !sorted.write_host_bytes(r * nb0, &id.to_ne_bytes()) {
+                    return Err(graph("the ranking could not be rewritten"));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Fills `self.ids` with the distinct expert ids of the top-k view `t` (`ne = [k, n_tokens]`,

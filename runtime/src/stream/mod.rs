@@ -131,6 +131,8 @@ pub struct StreamConfig {
     /// slices have landed), each wait for one expert bounded by this long; `None` reads each
     /// layer's experts before its products run.
     pub overlap: Option<Duration>,
+    /// Opt-in lossy modes (default: exact).
+    pub lossy: crate::lossy::Lossy,
 }
 
 /// A regular expression matching the routed expert tensors of `index`.
@@ -158,13 +160,33 @@ pub fn load_streamed_model(
     dense: DensePolicy,
     gpu_layers: u32,
 ) -> Result<Model, GenerateError> {
+    crate::generate::load_model_with(path, &streamed_params(index, dense, gpu_layers))
+}
+
+/// [`load_streamed_model`] as `config` says, its lossy `--experts-used` included (checked
+/// against the model).
+pub fn load_configured(
+    path: &std::path::Path,
+    index: &ExpertIndex,
+    config: &StreamConfig,
+) -> Result<Model, GenerateError> {
+    config.lossy.check(index.n_expert_used).map_err(GenerateError::Lossy)?;
     let params = ggml_sys::ModelParams {
+        int_overrides: config.lossy.model_overrides(&index.arch),
+        ..streamed_params(index, config.dense, config.gpu_layers)
+    };
+    crate::generate::load_model_with(path, &params)
+}
+
+/// The model parameters of a streamed load (see [`load_streamed_model`]).
+fn streamed_params(index: &ExpertIndex, dense: DensePolicy, gpu_layers: u32) -> ggml_sys::ModelParams {
+    ggml_sys::ModelParams {
         lazy_tensor_pattern: Some(lazy_pattern(index, dense)),
         n_gpu_layers: gpu_layers.min(i32::MAX as u32) as i32,
         cpu_tensor_pattern: (gpu_layers > 0).then(|| expert_pattern(index)),
         metadata_only: false,
-    };
-    crate::generate::load_model_with(path, &params)
+        int_overrides: Vec::new(),
+    }
 }
 
 /// Checks `budget` against one token's routed demand.
@@ -229,6 +251,7 @@ impl<'m> StreamedSession<'m> {
         if config.trace_routes {
             streamer.enable_trace();
         }
+        streamer.set_substitute(config.lossy.substitute);
         let streamer = Arc::new(Mutex::new(streamer));
         let cb_streamer = Arc::clone(&streamer);
         let callback: ggml_sys::EvalCallback<'m> = Box::new(move |t, phase| lock(&cb_streamer).on_eval(t, phase));
@@ -273,8 +296,32 @@ impl<'m> StreamedSession<'m> {
         n_predict: u32,
         sampler: &mut Sampler,
         on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
-        mut on_row: impl FnMut(&TokenRow),
+        on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
+        self.observed(on_row, |session, observer| session.generate_with(prompt, n_predict, sampler, on_token, observer))
+    }
+
+    /// Teacher forcing like [`Session::score_continuation`], streamed.
+    pub fn score_continuation(
+        &mut self,
+        prompt: &[Token],
+        continuation: &[Token],
+        on_logits: impl FnMut(usize, &[f32]),
+    ) -> Result<Vec<TokenRow>, GenerateError> {
+        let ((), rows) = self.observed(
+            |_| {},
+            |session, observer| session.score_continuation(prompt, continuation, on_logits, observer),
+        )?;
+        Ok(rows)
+    }
+
+    /// Runs `decode` on the session with an observer that ends each decode in the streamer
+    /// (its failure becomes the error) and records a telemetry row, passed to `on_row` too.
+    fn observed<R>(
+        &mut self,
+        mut on_row: impl FnMut(&TokenRow),
+        decode: impl FnOnce(&mut Session<'m>, &mut crate::generate::DecodeObserver<'_>) -> Result<R, GenerateError>,
+    ) -> Result<(R, Vec<TokenRow>), GenerateError> {
         let streamer = Arc::clone(&self.streamer);
         let mut rows = Vec::new();
         let mut usage = Usage::sample();
@@ -298,8 +345,8 @@ impl<'m> StreamedSession<'m> {
             rows.push(row);
             Ok(())
         };
-        let generation = self.session.generate_with(prompt, n_predict, sampler, on_token, &mut observer)?;
-        Ok((generation, rows))
+        let result = decode(&mut self.session, &mut observer)?;
+        Ok((result, rows))
     }
 
     /// Drafts up to `max` tokens per decode from the context's n-grams ([`Session::set_draft`]).
