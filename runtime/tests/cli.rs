@@ -510,3 +510,29 @@ fn metadata_llama_cpp_would_abort_on_is_an_error_naming_the_key_in_every_mode() 
     let o = sluice(&["run", "-m", dup.to_str().unwrap(), "-p", "hi", "--resident"], dir.path());
     assert_clean_error(&o, "tokenizer.ggml.tokens holds \"<0x41>\" twice");
 }
+
+#[test]
+fn lossy_modes_are_named_in_the_summary_and_refused_where_they_cannot_apply() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let exact = sluice(&["run", "-m", &model, "-p", "hello", "-n", "8", "--cache-mb", "2"], dir.path());
+    assert!(exact.status.success(), "{}", stderr(&exact));
+    assert!(!stderr(&exact).contains("LOSSY"), "off by default: {}", stderr(&exact));
+    let lossy = sluice(
+        &["run", "-m", &model, "-p", "hello", "-n", "8", "--cache-mb", "2", "--experts-used", "1", "--substitute", "3"],
+        dir.path(),
+    );
+    assert!(lossy.status.success(), "{}", stderr(&lossy));
+    let said = stderr(&lossy);
+    assert!(
+        said.contains("LOSSY: 1 of 2 experts per token; cached experts substituted from the next 3 router ranks"),
+        "{said}"
+    );
+    assert!(said.contains("chosen experts substituted by cached ones"), "{said}");
+    let o = sluice(&["run", "-m", &model, "-p", "hello", "--experts-used", "5"], dir.path());
+    assert_clean_error(&o, "--experts-used 5: the model routes each token to 2 experts; give 1 to 2");
+    let o = sluice(&["run", "-m", &model, "-p", "hello", "--resident", "--substitute", "2"], dir.path());
+    assert_clean_error(&o, "--substitute");
+    let o = sluice(&["bench", "-m", &model, "--experts-used", "1"], dir.path());
+    assert_clean_error(&o, "give --budget-mb too");
+}

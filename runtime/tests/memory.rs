@@ -103,17 +103,24 @@ fn bench_under_a_budget_writes_its_table_csv_and_chart() {
     let dir = tempfile::tempdir().unwrap();
     let model = synth(dir.path(), "200MiB");
     let out = dir.path().join("out");
-    let o = sluice(&["bench", "-m", &model, "--budget-mb", "144", "-n", "6", "--out", out.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let args = ["bench", "-m", &model, "--budget-mb", "144", "-n", "6", "--out", out.to_str().unwrap()];
+    let lossy = ["--prompt-tokens", "64", "--draft", "ngram", "--experts-used", "1", "--substitute", "2"];
+    let o = sluice(&[&args[..], &lossy[..]].concat()).output().unwrap();
     check(&o);
     let table = String::from_utf8_lossy(&o.stdout);
+    let said = String::from_utf8_lossy(&o.stderr);
+    assert!(said.contains("a 64-token prompt"), "{said}");
     for needle in [
         "resident-mmap",
         "streamed, no cache",
         "streamed, auto cache",
         "ngram draft",
         "draft acc %",
+        "LOSSY 1 of 2 experts",
+        "LOSSY substitute from 2 ranks",
+        "top-1 %",
+        "mean KL",
+        "prefill MiB",
         "cgroup peak MiB",
         "% ceiling",
         "storage ceiling",
@@ -121,8 +128,26 @@ fn bench_under_a_budget_writes_its_table_csv_and_chart() {
         assert!(table.contains(needle), "{needle:?} missing:\n{table}");
     }
     let csv = std::fs::read_to_string(out.join("bench.csv")).unwrap();
-    assert_eq!(csv.lines().count(), 8, "{csv}");
-    assert!(csv.lines().skip(1).all(|l| l.ends_with(",true")), "every configuration generates the same tokens:\n{csv}");
+    let mut reader = csv::Reader::from_reader(csv.as_bytes());
+    let header = reader.headers().unwrap().clone();
+    let col = |name: &str| header.iter().position(|h| h == name).unwrap_or_else(|| panic!("no {name} in {csv}"));
+    let records: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+    assert_eq!(records.len(), 9, "resident, 4 streamed, 2 drafting, 2 lossy:\n{csv}");
+    for r in &records {
+        let (config, top1, kl) = (&r[col("config")], &r[col("top1_agreement")], &r[col("mean_kl")]);
+        if config.contains("LOSSY") {
+            let top1: f64 = top1.parse().unwrap();
+            let kl: f64 = kl.parse().unwrap();
+            assert!((0.0..=1.0).contains(&top1) && kl >= 0.0, "{config}: top-1 {top1}, KL {kl}");
+        } else {
+            assert_eq!(&r[col("same_text")], "true", "{config} generates the resident tokens:\n{csv}");
+            assert!(top1.is_empty() && kl.is_empty(), "{config} is exact:\n{csv}");
+        }
+        if config.starts_with("streamed") {
+            let prefill: f64 = r[col("prefill_mib")].parse().unwrap();
+            assert!(prefill > 0.0, "{config} read its experts for the 64-token prompt:\n{csv}");
+        }
+    }
     let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
-    assert!(svg.starts_with("<svg") && svg.matches("<rect x=").count() == 7, "{svg}");
+    assert!(svg.starts_with("<svg") && svg.matches("<rect x=").count() == 9, "{svg}");
 }

@@ -180,6 +180,8 @@ pub struct StreamRun {
     pub direct: bool,
     /// Routed products the streamed-experts kernel computed, per single-token decode.
     pub kernel_nodes: Vec<u64>,
+    /// Chosen experts replaced by cached ones (lossy substitution), per decode.
+    pub substituted: Vec<u64>,
 }
 
 /// Generates greedily from [`PROMPT`] in an open streamed session.
@@ -198,6 +200,7 @@ pub fn stream_generate(
         bytes_read: rows.iter().map(|r| r.bytes_read).sum(),
         direct: s.lanes().is_direct(0),
         kernel_nodes: rows.iter().filter(|r| !r.prefill).map(|r| r.kernel_nodes).collect(),
+        substituted: rows.iter().map(|r| r.substituted).collect(),
     }
 }
 

@@ -226,3 +226,20 @@ impl Metrics {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lossy_settings_and_substitutions_are_exposed() {
+        let m = Metrics::default();
+        let text = m.render("ready", 0);
+        assert!(text.contains("sluice_lossy_experts_used 0\n") && text.contains("sluice_lossy_substitute_ranks 0\n"));
+        m.set_lossy(&crate::lossy::Lossy { experts_used: Some(2), substitute: Some(4) });
+        let text = m.render("ready", 0);
+        assert!(text.contains("sluice_lossy_experts_used 2\n"), "{text}");
+        assert!(text.contains("sluice_lossy_substitute_ranks 4\n"), "{text}");
+        assert!(text.contains("# TYPE sluice_expert_substitutions_total counter"), "{text}");
+    }
+}
