@@ -30,8 +30,9 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity, streamed vs llama.cpp's mmap load, each
 # configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build, with a
-# 512-token prompt: at the disk's own speed, then throttled to an SD card's (85 MB/s) and a Pi 5
-# NVMe HAT's (400 MB/s). Results under BENCH_DIR/<routing>-<speed>/.
+# 512-token prompt (32 generated tokens, 16 at SD speed) and a row per lossy mode: at the disk's own
+# speed, then throttled to an SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s), with a read sweep
+# (lanes x request size) on the uniform model. Results under BENCH_DIR/<routing>-<speed>/.
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
 
@@ -75,9 +76,12 @@ bench: vendor
 	done
 	@for r in uniform skewed; do for s in disk sd nvme-gen2; do \
 		t=$$(test $$s = disk || echo "--storage-mbps $$s"); \
+		n=$$(test $$s = sd && echo 16 || echo 32); \
+		w=$$(test $$r = uniform && echo --read-sweep); \
 		echo "== $$r routing, $$s"; \
 		target/release/sluice bench --model $(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf \
-			--budget-mb $(BENCH_BUDGET_MB) -n 32 --prompt-tokens 512 $$t --out $(BENCH_DIR)/$$r-$$s || exit 1; \
+			--budget-mb $(BENCH_BUDGET_MB) -n $$n --prompt-tokens 512 $$t $$w \
+			--experts-used 2 --substitute 4 --out $(BENCH_DIR)/$$r-$$s || exit 1; \
 	done; done
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.

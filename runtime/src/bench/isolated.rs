@@ -44,6 +44,8 @@ pub enum ChildKind {
     StreamedAutoFewerExperts,
     /// Serial streaming with the automatic cache and cache-aware substitution (lossy).
     StreamedAutoSubstitute,
+    /// O_DIRECT reads of the model file at several lane counts and request sizes.
+    ReadSweep,
     /// The storage ceiling: O_DIRECT reads of the model file.
     Ceiling,
 }
@@ -52,7 +54,7 @@ pub enum ChildKind {
 /// row for each lossy mode `lossy` sets. The ceiling comes last: storage behind a cache of its
 /// own (a VM's host, a drive's DRAM) is then as warm for it as for the decodes before it, so the
 /// streamer's share of it is not flattered.
-pub fn kinds(draft: bool, lossy: &Lossy) -> Vec<ChildKind> {
+pub fn kinds(draft: bool, lossy: &Lossy, sweep: bool) -> Vec<ChildKind> {
     let mut kinds = vec![
         ChildKind::Resident,
         ChildKind::StreamedNoCache,
@@ -69,8 +71,29 @@ pub fn kinds(draft: bool, lossy: &Lossy) -> Vec<ChildKind> {
     if lossy.substitute.is_some() {
         kinds.push(ChildKind::StreamedAutoSubstitute);
     }
+    if sweep {
+        kinds.push(ChildKind::ReadSweep);
+    }
     kinds.push(ChildKind::Ceiling);
     kinds
+}
+
+/// The lane counts of the read sweep.
+pub const SWEEP_LANES: [u32; 3] = [1, 2, 4];
+/// The request sizes of the read sweep, bytes.
+pub const SWEEP_REQUESTS: [u64; 4] = [128 << 10, 512 << 10, 1 << 20, 4 << 20];
+/// How much of the file each point of the sweep reads (the whole file when smaller).
+const SWEEP_LIMIT: u64 = 192 << 20;
+
+/// One point of the read sweep.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct SweepPoint {
+    /// Parallel readers.
+    pub lanes: u32,
+    /// Request size, bytes.
+    pub request: u64,
+    /// Throughput, MiB/s.
+    pub mib_s: f64,
 }
 
 /// The storage ceiling measured on the model file.
@@ -97,6 +120,8 @@ pub enum ChildOutput {
     Row(BenchRow),
     /// The storage ceiling.
     Ceiling(Ceiling),
+    /// The read sweep.
+    Sweep(Vec<SweepPoint>),
 }
 
 /// The most of the file the ceiling reads (the whole file when smaller).
@@ -128,6 +153,7 @@ pub fn run_child(
     };
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
+        ChildKind::ReadSweep => return Ok(ChildOutput::Sweep(read_sweep(model, &index)?)),
         ChildKind::Resident => run_resident(model, &index.shards, prompt, &params)?,
         ChildKind::ResidentDraft => {
             let params = GenerateParams { draft: Some(NGRAM_DRAFT_MAX), ..params };
@@ -214,6 +240,51 @@ fn ceiling(model: &Path, index: &ExpertIndex, board: &ResolvedBoard) -> Result<C
     })
 }
 
+/// Reads the model's first file at every point of [`SWEEP_LANES`] × [`SWEEP_REQUESTS`], each
+/// from a cold page cache.
+fn read_sweep(model: &Path, index: &ExpertIndex) -> Result<Vec<SweepPoint>, BenchError> {
+    let align = StorageProbe::for_file(&SysRoot::default(), model).map_or(4096, |s| s.direct_alignment()) as usize;
+    let mut points = Vec::new();
+    for lanes in SWEEP_LANES {
+        for request in SWEEP_REQUESTS {
+            drop_cached(&index.shards);
+            let t = measure_direct_read(model, request as usize, lanes as usize, align, SWEEP_LIMIT)
+                .map_err(|e| BenchError::Io(format!("reading {}", model.display()), e))?;
+            points.push(SweepPoint { lanes, request, mib_s: t.mib_per_s() });
+        }
+    }
+    Ok(points)
+}
+
+/// The read sweep as a table: a row per lane count, a column per request size, MiB/s.
+pub fn sweep_table(points: &[SweepPoint]) -> String {
+    let mut out = String::from("lanes");
+    for r in SWEEP_REQUESTS {
+        out.push_str(&format!("  {:>9}", format!("{} KiB", r >> 10)));
+    }
+    out.push('\n');
+    for lanes in SWEEP_LANES {
+        out.push_str(&format!("{lanes:>5}"));
+        for r in SWEEP_REQUESTS {
+            let cell = points.iter().find(|p| p.lanes == lanes && p.request == r).map_or("-".into(), |p| format!("{:.1}", p.mib_s));
+            out.push_str(&format!("  {cell:>9}"));
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// The read sweep as CSV (`lanes,request_kib,mib_s`).
+pub fn sweep_csv(points: &[SweepPoint]) -> String {
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let _ = w.write_record(["lanes", "request_kib", "mib_s"]);
+    for p in points {
+        // Writing into memory cannot fail.
+        let _ = w.write_record([p.lanes.to_string(), (p.request >> 10).to_string(), format!("{:.2}", p.mib_s)]);
+    }
+    w.into_inner().map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default()
+}
+
 /// How the parent starts children.
 #[derive(Debug, Clone)]
 pub struct IsolatedPlan {
@@ -231,6 +302,8 @@ pub struct IsolatedPlan {
     pub draft: bool,
     /// The lossy modes to add a row for (each measured alone).
     pub lossy: Lossy,
+    /// Whether to measure the read sweep.
+    pub sweep: bool,
 }
 
 /// A read-rate limit on one disk.
@@ -249,13 +322,16 @@ pub struct IsolatedReport {
     pub rows: Vec<BenchRow>,
     /// The storage ceiling.
     pub ceiling: Ceiling,
+    /// The read sweep (empty unless asked for).
+    pub sweep: Vec<SweepPoint>,
 }
 
 /// Parent side: runs every kind of [`kinds`] in its own child and cgroup.
 pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut rows = Vec::new();
     let mut ceiling = None;
-    for (i, kind) in kinds(plan.draft, &plan.lossy).iter().enumerate() {
+    let mut sweep = Vec::new();
+    for (i, kind) in kinds(plan.draft, &plan.lossy, plan.sweep).iter().enumerate() {
         let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), plan.budget)?;
         let throttle = plan.throttle.map(|t| ReadThrottle::create(&cg, t.disk, t.bytes_per_s)).transpose()?;
         let kind_name = format!("{kind:?}");
@@ -287,6 +363,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
         })?;
         match output {
             ChildOutput::Ceiling(c) => ceiling = Some(c),
+            ChildOutput::Sweep(points) => sweep = points,
             ChildOutput::Row(mut row) => {
                 row.cgroup_peak = cg.peak();
                 row.limit_hits = cg.limit_hits();
@@ -299,5 +376,5 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
         status: "no result".into(),
         stderr: String::new(),
     })?;
-    Ok(IsolatedReport { rows, ceiling })
+    Ok(IsolatedReport { rows, ceiling, sweep })
 }

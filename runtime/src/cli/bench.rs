@@ -46,6 +46,10 @@ pub struct BenchArgs {
     /// cgroup controller (v1 blkio, v2 io).
     #[arg(long, requires = "budget_mb")]
     storage_mbps: Option<StorageSpeed>,
+    /// With --budget-mb: also read the model file with 1, 2 and 4 lanes at requests of 128 KiB
+    /// to 4 MiB (under the same throttle), printed as a table and written to read-sweep.csv.
+    #[arg(long, requires = "budget_mb")]
+    read_sweep: bool,
     /// With --budget-mb: where to write bench.csv and bench.svg.
     #[arg(long, default_value = ".")]
     out: PathBuf,
@@ -208,6 +212,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         throttle: throttle.map(|(_, t)| t),
         draft: board.draft_max().is_some(),
         lossy: a.lossy.lossy(),
+        sweep: a.read_sweep,
     };
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;
@@ -223,6 +228,11 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         c.lanes_mib_s
     );
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    if !report.sweep.is_empty() {
+        outln!("read sweep (O_DIRECT from a cold cache), MiB/s:\n{}", isolated::sweep_table(&report.sweep));
+        let path = a.out.join("read-sweep.csv");
+        std::fs::write(&path, isolated::sweep_csv(&report.sweep)).with_context(|| format!("writing {}", path.display()))?;
+    }
     let csv = a.out.join("bench.csv");
     std::fs::write(&csv, sluice::bench::csv(&report.rows, Some(c.single_mib_s)))
         .with_context(|| format!("writing {}", csv.display()))?;
