@@ -77,7 +77,7 @@ bench: vendor
 	@for r in uniform skewed; do for s in disk sd nvme-gen2; do \
 		t=$$(test $$s = disk || echo "--storage-mbps $$s"); \
 		n=$$(test $$s = sd && echo 16 || echo 32); \
-		w=$$(test $$r = uniform && echo --read-sweep); \
+		w=$$(test $$r = uniform && echo --read-sweep || true); \
 		echo "== $$r routing, $$s"; \
 		target/release/sluice bench --model $(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf \
 			--budget-mb $(BENCH_BUDGET_MB) -n $$n --prompt-tokens 512 $$t $$w \

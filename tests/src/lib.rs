@@ -161,6 +161,7 @@ pub fn stream_config(
         trace_routes: true,
         gpu_layers: 0,
         overlap: None,
+        overlap_prompt_only: false,
         lossy: sluice::lossy::Lossy::default(),
     }
 }

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 
 use sluice::board::{
-    resolve, select, BoardChoice, BoardError, BoardProfile, BuildCaps, Overrides, ResolvedBoard, BUILTIN,
+    resolve, select, BoardChoice, BoardError, BoardProfile, BuildCaps, Overlap, Overrides, ResolvedBoard, BUILTIN,
 };
 use sluice_hal::probe::HardwareProbe;
 use sluice_hal::root::SysRoot;
@@ -180,12 +180,17 @@ fn overlapped_the_io_cores_compute_no_more() {
         let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
         resolve(selected, &probe, &Overrides { overlap: Some(overlap), ..Overrides::default() }, None, caps).unwrap()
     };
-    let serial = with(false);
+    let every_core = (vec![0, 1, 2, 3], vec![3], 4);
+    let serial = with(Overlap::Off);
+    assert_eq!((serial.compute_cores.clone(), serial.io_cores.clone(), serial.threads.value), every_core);
+    let prompt = with(Overlap::Prompt);
     assert_eq!(
-        (serial.compute_cores.clone(), serial.io_cores.clone(), serial.threads.value),
-        (vec![0, 1, 2, 3], vec![3], 4)
+        (prompt.compute_cores.clone(), prompt.io_cores.clone(), prompt.threads.value),
+        every_core,
+        "overlapping prompts only keeps every compute core"
     );
-    let overlapped = with(true);
+    assert_eq!(prompt.overlap.source, "--overlap-prompt");
+    let overlapped = with(Overlap::On);
     assert_eq!(
         (overlapped.compute_cores.clone(), overlapped.threads.value),
         (vec![0, 1, 2], 3),
@@ -194,6 +199,19 @@ fn overlapped_the_io_cores_compute_no_more() {
     );
     assert_eq!(overlapped.io_cores, vec![3]);
     assert!(overlapped.notes.iter().any(|n| n.contains("compute no more")), "{:?}", overlapped.notes);
+}
+
+#[test]
+fn storage_overlap_takes_a_boolean_or_a_mode_and_names_a_bad_one() {
+    let parse = |v: &str| {
+        let text = format!("name = \"t\"\n[storage]\noverlap = {v}\n");
+        BoardProfile::parse(&text, "t.toml").map(|p| p.storage.overlap)
+    };
+    assert_eq!(parse("true").unwrap(), Some(Overlap::On));
+    assert_eq!(parse("false").unwrap(), Some(Overlap::Off));
+    assert_eq!(parse("\"prompt\"").unwrap(), Some(Overlap::Prompt));
+    let err = parse("\"sometimes\"").unwrap_err().to_string();
+    assert!(err.contains("sometimes") && err.contains("prompt"), "{err}");
 }
 
 #[test]

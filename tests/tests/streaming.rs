@@ -7,7 +7,9 @@ use std::time::Duration;
 
 use ggml_sys::GgufFile;
 use sluice::generate::GenerateError;
-use sluice::stream::{load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamedSession};
+use sluice::stream::{
+    load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamConfig, StreamedSession,
+};
 use sluice_tests::{gate_fixtures, resident_reference, stream_config, stream_generate, streamed, Fixture};
 
 const N: u32 = 20;
@@ -117,6 +119,10 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
             ("4 lanes", stream_config(0, 4, true, DensePolicy::Anon)),
             ("buffered reads", stream_config(0, 2, false, DensePolicy::Anon)),
             ("buffered, evicting, dense mmap", stream_config(1, 1, false, DensePolicy::Mmap)),
+            (
+                "prompt batches only",
+                StreamConfig { overlap_prompt_only: true, ..stream_config(1, 2, true, DensePolicy::Anon) },
+            ),
         ];
         for (what, config) in configs {
             let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();

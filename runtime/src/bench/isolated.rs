@@ -36,6 +36,8 @@ pub enum ChildKind {
     StreamedAuto,
     /// Overlapped streaming with the expert cache the budget leaves.
     StreamedAutoOverlap,
+    /// The automatic cache, prompt batches overlapped and single-token decodes serial.
+    StreamedAutoOverlapPrompt,
     /// llama.cpp's own mmap load, drafting n-grams.
     ResidentDraft,
     /// Serial streaming with the automatic cache, drafting n-grams.
@@ -61,6 +63,7 @@ pub fn kinds(draft: bool, lossy: &Lossy, sweep: bool) -> Vec<ChildKind> {
         ChildKind::StreamedNoCacheOverlap,
         ChildKind::StreamedAuto,
         ChildKind::StreamedAutoOverlap,
+        ChildKind::StreamedAutoOverlapPrompt,
     ];
     if draft {
         kinds.extend([ChildKind::ResidentDraft, ChildKind::StreamedAutoDraft]);
@@ -149,6 +152,7 @@ pub fn run_child(
         trace_routes: false,
         gpu_layers: 0,
         overlap: None,
+        overlap_prompt_only: false,
         lossy: crate::lossy::Lossy::default(),
     };
     let mut row = match kind {
@@ -163,6 +167,7 @@ pub fn run_child(
         | ChildKind::StreamedNoCacheOverlap
         | ChildKind::StreamedAuto
         | ChildKind::StreamedAutoOverlap
+        | ChildKind::StreamedAutoOverlapPrompt
         | ChildKind::StreamedAutoDraft
         | ChildKind::StreamedAutoFewerExperts
         | ChildKind::StreamedAutoSubstitute => {
@@ -174,7 +179,9 @@ pub fn run_child(
             };
             let draft = kind == ChildKind::StreamedAutoDraft;
             let params = GenerateParams { draft: draft.then_some(NGRAM_DRAFT_MAX), ..params.clone() };
-            let overlap = matches!(kind, ChildKind::StreamedNoCacheOverlap | ChildKind::StreamedAutoOverlap);
+            let prompt_only = kind == ChildKind::StreamedAutoOverlapPrompt;
+            let overlap =
+                prompt_only || matches!(kind, ChildKind::StreamedNoCacheOverlap | ChildKind::StreamedAutoOverlap);
             let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
             let ledger = budget::plan_within_budget(&PlanRequest {
                 model,
@@ -187,13 +194,18 @@ pub fn run_child(
             let config = StreamConfig {
                 cache_bytes: ledger.cache_bytes(),
                 overlap: overlap.then_some(crate::stream::READ_BOUND),
+                overlap_prompt_only: prompt_only,
                 lossy,
                 ..config
             };
             let label = format!(
                 "streamed, {}, {}{}{}",
                 if auto { "auto cache" } else { "no cache" },
-                if overlap { "overlap" } else { "serial" },
+                match (overlap, prompt_only) {
+                    (true, true) => "overlapped prompt",
+                    (true, false) => "overlap",
+                    (false, _) => "serial",
+                },
                 if draft { ", ngram draft" } else { "" },
                 lossy_label(&lossy, index.n_expert_used)
             );
@@ -266,7 +278,10 @@ pub fn sweep_table(points: &[SweepPoint]) -> String {
     for lanes in SWEEP_LANES {
         out.push_str(&format!("{lanes:>5}"));
         for r in SWEEP_REQUESTS {
-            let cell = points.iter().find(|p| p.lanes == lanes && p.request == r).map_or("-".into(), |p| format!("{:.1}", p.mib_s));
+            let cell = points
+                .iter()
+                .find(|p| p.lanes == lanes && p.request == r)
+                .map_or("-".into(), |p| format!("{:.1}", p.mib_s));
             out.push_str(&format!("  {cell:>9}"));
         }
         out.push('\n');

@@ -10,7 +10,7 @@ pub mod select;
 use std::path::PathBuf;
 
 pub use builtin::BUILTIN;
-pub use profile::{BoardProfile, Draft};
+pub use profile::{BoardProfile, Draft, Overlap};
 pub use report::{describe_probe, describe_resolved, list_profiles};
 pub use resolve::{resolve, BuildCaps, ComputeService, Overrides, ResolvedBoard};
 pub use select::{select, BoardChoice, SelectedBoard};

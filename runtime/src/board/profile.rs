@@ -107,8 +107,51 @@ pub struct StorageSection {
     #[serde(default = "yes")]
     pub direct_io: bool,
     /// Overlap expert reads with expert compute (the streamed-experts kernel computes each
-    /// expert once its slices have landed). Absent: off (serial measured faster).
-    pub overlap: Option<bool>,
+    /// expert once its slices have landed): `false`/"off", "prompt" (prompt batches only), or
+    /// `true`/"on". Absent: off.
+    #[serde(default, deserialize_with = "overlap")]
+    pub overlap: Option<Overlap>,
+}
+
+/// `storage.overlap`: when expert reads overlap expert compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Overlap {
+    /// Never: each layer's experts are read, then computed.
+    Off,
+    /// Prompt batches only (a prompt routes most experts; each is computed as it lands), while
+    /// single-token decodes read serially; the I/O cores keep computing.
+    Prompt,
+    /// Every decode; the I/O cores compute no more.
+    On,
+}
+
+impl Overlap {
+    /// Its name in profiles and reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Overlap::Off => "off",
+            Overlap::Prompt => "prompt",
+            Overlap::On => "on",
+        }
+    }
+}
+
+/// `storage.overlap` as a boolean (`true` is "on") or a name.
+fn overlap<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Overlap>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Given {
+        Flag(bool),
+        Name(String),
+    }
+    Ok(Some(match Given::deserialize(d)? {
+        Given::Flag(true) => Overlap::On,
+        Given::Flag(false) => Overlap::Off,
+        Given::Name(n) => [Overlap::Off, Overlap::Prompt, Overlap::On]
+            .into_iter()
+            .find(|o| o.name() == n)
+            .ok_or_else(|| serde::de::Error::unknown_variant(&n, &["off", "prompt", "on", "true", "false"]))?,
+    }))
 }
 
 fn yes() -> bool {

@@ -122,7 +122,7 @@ pub fn describe_resolved(r: &ResolvedBoard) -> String {
     let _ = writeln!(o, "  read size: {} KiB ({})", r.read_bytes.value >> 10, r.read_bytes.source);
     let _ = writeln!(o, "  lanes: {} ({})", r.lanes.value, r.lanes.source);
     let _ = writeln!(o, "  direct I/O: {}", if r.direct_io { "on" } else { "off" });
-    let _ = writeln!(o, "  overlap: {} ({})", if r.overlap.value { "on" } else { "off" }, r.overlap.source);
+    let _ = writeln!(o, "  overlap: {} ({})", r.overlap.value.name(), r.overlap.source);
     let draft = match r.draft.value {
         Draft::Off => "off",
         Draft::Ngram => "ngram",

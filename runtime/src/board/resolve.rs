@@ -7,7 +7,7 @@ use sluice_hal::storage::Medium;
 
 use ggml_sys::SchedPriority;
 
-use super::profile::{Draft, ServiceName};
+use super::profile::{Draft, Overlap, ServiceName};
 use super::select::SelectedBoard;
 use super::BoardError;
 
@@ -22,8 +22,8 @@ pub struct Overrides {
     pub read_kib: Option<u64>,
     /// `--no-direct-io`.
     pub no_direct_io: bool,
-    /// `--overlap` (`Some(true)`) or `--no-overlap` (`Some(false)`).
-    pub overlap: Option<bool>,
+    /// `--overlap`, `--overlap-prompt` or `--no-overlap`.
+    pub overlap: Option<Overlap>,
     /// `--draft`.
     pub draft: Option<Draft>,
 }
@@ -76,8 +76,8 @@ pub struct ResolvedBoard {
     pub lanes: Sourced<u32>,
     /// Read experts with `O_DIRECT`.
     pub direct_io: bool,
-    /// Overlap expert reads with expert compute.
-    pub overlap: Sourced<bool>,
+    /// When expert reads overlap expert compute.
+    pub overlap: Sourced<Overlap>,
     /// Draft tokens per decode.
     pub draft: Sourced<Draft>,
     /// The most sluice may hold, bytes.
@@ -252,15 +252,23 @@ pub fn resolve(
     }
 
     let overlap = match (overrides.overlap, p.storage.overlap) {
-        (Some(v), _) => sourced(v, if v { "--overlap" } else { "--no-overlap" }),
+        (Some(v), _) => sourced(
+            v,
+            match v {
+                Overlap::Off => "--no-overlap",
+                Overlap::Prompt => "--overlap-prompt",
+                Overlap::On => "--overlap",
+            },
+        ),
         (None, Some(v)) => sourced(v, "profile storage.overlap"),
-        (None, None) => sourced(false, "default: serial, measured faster (docs/benchmarks.md)"),
+        (None, None) => sourced(Overlap::Off, "default: serial, measured faster (docs/benchmarks.md)"),
     };
-    if overlap.value && !caps.cpu_parallel {
+    if overlap.value != Overlap::Off && !caps.cpu_parallel {
         return Err(BoardError::NoOverlap { origin, asked_by: overlap.source });
     }
-    // Overlapped, the lanes read while the compute threads run: no core does both.
-    let (compute_cores, threads) = if overlap.value && overrides.threads.is_none() {
+    // Overlapped decodes: the lanes read while the compute threads run, so no core does both.
+    // Prompt-only overlap keeps every compute core (the lanes mostly sleep in the kernel).
+    let (compute_cores, threads) = if overlap.value == Overlap::On && overrides.threads.is_none() {
         let own: Vec<usize> = compute_cores.iter().copied().filter(|c| !io_cores.contains(c)).collect();
         if own.is_empty() || own.len() == compute_cores.len() {
             (compute_cores, threads)

@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use clap::Args;
 
-use sluice::board::{self, BoardChoice, ComputeService, Overrides, ResolvedBoard};
+use sluice::board::{self, BoardChoice, ComputeService, Overlap, Overrides, ResolvedBoard};
 use sluice::stream::{DensePolicy, StreamConfig};
 use sluice_hal::root::SysRoot;
 
@@ -26,9 +26,14 @@ pub struct TuningArgs {
     /// Read experts through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub no_direct_io: bool,
-    /// Overlap expert reads with expert compute (default: the profile's, else off).
-    #[arg(long, conflicts_with = "no_overlap")]
+    /// Overlap expert reads with expert compute in every decode (default: the profile's, else
+    /// off).
+    #[arg(long, conflicts_with_all = ["no_overlap", "overlap_prompt"])]
     pub overlap: bool,
+    /// Overlap expert reads with expert compute in prompt batches only; single-token decodes
+    /// stream serially.
+    #[arg(long, conflicts_with = "no_overlap")]
+    pub overlap_prompt: bool,
     /// Stream serially: read a layer's experts, then compute it.
     #[arg(long)]
     pub no_overlap: bool,
@@ -47,9 +52,11 @@ impl TuningArgs {
             read_kib: self.read_kib,
             no_direct_io: self.no_direct_io,
             overlap: if self.overlap {
-                Some(true)
+                Some(Overlap::On)
+            } else if self.overlap_prompt {
+                Some(Overlap::Prompt)
             } else if self.no_overlap {
-                Some(false)
+                Some(Overlap::Off)
             } else {
                 None
             },
@@ -132,7 +139,8 @@ pub fn stream_config(board: &ResolvedBoard, cache_bytes: u64, force_cache: bool,
         dense,
         trace_routes: false,
         gpu_layers,
-        overlap: board.overlap.value.then_some(sluice::stream::READ_BOUND),
+        overlap: (board.overlap.value != Overlap::Off).then_some(sluice::stream::READ_BOUND),
+        overlap_prompt_only: board.overlap.value == Overlap::Prompt,
         lossy: sluice::lossy::Lossy::default(),
     }
 }

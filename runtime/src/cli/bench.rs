@@ -166,6 +166,9 @@ fn tuning_args(t: &TuningArgs) -> Vec<OsString> {
     if t.overlap {
         out.push("--overlap".into());
     }
+    if t.overlap_prompt {
+        out.push("--overlap-prompt".into());
+    }
     if t.no_overlap {
         out.push("--no-overlap".into());
     }
@@ -231,7 +234,8 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     if !report.sweep.is_empty() {
         outln!("read sweep (O_DIRECT from a cold cache), MiB/s:\n{}", isolated::sweep_table(&report.sweep));
         let path = a.out.join("read-sweep.csv");
-        std::fs::write(&path, isolated::sweep_csv(&report.sweep)).with_context(|| format!("writing {}", path.display()))?;
+        std::fs::write(&path, isolated::sweep_csv(&report.sweep))
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     let csv = a.out.join("bench.csv");
     std::fs::write(&csv, sluice::bench::csv(&report.rows, Some(c.single_mib_s)))

@@ -89,10 +89,12 @@ pub struct RouteRecord {
     pub experts: Vec<u32>,
 }
 
-/// Overlap state: whether a batch is out with the lanes, and the bound of its collection.
+/// Overlap state: whether a batch is out with the lanes, the bound of its collection, and
+/// whether only prompt batches overlap.
 struct Overlap {
     in_flight: bool,
     bound: Duration,
+    prompt_only: bool,
 }
 
 /// An empty expert cache of `budget` bytes over `index`'s experts, each accounted by its windows.
@@ -215,9 +217,10 @@ impl<'m> Streamer<'m> {
     }
 
     /// Streams with overlap from now on: reads are submitted at the top-k node and waited for,
-    /// expert by expert, by the kernel. `bound` limits each collection of a batch.
-    pub fn enable_overlap(&mut self, bound: Duration) {
-        self.overlap = Some(Overlap { in_flight: false, bound });
+    /// expert by expert, by the kernel. `bound` limits each collection of a batch. With
+    /// `prompt_only`, batches of one token are read serially.
+    pub fn enable_overlap(&mut self, bound: Duration, prompt_only: bool) {
+        self.overlap = Some(Overlap { in_flight: false, bound, prompt_only });
     }
 
     /// Lossy: from now on, a single token's chosen expert that the cache misses is replaced by
@@ -585,7 +588,7 @@ impl<'m> Streamer<'m> {
         let tokens = t.ne()[1];
         let in_kernel = !(self.gpu && tokens >= GPU_OFFLOAD_BATCH)
             && self.index.layer_tensors(layer).all(|(k, x)| self.in_kernel[k] && kernel::computes(x.ty, tokens));
-        if let Some(o) = self.overlap.as_mut().filter(|_| in_kernel) {
+        if let Some(o) = self.overlap.as_mut().filter(|o| in_kernel && (tokens > 1 || !o.prompt_only)) {
             self.source.lanes().submit(&mut self.jobs);
             o.in_flight = true;
             self.stats.io_wait += t0.elapsed();

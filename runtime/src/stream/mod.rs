@@ -131,6 +131,9 @@ pub struct StreamConfig {
     /// slices have landed), each wait for one expert bounded by this long; `None` reads each
     /// layer's experts before its products run.
     pub overlap: Option<Duration>,
+    /// With `overlap`: overlap prompt batches only, and read single-token decodes' experts
+    /// before their products run.
+    pub overlap_prompt_only: bool,
     /// Opt-in lossy modes (default: exact).
     pub lossy: crate::lossy::Lossy,
 }
@@ -262,7 +265,7 @@ impl<'m> StreamedSession<'m> {
         session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0))?;
         let dense_bytes_read = lock(&streamer).finish_capture()?;
         if let Some(bound) = config.overlap {
-            lock(&streamer).enable_overlap(bound);
+            lock(&streamer).enable_overlap(bound, config.overlap_prompt_only);
         }
         Ok(StreamedSession { session, _claims: claims, streamer, dense_bytes_read, open_time: t0.elapsed() })
     }
