@@ -108,7 +108,7 @@ pub struct StorageSection {
     pub direct_io: bool,
     /// Overlap expert reads with expert compute (the streamed-experts kernel computes each
     /// expert once its slices have landed): `false`/"off", "prompt" (prompt batches only), or
-    /// `true`/"on". Absent: off.
+    /// `true`/"on". Absent: "prompt" where the build has the CPU extension service, else off.
     #[serde(default, deserialize_with = "overlap")]
     pub overlap: Option<Overlap>,
 }

@@ -261,7 +261,10 @@ pub fn resolve(
             },
         ),
         (None, Some(v)) => sourced(v, "profile storage.overlap"),
-        (None, None) => sourced(Overlap::Off, "default: serial, measured faster (docs/benchmarks.md)"),
+        (None, None) if caps.cpu_parallel => {
+            sourced(Overlap::Prompt, "default: prompt batches, measured faster to the first token (docs/benchmarks.md)")
+        }
+        (None, None) => sourced(Overlap::Off, "default without ggml_ext_cpu_parallel_v1: serial"),
     };
     if overlap.value != Overlap::Off && !caps.cpu_parallel {
         return Err(BoardError::NoOverlap { origin, asked_by: overlap.source });
