@@ -434,8 +434,8 @@ impl<'m> Session<'m> {
         observer: &mut DecodeObserver<'_>,
     ) -> Result<(), GenerateError> {
         self.ctx.clear_memory();
-        let mut pos = self.prefill(prompt, observer)?;
-        for (i, &t) in continuation.iter().enumerate() {
+        let start = self.prefill(prompt, observer)?;
+        for (i, (&t, pos)) in continuation.iter().zip(start..).enumerate() {
             on_logits(i, self.ctx.logits(-1)?);
             if i + 1 == continuation.len() {
                 break;
@@ -443,7 +443,6 @@ impl<'m> Session<'m> {
             self.batch.clear();
             self.batch.push(t, pos, true)?;
             self.timed_decode(false, observer)?;
-            pos += 1;
         }
         Ok(())
     }

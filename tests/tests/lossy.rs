@@ -38,9 +38,10 @@ fn fewer_experts_per_token_change_the_output_only_below_the_models_count() {
     assert_ne!(fewer.tokens, reference, "one expert instead of two changes the output");
     assert!(fewer.bytes_read < own.bytes_read, "{} vs {} bytes", fewer.bytes_read, own.bytes_read);
 
-    let err = load_configured(&files[0], &index, &with(Lossy { experts_used: Some(3), substitute: None }, 0))
-        .err()
-        .expect("more experts than the model's is refused");
+    let Err(err) = load_configured(&files[0], &index, &with(Lossy { experts_used: Some(3), substitute: None }, 0))
+    else {
+        panic!("more experts than the model's is refused");
+    };
     assert!(err.to_string().contains("--experts-used 3"), "{err}");
 }
 

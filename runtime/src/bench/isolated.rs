@@ -120,7 +120,7 @@ pub struct Ceiling {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ChildOutput {
     /// A decode configuration's row.
-    Row(BenchRow),
+    Row(Box<BenchRow>),
     /// The storage ceiling.
     Ceiling(Ceiling),
     /// The read sweep.
@@ -217,7 +217,7 @@ pub fn run_child(
         }
     };
     row.peak_rss = Usage::sample().rss_peak;
-    Ok(ChildOutput::Row(row))
+    Ok(ChildOutput::Row(Box::new(row)))
 }
 
 /// A lossy row's label suffix (empty for an exact row).
@@ -382,7 +382,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
             ChildOutput::Row(mut row) => {
                 row.cgroup_peak = cg.peak();
                 row.limit_hits = cg.limit_hits();
-                rows.push(row);
+                rows.push(*row);
             }
         }
     }

@@ -139,8 +139,7 @@ pub fn calibrate(
             .map(|(w, &c)| (c as f64 / tokens - w).abs())
             .fold(0.0, f64::max)
     };
-    // The best biases so far (written or not), what they routed, and their error.
-    let mut best: Option<(Vec<Vec<f32>>, Vec<Vec<u64>>, f64)> = None;
+    let mut best: Option<Round> = None;
     let mut step = INITIAL_STEP;
     let mut rounds = 0;
     loop {
@@ -148,18 +147,18 @@ pub fn calibrate(
         rounds += 1;
         let error = error_of(&counts);
         log::debug!("synth: routing calibration round {rounds}: largest error {error:.3} (step {step})");
-        if best.as_ref().is_none_or(|b| error < b.2) {
-            best = Some((biases.clone(), counts, error));
+        if best.as_ref().is_none_or(|b| error < b.error) {
+            best = Some(Round { biases: biases.clone(), counts, error });
         } else {
             // Overshot: retry from the best with a shorter step.
             step *= 0.5;
         }
-        let Some((from, routed, best_error)) = best.as_ref() else { break };
-        if *best_error <= CONVERGED + f64::from(k) / 100.0 || rounds == MAX_ROUNDS {
+        let Some(from) = best.as_ref() else { break };
+        if from.error <= CONVERGED + f64::from(k) / 100.0 || rounds == MAX_ROUNDS {
             break;
         }
-        biases = from.clone();
-        for ((b, w), c) in biases.iter_mut().zip(want).zip(routed) {
+        biases = from.biases.clone();
+        for ((b, w), c) in biases.iter_mut().zip(want).zip(&from.counts) {
             for ((b, &want), &count) in b.iter_mut().zip(w).zip(c) {
                 // Half a count keeps an expert never routed moving up by a bounded step.
                 let ratio = (want * tokens + 0.5) / (count as f64 + 0.5);
@@ -172,13 +171,22 @@ pub fn calibrate(
             write_bias(t, b)?;
         }
     }
-    let (chosen, _, max_error) = best.unwrap_or_default();
+    let Round { biases: chosen, error: max_error, .. } = best.unwrap_or_default();
     if chosen != biases {
         for (t, b) in tensors.iter().zip(&chosen) {
             write_bias(t, b)?;
         }
     }
     Ok(Calibration { rounds, max_error })
+}
+
+/// A calibration round: the biases it ran with (written or not), what they routed, and their
+/// largest error.
+#[derive(Default)]
+struct Round {
+    biases: Vec<Vec<f32>>,
+    counts: Vec<Vec<u64>>,
+    error: f64,
 }
 
 /// Calibration stops once every expert's chance is within this (plus a point per routed
