@@ -18,12 +18,18 @@ fn with(lossy: Lossy, cache_bytes: u64) -> StreamConfig {
     StreamConfig { lossy, ..stream_config(cache_bytes, 2, true, DensePolicy::Anon) }
 }
 
+/// The f16 fixture in `dir`: its files, expert index and resident greedy tokens.
+fn fixture(dir: &std::path::Path) -> (Vec<std::path::PathBuf>, Arc<ExpertIndex>, Vec<ggml_sys::Token>) {
+    let files = Fixture::F16.write(dir);
+    let index = Arc::new(ExpertIndex::open(&files[0]).unwrap());
+    let reference = resident_reference(&files[0], N);
+    (files, index, reference)
+}
+
 #[test]
 fn fewer_experts_per_token_change_the_output_only_below_the_models_count() {
     let dir = tempfile::tempdir().unwrap();
-    let files = Fixture::F16.write(dir.path());
-    let index = Arc::new(ExpertIndex::open(&files[0]).unwrap());
-    let reference = resident_reference(&files[0], N);
+    let (files, index, reference) = fixture(dir.path());
     let k = index.n_expert_used;
     assert_eq!(k, 2, "the fixture routes each token to 2 experts");
 
@@ -48,9 +54,7 @@ fn fewer_experts_per_token_change_the_output_only_below_the_models_count() {
 #[test]
 fn substitution_replaces_only_missed_experts_and_only_when_asked() {
     let dir = tempfile::tempdir().unwrap();
-    let files = Fixture::F16.write(dir.path());
-    let index = Arc::new(ExpertIndex::open(&files[0]).unwrap());
-    let reference = resident_reference(&files[0], N);
+    let (files, index, reference) = fixture(dir.path());
     let everything = index.n_expert;
 
     // Without a cache nothing is ever cached, so nothing can be substituted: exact.

@@ -35,9 +35,10 @@ pub struct BenchArgs {
     /// Expert cache sizes to stream with, as percentages of all expert bytes (one-process mode).
     #[arg(long, value_delimiter = ',', default_value = "0,25,100", conflicts_with = "budget_mb")]
     cache_percents: Vec<u32>,
-    /// Run each configuration (mmap-resident, streamed without cache, streamed with the automatic
-    /// cache; with n-gram drafting on, each of those drafting too) and the storage ceiling in its
-    /// own child process inside a memory cgroup of this many MiB: a small board's RAM. Needs root.
+    /// Run each configuration (mmap-resident, streamed without cache and with the automatic cache,
+    /// serial and overlapped; with n-gram drafting on, two drafting rows) and the storage ceiling
+    /// in its own child process inside a memory cgroup of this many MiB: a small board's RAM.
+    /// Needs root.
     #[arg(long, value_parser = clap::value_parser!(u64).range(64..))]
     budget_mb: Option<u64>,
     /// With --budget-mb: throttle reads from the model's disk for every configuration (the
