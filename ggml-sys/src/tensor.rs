@@ -104,6 +104,16 @@ impl<'a> TensorView<'a> {
         Some(unsafe { std::slice::from_raw_parts(t.data as *const u8, self.n_bytes()) })
     }
 
+    /// The i32 element at `[i0, i1]`, read through the tensor's strides (a view's rows may lie
+    /// far apart), when its buffer lives in host memory and the element lies inside its bytes.
+    pub fn i32_at(&self, i0: usize, i1: usize) -> Option<i32> {
+        let bytes = self.host_bytes()?;
+        let [nb0, nb1, ..] = self.nb();
+        let at = i0.checked_mul(nb0)?.checked_add(i1.checked_mul(nb1)?)?;
+        let raw = bytes.get(at..at.checked_add(4)?)?;
+        Some(i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]))
+    }
+
     /// Overwrites the tensor's bytes from `offset` with `bytes`, when its buffer lives in host
     /// memory and the range is inside the tensor. For the eval callback's computed phase only: the
     /// node's consumers (which then read the new bytes) have not run, and no slice from

@@ -13,7 +13,7 @@ use serde::{Deserialize, Serialize};
 
 use sluice_hal::cgroup::{MemoryCgroup, ReadThrottle};
 use sluice_hal::root::SysRoot;
-use sluice_hal::storage::{measure_direct_read, StorageProbe};
+use sluice_hal::storage::{measure_direct_read, ReadThroughput, StorageProbe};
 
 use super::{drop_cached, run_resident, run_streamed, BenchError, BenchRow};
 use crate::board::ResolvedBoard;
@@ -234,14 +234,8 @@ fn lossy_label(lossy: &Lossy, model_used: u32) -> String {
 fn ceiling(model: &Path, index: &ExpertIndex, board: &ResolvedBoard) -> Result<Ceiling, BenchError> {
     let page = ggml_sys::page_size();
     let slice = index.experts.iter().map(|t| t.stride.div_ceil(page) * page).max().unwrap_or(page);
-    let align = StorageProbe::for_file(&SysRoot::default(), model).map_or(4096, |s| s.direct_alignment()) as usize;
-    let measure = |request: u64, lanes: u32| {
-        drop_cached(&index.shards);
-        measure_direct_read(model, request as usize, lanes as usize, align, CEILING_LIMIT)
-            .map_err(|e| BenchError::Io(format!("reading {}", model.display()), e))
-    };
-    let single = measure(slice, 1)?;
-    let lanes = measure(board.read_bytes.value, board.lanes.value)?;
+    let single = cold_read(model, index, slice, 1, CEILING_LIMIT)?;
+    let lanes = cold_read(model, index, board.read_bytes.value, board.lanes.value, CEILING_LIMIT)?;
     Ok(Ceiling {
         single_mib_s: single.mib_per_s(),
         single_request: slice,
@@ -255,17 +249,29 @@ fn ceiling(model: &Path, index: &ExpertIndex, board: &ResolvedBoard) -> Result<C
 /// Reads the model's first file at every point of [`SWEEP_LANES`] × [`SWEEP_REQUESTS`], each
 /// from a cold page cache.
 fn read_sweep(model: &Path, index: &ExpertIndex) -> Result<Vec<SweepPoint>, BenchError> {
-    let align = StorageProbe::for_file(&SysRoot::default(), model).map_or(4096, |s| s.direct_alignment()) as usize;
     let mut points = Vec::new();
     for lanes in SWEEP_LANES {
         for request in SWEEP_REQUESTS {
-            drop_cached(&index.shards);
-            let t = measure_direct_read(model, request as usize, lanes as usize, align, SWEEP_LIMIT)
-                .map_err(|e| BenchError::Io(format!("reading {}", model.display()), e))?;
+            let t = cold_read(model, index, request, lanes, SWEEP_LIMIT)?;
             points.push(SweepPoint { lanes, request, mib_s: t.mib_per_s() });
         }
     }
     Ok(points)
+}
+
+/// Drops the model from the page cache, then reads up to `limit` bytes of its first file with
+/// O_DIRECT in `request`-byte requests from `lanes` readers.
+fn cold_read(
+    model: &Path,
+    index: &ExpertIndex,
+    request: u64,
+    lanes: u32,
+    limit: u64,
+) -> Result<ReadThroughput, BenchError> {
+    let align = StorageProbe::for_file(&SysRoot::default(), model).map_or(4096, |s| s.direct_alignment()) as usize;
+    drop_cached(&index.shards);
+    measure_direct_read(model, request as usize, lanes as usize, align, limit)
+        .map_err(|e| BenchError::Io(format!("reading {}", model.display()), e))
 }
 
 /// The read sweep as a table: a row per lane count, a column per request size, MiB/s.

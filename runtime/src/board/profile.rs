@@ -114,7 +114,7 @@ pub struct StorageSection {
 }
 
 /// `storage.overlap`: when expert reads overlap expert compute.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Overlap {
     /// Never: each layer's experts are read, then computed.
     Off,

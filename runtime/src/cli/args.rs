@@ -27,7 +27,7 @@ pub struct TuningArgs {
     #[arg(long)]
     pub no_direct_io: bool,
     /// Overlap expert reads with expert compute in every decode (default: the profile's, else
-    /// off).
+    /// prompt batches only).
     #[arg(long, conflicts_with_all = ["no_overlap", "overlap_prompt"])]
     pub overlap: bool,
     /// Overlap expert reads with expert compute in prompt batches only; single-token decodes

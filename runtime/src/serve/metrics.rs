@@ -43,8 +43,7 @@ pub struct Metrics {
     connections_refused: AtomicU64,
     accept_errors: AtomicU64,
     substituted: AtomicU64,
-    /// Lossy settings: experts per token (0: the model's), substitution window (0: off).
-    lossy: Mutex<(u64, u64)>,
+    lossy: Mutex<crate::lossy::Lossy>,
 }
 
 impl Metrics {
@@ -64,8 +63,7 @@ impl Metrics {
 
     /// Records the lossy modes the engine runs with.
     pub fn set_lossy(&self, lossy: &crate::lossy::Lossy) {
-        let settings = (u64::from(lossy.experts_used.unwrap_or(0)), u64::from(lossy.substitute.unwrap_or(0)));
-        *self.lossy.lock().unwrap_or_else(|e| e.into_inner()) = settings;
+        *self.lossy.lock().unwrap_or_else(|e| e.into_inner()) = *lossy;
     }
 
     /// Adds a generation's tokens and decode time.
@@ -184,18 +182,19 @@ impl Metrics {
         let ratio = if hits + misses == 0.0 { 0.0 } else { hits / (hits + misses) };
         metric("expert_cache_hit_ratio", "gauge", "Hits over routed experts, since start.", &one(ratio));
         metric("expert_bytes_read_total", "counter", "Expert bytes read from storage.", &one(n(&self.bytes_read)));
-        let (experts_used, substitute) = *self.lossy.lock().unwrap_or_else(|e| e.into_inner());
+        let lossy = *self.lossy.lock().unwrap_or_else(|e| e.into_inner());
+        let (experts_used, substitute) = (lossy.experts_used.unwrap_or(0), lossy.substitute.unwrap_or(0));
         metric(
             "lossy_experts_used",
             "gauge",
             "LOSSY --experts-used: experts per token, fewer than the model's (0: off, the model's own count).",
-            &one(experts_used as f64),
+            &one(f64::from(experts_used)),
         );
         metric(
             "lossy_substitute_ranks",
             "gauge",
             "LOSSY --substitute: router ranks a cached substitute may come from (0: off).",
-            &one(substitute as f64),
+            &one(f64::from(substitute)),
         );
         metric(
             "expert_substitutions_total",

@@ -615,15 +615,12 @@ impl<'m> Streamer<'m> {
         let k = topk.ne()[0] as usize;
         let n = (sorted.ne()[0] as usize).min(self.index.n_expert as usize);
         let reach = n.min(k + window as usize);
-        {
-            let bytes = sorted.host_bytes().ok_or_else(|| graph("the ranking is not in host memory"))?;
-            let nb0 = sorted.nb()[0];
-            self.ranking.clear();
-            for r in 0..reach {
-                let raw =
-                    bytes.get(r * nb0..r * nb0 + 4).ok_or_else(|| graph("the ranking is shorter than its shape"))?;
-                self.ranking.push(i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]));
-            }
+        if sorted.host_bytes().is_none() {
+            return Err(graph("the ranking is not in host memory"));
+        }
+        self.ranking.clear();
+        for r in 0..reach {
+            self.ranking.push(sorted.i32_at(r, 0).ok_or_else(|| graph("the ranking is shorter than its shape"))?);
         }
         let cached = |cache: &ExpertCache, id: i32| {
             u32::try_from(id).is_ok_and(|e| e < self.index.n_expert && cache.is_resident(layer, e))
@@ -659,18 +656,17 @@ impl<'m> Streamer<'m> {
     /// Fills `self.ids` with the distinct expert ids of the top-k view `t` (`ne = [k, n_tokens]`,
     /// rows `nb[1]` apart: it is a view of the whole argsort).
     fn read_routed_ids(&mut self, t: TensorView<'_>, layer: u32) -> Result<(), StreamError> {
-        let bytes = t.host_bytes().ok_or_else(|| StreamError::Graph(format!("{} is not in host memory", t.name())))?;
+        if t.host_bytes().is_none() {
+            return Err(StreamError::Graph(format!("{} is not in host memory", t.name())));
+        }
         let [k, n_tokens, ..] = t.ne();
-        let [nb0, nb1, ..] = t.nb();
         self.ids.clear();
         self.seen.fill(false);
         for tok in 0..n_tokens as usize {
             for j in 0..k as usize {
-                let at = tok * nb1 + j * nb0;
-                let raw = bytes
-                    .get(at..at + 4)
+                let id = t
+                    .i32_at(j, tok)
                     .ok_or_else(|| StreamError::Graph(format!("{} is shorter than its shape", t.name())))?;
-                let id = i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
                 let e = u32::try_from(id)
                     .ok()
                     .filter(|&e| e < self.index.n_expert)

@@ -4,7 +4,7 @@
 //! biases, quantized experts, leading dense layers and blocks llama.cpp does not run.
 
 use super::gguf_writer::{TensorSpec, TensorType, Value};
-use super::routing::{self, Routing};
+use super::routing;
 use super::weights::Init;
 use super::{vocab, SynthSpec};
 
@@ -111,16 +111,12 @@ impl Table {
 }
 
 /// The tensor table of `spec`, in file order, with how each tensor's values are drawn.
-pub fn tensors(spec: &SynthSpec) -> Vec<(TensorSpec, Init)> {
+/// `router_bias` is skewed routing's bias profile (hottest expert first), which each gpt-oss
+/// layer permutes into its router bias; `None` draws the bias at random (uniform routing, or a
+/// table only sized).
+pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec, Init)> {
     let (e, v) = (u64::from(spec.embd), vocab::N_VOCAB);
     let mut t = Table { out: Vec::new(), matrix: spec.out_type.matrix_type() };
-    // Calibrated once; each layer permutes it.
-    let skew = match spec.routing {
-        Routing::Uniform => None,
-        Routing::Skewed(sigma) => routing::routed_chances(spec.experts, spec.experts_used, sigma)
-            .ok()
-            .map(|chances| routing::calibrated_bias(&chances, spec.experts_used, spec.seed)),
-    };
     // Embedding rows of about unit variance.
     t.push("token_embd.weight".into(), vec![e, v], t.matrix, Init::Uniform { gain: 1.0, fan_in: 3 });
     t.norm("output_norm.weight".into(), e);
@@ -128,7 +124,7 @@ pub fn tensors(spec: &SynthSpec) -> Vec<(TensorSpec, Init)> {
     match spec.arch {
         SynthArch::Qwen3moe => (0..spec.layers).for_each(|il| qwen3moe_layer(spec, il, &mut t)),
         SynthArch::Deepseek2 => (0..=spec.layers).for_each(|il| deepseek2_layer(spec, il, &mut t)),
-        SynthArch::GptOss => (0..spec.layers).for_each(|il| gpt_oss_layer(spec, il, skew.as_deref(), &mut t)),
+        SynthArch::GptOss => (0..spec.layers).for_each(|il| gpt_oss_layer(spec, il, router_bias, &mut t)),
     }
     t.out
 }
@@ -343,7 +339,7 @@ mod tests {
     use super::*;
 
     fn names(spec: &SynthSpec) -> Vec<String> {
-        tensors(spec).into_iter().map(|(t, _)| t.name).collect()
+        tensors(spec, None).into_iter().map(|(t, _)| t.name).collect()
     }
 
     #[test]
@@ -364,7 +360,7 @@ mod tests {
     #[test]
     fn gpt_oss_has_per_expert_biases() {
         let spec = SynthSpec { arch: SynthArch::GptOss, ..Default::default() };
-        let t = tensors(&spec);
+        let t = tensors(&spec, None);
         let b = t.iter().find(|(t, _)| t.name == "blk.1.ffn_down_exps.bias").unwrap();
         assert_eq!(b.0.ne, vec![256, 8]);
         assert_eq!(b.0.ty, TensorType::F32);

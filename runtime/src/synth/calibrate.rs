@@ -51,14 +51,11 @@ pub fn routed_counts(
         if phase == EvalPhase::Ask {
             return true;
         }
-        let (Some(bytes), Ok(mut c)) = (t.host_bytes(), record.lock()) else { return true };
+        let Ok(mut c) = record.lock() else { return true };
         let [k, n, ..] = t.ne();
-        let [nb0, nb1, ..] = t.nb();
         for tok in 0..n as usize {
             for j in 0..k as usize {
-                let at = tok * nb1 + j * nb0;
-                let Some(raw) = bytes.get(at..at + 4) else { continue };
-                let id = i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]);
+                let Some(id) = t.i32_at(j, tok) else { continue };
                 if let Some(slot) = c.get_mut(layer).and_then(|row| row.get_mut(id as usize)) {
                     *slot += 1;
                 }

@@ -287,9 +287,10 @@ impl SynthSpec {
         Ok(())
     }
 
-    /// The tensor table, in file order, with how each tensor's values are drawn.
+    /// The tensor table, in file order, with how each tensor's values are drawn (a skewed
+    /// router's bias values are set by [`synthesize`], which computes them once).
     fn tensors(&self) -> Vec<(TensorSpec, Init)> {
-        arch::tensors(self)
+        arch::tensors(self, None)
     }
 
     /// The `general.*`, architecture and vocabulary metadata.
@@ -337,7 +338,18 @@ impl SynthSpec {
 /// as f16 next to `out` first, then quantized with `n_threads` threads.
 pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: u32) -> Result<SynthOutput, SynthError> {
     spec.validate()?;
-    let tensors = spec.tensors();
+    // Skewed routing: each expert's wanted chance of being routed, and the bias profile that
+    // gives it, computed once for the table and the calibration.
+    let skew = match spec.routing {
+        Routing::Uniform => None,
+        Routing::Skewed(sigma) => {
+            let chances = routing::routed_chances(spec.experts, spec.experts_used, sigma)
+                .map_err(|e| invalid("skew", e.to_string()))?;
+            let profile = routing::calibrated_bias(&chances, spec.experts_used, spec.seed);
+            Some((chances, profile))
+        }
+    };
+    let tensors = arch::tensors(spec, skew.as_ref().map(|(_, profile)| profile.as_slice()));
     let metadata = spec.metadata();
     let expert_bytes_of = |files: &[PathBuf]| -> Result<u64, SynthError> {
         let mut sum = 0;
@@ -362,28 +374,27 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: u32) -> Result<SynthO
         }
         vec![out.to_path_buf()]
     };
-    let calibration = match spec.routing {
-        Routing::Uniform => None,
-        Routing::Skewed(sigma) => Some(calibrate_routing(spec, sigma, &files, n_threads)?),
+    let calibration = match &skew {
+        None => None,
+        Some((chances, profile)) => Some(calibrate_routing(spec, chances, profile, &files, n_threads)?),
     };
     let total_bytes = files.iter().map(|f| file_len(f)).sum::<Result<u64, _>>()?;
     let expert_bytes = expert_bytes_of(&files)?;
     Ok(SynthOutput { files, total_bytes, expert_bytes, calibration })
 }
 
-/// Calibrates the router biases of a skewed model just written to `files` against its routing.
+/// Calibrates the router biases of a skewed model just written to `files` (from `profile`, for
+/// the routed `chances`, both hottest first) against its routing.
 fn calibrate_routing(
     spec: &SynthSpec,
-    sigma: f64,
+    chances: &[f64],
+    profile: &[f32],
     files: &[PathBuf],
     n_threads: u32,
 ) -> Result<calibrate::Calibration, SynthError> {
-    let k = spec.experts_used;
-    let chances = routing::routed_chances(spec.experts, k, sigma).map_err(|e| invalid("skew", e.to_string()))?;
-    let profile = routing::calibrated_bias(&chances, k, spec.seed);
-    let biases = (0..spec.layers).map(|il| routing::by_expert(&profile, spec.seed, il)).collect();
-    let want: Vec<Vec<f64>> = (0..spec.layers).map(|il| routing::by_expert(&chances, spec.seed, il)).collect();
-    calibrate::calibrate(files, biases, &want, k, n_threads)
+    let biases = (0..spec.layers).map(|il| routing::by_expert(profile, spec.seed, il)).collect();
+    let want: Vec<Vec<f64>> = (0..spec.layers).map(|il| routing::by_expert(chances, spec.seed, il)).collect();
+    calibrate::calibrate(files, biases, &want, spec.experts_used, n_threads)
 }
 
 fn file_len(path: &Path) -> Result<u64, SynthError> {
