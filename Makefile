@@ -28,7 +28,9 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 .PHONY: help deps vendor build demo test aarch64 lint bench cuda-check clean
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
-# router (uniform) and one with skewed expert popularity, streamed vs llama.cpp's mmap load, each
+# router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
+# defaults; the models are kept in BENCH_DIR: delete them after changing synth), streamed vs
+# llama.cpp's mmap load, each
 # configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build, with a
 # 512-token prompt (32 generated tokens, 16 at SD speed) and a row per lossy mode: at the disk's own
 # speed, then throttled to an SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s), with a read sweep

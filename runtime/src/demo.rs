@@ -23,6 +23,7 @@ pub fn demo_spec() -> SynthSpec {
         split_max_tensors: None,
         chat_template: None,
         routing: synth::Routing::Uniform,
+        reuse: None,
     }
 }
 

@@ -81,6 +81,9 @@ pub struct TokenRow {
     pub misses: u64,
     /// Chosen experts replaced by cached ones (lossy `--substitute`).
     pub substituted: u64,
+    /// Routed experts read in waves and given back once computed (a prompt batch beyond the
+    /// cache and its staging).
+    pub passed: u64,
     /// Cumulative hit rate.
     pub hit_rate: f64,
     /// Major faults during the decode.
@@ -114,6 +117,7 @@ impl TokenRow {
             hits: stats.hits,
             misses: stats.misses,
             substituted: stats.substituted,
+            passed: stats.passed,
             hit_rate: cache.hit_rate(),
             major_faults: after.major_faults.saturating_sub(before.major_faults),
             rss_anon: after.rss_anon,
@@ -272,6 +276,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
             r.hits.to_string(),
             r.misses.to_string(),
             r.substituted.to_string(),
+            r.passed.to_string(),
             format!("{:.4}", r.hit_rate),
             r.major_faults.to_string(),
             r.rss_anon.to_string(),
@@ -282,7 +287,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
 }
 
 /// The columns of the per-token CSV.
-const CSV_HEADER: [&str; 17] = [
+const CSV_HEADER: [&str; 18] = [
     "index",
     "prefill",
     "n_tokens",
@@ -296,6 +301,7 @@ const CSV_HEADER: [&str; 17] = [
     "hits",
     "misses",
     "substituted",
+    "passed",
     "hit_rate",
     "major_faults",
     "rss_anon",
@@ -320,6 +326,7 @@ mod tests {
             hits: 1,
             misses: 3,
             substituted: 0,
+            passed: 0,
             hit_rate: 0.25,
             major_faults: 0,
             rss_anon: 1 << 20,

@@ -60,6 +60,16 @@ fn the_ledger_adds_up_for_two_fixtures() {
                 w.iter().take(spec.experts_used as usize).sum::<u64>()
             })
             .sum();
+        // A prompt batch's experts beyond the cache pass through in waves of the largest layer's
+        // share of that demand.
+        let wave: u64 = (0..u64::from(spec.layers))
+            .map(|l| {
+                let mut w: Vec<u64> = (0..u64::from(spec.experts)).map(|e| expert(l, e)).collect();
+                w.sort_unstable_by(|a, b| b.cmp(a));
+                w.iter().take(spec.experts_used as usize).sum::<u64>()
+            })
+            .max()
+            .unwrap();
         let all_experts: u64 = (0..u64::from(spec.layers))
             .flat_map(|l| (0..u64::from(spec.experts)).map(move |e| (l, e)))
             .map(|(l, e)| expert(l, e))
@@ -90,6 +100,7 @@ fn the_ledger_adds_up_for_two_fixtures() {
             dense: DensePolicy::Anon,
             cache_bytes: None,
             budget: budget(64),
+            gpu: false,
         };
         let l = budget::ledger(&req, sizes, baseline);
         let fixed = dense + kv + sizes.compute + baseline + OVERHEAD_BYTES;
@@ -109,10 +120,24 @@ fn the_ledger_adds_up_for_two_fixtures() {
         // A fixed cache is taken as given; --dense mmap leaves the dense weights out of the total.
         let fixed_cache = budget::ledger(&PlanRequest { cache_bytes: Some(1 << 20), ..req.clone() }, sizes, baseline);
         assert_eq!(fixed_cache.bytes(Item::ExpertCache), 1 << 20);
-        assert_eq!(fixed_cache.bytes(Item::IoStaging), working.saturating_sub(1 << 20));
+        assert_eq!(fixed_cache.bytes(Item::IoStaging), working.saturating_sub(1 << 20).min(wave), "{fixture:?}: waves");
+        assert!(wave < working, "{fixture:?}: a batch's layer is more than one wave");
         let mmap = budget::ledger(&PlanRequest { dense: DensePolicy::Mmap, ..req.clone() }, sizes, baseline);
         assert_eq!(mmap.total + dense, fixed + mmap.bytes(Item::ExpertCache).max(working));
         assert_eq!(mmap.bytes(Item::DenseWeights), index.dense_bytes());
+
+        // A budget that leaves less than a whole layer beside the fixed lines: the automatic
+        // cache leaves room for one wave, and the total is the budget. Offloaded to a GPU,
+        // prompt batches do not pass through the kernel: the layer would have to be whole.
+        let tight = Sourced { value: fixed + (working + wave) / 2, source: "test".into() };
+        let l = budget::ledger(&PlanRequest { budget: tight.clone(), ..req.clone() }, sizes, baseline);
+        assert_eq!(l.bytes(Item::IoStaging), wave, "{fixture:?}");
+        assert_eq!(l.bytes(Item::ExpertCache), (working + wave) / 2 - wave);
+        assert_eq!(l.total, tight.value);
+        assert!(l.lines.iter().any(|x| x.basis.contains("waves")), "{}", l.describe());
+        let gpu = budget::ledger(&PlanRequest { budget: tight.clone(), gpu: true, ..req.clone() }, sizes, baseline);
+        assert_eq!(gpu.bytes(Item::IoStaging) + gpu.bytes(Item::ExpertCache), working);
+        assert!(!gpu.fits(), "{fixture:?}");
     }
 }
 
@@ -137,6 +162,7 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
         dense: DensePolicy::Anon,
         cache_bytes: None,
         budget: budget(4096),
+        gpu: false,
     };
     let roomy = budget::plan_within_budget(&base).unwrap();
     assert!(

@@ -1,7 +1,9 @@
 //! Skewed routing (`sluice synth --routing skewed`): the same spec gives the same file, and the
-//! model's measured expert popularity follows its parameters, where a uniform model's does not.
+//! model's measured expert popularity and token-to-token reuse follow its parameters, where a
+//! uniform model's do not.
 
 use sluice::synth::calibrate;
+use sluice::synth::reuse;
 use sluice::synth::routing::{self, Routing};
 use sluice::synth::{self, OutputType, SynthArch, SynthSpec};
 
@@ -24,8 +26,13 @@ fn spec(routing: Routing) -> SynthSpec {
 /// How often each layer's experts were among a token's top k over a prompt the calibration
 /// did not see.
 fn routed_counts(path: &std::path::Path, layers: usize, experts: usize) -> Vec<Vec<u64>> {
+    routes(path, layers, experts).counts
+}
+
+/// What a prompt the calibration did not see routed.
+fn routes(path: &std::path::Path, layers: usize, experts: usize) -> calibrate::Routes {
     let prompt = calibrate::calibration_prompt(TOKENS, 104_729);
-    calibrate::routed_counts(path, &prompt, layers, experts, 2).unwrap()
+    calibrate::routes(path, &prompt, layers, experts, 2).unwrap()
 }
 
 /// The fewest experts that hold 90% of `counts`.
@@ -105,6 +112,36 @@ fn correlation(counts: &[u64], want: &[f64]) -> f64 {
 }
 
 #[test]
+fn reuse_makes_consecutive_tokens_share_experts_as_asked_and_keeps_the_popularity() {
+    let dir = tempfile::tempdir().unwrap();
+    let with = |reuse| SynthSpec { reuse: Some(reuse), ..spec(Routing::Skewed(routing::DEFAULT_SKEW)) };
+    let (n, k) = (with(1.0).experts, with(1.0).experts_used);
+    let chances = routing::routed_chances(n, k, routing::DEFAULT_SKEW).unwrap();
+    let mut measured = Vec::new();
+    for target in [1.0, reuse::DEFAULT_REUSE] {
+        let s = with(target);
+        let (a, b) = (dir.path().join(format!("r{target}a.gguf")), dir.path().join(format!("r{target}b.gguf")));
+        let out = synth::synthesize(&s, &a, 2).unwrap();
+        synth::synthesize(&s, &b, 2).unwrap();
+        assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap(), "reuse {target}: the same bytes");
+        let (_, reached) = out.calibration.and_then(|c| c.reuse).expect("the reuse calibration is reported");
+        let r = routes(&a, s.layers as usize, n as usize);
+        let got = r.mean_reuse();
+        eprintln!("reuse {target}: calibrated to {reached:.2}, {got:.2} on an unseen prompt");
+        assert!((got / target - 1.0).abs() <= 0.25, "reuse {target}: measured {got:.2} on an unseen prompt");
+        // Popularity still follows the profile.
+        for (layer, c) in r.counts.iter().enumerate() {
+            let want = routing::by_expert(&chances, s.seed, layer as u32);
+            let fit = correlation(c, &want);
+            eprintln!("reuse {target}, layer {layer}: correlation {fit:.3}");
+            assert!(fit > 0.9, "reuse {target}, layer {layer}: correlation with the profile {fit:.3}");
+        }
+        measured.push(got);
+    }
+    assert!(measured[1] > measured[0] + 0.6, "asking for reuse gives it: {measured:?}");
+}
+
+#[test]
 fn skewed_routing_needs_a_router_bias_and_a_possible_spread() {
     spec(Routing::Skewed(1.0)).validate().unwrap();
     let qwen = SynthSpec { routing: Routing::Skewed(1.0), ..SynthSpec::default() };
@@ -114,4 +151,8 @@ fn skewed_routing_needs_a_router_bias_and_a_possible_spread() {
     assert!(msg.contains("--skew"), "{msg}");
     let msg = spec(Routing::Skewed(-1.0)).validate().unwrap_err().to_string();
     assert!(msg.contains("--skew"), "{msg}");
+    let msg = SynthSpec { reuse: Some(2.0), ..spec(Routing::Uniform) }.validate().unwrap_err().to_string();
+    assert!(msg.contains("--reuse") && msg.contains("--routing skewed"), "{msg}");
+    let msg = SynthSpec { reuse: Some(9.0), ..spec(Routing::Skewed(1.0)) }.validate().unwrap_err().to_string();
+    assert!(msg.contains("--reuse") && msg.contains("between 1"), "{msg}");
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 use ggml_sys::GgufFile;
 use sluice::generate::GenerateError;
 use sluice::stream::{
-    load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamConfig, StreamedSession,
+    load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamConfig, StreamedSession, READ_BOUND,
 };
 use sluice_tests::{gate_fixtures, resident_reference, stream_config, stream_generate, streamed, Fixture};
 
@@ -540,6 +540,61 @@ fn evicted_experts_leave_no_memory_the_cache_does_not_account() {
             assert!(s.cache_counters().evictions > 0, "{f:?}: the budget must make the cache evict");
             let (resident, accounted) = (s.resident_expert_bytes(), s.cache_used());
             assert!(resident <= accounted, "{f:?}: {resident} bytes of experts in RAM, {accounted} accounted");
+        }
+    }
+}
+
+#[test]
+fn a_prompt_batch_beyond_the_cache_passes_through_in_waves_within_the_staging() {
+    let emulated = std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty());
+    let dir = tempfile::tempdir().unwrap();
+    for f in [Fixture::Q8_0, Fixture::OddQ8_0, Fixture::GptOss] {
+        let (files, index) = setup(f, dir.path());
+        let reference = resident_reference(&files[0], N);
+        for (what, cache, overlap) in
+            [("no cache", 0, None), ("one token's cache, overlapped", index.one_token_demand(), Some(READ_BOUND))]
+        {
+            let config = StreamConfig { overlap, ..stream_config(cache, 2, true, DensePolicy::Anon) };
+            let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+            let (mut session, tokens) = open_session(&model, &index, &config);
+            // Sample each expert tensor's bytes really in RAM while the decodes run.
+            let probe = session.streamer().expert_memory_probe();
+            let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let sampler = {
+                let stop = Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut peak = probe();
+                    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                        peak.iter_mut().zip(probe()).for_each(|(p, now)| *p = (*p).max(now));
+                        std::thread::yield_now();
+                    }
+                    peak
+                })
+            };
+            let (generation, rows) = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap();
+            stop.store(true, std::sync::atomic::Ordering::Relaxed);
+            let peaks = sampler.join().unwrap();
+            assert_eq!(generation.tokens, reference, "{f:?}, {what}: waves changed the output");
+            assert!(rows[0].prefill && rows[0].passed > 0, "{f:?}, {what}: the prompt batch passed nothing through");
+            assert!(rows[1..].iter().all(|r| r.passed == 0), "{f:?}, {what}: a single token never needs waves");
+            if emulated {
+                continue; // qemu-user may ignore MADV_DONTNEED: released pages stay in its memory
+            }
+            let s = session.streamer();
+            assert!(s.resident_expert_bytes() <= s.cache_used(), "{f:?}, {what}: what passed through was given back");
+            if cache > 0 {
+                continue;
+            }
+            // Without a cache, no expert tensor ever held more than the wave window, one more
+            // slice (a sample is not one instant), and the two edge pages of each expert's slice
+            // (given back when the layer is collected); without waves it would hold all of a
+            // prompt's routed experts.
+            let page = ggml_sys::page_size();
+            for (t, peak) in index.experts.iter().zip(&peaks) {
+                let slice = t.stride.div_ceil(page) * page + page;
+                let bound = index.layer_token_demand() + slice + 2 * page * u64::from(index.n_expert);
+                assert!(peak <= &bound, "{f:?}: {} held {peak} bytes at once, bound {bound}", t.name);
+            }
         }
     }
 }

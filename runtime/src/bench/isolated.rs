@@ -190,6 +190,7 @@ pub fn run_child(
                 dense: config.dense,
                 cache_bytes: if auto { None } else { Some(0) },
                 budget: board.budget.clone(),
+                gpu: config.gpu_layers > 0,
             })?;
             let config = StreamConfig {
                 cache_bytes: ledger.cache_bytes(),

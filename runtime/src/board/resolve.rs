@@ -40,6 +40,13 @@ pub enum ComputeService {
     },
 }
 
+impl ComputeService {
+    /// Whether layers are offloaded to a GPU.
+    pub fn offloads(&self) -> bool {
+        matches!(self, ComputeService::Cuda { n_gpu_layers } if *n_gpu_layers > 0)
+    }
+}
+
 /// A value and where it came from (`profile storage.lanes`, `--io-lanes`, `probe`, ...).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sourced<T> {

@@ -9,7 +9,7 @@ use ggml_sys::{Context, Model, ModelParams, Threads};
 
 use crate::board::resolve::Sourced;
 use crate::generate::context_params;
-use crate::stream::{DensePolicy, ExpertIndex};
+use crate::stream::{kernel, DensePolicy, ExpertIndex};
 use crate::telemetry::{mib, Usage};
 
 use super::ledger::{ExpertLayout, Item, Ledger, LedgerLine};
@@ -35,6 +35,10 @@ pub struct PlanRequest<'a> {
     pub cache_bytes: Option<u64>,
     /// The budget.
     pub budget: Sourced<u64>,
+    /// Layers are offloaded to a GPU (the `cuda` service): a prompt batch's products may run
+    /// there, outside the streamed-experts kernel, so its layer's experts are all resident at
+    /// once instead of passing through in waves.
+    pub gpu: bool,
 }
 
 /// llama.cpp's sizes for one context shape.
@@ -98,14 +102,36 @@ pub fn ledger(req: &PlanRequest, sizes: ContextSizes, baseline: u64) -> Ledger {
     let max_window = index.max_expert_window_bytes();
     let in_flight = u64::from(index.n_expert.min(params.n_batch.saturating_mul(index.n_expert_used)));
     let working = in_flight * max_window;
+    // A batch's experts beyond the cache pass through in waves of one token's layer demand,
+    // where the kernel computes every product of a prompt batch.
+    let waves = !req.gpu && index.experts.iter().all(|t| kernel::computes(t.ty, i64::from(params.n_batch)));
+    let wave = if waves { index.layer_token_demand() } else { u64::MAX };
+    let room = req.budget.value.saturating_sub(fixed);
     let (cache, cache_basis) = match req.cache_bytes {
         Some(c) => (c.min(all), format!("--cache-mb {}", c >> 20)),
+        None if room >= working || !waves => {
+            (room.min(all), "automatic: what the budget leaves, at most all experts".to_string())
+        }
         None => (
-            req.budget.value.saturating_sub(fixed).min(all),
-            "automatic: what the budget leaves, at most all experts".to_string(),
+            room.saturating_sub(wave).min(all),
+            "automatic: what the budget leaves beside the staging, at most all experts".to_string(),
         ),
     };
-    let staging = working.saturating_sub(cache);
+    let staging = working.saturating_sub(cache).min(wave);
+    let staging_basis = if staging < working.saturating_sub(cache) {
+        format!(
+            "a batch's routed experts beyond the cache pass through in waves of one token's largest layer ({:.2} MiB; a whole layer is {in_flight} × {:.2} MiB in a batch of {})",
+            mib(wave),
+            mib(max_window),
+            params.n_batch
+        )
+    } else {
+        format!(
+            "a layer's routed experts beyond the cache while it computes ({in_flight} × {:.2} MiB in a batch of {})",
+            mib(max_window),
+            params.n_batch
+        )
+    };
     let lines = vec![
         dense,
         LedgerLine {
@@ -120,21 +146,16 @@ pub fn ledger(req: &PlanRequest, sizes: ContextSizes, baseline: u64) -> Ledger {
             basis: format!("llama.cpp's graph reservation for batches of {}", params.n_batch),
             held: true,
         },
-        LedgerLine {
-            item: Item::IoStaging,
-            bytes: staging,
-            basis: format!(
-                "a layer's routed experts beyond the cache while it computes ({in_flight} × {:.2} MiB in a batch of {})",
-                mib(max_window),
-                params.n_batch
-            ),
-            held: true,
-        },
+        LedgerLine { item: Item::IoStaging, bytes: staging, basis: staging_basis, held: true },
         LedgerLine { item: Item::ExpertCache, bytes: cache, basis: cache_basis, held: true },
         LedgerLine {
             item: Item::RuntimeOverhead,
             bytes: overhead,
-            basis: format!("process before loading {:.1} MiB + llama.cpp and engine structures {} MiB", mib(baseline), OVERHEAD_BYTES >> 20),
+            basis: format!(
+                "process before loading {:.1} MiB + llama.cpp and engine structures {} MiB",
+                mib(baseline),
+                OVERHEAD_BYTES >> 20
+            ),
             held: true,
         },
     ];
@@ -219,9 +240,9 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: ContextSizes, baseline: u64) -> R
     // A smaller cache, or none.
     let without_cache = ledger(&PlanRequest { cache_bytes: Some(0), ..req.clone() }, sizes, baseline);
     if without_cache.fits() {
-        let room = l.budget - without_cache.total;
-        let working = without_cache.bytes(Item::IoStaging);
-        let cache = if room + working >= l.one_token_min { (room + working).min(l.all_experts) } else { 0 };
+        // The automatic cache is the most that fits beside the fixed lines and the staging.
+        let most = ledger(&PlanRequest { cache_bytes: None, ..req.clone() }, sizes, baseline).cache_bytes();
+        let cache = if most >= l.one_token_min { most } else { 0 };
         if req.cache_bytes.is_some() && cache > 0 {
             out.push(format!("--cache-mb {} (the most that fits)", cache >> 20));
         } else {

@@ -118,6 +118,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
             dense: DensePolicy::Anon,
             cache_bytes: Some(index.all_expert_window_bytes() * u64::from(pct) / 100),
             budget: board.budget.clone(),
+            gpu: board.compute.offloads(),
         })
         .with_context(|| format!("the streamed configuration with a {pct}% cache does not fit"))?;
     }

@@ -47,6 +47,7 @@ pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
         dense: a.dense,
         cache_bytes: a.cache_mb.map(|m| m.saturating_mul(1 << 20)),
         budget: board.budget.clone(),
+        gpu: board.compute.offloads(),
     };
     match budget::plan_within_budget(&req) {
         Ok(ledger) if a.json => outln!("{}", serde_json::to_string_pretty(&ledger)?),

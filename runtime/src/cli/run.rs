@@ -125,6 +125,7 @@ fn run_streamed(
         dense: config.dense,
         cache_bytes: args.cache_mb.map(|m| m.saturating_mul(1 << 20)),
         budget: board.budget.clone(),
+        gpu: config.gpu_layers > 0,
     })?;
     log::info!("{}", ledger.describe());
     config.cache_bytes = ledger.cache_bytes();

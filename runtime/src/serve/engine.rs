@@ -150,6 +150,7 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
         dense: config.dense,
         cache_bytes: cfg.cache_bytes,
         budget: cfg.budget.clone(),
+        gpu: config.gpu_layers > 0,
     })?;
     log::info!("{}", ledger.describe());
     shared.metrics.set_ledger(&ledger);

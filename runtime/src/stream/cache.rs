@@ -3,9 +3,10 @@
 //! Pure bookkeeping (no I/O, no memory): the engine asks it what to load and what to evict for a
 //! layer's routed experts and carries the answer out. Least-recently-used eviction over an
 //! intrusive list of slots, so a layer costs O(routed experts) with no allocation. The experts
-//! the current layer needs are never evicted, even when they alone exceed the budget (prefill
-//! batches can route to every expert of a layer): the cache then runs over budget until the next
-//! layer lets it shrink back.
+//! the current layer needs are never evicted. When they alone exceed the budget (prefill batches
+//! can route to every expert of a layer), the cache runs over it by at most a staging allowance
+//! until the next layer lets it shrink back; a layer that needs more than that keeps what the
+//! budget holds and lets the rest pass through (read in waves, given back once computed).
 
 const NIL: u32 = u32::MAX;
 
@@ -60,8 +61,11 @@ pub struct ExpertCache {
 /// What a layer needs done: experts to read, and experts to release.
 #[derive(Debug, Default)]
 pub struct LayerPlan {
-    /// Experts of the layer to read (not resident).
+    /// Experts of the layer to read into the cache (not resident).
     pub load: Vec<u32>,
+    /// Experts of the layer to read and give back once the layer has computed them: they do not
+    /// fit the budget and its staging allowance (see [`ExpertCache::plan_layer`]).
+    pub pass: Vec<u32>,
     /// (layer, expert) pairs evicted to make room.
     pub evict: Vec<(u32, u32)>,
 }
@@ -69,7 +73,7 @@ pub struct LayerPlan {
 impl LayerPlan {
     /// An empty plan with room for `n` entries of each kind.
     pub fn with_capacity(n: usize) -> LayerPlan {
-        LayerPlan { load: Vec::with_capacity(n), evict: Vec::with_capacity(n) }
+        LayerPlan { load: Vec::with_capacity(n), pass: Vec::with_capacity(n), evict: Vec::with_capacity(n) }
     }
 }
 
@@ -172,8 +176,13 @@ impl ExpertCache {
     /// Plans `layer` for its distinct routed experts `ids`: hits are refreshed, misses go into
     /// `plan.load` (and count as resident from now on), and least-recently-used experts of other
     /// layers go into `plan.evict` until the budget holds (or only pinned experts remain).
-    pub fn plan_layer(&mut self, layer: u32, ids: &[u32], plan: &mut LayerPlan) {
+    ///
+    /// With `staging` (bytes), the layer may run over the budget by at most that much: when its
+    /// misses need more, those that fit the budget are loaded (in `ids` order) and the rest go
+    /// into `plan.pass`, never resident. Without it the layer keeps everything it routes.
+    pub fn plan_layer(&mut self, layer: u32, ids: &[u32], plan: &mut LayerPlan, staging: Option<u64>) {
         plan.load.clear();
+        plan.pass.clear();
         plan.evict.clear();
         self.epoch += 1;
         let mut incoming = 0u64;
@@ -205,6 +214,21 @@ impl ExpertCache {
                 plan.evict.push((cursor / self.n_expert, cursor % self.n_expert));
             }
             cursor = prev;
+        }
+        if staging.is_some_and(|s| self.used + incoming > self.budget.saturating_add(s)) {
+            let mut used = self.used;
+            let (bytes, n_expert) = (&self.bytes, self.n_expert);
+            let pass = &mut plan.pass;
+            plan.load.retain(|&e| {
+                let b = bytes[(layer * n_expert + e) as usize];
+                let fits = used + b <= self.budget;
+                if fits {
+                    used += b;
+                } else {
+                    pass.push(e);
+                }
+                fits
+            });
         }
         for &e in &plan.load {
             let i = self.idx(layer, e);
@@ -244,7 +268,7 @@ mod tests {
 
     fn plan(c: &mut ExpertCache, layer: u32, ids: &[u32]) -> LayerPlan {
         let mut p = LayerPlan::with_capacity(8);
-        c.plan_layer(layer, ids, &mut p);
+        c.plan_layer(layer, ids, &mut p, None);
         p
     }
 
@@ -285,6 +309,29 @@ mod tests {
         assert!(p.evict.iter().all(|&(l, _)| l == 0));
         assert!(c.used() >= 40);
         assert!((0..4).all(|e| c.is_resident(1, e)));
+    }
+
+    #[test]
+    fn a_layer_beyond_budget_and_staging_passes_the_rest_through() {
+        let mut c = ExpertCache::new(2, 8, 30, |_, _| 10);
+        plan(&mut c, 0, &[0]);
+        let mut p = LayerPlan::with_capacity(8);
+        // Within the budget plus 20 of staging: everything stays, as without a bound.
+        c.plan_layer(1, &[0, 1, 2, 3, 4], &mut p, Some(20));
+        assert_eq!((p.load.len(), p.pass.len()), (5, 0));
+        assert_eq!(c.used(), 50);
+        // Seven misses need 70 beyond the budget's 30: three are kept, four pass through.
+        c.plan_layer(0, &[7, 6, 5, 4, 3, 2, 1], &mut p, Some(20));
+        assert_eq!(p.load, vec![7, 6, 5]);
+        assert_eq!(p.pass, vec![4, 3, 2, 1]);
+        assert_eq!(p.evict.len(), 5, "the other layer's experts went first");
+        assert_eq!(c.used(), 30);
+        assert!(!c.is_resident(0, 4) && c.is_resident(0, 5));
+        assert_eq!(c.counters().misses, 13, "passed experts count as misses");
+        // Hits stay resident even when they alone exceed the budget.
+        c.set_budget(10);
+        c.plan_layer(0, &[5, 6, 7, 0], &mut p, Some(0));
+        assert_eq!((p.load.len(), p.pass, c.used()), (0, vec![0], 30));
     }
 
     #[test]

@@ -26,6 +26,13 @@
 //! collected at the next layer's top-k node (or at the end of the decode), before anything is
 //! evicted: by then the layer's products have run, so no expert an in-flight layer needs is ever
 //! released.
+//!
+//! Waves: a layer may run over the cache's budget by one token's routed demand in its largest
+//! layer ([`ExpertIndex::layer_token_demand`], the ledger's I/O staging). A prompt batch that
+//! routes more than that beyond the cache keeps what the budget holds and passes the rest
+//! through the kernel: those reads share a window of that size, in the order the products use
+//! them, and each expert's pages go back as soon as the kernel has computed it, so a layer
+//! larger than the budget streams through it with each expert read once.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -76,6 +83,8 @@ pub struct DecodeStats {
     pub evictions: u64,
     /// Chosen experts replaced by a cached one (lossy `--substitute`).
     pub substituted: u64,
+    /// Routed experts read in waves and given back once computed (not kept by the cache).
+    pub passed: u64,
 }
 
 /// One layer's distinct routed experts in one decode (recorded when tracing is on).
@@ -89,10 +98,9 @@ pub struct RouteRecord {
     pub experts: Vec<u32>,
 }
 
-/// Overlap state: whether a batch is out with the lanes, the bound of its collection, and
-/// whether only prompt batches overlap.
+/// Overlap settings: the bound of a batch's collection, and whether only prompt batches
+/// overlap.
 struct Overlap {
-    in_flight: bool,
     bound: Duration,
     prompt_only: bool,
 }
@@ -103,8 +111,9 @@ fn empty_cache(index: &Arc<ExpertIndex>, budget: u64) -> ExpertCache {
     ExpertCache::new(index.n_layer, index.n_expert, budget, move |l, e| idx.expert_window_bytes(l, e))
 }
 
-/// The read of expert `e`'s slice of expert tensor `k`, page-aligned within its reservation.
-fn slice_read(index: &ExpertIndex, reservations: &[Arc<Reservation>], k: usize, e: u32) -> ReadJob {
+/// The read of expert `e`'s slice of expert tensor `k`, page-aligned within its reservation;
+/// with `pass`, a read the kernel gives back once it has computed the expert.
+fn slice_read(index: &ExpertIndex, reservations: &[Arc<Reservation>], k: usize, e: u32, pass: bool) -> ReadJob {
     let tensor = &index.experts[k];
     let r = &reservations[k];
     let (a, b) = tensor.slice(e);
@@ -116,6 +125,7 @@ fn slice_read(index: &ExpertIndex, reservations: &[Arc<Reservation>], k: usize, 
         len: (end - start) as usize,
         tag: (tensor.layer, e),
         tensor: k,
+        pass: pass.then_some((a, b)),
     }
 }
 
@@ -136,11 +146,22 @@ pub struct Streamer<'m> {
     gpu: bool,
     /// Which expert tensors the kernel computes (the others run in ggml's own kernel).
     in_kernel: Vec<bool>,
+    /// Which expert tensors the graph uses more than once (their experts never pass through:
+    /// a second product would read what the first gave back).
+    reused: Vec<bool>,
     overlap: Option<Overlap>,
+    /// Whether a batch is out with the lanes (overlap or waves), collected at the next layer.
+    in_flight: bool,
+    /// How far a layer may run over the cache's budget; the window its passing reads share.
+    staging: u64,
     cache: ExpertCache,
     plan: LayerPlan,
-    /// The (layer, expert) pairs of the batch being read.
+    /// The layer's reads in file order, each with whether it passes through.
+    reads: Vec<(u32, bool)>,
+    /// The (layer, expert) pairs of the batch being read into the cache.
     loading: Vec<(u32, u32)>,
+    /// The (layer, expert) pairs of the batch passing through.
+    passing: Vec<(u32, u32)>,
     jobs: Vec<ReadJob>,
     /// The layer's distinct routed experts, filled on the eval callback's path: fixed capacity,
     /// so routing allocates nothing there.
@@ -190,10 +211,15 @@ impl<'m> Streamer<'m> {
             use_order: vec![Vec::new(); index.n_layer as usize],
             gpu,
             in_kernel: vec![false; index.experts.len()],
+            reused: vec![false; index.experts.len()],
             overlap: None,
+            in_flight: false,
+            staging: index.layer_token_demand(),
             cache,
             plan: LayerPlan::with_capacity(n_expert * index.n_layer as usize),
+            reads: Vec::with_capacity(n_expert),
             loading: Vec::with_capacity(n_expert),
+            passing: Vec::with_capacity(n_expert),
             jobs: Vec::with_capacity(n_expert * 4),
             ids: heapless::Vec::new(),
             seen: vec![false; n_expert],
@@ -220,7 +246,7 @@ impl<'m> Streamer<'m> {
     /// expert by expert, by the kernel. `bound` limits each collection of a batch. With
     /// `prompt_only`, batches of one token are read serially.
     pub fn enable_overlap(&mut self, bound: Duration, prompt_only: bool) {
-        self.overlap = Some(Overlap { in_flight: false, bound, prompt_only });
+        self.overlap = Some(Overlap { bound, prompt_only });
     }
 
     /// Lossy: from now on, a single token's chosen expert that the cache misses is replaced by
@@ -287,7 +313,7 @@ impl<'m> Streamer<'m> {
                 }
                 self.loading.push((layer, e));
                 for (k, _) in self.index.layer_tensors(layer) {
-                    self.jobs.push(slice_read(&self.index, &self.reservations, k, e));
+                    self.jobs.push(slice_read(&self.index, &self.reservations, k, e, false));
                 }
             }
             if self.jobs.is_empty() {
@@ -327,17 +353,25 @@ impl<'m> Streamer<'m> {
         self.reservations.iter().map(|r| r.resident_bytes()).sum()
     }
 
+    /// Each expert tensor's bytes in RAM (`mincore`, in [`ExpertIndex::experts`] order), for
+    /// another thread to sample while decodes run (it holds the reservations, not the streamer).
+    /// Each tensor is one `mincore` call; the tensors are sampled one after another, so their
+    /// sum is not one instant's.
+    pub fn expert_memory_probe(&self) -> impl Fn() -> Vec<u64> + Send + 'static {
+        let reservations = self.reservations.clone();
+        move || reservations.iter().map(|r| r.resident_bytes()).collect()
+    }
+
     /// Forgets what a panic in the middle of a decode may have left half-done: reads still out
     /// are waited for (bounded) and dropped, no expert stays marked resident, and every expert's
     /// memory is released, so the next decode reads what it needs afresh.
     pub fn reset_after_panic(&mut self) {
         let bound = self.overlap.as_ref().map_or(super::io::READ_BOUND, |o| o.bound);
         let _ = self.source.lanes().wait(&mut self.jobs, Some(bound));
-        if let Some(o) = self.overlap.as_mut() {
-            o.in_flight = false;
-        }
+        self.in_flight = false;
         self.jobs.clear();
         self.loading.clear();
+        self.passing.clear();
         self.failure = None;
         self.cache = empty_cache(&self.index, self.cache.budget());
         for r in &self.reservations {
@@ -368,16 +402,20 @@ impl<'m> Streamer<'m> {
         }
     }
 
-    /// Overlap: waits for the batch out with the lanes and accounts it.
+    /// Waits for the batch out with the lanes (overlap or waves) and accounts it; what passed
+    /// through is given back, pages shared with idle neighbours included.
     fn collect(&mut self) -> Result<(), StreamError> {
-        let Some(o) = self.overlap.as_mut() else { return Ok(()) };
-        if !std::mem::take(&mut o.in_flight) {
+        if !std::mem::take(&mut self.in_flight) {
             return Ok(());
         }
-        let bound = o.bound;
+        let bound = self.overlap.as_ref().map_or_else(|| self.source.lanes().bound(), |o| o.bound);
         let t0 = Instant::now();
         let result = self.source.lanes().wait(&mut self.jobs, Some(bound));
         self.stats.io_wait += t0.elapsed();
+        for &(l, e) in &self.passing {
+            self.release_expert(l, e);
+        }
+        self.passing.clear();
         self.account(result)
     }
 
@@ -438,7 +476,9 @@ impl<'m> Streamer<'m> {
             if let Some(k) = self.index.expert_by_name(name) {
                 self.check_routed_use(t, i, k)?;
                 let layer = self.index.experts[k].layer as usize;
-                if !self.use_order[layer].contains(&k) {
+                if self.use_order[layer].contains(&k) {
+                    self.reused[k] = true;
+                } else {
                     self.use_order[layer].push(k);
                 }
                 if self.pending[k].is_none() {
@@ -514,6 +554,7 @@ impl<'m> Streamer<'m> {
             len: (end - start) as usize,
             tag: (u32::MAX, k as u32),
             tensor: usize::MAX,
+            pass: None,
         });
         let stats = self.source.lanes().read_all(&mut self.jobs)?;
         self.dense_bytes_read += stats.bytes;
@@ -534,6 +575,11 @@ impl<'m> Streamer<'m> {
             });
         }
         self.reservations = self.pending.drain(..).flatten().collect();
+        // The warm-up computed over the empty reservations, which maps the zero page where it
+        // read: unmap it, so that what is in RAM is only what the cache and the staging hold.
+        for r in &self.reservations {
+            r.release(0, r.size());
+        }
         self.mode = Mode::Stream;
         Ok(self.dense_bytes_read)
     }
@@ -561,8 +607,14 @@ impl<'m> Streamer<'m> {
         for &e in &self.ids {
             self.heat[row + e as usize] += 1;
         }
+        let tokens = t.ne()[1];
+        let in_kernel = !(self.gpu && tokens >= GPU_OFFLOAD_BATCH)
+            && self.index.layer_tensors(layer).all(|(k, x)| self.in_kernel[k] && kernel::computes(x.ty, tokens));
+        // Waves need every product of the layer in the kernel, each tensor used once.
+        let staging =
+            (in_kernel && self.index.layer_tensors(layer).all(|(k, _)| !self.reused[k])).then_some(self.staging);
         let before = self.cache.counters();
-        self.cache.plan_layer(layer, &self.ids, &mut self.plan);
+        self.cache.plan_layer(layer, &self.ids, &mut self.plan, staging);
         let after = self.cache.counters();
         self.stats.experts_routed += self.ids.len() as u64;
         self.stats.hits += after.hits - before.hits;
@@ -573,10 +625,13 @@ impl<'m> Streamer<'m> {
         }
         // Each tensor's experts in file order: a prompt batch that routes most of a layer reads
         // its tensors nearly end to end.
-        self.plan.load.sort_unstable();
+        self.reads.clear();
+        self.reads.extend(self.plan.load.iter().map(|&e| (e, false)));
+        self.reads.extend(self.plan.pass.iter().map(|&e| (e, true)));
+        self.reads.sort_unstable();
         for &k in &self.use_order[layer as usize] {
-            for &e in &self.plan.load {
-                self.jobs.push(slice_read(&self.index, &self.reservations, k, e));
+            for &(e, pass) in &self.reads {
+                self.jobs.push(slice_read(&self.index, &self.reservations, k, e, pass));
             }
         }
         if self.jobs.is_empty() {
@@ -584,13 +639,20 @@ impl<'m> Streamer<'m> {
         }
         self.loading.clear();
         self.loading.extend(self.plan.load.iter().map(|&e| (layer, e)));
+        self.passing.clear();
+        self.passing.extend(self.plan.pass.iter().map(|&e| (layer, e)));
+        self.stats.passed += self.passing.len() as u64;
         let t0 = Instant::now();
-        let tokens = t.ne()[1];
-        let in_kernel = !(self.gpu && tokens >= GPU_OFFLOAD_BATCH)
-            && self.index.layer_tensors(layer).all(|(k, x)| self.in_kernel[k] && kernel::computes(x.ty, tokens));
-        if let Some(o) = self.overlap.as_mut().filter(|o| in_kernel && (tokens > 1 || !o.prompt_only)) {
+        if !self.passing.is_empty() {
+            // Waves, in the products' order: the kernel gives each passing expert back.
+            self.source.lanes().submit_waves(&mut self.jobs, self.staging);
+            self.in_flight = true;
+            self.stats.io_wait += t0.elapsed();
+            return Ok(());
+        }
+        if self.overlap.as_ref().is_some_and(|o| in_kernel && (tokens > 1 || !o.prompt_only)) {
             self.source.lanes().submit(&mut self.jobs);
-            o.in_flight = true;
+            self.in_flight = true;
             self.stats.io_wait += t0.elapsed();
             return Ok(());
         }

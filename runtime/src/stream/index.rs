@@ -321,13 +321,21 @@ impl ExpertIndex {
     /// a page or so, so `layers x k x the largest window` could be, and refused a cache holding
     /// every expert).
     pub fn one_token_demand(&self) -> u64 {
-        self.moe_layers()
-            .map(|l| {
-                let mut windows: Vec<u64> = (0..self.n_expert).map(|e| self.expert_window_bytes(l, e)).collect();
-                windows.sort_unstable_by(|a, b| b.cmp(a));
-                windows.iter().take(self.experts_used(l) as usize).sum::<u64>()
-            })
-            .sum()
+        self.moe_layers().map(|l| self.token_demand_in(l)).sum()
+    }
+
+    /// One token's routed demand in its largest layer: the most a single-token decode holds
+    /// beyond the expert cache while a layer computes, and the window a prompt batch's experts
+    /// pass through in waves when they do not fit (the ledger's I/O staging).
+    pub fn layer_token_demand(&self) -> u64 {
+        self.moe_layers().map(|l| self.token_demand_in(l)).max().unwrap_or(0)
+    }
+
+    /// The windows of layer `l`'s `k` largest experts.
+    fn token_demand_in(&self, l: u32) -> u64 {
+        let mut windows: Vec<u64> = (0..self.n_expert).map(|e| self.expert_window_bytes(l, e)).collect();
+        windows.sort_unstable_by(|a, b| b.cmp(a));
+        windows.iter().take(self.experts_used(l) as usize).sum()
     }
 
     /// Bytes of all expert tensors.

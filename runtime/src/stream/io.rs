@@ -6,6 +6,13 @@
 //! for just the experts they need with [`IoLanes::wait_any`], and [`IoLanes::wait`] collects the
 //! batch. Reads are split at the device's maximum request size.
 //!
+//! Waves ([`IoLanes::submit_waves`]): a batch whose experts do not all fit in memory at once
+//! marks the reads it does not keep as passing through; those take a share of a byte window,
+//! a lane starts one only while the window has room, and [`IoLanes::release_after_use`] (the
+//! kernel, once it has computed that expert) gives its pages and its share back. Reads go out in
+//! the batch's order, so the expert a product waits for is always ahead of any it has not
+//! reached.
+//!
 //! Direct I/O is verified per shard when the lanes open: one aligned block is read both ways and
 //! compared. `EINVAL` (tmpfs before Linux 6.6, some FUSE file systems) or a mismatch switches
 //! that shard to buffered reads, logged once; so does an `EINVAL` on a later read.
@@ -46,6 +53,10 @@ pub struct ReadJob {
     /// The expert tensor's index in the [`super::ExpertIndex`] (`usize::MAX` for dense reads):
     /// what [`IoLanes::wait_any`] matches on.
     pub tensor: usize,
+    /// A read passing through (waves): the tensor bytes `[from, to)` (relative to the tensor)
+    /// to give back once the expert is computed. It holds a share of the batch's window until
+    /// then.
+    pub pass: Option<(u64, u64)>,
 }
 
 /// A read that failed.
@@ -137,6 +148,12 @@ struct Queue {
     jobs: Vec<ReadJob>,
     /// Which of `jobs` have landed.
     landed: Vec<bool>,
+    /// Which passing reads were given back.
+    released: Vec<bool>,
+    /// The byte window passing reads share (`None`: no waves).
+    window: Option<u64>,
+    /// Bytes of passing reads begun and not yet given back.
+    held: u64,
     /// Batch number, so a read finishing after its batch was abandoned is not counted.
     batch: u64,
     next: usize,
@@ -304,11 +321,32 @@ impl IoLanes {
     /// Hands `jobs` to the lanes and returns at once; `jobs` is left empty. Call [`IoLanes::wait`]
     /// before the next submit.
     pub fn submit(&self, jobs: &mut Vec<ReadJob>) {
+        self.start(jobs, None);
+    }
+
+    /// [`IoLanes::submit`] in waves: the passing reads ([`ReadJob::pass`]) begin in order while
+    /// the bytes begun and not given back stay within `window` (one at a time when a single
+    /// read is larger). Whoever computes the experts must call [`IoLanes::release_after_use`]
+    /// for each, or the batch stalls until its bound.
+    pub fn submit_waves(&self, jobs: &mut Vec<ReadJob>, window: u64) {
+        self.start(jobs, Some(window));
+    }
+
+    /// The longest a batch is waited for.
+    pub fn bound(&self) -> Duration {
+        self.shared.bound
+    }
+
+    fn start(&self, jobs: &mut Vec<ReadJob>, window: Option<u64>) {
         let mut q = self.queue();
         std::mem::swap(&mut q.jobs, jobs);
         let n = q.jobs.len();
         q.landed.clear();
         q.landed.resize(n, false);
+        q.released.clear();
+        q.released.resize(n, false);
+        q.window = window;
+        q.held = 0;
         q.batch += 1;
         q.next = 0;
         q.finished = 0;
@@ -350,6 +388,31 @@ impl IoLanes {
             Some(f) => Err(f),
             None => Ok(q.stats),
         }
+    }
+
+    /// Gives back the passing reads of expert `expert` of expert tensor `tensor` that have
+    /// landed: their pages (those no neighbouring slice shares) and their share of the window.
+    /// Reads the cache keeps are not touched. Returns the bytes released.
+    pub fn release_after_use(&self, tensor: usize, expert: u32) -> u64 {
+        let mut q = self.queue();
+        if q.window.is_none() {
+            return 0; // nothing of this batch passes through
+        }
+        let mut freed = 0;
+        for i in 0..q.jobs.len() {
+            let j = &q.jobs[i];
+            let Some((from, to)) = j.pass else { continue };
+            if j.tensor != tensor || j.tag.1 != expert || !q.landed[i] || q.released[i] {
+                continue;
+            }
+            freed += j.target.release(from, to);
+            let len = j.len as u64;
+            q.released[i] = true;
+            q.held = q.held.saturating_sub(len);
+        }
+        drop(q);
+        self.shared.work.notify_all();
+        freed
     }
 
     /// Whether no submitted read of expert `expert` of expert tensor `tensor` is outstanding
@@ -432,10 +495,20 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
         if q.shutdown {
             return;
         }
-        if q.next < q.jobs.len() {
+        if q.next < q.jobs.len() && q.window.is_some() && q.failure.is_some() {
+            // A failed wave batch: nothing will compute (and give back) what is left.
+            let i = q.next;
+            q.next += 1;
+            q.finished += 1;
+            q.landed[i] = true;
+            shared.done.notify_all();
+        } else if q.next < q.jobs.len() && has_room(&q) {
             let (i, batch) = (q.next, q.batch);
             let job = q.jobs[i].clone();
             q.next += 1;
+            if job.pass.is_some() {
+                q.held += job.len as u64;
+            }
             drop(q);
             let result = catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job))).unwrap_or_else(|p| {
                 let what =
@@ -466,6 +539,15 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
         } else {
             q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
         }
+    }
+}
+
+/// Whether the next job may begin: a passing read only while the window has room for it (or
+/// nothing else of the window is held).
+fn has_room(q: &Queue) -> bool {
+    match (q.window, &q.jobs[q.next].pass) {
+        (Some(window), Some(_)) => q.held == 0 || q.held + q.jobs[q.next].len as u64 <= window,
+        _ => true,
     }
 }
 
@@ -574,8 +656,40 @@ mod tests {
         };
         let lanes = IoLanes::new(&[path], &config).unwrap();
         let target = Arc::new(Reservation::new(0, len as u64).unwrap());
-        let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0 };
+        let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, pass: None };
         (lanes, vec![job])
+    }
+
+    #[test]
+    fn waves_begin_a_passing_read_only_when_the_window_has_room() {
+        let dir = tempfile::tempdir().unwrap();
+        let page = ggml_sys::page_size() as usize;
+        let (lanes, mut jobs) = setup(dir.path(), 4 * page);
+        let one = jobs.pop().unwrap();
+        // Four passing reads of one page each (experts 0..4 of tensor 0), a window of two pages.
+        for e in 0..4u32 {
+            let from = u64::from(e) * page as u64;
+            jobs.push(ReadJob {
+                start: from,
+                len: page,
+                tag: (5, e),
+                pass: Some((from, from + page as u64)),
+                ..one.clone()
+            });
+        }
+        lanes.submit_waves(&mut jobs, 2 * page as u64);
+        assert!(lanes.wait_any(0, &[0], READ_BOUND) && lanes.wait_any(0, &[1], READ_BOUND));
+        // Nothing is given back: the third read may not begin, however long we look.
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(lanes.reads_begun(), 2);
+        assert!(!lanes.is_landed(0, 2));
+        assert_eq!(lanes.release_after_use(0, 1), page as u64);
+        assert!(lanes.wait_any(0, &[2], READ_BOUND));
+        assert_eq!(lanes.release_after_use(0, 1), 0, "given back once");
+        lanes.release_after_use(0, 0);
+        lanes.release_after_use(0, 2);
+        let stats = lanes.wait(&mut jobs, None).unwrap();
+        assert_eq!(stats.bytes, 4 * page as u64);
     }
 
     #[test]

@@ -90,6 +90,11 @@ impl ExpertGate for TensorGate<'_> {
             )))
         }
     }
+
+    fn done(&self, expert: u32) {
+        // A slice passing through (waves) goes back at once; one the cache keeps stays.
+        self.source.lanes.release_after_use(self.tensor, expert);
+    }
 }
 
 /// A registered expert tensor: its session's source and its index there.

@@ -4,8 +4,8 @@
 //! biases, quantized experts, leading dense layers and blocks llama.cpp does not run.
 
 use super::gguf_writer::{TensorSpec, TensorType, Value};
-use super::routing;
 use super::weights::Init;
+use super::{reuse, routing};
 use super::{vocab, SynthSpec};
 
 /// An architecture `sluice synth` writes.
@@ -215,13 +215,27 @@ fn gpt_oss_layer(spec: &SynthSpec, il: u32, skew: Option<&[f32]>, t: &mut Table)
     let (hd, nh, nkv) = (u64::from(spec.head_dim()), u64::from(spec.heads), u64::from(spec.kv_heads));
     t.norm(weight(il, "attn_norm"), e);
     t.norm(weight(il, "post_attention_norm"), e);
-    for (name, width) in [("attn_q", hd * nh), ("attn_k", hd * nkv), ("attn_v", hd * nkv)] {
-        t.matrix(weight(il, name), vec![e, width], 1.0);
-        t.bias(bias(il, name), vec![width]);
+    // Reuse: zero queries (every position weighs its window alike), strong values, and sinks
+    // the calibration sets.
+    let gains = if spec.reuse.is_some() { [0.0, 1.0, reuse::VALUE_GAIN] } else { [1.0; 3] };
+    for ((name, width), gain) in
+        [("attn_q", hd * nh), ("attn_k", hd * nkv), ("attn_v", hd * nkv)].into_iter().zip(gains)
+    {
+        t.matrix(weight(il, name), vec![e, width], gain);
+        if gain == 0.0 {
+            t.push(bias(il, name), vec![width], TensorType::F32, Init::Uniform { gain: 0.0, fan_in: 1 });
+        } else {
+            t.bias(bias(il, name), vec![width]);
+        }
     }
     t.matrix(weight(il, "attn_output"), vec![hd * nh, e], 1.0);
     t.bias(bias(il, "attn_output"), vec![e]);
-    t.bias(weight(il, "attn_sinks"), vec![nh]);
+    if spec.reuse.is_some() {
+        let sink = if reuse::is_local(il) { reuse::INITIAL_SINK } else { reuse::CLOSED_SINK };
+        t.push(weight(il, "attn_sinks"), vec![nh], TensorType::F32, Init::Values(vec![sink; nh as usize].into()));
+    } else {
+        t.bias(weight(il, "attn_sinks"), vec![nh]);
+    }
     router(spec, il, t);
     match skew {
         Some(profile) => {

@@ -9,6 +9,7 @@
 mod arch;
 pub mod calibrate;
 pub mod gguf_writer;
+pub mod reuse;
 pub mod routing;
 mod size;
 mod vocab;
@@ -139,6 +140,10 @@ pub struct SynthSpec {
     pub chat_template: Option<String>,
     /// How the router spreads tokens over experts.
     pub routing: Routing,
+    /// Token-to-token reuse (skewed gpt-oss routing only): how many times more often consecutive
+    /// tokens share their first-choice expert than independent tokens ([`reuse`]); `None`
+    /// leaves the attention random.
+    pub reuse: Option<f64>,
 }
 
 impl Default for SynthSpec {
@@ -160,6 +165,7 @@ impl Default for SynthSpec {
             split_max_tensors: None,
             chat_template: None,
             routing: Routing::Uniform,
+            reuse: None,
         }
     }
 }
@@ -275,6 +281,23 @@ impl SynthSpec {
             routing::routed_chances(self.experts, self.experts_used, sigma)
                 .map_err(|e| invalid("skew", e.to_string()))?;
         }
+        if let Some(r) = self.reuse {
+            if !matches!(self.routing, Routing::Skewed(_)) {
+                return Err(invalid(
+                    "reuse",
+                    "token-to-token reuse is calibrated with skewed routing: add --routing skewed",
+                ));
+            }
+            if !(r.is_finite() && (1.0..=reuse::MAX_REUSE).contains(&r)) {
+                return Err(invalid(
+                    "reuse",
+                    format!(
+                        "{r} is not between 1 (no reuse) and {} times the repeats of independent tokens",
+                        reuse::MAX_REUSE
+                    ),
+                ));
+            }
+        }
         if self.split_max_tensors == Some(0) {
             return Err(invalid("split-max-tensors", "must be at least 1"));
         }
@@ -313,6 +336,14 @@ impl SynthSpec {
             meta.push((
                 "sluice.synth.routing".to_string(),
                 Value::Str(format!("skewed, log-normal popularity σ {sigma}")),
+            ));
+        }
+        if let Some(r) = self.reuse {
+            meta.push((
+                "sluice.synth.reuse".to_string(),
+                Value::Str(format!(
+                    "consecutive tokens share their first-choice expert {r}x as often as independent tokens"
+                )),
             ));
         }
         meta
@@ -374,27 +405,23 @@ pub fn synthesize(spec: &SynthSpec, out: &Path, n_threads: u32) -> Result<SynthO
         }
         vec![out.to_path_buf()]
     };
+    // Skewed routing: the router biases calibrated on the written model, and with reuse the
+    // attention sinks around them.
     let calibration = match &skew {
         None => None,
-        Some((chances, profile)) => Some(calibrate_routing(spec, chances, profile, &files, n_threads)?),
+        Some((chances, profile)) => {
+            let biases = (0..spec.layers).map(|il| routing::by_expert(profile, spec.seed, il)).collect();
+            let want: Vec<Vec<f64>> = (0..spec.layers).map(|il| routing::by_expert(chances, spec.seed, il)).collect();
+            let popularity = |b| calibrate::calibrate(&files, b, &want, spec.experts_used, n_threads);
+            Some(match spec.reuse {
+                Some(_) => reuse::calibrate(&files, spec, biases, popularity)?,
+                None => popularity(biases)?.0,
+            })
+        }
     };
     let total_bytes = files.iter().map(|f| file_len(f)).sum::<Result<u64, _>>()?;
     let expert_bytes = expert_bytes_of(&files)?;
     Ok(SynthOutput { files, total_bytes, expert_bytes, calibration })
-}
-
-/// Calibrates the router biases of a skewed model just written to `files` (from `profile`, for
-/// the routed `chances`, both hottest first) against its routing.
-fn calibrate_routing(
-    spec: &SynthSpec,
-    chances: &[f64],
-    profile: &[f32],
-    files: &[PathBuf],
-    n_threads: u32,
-) -> Result<calibrate::Calibration, SynthError> {
-    let biases = (0..spec.layers).map(|il| routing::by_expert(profile, spec.seed, il)).collect();
-    let want: Vec<Vec<f64>> = (0..spec.layers).map(|il| routing::by_expert(chances, spec.seed, il)).collect();
-    calibrate::calibrate(files, biases, &want, spec.experts_used, n_threads)
 }
 
 fn file_len(path: &Path) -> Result<u64, SynthError> {

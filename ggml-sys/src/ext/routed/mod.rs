@@ -11,7 +11,9 @@
 //! The workspace ([`mul_mat_id_workspace`], which a kernel's `prepare` reports so that ggml
 //! allocates and accounts it) holds what the native kernel keeps in its work buffer (the
 //! converted activations and the rows routed to each expert, here compacted to one entry per
-//! routed slot) plus each expert's schedule state (its next chunk and whether it is ready).
+//! routed slot) plus each expert's schedule state (its next chunk, whether it is ready, and how
+//! many of its chunks are done: when the last is, the gate hears that the expert's weights are
+//! no longer needed, so a caller may give their memory back before the product ends).
 
 use std::ffi::c_int;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -24,7 +26,7 @@ use crate::{GgmlType, TensorView};
 
 mod shape;
 
-use shape::{align, Shape, ALIGN};
+use shape::{align, Shape, ALIGN, STATE_WORDS};
 
 /// When the weights of each routed expert may be read.
 pub trait ExpertGate: Sync {
@@ -35,6 +37,10 @@ pub trait ExpertGate: Sync {
     /// Blocks until one of `pending` may have become ready (returning early is allowed). An
     /// error (the weights will not arrive) fails the product, and with it the graph.
     fn wait(&self, pending: &[u32]) -> Result<(), KernelError>;
+
+    /// Expert `expert`'s part of the product is complete: this execution reads its weights no
+    /// more. Called once per routed expert, from the compute thread that finished it.
+    fn done(&self, _expert: u32) {}
 }
 
 /// Whether ggml-cpu computes a `MUL_MAT_ID` over `weights` with `tokens` activation columns by
@@ -155,7 +161,7 @@ pub fn mul_mat_id(run: &mut Execution<'_>, gate: &dyn ExpertGate) -> Result<(), 
         (
             std::slice::from_raw_parts_mut((base + layout.offsets) as *mut u32, n_as + 1),
             std::slice::from_raw_parts_mut((base + layout.rows) as *mut [i32; 2], slots),
-            std::slice::from_raw_parts((base + layout.state) as *const AtomicU32, n_as * 2),
+            std::slice::from_raw_parts((base + layout.state) as *const AtomicU32, n_as * STATE_WORDS),
         )
     };
     // SAFETY: the ids tensor is allocated in host memory (the CPU backend computes this node)
@@ -213,18 +219,19 @@ fn route(
     }
     // The chunk counters serve as fill cursors first.
     for e in 0..n_as {
-        state[2 * e].store(offsets[e], Ordering::Relaxed);
-        state[2 * e + 1].store(0, Ordering::Relaxed);
+        state[STATE_WORDS * e].store(offsets[e], Ordering::Relaxed);
+        state[STATE_WORDS * e + 1].store(0, Ordering::Relaxed);
+        state[STATE_WORDS * e + 2].store(0, Ordering::Relaxed);
     }
     for tok in 0..shape.ne12 {
         for slot in 0..shape.n_ids {
             let e = id_at(slot, tok) as usize;
-            let at = state[2 * e].fetch_add(1, Ordering::Relaxed) as usize;
+            let at = state[STATE_WORDS * e].fetch_add(1, Ordering::Relaxed) as usize;
             rows[at] = [slot as i32, tok as i32];
         }
     }
     for e in 0..n_as {
-        state[2 * e].store(0, Ordering::Relaxed);
+        state[STATE_WORDS * e].store(0, Ordering::Relaxed);
     }
     Ok(())
 }
@@ -235,7 +242,7 @@ fn schedule(n_as: usize, offsets: &[u32], state: &[AtomicU32], gate: &dyn Expert
     let routed = (0..n_as as u32).filter(|&e| offsets[e as usize + 1] > offsets[e as usize]);
     let (mut ready, waiting): (Vec<u32>, Vec<u32>) = routed.partition(|&e| gate.ready(e));
     for &e in &ready {
-        state[2 * e as usize + 1].store(1, Ordering::Release);
+        state[STATE_WORDS * e as usize + 1].store(1, Ordering::Release);
     }
     ready.extend(waiting);
     ready
@@ -278,7 +285,7 @@ fn compute(
             let eu = e as usize;
             let rows_e = &rows[offsets[eu] as usize..offsets[eu + 1] as usize];
             let chunks = Chunks::new(shape.ne01, rows_e.len() as i64, nth);
-            let (next, ready) = (&state[2 * eu], &state[2 * eu + 1]);
+            let [next, ready, finished] = [0, 1, 2].map(|w| &state[STATE_WORDS * eu + w]);
             if next.load(Ordering::Relaxed) as i64 >= chunks.count() {
                 continue;
             }
@@ -295,6 +302,9 @@ fn compute(
                     break;
                 }
                 chunk(shape, a, e, rows_e, chunks.range(c));
+                if i64::from(finished.fetch_add(1, Ordering::AcqRel)) + 1 == chunks.count() {
+                    gate.done(e);
+                }
             }
             continue 'scan;
         }

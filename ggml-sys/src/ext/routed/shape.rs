@@ -54,6 +54,10 @@ pub(super) struct Layout {
 
 pub(super) const ALIGN: usize = 64;
 
+/// Schedule words per expert: the next chunk to hand out, whether its weights are ready, and
+/// how many of its chunks are done.
+pub(super) const STATE_WORDS: usize = 3;
+
 pub(super) fn align(n: usize, to: usize) -> usize {
     n.div_ceil(to) * to
 }
@@ -154,7 +158,7 @@ impl Shape {
         let offsets = align(conv + conv_bytes, 8);
         let rows = align(offsets + (n_as + 1) * 4, 8);
         let state = align(rows + self.slots() * 8, ALIGN);
-        let end = state + n_as * 8;
+        let end = state + n_as * STATE_WORDS * 4;
         // Slack to align the buffer's base.
         Layout { conv, offsets, rows, state, total: end + ALIGN }
     }
