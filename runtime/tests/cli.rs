@@ -88,6 +88,9 @@ fn bad_synth_parameters_name_the_option() {
     assert_clean_error(&o, "--experts-used");
     let o = sluice(&["synth", "--out", out.to_str().unwrap(), "--size", "10KiB"], dir.path());
     assert_clean_error(&o, "too small");
+    // Reuse is calibrated with skewed routing only: asked for alone, it is refused, not ignored.
+    let o = sluice(&["synth", "--out", out.to_str().unwrap(), "--arch", "gpt-oss", "--reuse", "2"], dir.path());
+    assert_clean_error(&o, "--routing skewed");
     assert!(!out.exists(), "a failed synth must not leave a file behind");
 }
 

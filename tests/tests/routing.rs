@@ -61,7 +61,13 @@ fn skewed_routing_is_deterministic_and_routes_by_its_popularity_profile() {
 
     let (n, k) = (skewed.experts, skewed.experts_used);
     let chances = routing::routed_chances(n, k, routing::DEFAULT_SKEW).unwrap();
-    let counts = routed_counts(&a, skewed.layers as usize, n as usize);
+    let measured = routes(&a, skewed.layers as usize, n as usize);
+    // No reuse asked for: consecutive tokens share their first choice about as often as
+    // independent tokens of the same popularity.
+    let independent = measured.mean_reuse();
+    eprintln!("reuse without --reuse: {independent:.2}");
+    assert!(independent < 1.4, "a skewed model without reuse repeats {independent:.2}x");
+    let counts = measured.counts;
     let want_cover = {
         let mut acc = 0.0;
         chances
@@ -114,31 +120,31 @@ fn correlation(counts: &[u64], want: &[f64]) -> f64 {
 #[test]
 fn reuse_makes_consecutive_tokens_share_experts_as_asked_and_keeps_the_popularity() {
     let dir = tempfile::tempdir().unwrap();
-    let with = |reuse| SynthSpec { reuse: Some(reuse), ..spec(Routing::Skewed(routing::DEFAULT_SKEW)) };
-    let (n, k) = (with(1.0).experts, with(1.0).experts_used);
-    let chances = routing::routed_chances(n, k, routing::DEFAULT_SKEW).unwrap();
-    let mut measured = Vec::new();
-    for target in [1.0, reuse::DEFAULT_REUSE] {
-        let s = with(target);
-        let (a, b) = (dir.path().join(format!("r{target}a.gguf")), dir.path().join(format!("r{target}b.gguf")));
-        let out = synth::synthesize(&s, &a, 2).unwrap();
+    let target = reuse::DEFAULT_REUSE;
+    let s = SynthSpec { reuse: Some(target), ..spec(Routing::Skewed(routing::DEFAULT_SKEW)) };
+    let (n, k) = (s.experts, s.experts_used);
+    let a = dir.path().join("a.gguf");
+    let out = synth::synthesize(&s, &a, 2).unwrap();
+    if std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty()) {
+        eprintln!("determinism not checked under qemu-user: a second calibration there takes minutes");
+    } else {
+        let b = dir.path().join("b.gguf");
         synth::synthesize(&s, &b, 2).unwrap();
-        assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap(), "reuse {target}: the same bytes");
-        let (_, reached) = out.calibration.and_then(|c| c.reuse).expect("the reuse calibration is reported");
-        let r = routes(&a, s.layers as usize, n as usize);
-        let got = r.mean_reuse();
-        eprintln!("reuse {target}: calibrated to {reached:.2}, {got:.2} on an unseen prompt");
-        assert!((got / target - 1.0).abs() <= 0.25, "reuse {target}: measured {got:.2} on an unseen prompt");
-        // Popularity still follows the profile.
-        for (layer, c) in r.counts.iter().enumerate() {
-            let want = routing::by_expert(&chances, s.seed, layer as u32);
-            let fit = correlation(c, &want);
-            eprintln!("reuse {target}, layer {layer}: correlation {fit:.3}");
-            assert!(fit > 0.9, "reuse {target}, layer {layer}: correlation with the profile {fit:.3}");
-        }
-        measured.push(got);
+        assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap(), "the same spec gives the same bytes");
     }
-    assert!(measured[1] > measured[0] + 0.6, "asking for reuse gives it: {measured:?}");
+    let (_, reached) = out.calibration.and_then(|c| c.reuse).expect("the reuse calibration is reported");
+    let r = routes(&a, s.layers as usize, n as usize);
+    let got = r.mean_reuse();
+    eprintln!("reuse {target}: calibrated to {reached:.2}, {got:.2} on an unseen prompt");
+    // Without reuse the same model measures about 1 (skewed_routing_is_deterministic_...).
+    assert!((got / target - 1.0).abs() <= 0.25, "reuse {target}: measured {got:.2} on an unseen prompt");
+    // Popularity still follows the profile.
+    let chances = routing::routed_chances(n, k, routing::DEFAULT_SKEW).unwrap();
+    for (layer, c) in r.counts.iter().enumerate() {
+        let fit = correlation(c, &routing::by_expert(&chances, s.seed, layer as u32));
+        eprintln!("layer {layer}: correlation with the profile {fit:.3}");
+        assert!(fit > 0.9, "layer {layer}: correlation with the profile {fit:.3}");
+    }
 }
 
 #[test]
