@@ -119,19 +119,20 @@ fn correlation(counts: &[u64], want: &[f64]) -> f64 {
 
 #[test]
 fn reuse_makes_consecutive_tokens_share_experts_as_asked_and_keeps_the_popularity() {
+    if std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty()) {
+        // Some fifty calibration rounds take about seven minutes under qemu-user, and CI runs
+        // this file natively too; the emulated run keeps the skewed-routing test above.
+        eprintln!("skipped under qemu-user: the reuse calibration is checked by the native run");
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let target = reuse::DEFAULT_REUSE;
     let s = SynthSpec { reuse: Some(target), ..spec(Routing::Skewed(routing::DEFAULT_SKEW)) };
     let (n, k) = (s.experts, s.experts_used);
-    let a = dir.path().join("a.gguf");
+    let (a, b) = (dir.path().join("a.gguf"), dir.path().join("b.gguf"));
     let out = synth::synthesize(&s, &a, 2).unwrap();
-    if std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty()) {
-        eprintln!("determinism not checked under qemu-user: a second calibration there takes minutes");
-    } else {
-        let b = dir.path().join("b.gguf");
-        synth::synthesize(&s, &b, 2).unwrap();
-        assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap(), "the same spec gives the same bytes");
-    }
+    synth::synthesize(&s, &b, 2).unwrap();
+    assert_eq!(std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap(), "the same spec gives the same bytes");
     let (_, reached) = out.calibration.and_then(|c| c.reuse).expect("the reuse calibration is reported");
     let r = routes(&a, s.layers as usize, n as usize);
     let got = r.mean_reuse();
