@@ -115,6 +115,12 @@ pub fn greedy_tokens(model: &ggml_sys::Model, n_predict: u32, n_threads: u32) ->
     generate::generate(model, PROMPT, &params, |_, _| {}).expect("generation").tokens
 }
 
+/// Whether the tests run under an emulator (`make aarch64` sets `SLUICE_TEST_RUNNER` to
+/// qemu-aarch64), where madvise is a hint and everything is slower.
+pub fn emulated() -> bool {
+    std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty())
+}
+
 /// The fixtures the streaming gates run on: `SLUICE_GATE_FIXTURES` (comma-separated lowercase
 /// names, e.g. `f32,q8_0`) narrows them, as `make aarch64` does under emulation.
 pub fn gate_fixtures() -> Vec<Fixture> {

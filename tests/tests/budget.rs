@@ -53,23 +53,17 @@ fn the_ledger_adds_up_for_two_fixtures() {
             .max()
             .unwrap();
         // One token's demand: in every layer, its experts_used largest experts.
-        let demand: u64 = (0..u64::from(spec.layers))
+        let per_layer: Vec<u64> = (0..u64::from(spec.layers))
             .map(|l| {
                 let mut w: Vec<u64> = (0..u64::from(spec.experts)).map(|e| expert(l, e)).collect();
                 w.sort_unstable_by(|a, b| b.cmp(a));
                 w.iter().take(spec.experts_used as usize).sum::<u64>()
             })
-            .sum();
+            .collect();
+        let demand: u64 = per_layer.iter().sum();
         // A prompt batch's experts beyond the cache pass through in waves of the largest layer's
         // share of that demand.
-        let wave: u64 = (0..u64::from(spec.layers))
-            .map(|l| {
-                let mut w: Vec<u64> = (0..u64::from(spec.experts)).map(|e| expert(l, e)).collect();
-                w.sort_unstable_by(|a, b| b.cmp(a));
-                w.iter().take(spec.experts_used as usize).sum::<u64>()
-            })
-            .max()
-            .unwrap();
+        let wave = *per_layer.iter().max().unwrap();
         let all_experts: u64 = (0..u64::from(spec.layers))
             .flat_map(|l| (0..u64::from(spec.experts)).map(move |e| (l, e)))
             .map(|(l, e)| expert(l, e))

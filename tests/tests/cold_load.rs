@@ -9,7 +9,7 @@ use std::sync::Arc;
 use sluice::generate::load_model;
 use sluice::stream::{load_streamed_model, DensePolicy, ExpertIndex, StreamedSession};
 use sluice::synth::{synthesize, SynthSpec};
-use sluice_tests::{greedy_tokens, stream_config, stream_generate, PROMPT};
+use sluice_tests::{emulated, greedy_tokens, stream_config, stream_generate, PROMPT};
 
 /// A directory whose files can be dropped from the page cache (not tmpfs), or `None` with the
 /// reason printed.
@@ -45,12 +45,6 @@ fn cold_model(dir: &Path) -> (PathBuf, Arc<ExpertIndex>) {
 fn drop_and_check(path: &Path, index: &ExpertIndex) {
     sluice_hal::storage::drop_cached(path).unwrap();
     assert_eq!(cached_expert_bytes(path, index), 0, "the page cache did not drop the model");
-}
-
-/// Whether the tests run under an emulator (`make aarch64` sets `SLUICE_TEST_RUNNER` to
-/// qemu-aarch64).
-fn emulated() -> bool {
-    std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty())
 }
 
 /// Expert bytes in the page cache, from a fresh mapping's mincore.

@@ -119,7 +119,7 @@ fn correlation(counts: &[u64], want: &[f64]) -> f64 {
 
 #[test]
 fn reuse_makes_consecutive_tokens_share_experts_as_asked_and_keeps_the_popularity() {
-    if std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty()) {
+    if sluice_tests::emulated() {
         // Some fifty calibration rounds take about seven minutes under qemu-user, and CI runs
         // this file natively too; the emulated run keeps the skewed-routing test above.
         eprintln!("skipped under qemu-user: the reuse calibration is checked by the native run");

@@ -522,7 +522,7 @@ fn a_streamer_poisoned_by_a_panic_forgets_its_cache_and_stays_exact() {
 
 #[test]
 fn evicted_experts_leave_no_memory_the_cache_does_not_account() {
-    if std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty()) {
+    if sluice_tests::emulated() {
         eprintln!("skipped: qemu-user may ignore MADV_DONTNEED, so released pages stay in its memory");
         return;
     }
@@ -546,7 +546,7 @@ fn evicted_experts_leave_no_memory_the_cache_does_not_account() {
 
 #[test]
 fn a_prompt_batch_beyond_the_cache_passes_through_in_waves_within_the_staging() {
-    let emulated = std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty());
+    let emulated = sluice_tests::emulated();
     let dir = tempfile::tempdir().unwrap();
     for f in [Fixture::Q8_0, Fixture::OddQ8_0, Fixture::GptOss] {
         let (files, index) = setup(f, dir.path());

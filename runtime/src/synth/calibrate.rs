@@ -151,6 +151,16 @@ pub(super) fn find_layer_tensors(
     Ok(found)
 }
 
+/// Every layer's router bias (`experts` values) in the written files.
+pub(super) fn router_biases(files: &[PathBuf], layers: u32, experts: u32) -> Result<Vec<LayerTensor>, SynthError> {
+    find_layer_tensors(files, layers, experts, |il| format!("blk.{il}.ffn_gate_inp.bias"))
+}
+
+/// Rewrites each tensor of `tensors` with its layer's `values`.
+pub(super) fn write_layers(tensors: &[LayerTensor], values: &[Vec<f32>]) -> Result<(), SynthError> {
+    tensors.iter().zip(values).try_for_each(|(t, v)| write_values(t, v))
+}
+
 /// Rewrites `t`'s values in place.
 pub(super) fn write_values(t: &LayerTensor, values: &[f32]) -> Result<(), SynthError> {
     let bytes: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
@@ -184,7 +194,7 @@ pub fn calibrate(
 ) -> Result<(Calibration, Vec<Vec<f32>>, f64), SynthError> {
     let layers = biases.len() as u32;
     let experts = biases.first().map_or(0, Vec::len) as u32;
-    let tensors = find_layer_tensors(files, layers, experts, |il| format!("blk.{il}.ffn_gate_inp.bias"))?;
+    let tensors = router_biases(files, layers, experts)?;
     let prompt = calibration_prompt(CALIBRATION_TOKENS, 7919);
     let tokens = prompt.len() as f64;
     let error_of = |counts: &[Vec<u64>]| {
@@ -222,15 +232,11 @@ pub fn calibrate(
             let mean = b.iter().sum::<f32>() / b.len() as f32;
             b.iter_mut().for_each(|v| *v -= mean);
         }
-        for (t, b) in tensors.iter().zip(&biases) {
-            write_values(t, b)?;
-        }
+        write_layers(&tensors, &biases)?;
     }
     let Round { biases: chosen, error: max_error, reuse, .. } = best.unwrap_or_default();
     if chosen != biases {
-        for (t, b) in tensors.iter().zip(&chosen) {
-            write_values(t, b)?;
-        }
+        write_layers(&tensors, &chosen)?;
     }
     Ok((Calibration { rounds, max_error, reuse: None }, chosen, reuse))
 }

@@ -23,7 +23,7 @@
 
 use std::path::PathBuf;
 
-use super::calibrate::{find_layer_tensors, write_values, Calibration};
+use super::calibrate::{find_layer_tensors, router_biases, write_layers, write_values, Calibration};
 use super::{SynthError, SynthSpec};
 
 /// The default reuse: Mixtral's middle-layer ratio of first-choice repeats to chance.
@@ -99,9 +99,6 @@ pub fn calibrate(
     }
     let Some((_, sink, chosen, c)) = best else { return Err(super::invalid("reuse", "no search round ran")) };
     write_sinks(sink)?;
-    let routers = find_layer_tensors(files, layers, spec.experts, |il| format!("blk.{il}.ffn_gate_inp.bias"))?;
-    for (t, b) in routers.iter().zip(&chosen) {
-        write_values(t, b)?;
-    }
+    write_layers(&router_biases(files, layers, spec.experts)?, &chosen)?;
     Ok(Calibration { rounds, ..c })
 }
