@@ -34,7 +34,8 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 # configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build, with a
 # 512-token prompt (32 generated tokens, 16 at SD speed) and a row per lossy mode: at the disk's own
 # speed, then throttled to an SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s), with a read sweep
-# (lanes x request size) on the uniform model. Results under BENCH_DIR/<routing>-<speed>/.
+# (lanes x request size) on the uniform model, and rows with the model split over two and three
+# boards of the same budget (loopback RPC workers). Results under BENCH_DIR/<routing>-<speed>/.
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
 
@@ -83,7 +84,7 @@ bench: vendor
 		echo "== $$r routing, $$s"; \
 		target/release/sluice bench --model $(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf \
 			--budget-mb $(BENCH_BUDGET_MB) -n $$n --prompt-tokens 512 $$t $$w \
-			--experts-used 2 --substitute 4 --out $(BENCH_DIR)/$$r-$$s || exit 1; \
+			--experts-used 2 --substitute 4 --rpc --out $(BENCH_DIR)/$$r-$$s || exit 1; \
 	done; done
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.

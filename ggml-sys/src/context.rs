@@ -141,10 +141,12 @@ impl<'m> Context<'m> {
         let raw = unsafe { crate::shim::sluice_init_from_model(model.raw(), p) };
         if let Err(e) = crate::shim::caught("llama_init_from_model") {
             free_callback();
+            model.check_workers()?;
             return Err(e);
         }
         if raw.is_null() {
             free_callback();
+            model.check_workers()?;
             return Err(Error::ContextCreate { n_ctx: params.n_ctx, n_batch: params.n_batch });
         }
         let pool = if params.threads.cpus.is_empty() {
@@ -181,6 +183,29 @@ impl<'m> Context<'m> {
         MemorySizes { model: m.model as u64, context: m.context as u64, compute: m.compute as u64 }
     }
 
+    /// [`Context::memory_sizes`] on this process's CPU device and host buffers only: without
+    /// what RPC workers hold.
+    pub fn local_memory_sizes(&self) -> MemorySizes {
+        // SAFETY: returns the process-wide CPU device (NULL only in a build without one).
+        let cpu = unsafe { sys::ggml_backend_dev_by_type(sys::GGML_BACKEND_DEVICE_TYPE_CPU) };
+        self.device_sizes(cpu)
+    }
+
+    /// [`Context::memory_sizes`] on one RPC worker only: its share of the model, KV cache and
+    /// compute buffers.
+    pub fn worker_memory_sizes(&self, worker: &crate::RpcDevice) -> MemorySizes {
+        self.device_sizes(worker.raw())
+    }
+
+    fn device_sizes(&self, dev: sys::ggml_backend_dev_t) -> MemorySizes {
+        if dev.is_null() {
+            return MemorySizes { model: 0, context: 0, compute: 0 };
+        }
+        // SAFETY: live context and a live device; the call only reads buffer bookkeeping.
+        let m = unsafe { sys::llama_get_device_memory_sizes(self.raw, dev) };
+        MemorySizes { model: m.model as u64, context: m.context as u64, compute: m.compute as u64 }
+    }
+
     /// Makes every later decode check `flag` between graph nodes: once it is set, the decode
     /// stops and returns [`Error::Aborted`]. `None` removes the check.
     pub fn set_abort_flag(&mut self, flag: Option<Arc<AtomicBool>>) {
@@ -202,7 +227,10 @@ impl<'m> Context<'m> {
         // SAFETY: live context; the batch arrays are valid for batch.len() tokens.
         let status = unsafe { crate::shim::sluice_decode(self.raw, batch.raw()) };
         drop(running);
-        crate::shim::caught("llama_decode")?;
+        let caught = crate::shim::caught("llama_decode");
+        // A lost worker computed nothing: whatever the status says, its result is not the model's.
+        self.model.check_workers()?;
+        caught?;
         if let Some(cell) = self.callback {
             // SAFETY: the decode has returned, so ggml no longer calls the callback; &mut self
             // excludes any other access to the cell.

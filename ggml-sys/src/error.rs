@@ -40,6 +40,34 @@ pub enum Error {
         /// The file.
         path: PathBuf,
     },
+    /// No ggml RPC server answered at an endpoint.
+    #[error("cannot use the RPC worker at {endpoint}: {reason}; is `sluice worker --listen {endpoint}` running there, and does its firewall let this board in?")]
+    RpcConnect {
+        /// The `host:port`.
+        endpoint: String,
+        /// Why.
+        reason: String,
+    },
+    /// The connection to an RPC worker was lost (it stopped, crashed or the link went down).
+    #[error("lost the RPC worker at {endpoint}: it stopped answering (stopped, crashed, or the link went down); its layers are gone until it is back and the model is loaded again")]
+    RpcLost {
+        /// The `host:port`.
+        endpoint: String,
+    },
+    /// An RPC split whose worker list and layer counts differ in length.
+    #[error("an RPC split needs one layer count per worker, and at least one worker: {devices} worker(s), {counts} count(s)")]
+    RpcSplit {
+        /// Workers given.
+        devices: usize,
+        /// Layer counts given.
+        counts: usize,
+    },
+    /// The RPC server could not start.
+    #[error("cannot serve RPC at {endpoint}: the address is not this board's IPv4 address, or the port is taken (the reason is in the log above)")]
+    RpcServe {
+        /// The `ip:port`.
+        endpoint: String,
+    },
     /// llama.cpp could not create a context.
     #[error("llama.cpp could not create a context with n_ctx={n_ctx}, n_batch={n_batch} (out of memory, or sizes the model does not allow)")]
     ContextCreate {
@@ -140,4 +168,15 @@ pub enum Error {
     /// A tensor's data was read or written before a scheduler or buffer allocated it.
     #[error("tensor {0} has no data: allocate its graph first")]
     NotAllocated(String),
+}
+
+impl Error {
+    /// The RPC worker this error is about, when it is a worker that cannot be reached or was
+    /// lost.
+    pub fn lost_worker(&self) -> Option<&str> {
+        match self {
+            Error::RpcLost { endpoint } | Error::RpcConnect { endpoint, .. } => Some(endpoint),
+            _ => None,
+        }
+    }
 }

@@ -7,7 +7,7 @@ use llama_cpp_sys_2 as sys;
 
 use std::sync::{Arc, Mutex};
 
-use crate::{Error, Reservation, Result};
+use crate::{Error, Reservation, Result, RpcDevice};
 
 /// A token id.
 pub type Token = i32;
@@ -36,6 +36,19 @@ pub struct ModelParams {
     /// Integer metadata values to use instead of the file's (`kv_overrides`), e.g.
     /// `("gpt-oss.expert_used_count", 2)`. Keys are at most 127 bytes.
     pub int_overrides: Vec<(String, i64)>,
+    /// Layers to place on RPC workers, resident there (`None`: every layer stays here).
+    pub rpc: Option<RpcSplit>,
+}
+
+/// Which of a model's layers RPC workers hold: the last `layers.iter().sum()` repeating layers,
+/// `layers[i]` of them on `devices[i]` in order, and the output layer on the last device
+/// (llama.cpp offloads a contiguous range that ends with the output layer).
+#[derive(Debug, Clone)]
+pub struct RpcSplit {
+    /// The workers, in layer order.
+    pub devices: Vec<RpcDevice>,
+    /// Repeating layers per worker.
+    pub layers: Vec<u32>,
 }
 
 /// llama.cpp's metadata overrides for `ints`, ended by an entry with an empty key (empty when
@@ -72,6 +85,8 @@ pub struct Model {
     rebound: Mutex<Vec<Arc<Reservation>>>,
     /// Decodes running over this model now, all contexts together.
     decoding: std::sync::atomic::AtomicUsize,
+    /// The RPC workers holding some of its layers.
+    rpc: Vec<RpcDevice>,
 }
 
 // SAFETY: a llama_model is immutable after llama_model_load_from_file returns; llama.cpp supports
@@ -119,16 +134,53 @@ impl Model {
         if !kv.is_empty() {
             p.kv_overrides = kv.as_ptr();
         }
+        let mut devices: Vec<sys::ggml_backend_dev_t> = Vec::new();
+        let mut split: Vec<f32> = Vec::new();
+        if let Some(rpc) = &params.rpc {
+            if rpc.devices.is_empty() || rpc.devices.len() != rpc.layers.len() {
+                return Err(Error::RpcSplit { devices: rpc.devices.len(), counts: rpc.layers.len() });
+            }
+            devices.extend(rpc.devices.iter().map(RpcDevice::raw));
+            devices.push(std::ptr::null_mut());
+            // llama.cpp reads llama_max_devices() split entries. The workers' cumulative shares
+            // are exact layer counts (the output layer counted on the last).
+            // SAFETY: a constant of the build.
+            let max = unsafe { sys::llama_max_devices() };
+            split.resize(max.max(rpc.layers.len()), 0.0);
+            for (s, &n) in split.iter_mut().zip(&rpc.layers) {
+                *s = n as f32;
+            }
+            split[rpc.layers.len() - 1] += 1.0;
+            p.devices = devices.as_mut_ptr();
+            p.tensor_split = split.as_ptr();
+            p.split_mode = sys::LLAMA_SPLIT_MODE_LAYER;
+            p.n_gpu_layers = rpc.layers.iter().sum::<u32>() as i32 + 1;
+        }
         // SAFETY: c_path is NUL-terminated; p is a fully initialized parameter struct whose
         // pointers are the library defaults (NULL), `pattern`, `overrides` (NULL-terminated,
-        // its patterns in `cpu_pattern`) or `kv` (ended by an empty key), all of which outlive
-        // the call.
+        // its patterns in `cpu_pattern`), `kv` (ended by an empty key), `devices`
+        // (NULL-terminated) or `split` (llama_max_devices() entries), all of which outlive the
+        // call.
         let raw = unsafe { crate::shim::sluice_model_load_from_file(c_path.as_ptr(), p) };
-        crate::shim::caught("llama_model_load_from_file")?;
+        let rpc: Vec<RpcDevice> = params.rpc.as_ref().map(|r| r.devices.clone()).unwrap_or_default();
+        let caught = crate::shim::caught("llama_model_load_from_file");
         if raw.is_null() {
+            // A worker lost during the load is the reason to name.
+            crate::rpc::check_connected(&rpc)?;
+            caught?;
             return Err(Error::ModelLoad { path: path.into() });
         }
-        Ok(Model { raw, path: path.into(), rebound: Mutex::new(Vec::new()), decoding: Default::default() })
+        let model =
+            Model { raw, path: path.into(), rebound: Mutex::new(Vec::new()), decoding: Default::default(), rpc };
+        caught?;
+        // A worker lost during the load leaves its layers without their weights.
+        crate::rpc::check_connected(&model.rpc)?;
+        Ok(model)
+    }
+
+    /// `Err` naming the first RPC worker of this model whose connection was lost.
+    pub fn check_workers(&self) -> Result<()> {
+        crate::rpc::check_connected(&self.rpc)
     }
 
     /// Counts a decode over this model until the guard drops.

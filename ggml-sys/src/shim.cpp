@@ -6,6 +6,7 @@
 
 #include "llama.h"
 #include "gguf.h"
+#include "ggml-rpc.h"
 #include "shim.h"
 
 #include <string>
@@ -83,6 +84,64 @@ int32_t sluice_token_to_piece(const struct llama_vocab * vocab, llama_token toke
         return llama_token_to_piece(vocab, token, buf, length, lstrip, special);
     }
     SLUICE_CATCH(0)
+}
+
+// Connects to the RPC server at endpoint (vendor patch 0007 makes a failed connection a return,
+// not an abort): its first device, with its buffer type created while the server answers (ggml
+// keeps the buffer type, alignment included, for the process), or NULL with the reason recorded.
+ggml_backend_dev_t sluice_rpc_connect(const char * endpoint) {
+    try {
+        ggml_backend_reg_t reg = ggml_backend_rpc_add_server(endpoint);
+        if (reg == nullptr || ggml_backend_reg_dev_count(reg) == 0) {
+            sluice_shim_record("no RPC server answers there (refused, unreachable or not a ggml RPC server)");
+            return nullptr;
+        }
+        ggml_backend_dev_t dev = ggml_backend_reg_dev_get(reg, 0);
+        size_t free = 0;
+        size_t total = 0;
+        ggml_backend_rpc_get_device_memory(endpoint, 0, &free, &total);
+        if (ggml_backend_rpc_server_lost(endpoint) || ggml_backend_dev_buffer_type(dev) == nullptr) {
+            sluice_shim_record("the RPC server stopped answering");
+            return nullptr;
+        }
+        return dev;
+    }
+    SLUICE_CATCH(nullptr)
+}
+
+// The free and total memory the RPC server at endpoint reports (reconnecting when the last
+// connection was lost); false, with a reason recorded, when it does not answer.
+bool sluice_rpc_memory(const char * endpoint, uint64_t * free, uint64_t * total) {
+    try {
+        size_t f = 0;
+        size_t t = 0;
+        ggml_backend_rpc_get_device_memory(endpoint, 0, &f, &t);
+        if (ggml_backend_rpc_server_lost(endpoint)) {
+            sluice_shim_record("the RPC server does not answer");
+            return false;
+        }
+        *free = f;
+        *total = t;
+        return true;
+    }
+    SLUICE_CATCH(false)
+}
+
+// Serves this process's CPU device over RPC at endpoint, each client allowed max_alloc bytes
+// (0: no limit); calls on_listening(user) once the socket listens. Returns only when the server
+// cannot start (false) or throws (false, the exception recorded).
+bool sluice_rpc_serve(const char * endpoint, const char * cache_dir, size_t n_threads, size_t max_alloc,
+                      void (*on_listening)(void *), void * user) {
+    try {
+        ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
+        if (cpu == nullptr) {
+            sluice_shim_record("this build has no CPU backend");
+            return false;
+        }
+        ggml_backend_dev_t devices[1] = { cpu };
+        return ggml_backend_rpc_serve(endpoint, cache_dir, n_threads, 1, devices, max_alloc, on_listening, user);
+    }
+    SLUICE_CATCH(false)
 }
 
 }  // extern "C"

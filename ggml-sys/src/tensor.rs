@@ -157,16 +157,18 @@ pub struct WeightTensor<'m> {
 unsafe impl Send for WeightTensor<'_> {}
 
 impl<'a> TensorView<'a> {
-    /// This tensor as a model weight, if it lives in a weights buffer (not a graph
-    /// intermediate). The caller ties the handle to the model that owns the graph (`'m`).
+    /// This tensor as a model weight, if it lives in a host weights buffer (not a graph
+    /// intermediate, and not on a device or an RPC worker, whose data pointer is not this
+    /// process's memory). The caller ties the handle to the model that owns the graph (`'m`).
     pub fn as_weight<'m>(&self, _model: &'m crate::Model) -> Option<WeightTensor<'m>> {
         let t = self.t();
         if t.buffer.is_null() || !t.view_src.is_null() {
             return None;
         }
         // SAFETY: buffer is a live backend buffer (non-null, checked).
-        let usage = unsafe { sys::ggml_backend_buffer_get_usage(t.buffer) };
-        (usage == sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS)
+        let (usage, host) =
+            unsafe { (sys::ggml_backend_buffer_get_usage(t.buffer), sys::ggml_backend_buffer_is_host(t.buffer)) };
+        (usage == sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS && host)
             .then_some(WeightTensor { raw: self.raw.cast_mut(), _life: PhantomData })
     }
 }

@@ -53,6 +53,16 @@ pub enum GenerateError {
     Stream(#[from] crate::stream::StreamError),
 }
 
+impl GenerateError {
+    /// The RPC worker whose loss ended the generation, if that is what ended it.
+    pub fn lost_worker(&self) -> Option<&str> {
+        match self {
+            GenerateError::Llama(e) => e.lost_worker(),
+            _ => None,
+        }
+    }
+}
+
 impl From<ggml_sys::Error> for GenerateError {
     fn from(e: ggml_sys::Error) -> Self {
         match e {
@@ -159,6 +169,12 @@ pub fn prompt_positions(path: &Path, prompt: &str, n_predict: u32) -> Result<u32
     check_model_file(path)?;
     let model = Model::load(path, &ModelParams { metadata_only: true, ..Default::default() })?;
     Ok((Session::prepare(&model, prompt, n_predict)?.len() + n_predict as usize) as u32)
+}
+
+/// The model's training context length, from a metadata-only load of `path`.
+pub fn context_length(path: &Path) -> Result<u32, GenerateError> {
+    check_model_file(path)?;
+    Ok(Model::load(path, &ModelParams { metadata_only: true, ..Default::default() })?.n_ctx_train())
 }
 
 /// Generation settings.

@@ -2,9 +2,9 @@
 //!
 //! This crate is the runtime behind the `sluice` binary: synthetic model generation
 //! ([`synth`]), text generation ([`generate`]), the streaming engine ([`stream`]), board
-//! profiles ([`board`]), the memory ledger ([`budget`]), the HTTP service ([`serve`]),
-//! terminal-safe output ([`text`]) and the out-of-the-box demo ([`demo`]). llama.cpp is
-//! reached only through `ggml-sys`.
+//! profiles ([`board`]), the memory ledger ([`budget`]), the HTTP service ([`serve`]), several
+//! boards serving one model over RPC ([`scaleout`]), terminal-safe output ([`text`]) and the
+//! out-of-the-box demo ([`demo`]). llama.cpp is reached only through `ggml-sys`.
 #![forbid(unsafe_code)]
 
 pub mod bench;
@@ -14,6 +14,7 @@ pub mod demo;
 pub mod generate;
 pub mod lossy;
 pub mod metadata;
+pub mod scaleout;
 pub mod serve;
 pub mod stream;
 pub mod synth;

@@ -44,8 +44,12 @@ enum Command {
     Plan(cli::plan::PlanArgs),
     /// Serve the model over HTTP (OpenAI-compatible), as a systemd notify service.
     Serve(cli::serve::ServeArgs),
-    /// Print the systemd drop-in (CPUAffinity, MemoryMax, ExecStart) for a board and model.
+    /// Print the systemd drop-in (CPUAffinity, MemoryMax, ExecStart) for a board and model, or
+    /// for an RPC worker board (--worker).
     Unit(cli::serve::UnitArgs),
+    /// Lend this board's memory and cores to a head (`--rpc` on run, serve, plan) over ggml's
+    /// RPC backend, as a systemd notify service.
+    Worker(cli::worker::WorkerArgs),
     /// One configuration of `sluice bench --budget-mb`, inside its memory cgroup (internal).
     #[command(hide = true)]
     BenchChild(cli::bench::BenchChildArgs),
@@ -87,6 +91,7 @@ fn dispatch(command: Command, board: &BoardChoice) -> Result<()> {
         Command::Plan(a) => cli::plan::run_plan(&a, board),
         Command::Serve(a) => cli::serve::run_serve(&a, board),
         Command::Unit(a) => cli::serve::run_unit(&a, board),
+        Command::Worker(a) => cli::worker::run_worker(&a, board),
         Command::BenchChild(a) => cli::bench::run_bench_child(&a, board),
         Command::Boards => {
             cli::probe::run_boards();
@@ -99,6 +104,11 @@ fn dispatch(command: Command, board: &BoardChoice) -> Result<()> {
             for s in ggml_sys::extension_services() {
                 outln!("{}: {}", s.name, if s.backend.is_some() { "present" } else { "absent" });
             }
+            let rpc = ggml_sys::backends().iter().any(|b| b == "RPC");
+            outln!(
+                "rpc: {}",
+                if rpc { "present (sluice worker, --rpc: several boards serve one model)" } else { "absent" }
+            );
             Ok(())
         }
     }

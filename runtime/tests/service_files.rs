@@ -1,6 +1,7 @@
-//! The systemd side of `sluice serve`: the shipped unit passes `systemd-analyze verify` and
-//! scores at most 3.0 on `systemd-analyze security`, alone and with the drop-ins `sluice unit`
-//! makes; and `serve` refuses a memory plan over the board's budget before listening.
+//! The systemd side of `sluice serve` and `sluice worker`: the shipped units pass
+//! `systemd-analyze verify` and score at most 3.0 on `systemd-analyze security`, alone and with
+//! the drop-ins `sluice unit` makes; and `serve` refuses a memory plan over the board's budget
+//! before listening.
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
@@ -12,17 +13,20 @@ fn sluice(args: &[&str]) -> Output {
     sluice_command().args(args).output().expect("run sluice")
 }
 
-fn unit_file() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd/sluice.service")
+const SERVE: &str = "sluice.service";
+const WORKER: &str = "sluice-worker.service";
+
+fn unit_file(service: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../systemd").join(service)
 }
 
-/// A root directory holding systemd's own units (for the targets the unit depends on), the unit,
-/// an optional drop-in, and an executable where ExecStart points.
-fn unit_root(drop_in: Option<&str>) -> tempfile::TempDir {
+/// A root directory holding systemd's own units (for the targets the unit depends on), the unit
+/// `service`, an optional drop-in, and an executable where ExecStart points.
+fn unit_root(service: &str, drop_in: Option<&str>) -> tempfile::TempDir {
     let root = tempfile::tempdir().unwrap();
     let r = root.path();
     let system = r.join("etc/systemd/system");
-    std::fs::create_dir_all(system.join("sluice.service.d")).unwrap();
+    std::fs::create_dir_all(system.join(format!("{service}.d"))).unwrap();
     std::fs::create_dir_all(r.join("usr/local/bin")).unwrap();
     std::fs::create_dir_all(r.join("usr/lib/systemd")).unwrap();
     let ok = Command::new("cp")
@@ -32,9 +36,9 @@ fn unit_root(drop_in: Option<&str>) -> tempfile::TempDir {
         .unwrap()
         .success();
     assert!(ok, "copying /usr/lib/systemd/system");
-    std::fs::copy(unit_file(), system.join("sluice.service")).unwrap();
+    std::fs::copy(unit_file(service), system.join(service)).unwrap();
     if let Some(text) = drop_in {
-        std::fs::write(system.join("sluice.service.d/board.conf"), text).unwrap();
+        std::fs::write(system.join(format!("{service}.d/board.conf")), text).unwrap();
     }
     let exe = r.join("usr/local/bin/sluice");
     std::fs::write(&exe, "#!/bin/sh\n").unwrap();
@@ -44,12 +48,13 @@ fn unit_root(drop_in: Option<&str>) -> tempfile::TempDir {
     root
 }
 
-/// Runs `systemd-analyze verify` and `security --offline=true` under `root`; returns the score.
-fn analyze(root: &Path) -> f64 {
+/// Runs `systemd-analyze verify` and `security --offline=true` on `service` under `root`;
+/// returns the score.
+fn analyze(root: &Path, service: &str) -> f64 {
     let verify = Command::new("systemd-analyze")
         .arg("verify")
         .arg(format!("--root={}", root.display()))
-        .arg("sluice.service")
+        .arg(service)
         .output()
         .expect("systemd-analyze (Debian package systemd; make deps installs it)");
     let err = String::from_utf8_lossy(&verify.stderr);
@@ -57,13 +62,14 @@ fn analyze(root: &Path) -> f64 {
     let security = Command::new("systemd-analyze")
         .args(["security", "--offline=true", "--no-pager"])
         .arg(format!("--root={}", root.display()))
-        .arg("sluice.service")
+        .arg(service)
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&security.stdout);
+    let prefix = format!("→ Overall exposure level for {service}: ");
     let score = out
         .lines()
-        .find_map(|l| l.strip_prefix("→ Overall exposure level for sluice.service: "))
+        .find_map(|l| l.strip_prefix(prefix.as_str()))
         .and_then(|r| r.split_whitespace().next())
         .and_then(|v| v.parse::<f64>().ok())
         .unwrap_or_else(|| panic!("no exposure score in:\n{out}\n{}", String::from_utf8_lossy(&security.stderr)));
@@ -71,18 +77,47 @@ fn analyze(root: &Path) -> f64 {
     score
 }
 
-fn drop_in(board: &str, listen: &str, extra: &[&str]) -> String {
-    let mut args = vec!["--board", board, "unit", "--model", "/srv/models/m.gguf", "--listen", listen];
-    args.extend_from_slice(extra);
-    let o = sluice(&args);
+fn unit_text(args: &[&str]) -> String {
+    let o = sluice(args);
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8(o.stdout).unwrap()
 }
 
+fn drop_in(board: &str, listen: &str, extra: &[&str]) -> String {
+    let mut args = vec!["--board", board, "unit", "--model", "/srv/models/m.gguf", "--listen", listen];
+    args.extend_from_slice(extra);
+    unit_text(&args)
+}
+
 #[test]
-fn the_unit_verifies_and_is_hardened() {
-    let score = analyze(unit_root(None).path());
-    assert!(score <= 1.5, "exposure {score} > 1.5");
+fn the_units_verify_and_are_hardened() {
+    for service in [SERVE, WORKER] {
+        let score = analyze(unit_root(service, None).path(), service);
+        assert!(score <= 1.5, "{service}: exposure {score} > 1.5");
+    }
+}
+
+#[test]
+fn rpc_drop_ins_admit_only_the_head_and_reach_only_the_workers() {
+    let worker =
+        unit_text(&["--board", "rpi5-8gb", "unit", "--worker", "--listen", "10.0.0.2:50052", "--head", "10.0.0.1"]);
+    assert!(worker.contains("worker --board rpi5-8gb --listen 10.0.0.2:50052\n"), "{worker}");
+    assert!(worker.contains("\nIPAddressAllow=10.0.0.1\n") && worker.contains("MemoryMax=7168M\n"), "{worker}");
+    let score = analyze(unit_root(WORKER, Some(&worker)).path(), WORKER);
+    assert!(score <= 1.5, "worker drop-in: exposure {score} > 1.5");
+    let head = drop_in("rpi5-8gb", "127.0.0.1:8080", &["--rpc", "10.0.0.2:50052,10.0.0.3:50052"]);
+    assert!(
+        head.contains("--rpc 10.0.0.2:50052,10.0.0.3:50052 ") && head.contains("\nIPAddressAllow=10.0.0.2 10.0.0.3\n"),
+        "{head}"
+    );
+    let score = analyze(unit_root(SERVE, Some(&head)).path(), SERVE);
+    assert!(score <= 1.5, "head drop-in with workers: exposure {score} > 1.5");
+    // A worker's unit needs the head and an IPv4 address; a head's unit needs workers' IPs.
+    let o = sluice(&["unit", "--worker", "--head", "10.0.0.1"]);
+    assert!(!o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--worker needs --listen IPV4:PORT"));
+    let o = sluice(&["unit", "--model", "/srv/m.gguf", "--rpc", "pi2.lan:50052"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("give the worker's IP instead of pi2.lan"), "{err}");
 }
 
 #[test]
@@ -90,12 +125,12 @@ fn board_drop_ins_verify_and_keep_the_unit_hardened() {
     let pi = drop_in("rpi5-8gb", "127.0.0.1:8080", &["--api-key-file", "/etc/sluice/api-key"]);
     assert!(pi.contains("CPUAffinity=0-3\n") && pi.contains("MemoryMax=7168M\n"), "{pi}");
     assert!(pi.contains("LoadCredential=api-key:/etc/sluice/api-key\n"), "{pi}");
-    let score = analyze(unit_root(Some(&pi)).path());
+    let score = analyze(unit_root(SERVE, Some(&pi)).path(), SERVE);
     assert!(score <= 1.5, "rpi5-8gb: exposure {score} > 1.5");
     // The GPU's device nodes and accepting other hosts cost some exposure.
     let jetson = drop_in("orin-nano-8gb", "0.0.0.0:8080", &[]);
     assert!(jetson.contains("DeviceAllow=/dev/nvmap rw\n"), "{jetson}");
-    let score = analyze(unit_root(Some(&jetson)).path());
+    let score = analyze(unit_root(SERVE, Some(&jetson)).path(), SERVE);
     assert!(score <= 3.0, "orin-nano-8gb (GPU devices, other hosts): exposure {score} > 3.0");
 }
 

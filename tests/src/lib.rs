@@ -169,6 +169,7 @@ pub fn stream_config(
         overlap: None,
         overlap_prompt_only: false,
         lossy: sluice::lossy::Lossy::default(),
+        rpc: None,
     }
 }
 

@@ -1,6 +1,7 @@
 //! Memory budget gates: the ledger's arithmetic against numbers worked out by hand from the
 //! fixture's spec and its GGUF headers (two fixtures), llama.cpp's metadata-only sizes against a
-//! real context's, and the refusals with the fixes they offer.
+//! real context's, the refusals with the fixes they offer, and what a head split over RPC
+//! workers keeps.
 
 use ggml_sys::{Context, GgufFile, Threads};
 use sluice::board::resolve::Sourced;
@@ -71,7 +72,7 @@ fn the_ledger_adds_up_for_two_fixtures() {
         let working = u64::from(spec.experts.min(512 * spec.experts_used)) * max_expert;
 
         // llama.cpp's metadata-only sizes equal those of a real, allocated context.
-        let sizes = budget::measure_context(&files[0], positions, Some(&index)).unwrap();
+        let sizes = budget::measure_context(&files[0], positions, Some(&index), None).unwrap();
         assert_eq!(sizes.kv, kv, "{fixture:?}: KV cache");
         let model = load_model(&files[0]).unwrap();
         let create = || Context::new(&model, &context_params(positions, &Threads::unpinned(1)), None).unwrap();
@@ -82,7 +83,7 @@ fn the_ledger_adds_up_for_two_fixtures() {
         // the same context with ggml's own kernels is smaller by exactly what the kernel asked.
         assert_eq!(claim.found.len(), index.experts.len(), "{fixture:?}: the kernel took every expert tensor");
         assert!(claim.workspace > 0, "{fixture:?}");
-        let native = budget::measure_context(&files[0], positions, None).unwrap();
+        let native = budget::measure_context(&files[0], positions, None, None).unwrap();
         assert_eq!(native.compute + claim.workspace as u64, sizes.compute, "{fixture:?}: compute line");
         assert_eq!(create().memory_sizes().compute, native.compute, "{fixture:?}: a resident context");
 
@@ -95,8 +96,9 @@ fn the_ledger_adds_up_for_two_fixtures() {
             cache_bytes: None,
             budget: budget(64),
             gpu: false,
+            rpc: None,
         };
-        let l = budget::ledger(&req, sizes, baseline);
+        let l = budget::ledger(&req, &sizes, baseline);
         let fixed = dense + kv + sizes.compute + baseline + OVERHEAD_BYTES;
         let cache = ((64 << 20) - fixed).min(all_experts);
         assert_eq!(l.bytes(Item::DenseWeights), dense, "{fixture:?}");
@@ -112,11 +114,11 @@ fn the_ledger_adds_up_for_two_fixtures() {
         assert_eq!((l.n_ctx, l.n_batch), (512, 512));
 
         // A fixed cache is taken as given; --dense mmap leaves the dense weights out of the total.
-        let fixed_cache = budget::ledger(&PlanRequest { cache_bytes: Some(1 << 20), ..req.clone() }, sizes, baseline);
+        let fixed_cache = budget::ledger(&PlanRequest { cache_bytes: Some(1 << 20), ..req.clone() }, &sizes, baseline);
         assert_eq!(fixed_cache.bytes(Item::ExpertCache), 1 << 20);
         assert_eq!(fixed_cache.bytes(Item::IoStaging), working.saturating_sub(1 << 20).min(wave), "{fixture:?}: waves");
         assert!(wave < working, "{fixture:?}: a batch's layer is more than one wave");
-        let mmap = budget::ledger(&PlanRequest { dense: DensePolicy::Mmap, ..req.clone() }, sizes, baseline);
+        let mmap = budget::ledger(&PlanRequest { dense: DensePolicy::Mmap, ..req.clone() }, &sizes, baseline);
         assert_eq!(mmap.total + dense, fixed + mmap.bytes(Item::ExpertCache).max(working));
         assert_eq!(mmap.bytes(Item::DenseWeights), index.dense_bytes());
 
@@ -124,12 +126,12 @@ fn the_ledger_adds_up_for_two_fixtures() {
         // cache leaves room for one wave, and the total is the budget. Offloaded to a GPU,
         // prompt batches do not pass through the kernel: the layer would have to be whole.
         let tight = Sourced { value: fixed + (working + wave) / 2, source: "test".into() };
-        let l = budget::ledger(&PlanRequest { budget: tight.clone(), ..req.clone() }, sizes, baseline);
+        let l = budget::ledger(&PlanRequest { budget: tight.clone(), ..req.clone() }, &sizes, baseline);
         assert_eq!(l.bytes(Item::IoStaging), wave, "{fixture:?}");
         assert_eq!(l.bytes(Item::ExpertCache), (working + wave) / 2 - wave);
         assert_eq!(l.total, tight.value);
         assert!(l.lines.iter().any(|x| x.basis.contains("waves")), "{}", l.describe());
-        let gpu = budget::ledger(&PlanRequest { budget: tight.clone(), gpu: true, ..req.clone() }, sizes, baseline);
+        let gpu = budget::ledger(&PlanRequest { budget: tight.clone(), gpu: true, ..req.clone() }, &sizes, baseline);
         assert_eq!(gpu.bytes(Item::IoStaging) + gpu.bytes(Item::ExpertCache), working);
         assert!(!gpu.fits(), "{fixture:?}");
     }
@@ -157,6 +159,7 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
         cache_bytes: None,
         budget: budget(4096),
         gpu: false,
+        rpc: None,
     };
     let roomy = budget::plan_within_budget(&base).unwrap();
     assert!(
@@ -166,10 +169,10 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
     let baseline = roomy.bytes(Item::RuntimeOverhead) - OVERHEAD_BYTES;
 
     // A context too big for the budget: the fix is a smaller context.
-    let sizes = |p| budget::measure_context(&path, p, Some(&index)).unwrap();
+    let sizes = |p| budget::measure_context(&path, p, Some(&index), None).unwrap();
     let no_cache = PlanRequest { cache_bytes: Some(0), ..base.clone() };
-    let small = budget::ledger(&no_cache, sizes(256), baseline).total;
-    let big = budget::ledger(&PlanRequest { positions: 4096, ..no_cache.clone() }, sizes(4096), baseline).total;
+    let small = budget::ledger(&no_cache, &sizes(256), baseline).total;
+    let big = budget::ledger(&PlanRequest { positions: 4096, ..no_cache.clone() }, &sizes(4096), baseline).total;
     assert!(big > small + (8 << 20), "{small} {big}");
     let req = PlanRequest {
         positions: 4096,
@@ -194,4 +197,43 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
     for needle in ["below one token's routed demand", "expert cache", "--cache-mb 0"] {
         assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
     }
+}
+
+#[test]
+fn a_head_split_over_workers_plans_only_the_layers_it_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let fixture = Fixture::Deepseek2;
+    let files = fixture.write(dir.path());
+    let g = GgufFile::open(&files[0]).unwrap();
+    let full = ExpertIndex::open(&files[0]).unwrap();
+    let (layer_bytes, output) = full.layer_weight_bytes();
+    // By hand from the header: each layer's tensors, and the output layer's.
+    let of_layer = |l: usize| tensor_bytes(&g, |n| n.starts_with(&format!("blk.{l}.")));
+    for (l, &b) in layer_bytes.iter().enumerate() {
+        assert_eq!(b, of_layer(l), "layer {l}");
+    }
+    assert_eq!(output, tensor_bytes(&g, |n| n.starts_with("output")));
+    let first_remote = 2;
+    // Layer 2's one-token demand (its k largest expert windows) leaves with it.
+    let mut layer2: Vec<u64> = (0..full.n_expert).map(|e| full.expert_window_bytes(2, e)).collect();
+    layer2.sort_unstable_by(|a, b| b.cmp(a));
+    let kept_demand = full.one_token_demand() - layer2.iter().take(full.experts_used(2) as usize).sum::<u64>();
+    let head = full.keep_layers_below(first_remote);
+    assert!(head.experts.iter().all(|t| t.layer < first_remote) && !head.experts.is_empty());
+    assert_eq!(head.moe_layers().collect::<Vec<_>>(), vec![1], "layer 0 is dense, 1 is kept");
+    assert_eq!(head.one_token_demand(), kept_demand);
+    assert!(head.dense.iter().all(|t| !t.name.starts_with("output") && !t.name.starts_with("blk.2.")));
+    assert!(
+        head.remote.iter().any(|t| t.name == "output.weight")
+            && head.remote.iter().any(|t| t.name.starts_with("blk.2."))
+    );
+    assert!(
+        head.expert_by_name("blk.2.ffn_up_exps.weight").is_none()
+            && head.expert_by_name("blk.1.ffn_up_exps.weight").is_some()
+    );
+}
+
+/// Σ exact sizes of the tensors `keep` selects, from the GGUF header.
+fn tensor_bytes(g: &GgufFile, keep: impl Fn(&str) -> bool) -> u64 {
+    g.tensors().iter().filter(|t| keep(&t.name)).map(|t| t.size).sum()
 }

@@ -15,6 +15,7 @@ use sluice_hal::cgroup::{MemoryCgroup, ReadThrottle};
 use sluice_hal::root::SysRoot;
 use sluice_hal::storage::{measure_direct_read, ReadThroughput, StorageProbe};
 
+use super::boards::LoopbackWorker;
 use super::{drop_cached, run_resident, run_streamed, BenchError, BenchRow};
 use crate::board::ResolvedBoard;
 use crate::budget::{self, PlanRequest};
@@ -46,17 +47,21 @@ pub enum ChildKind {
     StreamedAutoFewerExperts,
     /// Serial streaming with the automatic cache and cache-aware substitution (lossy).
     StreamedAutoSubstitute,
+    /// Serial streaming with the automatic cache, the model's last layers resident on RPC
+    /// workers (`--rpc`).
+    StreamedAutoBoards,
     /// O_DIRECT reads of the model file at several lane counts and request sizes.
     ReadSweep,
     /// The storage ceiling: O_DIRECT reads of the model file.
     Ceiling,
 }
 
-/// The kinds the parent runs, in order: the drafting rows only when the board drafts, a lossy
-/// row for each lossy mode `lossy` sets. The ceiling comes last: storage behind a cache of its
-/// own (a VM's host, a drive's DRAM) is then as warm for it as for the decodes before it, so the
-/// streamer's share of it is not flattered.
-pub fn kinds(draft: bool, lossy: &Lossy, sweep: bool) -> Vec<ChildKind> {
+/// The kinds the parent runs, in order, each with the boards it runs on: the drafting rows only
+/// when the board drafts, a lossy row for each lossy mode `lossy` sets, a several-board row for
+/// each count in `boards`. The ceiling comes last: storage behind a cache of its own (a VM's
+/// host, a drive's DRAM) is then as warm for it as for the decodes before it, so the streamer's
+/// share of it is not flattered.
+pub fn kinds(draft: bool, lossy: &Lossy, sweep: bool, boards: &[u32]) -> Vec<(ChildKind, u32)> {
     let mut kinds = vec![
         ChildKind::Resident,
         ChildKind::StreamedNoCache,
@@ -74,10 +79,12 @@ pub fn kinds(draft: bool, lossy: &Lossy, sweep: bool) -> Vec<ChildKind> {
     if lossy.substitute.is_some() {
         kinds.push(ChildKind::StreamedAutoSubstitute);
     }
+    let mut kinds: Vec<(ChildKind, u32)> = kinds.into_iter().map(|k| (k, 1)).collect();
+    kinds.extend(boards.iter().filter(|&&n| n > 1).map(|&n| (ChildKind::StreamedAutoBoards, n)));
     if sweep {
-        kinds.push(ChildKind::ReadSweep);
+        kinds.push((ChildKind::ReadSweep, 1));
     }
-    kinds.push(ChildKind::Ceiling);
+    kinds.push((ChildKind::Ceiling, 1));
     kinds
 }
 
@@ -132,7 +139,8 @@ const CEILING_LIMIT: u64 = 4 << 30;
 
 /// Child side: runs `kind` on `model` (the process has joined its cgroup, and `board` was
 /// resolved after that, so its budget is the cgroup's limit); a lossy kind takes its mode's
-/// setting from `lossy` and also measures its quality against exact decoding.
+/// setting from `lossy` and also measures its quality against exact decoding; the several-board
+/// kind splits the model over the workers `rpc` lists.
 pub fn run_child(
     kind: ChildKind,
     model: &Path,
@@ -140,9 +148,9 @@ pub fn run_child(
     n_predict: u32,
     board: &ResolvedBoard,
     lossy: &Lossy,
+    rpc: &[String],
 ) -> Result<ChildOutput, BenchError> {
-    let index =
-        Arc::new(ExpertIndex::open(model).map_err(|e| GenerateError::from(crate::stream::StreamError::from(e)))?);
+    let index = ExpertIndex::open(model).map_err(|e| GenerateError::from(crate::stream::StreamError::from(e)))?;
     let params = GenerateParams { n_predict, threads: board.threads(), draft: None };
     let config = StreamConfig {
         cache_bytes: 0,
@@ -154,7 +162,24 @@ pub fn run_child(
         overlap: None,
         overlap_prompt_only: false,
         lossy: crate::lossy::Lossy::default(),
+        rpc: None,
     };
+    let (index, config, boards) = if kind == ChildKind::StreamedAutoBoards {
+        let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
+        let (split, head) = crate::scaleout::prepare(rpc, model, index, positions)?;
+        let Some(split) = split else {
+            return Err(BenchError::Child {
+                kind: format!("{kind:?}"),
+                status: "no workers".into(),
+                stderr: "give --rpc".into(),
+            });
+        };
+        log::info!("{}", split.describe());
+        (head, crate::scaleout::head_config(config, &split)?, split.shares.len() + 1)
+    } else {
+        (index, config, 1)
+    };
+    let index = Arc::new(index);
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
         ChildKind::ReadSweep => return Ok(ChildOutput::Sweep(read_sweep(model, &index)?)),
@@ -170,7 +195,8 @@ pub fn run_child(
         | ChildKind::StreamedAutoOverlapPrompt
         | ChildKind::StreamedAutoDraft
         | ChildKind::StreamedAutoFewerExperts
-        | ChildKind::StreamedAutoSubstitute => {
+        | ChildKind::StreamedAutoSubstitute
+        | ChildKind::StreamedAutoBoards => {
             let auto = !matches!(kind, ChildKind::StreamedNoCache | ChildKind::StreamedNoCacheOverlap);
             let lossy = match kind {
                 ChildKind::StreamedAutoFewerExperts => Lossy { experts_used: lossy.experts_used, substitute: None },
@@ -191,6 +217,7 @@ pub fn run_child(
                 cache_bytes: if auto { None } else { Some(0) },
                 budget: board.budget.clone(),
                 gpu: config.gpu_layers > 0,
+                rpc: config.rpc.as_ref(),
             })?;
             let config = StreamConfig {
                 cache_bytes: ledger.cache_bytes(),
@@ -200,7 +227,7 @@ pub fn run_child(
                 ..config
             };
             let label = format!(
-                "streamed, {}, {}{}{}",
+                "streamed, {}, {}{}{}{}",
                 if auto { "auto cache" } else { "no cache" },
                 match (overlap, prompt_only) {
                     (true, true) => "overlapped prompt",
@@ -208,7 +235,8 @@ pub fn run_child(
                     (false, _) => "serial",
                 },
                 if draft { ", ngram draft" } else { "" },
-                lossy_label(&lossy, index.n_expert_used)
+                lossy_label(&lossy, index.n_expert_used),
+                if boards > 1 { format!(", {boards} boards") } else { String::new() }
             );
             let mut row = run_streamed(model, &index, &config, label, prompt, &params)?;
             if !lossy.is_exact() {
@@ -326,6 +354,9 @@ pub struct IsolatedPlan {
     pub lossy: Lossy,
     /// Whether to measure the read sweep.
     pub sweep: bool,
+    /// Board counts of the several-board rows (loopback RPC workers, each in a cgroup of the
+    /// budget); empty: none.
+    pub boards: Vec<u32>,
 }
 
 /// A read-rate limit on one disk.
@@ -353,7 +384,11 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut rows = Vec::new();
     let mut ceiling = None;
     let mut sweep = Vec::new();
-    for (i, kind) in kinds(plan.draft, &plan.lossy, plan.sweep).iter().enumerate() {
+    for (i, (kind, boards)) in kinds(plan.draft, &plan.lossy, plan.sweep, &plan.boards).iter().enumerate() {
+        let workers = (1..*boards)
+            .map(|w| LoopbackWorker::start(&plan.exe, &plan.global_args, plan.budget, &format!("{i}-worker{w}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let rpc: Vec<String> = workers.iter().map(|w| w.endpoint.clone()).collect();
         let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), plan.budget)?;
         let throttle = plan.throttle.map(|t| ReadThrottle::create(&cg, t.disk, t.bytes_per_s)).transpose()?;
         let kind_name = format!("{kind:?}");
@@ -367,6 +402,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
             .arg("--kind")
             .arg(clap::ValueEnum::to_possible_value(kind).map_or(kind_name.clone(), |v| v.get_name().to_string()))
             .args(&plan.child_args)
+            .args(if rpc.is_empty() { Vec::new() } else { vec!["--rpc".to_string(), rpc.join(",")] })
             .output()
             .map_err(|e| BenchError::Io(format!("starting {}", plan.exe.display()), e))?;
         let stdout = String::from_utf8_lossy(&out.stdout);
@@ -388,7 +424,16 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
             ChildOutput::Sweep(points) => sweep = points,
             ChildOutput::Row(mut row) => {
                 row.cgroup_peak = cg.peak();
-                row.limit_hits = cg.limit_hits();
+                // Every board's limit hits: the head's and the workers'.
+                row.limit_hits =
+                    std::iter::once(&cg).chain(workers.iter().map(|w| &w.cgroup)).map(MemoryCgroup::limit_hits).sum();
+                if !workers.is_empty() {
+                    let peaks: Vec<String> = workers
+                        .iter()
+                        .map(|w| format!("{:.0}", w.cgroup.peak().unwrap_or(0) as f64 / 1048576.0))
+                        .collect();
+                    row.label.push_str(&format!(" (workers' peak {} MiB)", peaks.join(", ")));
+                }
                 rows.push(*row);
             }
         }

@@ -5,6 +5,7 @@
 //! Two modes: in one process at several expert-cache sizes ([`run`]), or each configuration in
 //! its own child process inside a memory cgroup of a small board's size ([`isolated`]).
 
+pub mod boards;
 mod chart;
 pub mod isolated;
 pub mod throttle;
@@ -22,6 +23,9 @@ use crate::telemetry::{mib, PhaseMeter, Summary, Usage};
 /// What can stop a benchmark.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
+    /// The several-board rows could not split the model.
+    #[error(transparent)]
+    Scale(#[from] crate::scaleout::ScaleError),
     /// Loading or generating failed.
     #[error(transparent)]
     Generate(#[from] GenerateError),

@@ -39,29 +39,37 @@ pub struct PlanRequest<'a> {
     /// there, outside the streamed-experts kernel, so its layer's experts are all resident at
     /// once instead of passing through in waves.
     pub gpu: bool,
+    /// The layers RPC workers hold (`sluice --rpc`): the ledger is then this board's share
+    /// (`index` already keeps only its layers), the workers' shares are in the split.
+    pub rpc: Option<&'a ggml_sys::RpcSplit>,
 }
 
 /// llama.cpp's sizes for one context shape.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ContextSizes {
-    /// KV cache bytes.
+    /// KV cache bytes (on this board).
     pub kv: u64,
-    /// Compute buffer bytes.
+    /// Compute buffer bytes (on this board).
     pub compute: u64,
     /// The model's training context length: the most positions a plan may ask for.
     pub n_ctx_train: u32,
+    /// With an RPC split, what each worker would hold (weights, KV cache, compute buffers), in
+    /// the split's order.
+    pub workers: Vec<ggml_sys::MemorySizes>,
 }
 
 /// Sizes a context of `positions` over `model` without loading a weight: a metadata-only model
 /// and a context over it report what they would allocate. With `streamed` (the model's index),
 /// the context is the one a streamed session creates: its routed products run in the
-/// streamed-experts kernel, whose workspace then counts in the compute buffers.
+/// streamed-experts kernel, whose workspace then counts in the compute buffers. With `rpc`, the
+/// model is split as it says: the sizes are this board's, and each worker's are listed.
 pub fn measure_context(
     model: &Path,
     positions: u32,
     streamed: Option<&ExpertIndex>,
+    rpc: Option<&ggml_sys::RpcSplit>,
 ) -> Result<ContextSizes, BudgetError> {
-    let m = Model::load(model, &ModelParams { metadata_only: true, ..Default::default() })?;
+    let m = Model::load(model, &ModelParams { metadata_only: true, rpc: rpc.cloned(), ..Default::default() })?;
     if positions > m.n_ctx_train() {
         return Err(BudgetError::ContextTooLong { positions, n_ctx_train: m.n_ctx_train() });
     }
@@ -72,13 +80,23 @@ pub fn measure_context(
         }
         None => create(),
     }?;
-    let s = ctx.memory_sizes();
-    Ok(ContextSizes { kv: s.context, compute: s.compute, n_ctx_train: m.n_ctx_train() })
+    let Some(rpc) = rpc else {
+        let s = ctx.memory_sizes();
+        return Ok(ContextSizes {
+            kv: s.context,
+            compute: s.compute,
+            n_ctx_train: m.n_ctx_train(),
+            workers: Vec::new(),
+        });
+    };
+    let s = ctx.local_memory_sizes();
+    let workers = rpc.devices.iter().map(|d| ctx.worker_memory_sizes(d)).collect();
+    Ok(ContextSizes { kv: s.context, compute: s.compute, n_ctx_train: m.n_ctx_train(), workers })
 }
 
 /// The ledger for `req` given llama.cpp's context sizes and the process's resident bytes
 /// before loading.
-pub fn ledger(req: &PlanRequest, sizes: ContextSizes, baseline: u64) -> Ledger {
+pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger {
     let index = req.index;
     let params = context_params(req.positions, &Threads::unpinned(1));
     let dense = match req.dense {
@@ -205,12 +223,12 @@ fn resident_now() -> u64 {
 /// token's routed demand. The error shows the ledger and the smallest changes that fit.
 pub fn plan_within_budget(req: &PlanRequest) -> Result<Ledger, BudgetError> {
     let baseline = resident_now();
-    let sizes = measure_context(req.model, req.positions, Some(req.index))?;
-    let l = ledger(req, sizes, baseline);
+    let sizes = measure_context(req.model, req.positions, Some(req.index), req.rpc)?;
+    let l = ledger(req, &sizes, baseline);
     if acceptable(&l) {
         return Ok(l);
     }
-    let fixes = fixes(req, &l, sizes, baseline)?;
+    let fixes = fixes(req, &l, &sizes, baseline)?;
     let fixes = if fixes.is_empty() {
         "none of --cache-mb, --dense mmap or a smaller context is enough: raise the budget (the profile's memory.budget_mib, or the cgroup's limit) or use a smaller model".to_string()
     } else {
@@ -235,7 +253,7 @@ fn acceptable(l: &Ledger) -> bool {
 }
 
 /// The changes, smallest first, that make `l` acceptable.
-fn fixes(req: &PlanRequest, l: &Ledger, sizes: ContextSizes, baseline: u64) -> Result<Vec<String>, BudgetError> {
+fn fixes(req: &PlanRequest, l: &Ledger, sizes: &ContextSizes, baseline: u64) -> Result<Vec<String>, BudgetError> {
     let mut out = Vec::new();
     // A smaller cache, or none.
     let without_cache = ledger(&PlanRequest { cache_bytes: Some(0), ..req.clone() }, sizes, baseline);
@@ -263,8 +281,8 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: ContextSizes, baseline: u64) -> R
     let mut positions = req.positions / 2;
     while positions >= 256 {
         let smaller = PlanRequest { positions, ..req.clone() };
-        let s = measure_context(req.model, positions, Some(req.index))?;
-        if acceptable(&ledger(&smaller, s, baseline)) {
+        let s = measure_context(req.model, positions, Some(req.index), req.rpc)?;
+        if acceptable(&ledger(&smaller, &s, baseline)) {
             out.push(format!(
                 "a context of {positions} positions (--ctx {positions}, or a shorter prompt and fewer tokens)"
             ));

@@ -97,7 +97,7 @@ impl LossyArgs {
 pub struct StreamArgs {
     /// Load everything with llama.cpp's own mmap and do not stream (the reference for
     /// comparison). The streaming flags do not apply to it and are refused beside it.
-    #[arg(long, conflicts_with_all = ["cache_mb", "force_cache", "dense", "csv", "progress", "experts_used", "substitute"])]
+    #[arg(long, conflicts_with_all = ["cache_mb", "force_cache", "dense", "csv", "progress", "experts_used", "substitute", "rpc"])]
     pub resident: bool,
     /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: what the
     /// board's memory budget leaves after the rest of the ledger (`sluice plan`), at most all the
@@ -118,6 +118,17 @@ pub struct StreamArgs {
     pub progress: bool,
     #[command(flatten)]
     pub lossy: LossyArgs,
+}
+
+/// Several boards serving one model.
+#[derive(Args, Clone, Default)]
+pub struct RpcArgs {
+    /// RPC workers (`sluice worker`) that hold the model's last layers resident, as
+    /// HOST:PORT,... in layer order (the last one holds the output layer too); this board keeps
+    /// the first layers and streams their experts. Use a private link only: ggml's RPC has no
+    /// authentication. Dense weights here are then llama.cpp's mapping (--dense mmap).
+    #[arg(long, value_name = "HOST:PORT,...")]
+    pub rpc: Vec<String>,
 }
 
 /// A streaming configuration on `board`: its lanes and compute service.
@@ -142,5 +153,6 @@ pub fn stream_config(board: &ResolvedBoard, cache_bytes: u64, force_cache: bool,
         overlap: (board.overlap.value != Overlap::Off).then_some(sluice::stream::READ_BOUND),
         overlap_prompt_only: board.overlap.value == Overlap::Prompt,
         lossy: sluice::lossy::Lossy::default(),
+        rpc: None,
     }
 }

@@ -14,7 +14,7 @@ use sluice::budget::{self, PlanRequest};
 use sluice::generate;
 use sluice::stream::{DensePolicy, ExpertIndex};
 
-use super::args::{self, LossyArgs, TuningArgs};
+use super::args::{self, LossyArgs, RpcArgs, TuningArgs};
 
 /// `sluice bench` arguments.
 #[derive(Args)]
@@ -51,6 +51,11 @@ pub struct BenchArgs {
     /// to 4 MiB (under the same throttle), printed as a table and written to read-sweep.csv.
     #[arg(long, requires = "budget_mb")]
     read_sweep: bool,
+    /// With --budget-mb: add rows with the model split over two and over three boards, the
+    /// head streaming its layers as the one-board rows do: loopback `sluice worker`s, each in a
+    /// memory cgroup of the same budget, hold the last layers resident.
+    #[arg(long, requires = "budget_mb")]
+    rpc: bool,
     /// With --budget-mb: where to write bench.csv and bench.svg.
     #[arg(long, default_value = ".")]
     out: PathBuf,
@@ -84,6 +89,8 @@ pub struct BenchChildArgs {
     tuning: TuningArgs,
     #[command(flatten)]
     lossy: LossyArgs,
+    #[command(flatten)]
+    rpc: RpcArgs,
 }
 
 fn model_mib(model: &std::path::Path) -> Result<f64> {
@@ -119,6 +126,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
             cache_bytes: Some(index.all_expert_window_bytes() * u64::from(pct) / 100),
             budget: board.budget.clone(),
             gpu: board.compute.offloads(),
+            rpc: None,
         })
         .with_context(|| format!("the streamed configuration with a {pct}% cache does not fit"))?;
     }
@@ -218,6 +226,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         draft: board.draft_max().is_some(),
         lossy: a.lossy.lossy(),
         sweep: a.read_sweep,
+        boards: if a.rpc { vec![2, 3] } else { Vec::new() },
     };
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;
@@ -286,7 +295,7 @@ pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
         sluice_hal::cgroup::join(dir).with_context(|| format!("joining {}", dir.display()))?;
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
-    let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board, &a.lossy.lossy())?;
+    let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board, &a.lossy.lossy(), &a.rpc.rpc)?;
     outln!("{}", serde_json::to_string(&out)?);
     Ok(())
 }

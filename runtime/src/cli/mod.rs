@@ -75,3 +75,4 @@ pub mod probe;
 pub mod run;
 pub mod serve;
 pub mod synth;
+pub mod worker;

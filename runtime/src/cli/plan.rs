@@ -8,9 +8,10 @@ use clap::Args;
 use sluice::board::BoardChoice;
 use sluice::budget::{self, PlanRequest};
 use sluice::generate;
+use sluice::scaleout;
 use sluice::stream::{DensePolicy, ExpertIndex};
 
-use super::args::{self, TuningArgs};
+use super::args::{self, RpcArgs, TuningArgs};
 
 /// `sluice plan` arguments.
 #[derive(Args)]
@@ -32,32 +33,58 @@ pub struct PlanArgs {
     json: bool,
     #[command(flatten)]
     tuning: TuningArgs,
+    #[command(flatten)]
+    rpc: RpcArgs,
 }
 
 /// Runs `sluice plan`: prints the ledger (exit 0 when it fits, 1 with the fixes when it does
-/// not).
+/// not). With `--rpc`, the split between this board and the workers first, then this board's
+/// ledger (as JSON: `{"split": ..., "ledger": ...}`).
 pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
     generate::check_model_file(&a.model)?;
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
-    let index = ExpertIndex::open(&a.model)?;
+    let (split, index) = scaleout::prepare(&a.rpc.rpc, &a.model, ExpertIndex::open(&a.model)?, a.ctx)?;
+    let rpc = split.as_ref().map(|s| s.rpc());
+    if rpc.is_some() && board.compute.offloads() {
+        return Err(scaleout::ScaleError::WithGpu.into());
+    }
+    let dense = if rpc.is_some() { DensePolicy::Mmap } else { a.dense };
     let req = PlanRequest {
         model: &a.model,
         index: &index,
         positions: a.ctx,
-        dense: a.dense,
+        dense,
         cache_bytes: a.cache_mb.map(|m| m.saturating_mul(1 << 20)),
         budget: board.budget.clone(),
         gpu: board.compute.offloads(),
+        rpc: rpc.as_ref(),
     };
-    match budget::plan_within_budget(&req) {
-        Ok(ledger) if a.json => outln!("{}", serde_json::to_string_pretty(&ledger)?),
-        Ok(ledger) => out!("{}", ledger.describe()),
-        Err(e) => {
-            if let (true, Some(ledger)) = (a.json, e.ledger()) {
-                outln!("{}", serde_json::to_string_pretty(ledger)?);
+    let result = budget::plan_within_budget(&req);
+    let ledger = match &result {
+        Ok(l) => Some(l),
+        Err(e) => e.ledger(),
+    };
+    match (a.json, &split) {
+        (true, Some(split)) => {
+            outln!("{}", serde_json::to_string_pretty(&serde_json::json!({ "split": split, "ledger": ledger }))?)
+        }
+        (true, None) => {
+            if let Some(l) = ledger {
+                outln!("{}", serde_json::to_string_pretty(l)?);
             }
-            return Err(e.into());
+        }
+        (false, Some(split)) => {
+            out!("{}", split.describe());
+            if let Ok(l) = &result {
+                out!("{}", l.describe());
+            }
+        }
+        (false, None) => {
+            if let Ok(l) = &result {
+                out!("{}", l.describe());
+            }
         }
     }
+    result?;
     Ok(())
 }

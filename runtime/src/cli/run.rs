@@ -9,11 +9,12 @@ use clap::Args;
 use sluice::board::{BoardChoice, ComputeService, ResolvedBoard};
 use sluice::budget::{self, PlanRequest};
 use sluice::generate::{self, GenerateParams, Generation, Session};
+use sluice::scaleout;
 use sluice::stream::{self, DensePolicy, ExpertIndex, StreamedSession};
 use sluice::telemetry::{self, mib, Summary};
 use sluice::{demo, text::DisplayText};
 
-use super::args::{self, StreamArgs, TuningArgs};
+use super::args::{self, RpcArgs, StreamArgs, TuningArgs};
 use super::TextOut;
 
 /// `sluice run` arguments.
@@ -32,6 +33,8 @@ pub struct RunArgs {
     tuning: TuningArgs,
     #[command(flatten)]
     stream: StreamArgs,
+    #[command(flatten)]
+    rpc: RpcArgs,
     /// Print the architectures that can be streamed, and exit.
     #[arg(long)]
     list_archs: bool,
@@ -92,7 +95,7 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
         generate_and_print(&model, prompt, &params)?;
         return Ok(());
     }
-    run_streamed(model_path, prompt, &params, &a.stream, &board)
+    run_streamed(model_path, prompt, &params, &a.stream, &a.rpc, &board)
 }
 
 /// Streams `model_path` (checked by the caller: `run`, or the demo's own model): prints the
@@ -102,6 +105,7 @@ fn run_streamed(
     prompt: &str,
     params: &GenerateParams,
     args: &StreamArgs,
+    rpc: &RpcArgs,
     board: &ResolvedBoard,
 ) -> Result<()> {
     // Created before anything is generated: a path that cannot be written fails at once.
@@ -110,9 +114,19 @@ fn run_streamed(
         .as_ref()
         .map(|p| std::fs::File::create(p).with_context(|| format!("--csv {}: cannot create it", p.display())))
         .transpose()?;
-    let index = Arc::new(ExpertIndex::open(model_path)?);
+    let mut index = ExpertIndex::open(model_path)?;
     let mut config = args::stream_config(board, 0, args.force_cache, args.dense);
     config.lossy = args.lossy.lossy();
+    if !rpc.rpc.is_empty() {
+        let positions = generate::prompt_positions(model_path, prompt, params.n_predict)?;
+        let (split, head) = scaleout::prepare(&rpc.rpc, model_path, index, positions)?;
+        index = head;
+        if let Some(split) = split {
+            eprint!("{}", split.describe());
+            config = scaleout::head_config(config, &split)?;
+        }
+    }
+    let index = Arc::new(index);
     let meter = telemetry::PhaseMeter::start();
     // Every tensor is lazy here: loading reads the metadata and the vocabulary, no weight.
     let model = stream::load_configured(model_path, &index, &config)?;
@@ -126,6 +140,7 @@ fn run_streamed(
         cache_bytes: args.cache_mb.map(|m| m.saturating_mul(1 << 20)),
         budget: board.budget.clone(),
         gpu: config.gpu_layers > 0,
+        rpc: config.rpc.as_ref(),
     })?;
     log::info!("{}", ledger.describe());
     config.cache_bytes = ledger.cache_bytes();
@@ -255,5 +270,5 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         progress: false,
         lossy: Default::default(),
     };
-    run_streamed(&path, demo::DEMO_PROMPT, &params, &args, &board)
+    run_streamed(&path, demo::DEMO_PROMPT, &params, &args, &RpcArgs::default(), &board)
 }

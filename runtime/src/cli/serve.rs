@@ -1,6 +1,6 @@
 //! `sluice serve` (the HTTP service) and `sluice unit` (its systemd drop-in).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -12,12 +12,12 @@ use sluice::generate;
 use sluice::serve::access::{Access, KeySources};
 use sluice::serve::engine::EngineConfig;
 use sluice::serve::http::HttpLimits;
-use sluice::serve::unit::{self, UnitRequest};
+use sluice::serve::unit::{self, UnitRequest, UnitRole};
 use sluice::serve::{self, ServeConfig};
 use sluice::stream::DensePolicy;
 use sluice_hal::root::SysRoot;
 
-use super::args::{self, LossyArgs, TuningArgs};
+use super::args::{self, LossyArgs, RpcArgs, TuningArgs};
 
 /// `sluice serve` arguments.
 #[derive(Args)]
@@ -91,6 +91,8 @@ pub struct ServeArgs {
     cors_origins: Vec<String>,
     #[command(flatten)]
     tuning: TuningArgs,
+    #[command(flatten)]
+    rpc: RpcArgs,
 }
 
 /// Runs `sluice serve`.
@@ -118,6 +120,7 @@ pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
         state_dir: state_dir.clone(),
         save_every: Duration::from_secs(a.save_secs),
         draft: board.draft_max(),
+        rpc: a.rpc.rpc.clone(),
     };
     let keys = KeySources {
         key: a.api_key.clone(),
@@ -149,18 +152,27 @@ pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
 #[derive(Args)]
 pub struct UnitArgs {
     /// The model the service serves (absolute path on the board).
-    #[arg(short, long)]
-    model: PathBuf,
-    /// Address the service listens on.
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    listen: SocketAddr,
+    #[arg(short, long, required_unless_present = "worker")]
+    model: Option<PathBuf>,
+    /// Address the service listens on (default for `serve`: 127.0.0.1:8080; a worker needs its
+    /// address on the private link to the head).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
     /// Where the sluice binary is installed on the board.
     #[arg(long, default_value = "/usr/local/bin/sluice")]
     exe: PathBuf,
     /// A file on the board (absolute path, readable by root) holding the API key: passed to
     /// the service as the systemd credential `api-key` (LoadCredential=).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "worker")]
     api_key_file: Option<PathBuf>,
+    #[command(flatten)]
+    rpc: RpcArgs,
+    /// The drop-in of `sluice-worker.service` (an RPC worker board) instead of `sluice.service`.
+    #[arg(long, requires = "head", conflicts_with_all = ["model", "rpc"])]
+    worker: bool,
+    /// With --worker: the head's IP address, the only one the worker admits (IPAddressAllow=).
+    #[arg(long)]
+    head: Option<IpAddr>,
 }
 
 /// Runs `sluice unit`: prints the drop-in for the chosen board.
@@ -168,14 +180,36 @@ pub fn run_unit(a: &UnitArgs, choice: &BoardChoice) -> Result<()> {
     let root = SysRoot::default();
     let identity = sluice_hal::board::BoardIdentity::probe(&root);
     let selected = board::select(choice, &identity)?;
-    let text = unit::drop_in(&UnitRequest {
-        board: &selected,
-        model: &a.model,
-        listen: a.listen,
-        exe: &a.exe,
-        mem_total: identity.mem_total,
-        api_key_file: a.api_key_file.as_deref(),
-    })?;
+    let (role, listen) = match (&a.model, a.head) {
+        (_, Some(head)) if a.worker => {
+            let Some(listen @ SocketAddr::V4(_)) = a.listen else {
+                anyhow::bail!(
+                    "--worker needs --listen IPV4:PORT: this board's address on the private link to the head"
+                );
+            };
+            (UnitRole::Worker { head }, listen)
+        }
+        (Some(model), _) => {
+            let endpoints = sluice::scaleout::parse_endpoints(&a.rpc.rpc)?;
+            let rpc = endpoints
+                .into_iter()
+                .map(|e| {
+                    let host = e.rsplit_once(':').map_or(e.as_str(), |(h, _)| h);
+                    match host.parse::<IpAddr>() {
+                        Ok(ip) => Ok((e.clone(), ip)),
+                        Err(_) => Err(anyhow::anyhow!(
+                            "--rpc {e}: the unit admits workers by IP address (IPAddressAllow=); give the worker's IP instead of {host}"
+                        )),
+                    }
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let listen = a.listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8080)));
+            (UnitRole::Serve { model, api_key_file: a.api_key_file.as_deref(), rpc }, listen)
+        }
+        _ => anyhow::bail!("give --model (the serve unit), or --worker with --head (a worker's unit)"),
+    };
+    let text =
+        unit::drop_in(&UnitRequest { board: &selected, role, listen, exe: &a.exe, mem_total: identity.mem_total })?;
     out!("{text}");
     Ok(())
 }

@@ -23,6 +23,7 @@ use super::Shared;
 use crate::board::resolve::Sourced;
 use crate::budget::{self, PlanRequest};
 use crate::generate::GenerateError;
+use crate::scaleout;
 use crate::stream::{self, ExpertIndex, StreamConfig, StreamedSession};
 
 /// Context length when `--ctx` is not given (or the model's, if shorter).
@@ -52,6 +53,8 @@ pub struct EngineConfig {
     pub save_every: Duration,
     /// N-gram drafting: the most tokens drafted per decode (`None`: off).
     pub draft: Option<usize>,
+    /// RPC workers holding the model's last layers (`--rpc`); empty: this board alone.
+    pub rpc: Vec<String>,
 }
 
 /// Why a generation ended.
@@ -128,19 +131,100 @@ pub struct Job {
     pub cancel: Arc<AtomicBool>,
 }
 
+/// How often a degraded server tries to reach its lost worker.
+const WORKER_RETRY: Duration = Duration::from_secs(1);
+
+/// How serving the loaded model ended.
+enum Served {
+    /// Every sender is gone.
+    Done,
+    /// An RPC worker was lost mid-generation: the model must be loaded again once it is back.
+    WorkerLost(String),
+}
+
 /// Loads the model, reports ready, and serves `jobs` until every sender is gone; saves the heat
-/// map at the end. Errors are load failures.
+/// map at the end. Errors are load failures. When an RPC worker is lost, the server reports
+/// itself degraded, fails requests with 503 until the worker answers again, then loads the
+/// model again (a worker lost again during that load is waited for the same way).
 pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()> {
+    let mut served_once = false;
+    loop {
+        let served = match serve_loaded(&cfg, shared, &jobs) {
+            Ok(s) => s,
+            Err(e) => match scaleout::lost_worker(&e) {
+                Some(endpoint) if served_once => Served::WorkerLost(endpoint),
+                _ => return Err(e),
+            },
+        };
+        served_once = true;
+        match served {
+            Served::Done => return Ok(()),
+            Served::WorkerLost(endpoint) => {
+                shared.set_degraded(&format!(
+                    "the RPC worker at {endpoint} is gone: waiting for it to answer, then loading the model again"
+                ));
+                if !wait_for_worker(&endpoint, shared, &jobs) {
+                    return Ok(());
+                }
+                shared.set_reloading(&format!("the RPC worker at {endpoint} answers again: loading the model"));
+            }
+        }
+    }
+}
+
+/// Fails the jobs that arrive while a worker is gone, until `endpoint` answers (true) or every
+/// sender is gone (false).
+fn wait_for_worker(endpoint: &str, shared: &Shared, jobs: &Receiver<Job>) -> bool {
+    let mut last_try = Instant::now();
+    loop {
+        shared.beat();
+        match jobs.recv_timeout(IDLE_BEAT) {
+            Ok(job) => {
+                shared.dequeued();
+                let _ = job.events.send(Event::Failed(ApiError::new(
+                    503,
+                    "server_error",
+                    format!("the RPC worker at {endpoint} is gone; retry once it is back"),
+                )));
+            }
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => return false,
+        }
+        if last_try.elapsed() >= WORKER_RETRY {
+            last_try = Instant::now();
+            match ggml_sys::RpcDevice::connect(endpoint).and_then(|d| d.memory()) {
+                Ok(_) => return true,
+                Err(e) => log::debug!("still waiting: {e}"),
+            }
+        }
+    }
+}
+
+/// Loads the model and serves `jobs` with it until every sender is gone or a worker is lost.
+fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Result<Served> {
     shared.loading_step("indexing the model's experts");
-    let index = Arc::new(ExpertIndex::open(&cfg.model)?);
+    let mut index = ExpertIndex::open(&cfg.model)?;
     let mut config = cfg.stream.clone();
+    // A --ctx beyond the model's own length is refused by the plan (BudgetError::ContextTooLong).
+    let n_ctx = match cfg.ctx {
+        Some(n) => n,
+        None => crate::generate::context_length(&cfg.model)?.min(DEFAULT_CTX),
+    };
+    if !cfg.rpc.is_empty() {
+        shared.loading_step("connecting to the RPC workers and splitting the model");
+        let (split, head) = scaleout::prepare(&cfg.rpc, &cfg.model, index, n_ctx)?;
+        index = head;
+        if let Some(split) = split {
+            log::info!("{}", split.describe());
+            config = scaleout::head_config(config, &split)?;
+        }
+    }
+    let index = Arc::new(index);
     shared.loading_step("loading the model's metadata and vocabulary");
     let model = Arc::new(stream::load_configured(&cfg.model, &index, &config)?);
     if !config.lossy.is_exact() {
         log::warn!("{}", config.lossy.describe(index.n_expert_used));
     }
-    // A --ctx beyond the model's own length is refused by the plan (BudgetError::ContextTooLong).
-    let n_ctx = cfg.ctx.unwrap_or_else(|| model.n_ctx_train().min(DEFAULT_CTX));
     shared.set_prompt_bound(PromptBound { n_ctx, max_token_bytes: model.max_token_bytes() });
     shared.loading_step("planning memory");
     let ledger = budget::plan_within_budget(&PlanRequest {
@@ -151,6 +235,7 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
         cache_bytes: cfg.cache_bytes,
         budget: cfg.budget.clone(),
         gpu: config.gpu_layers > 0,
+        rpc: config.rpc.as_ref(),
     })?;
     log::info!("{}", ledger.describe());
     shared.metrics.set_ledger(&ledger);
@@ -162,7 +247,7 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     let identity = ModelIdentity::of(&index);
     let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
     let tokenizer = Tokenizer::start(Arc::clone(&model))?;
-    let mut engine = Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false };
+    let mut engine = Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false, lost: None };
     engine.warm_start(&index);
     shared.set_ready(&format!(
         "ready: {} ({} positions, expert cache {} MiB of {} MiB)",
@@ -172,20 +257,23 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
         index.all_expert_window_bytes() >> 20
     ));
     let mut last_save = Instant::now();
-    loop {
+    let served = loop {
         shared.beat();
         match jobs.recv_timeout(IDLE_BEAT) {
             Ok(job) => engine.handle(job),
             Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => break,
+            Err(RecvTimeoutError::Disconnected) => break Served::Done,
+        }
+        if let Some(endpoint) = engine.lost.take() {
+            break Served::WorkerLost(endpoint);
         }
         if last_save.elapsed() >= cfg.save_every {
             engine.save_heat();
             last_save = Instant::now();
         }
-    }
+    };
     engine.save_heat();
-    Ok(())
+    Ok(served)
 }
 
 /// The loaded model and its session.
@@ -197,6 +285,8 @@ struct Engine<'m, 's> {
     identity: ModelIdentity,
     heat_path: Option<PathBuf>,
     heat_dirty: bool,
+    /// The RPC worker a generation lost: the model is unusable until it is loaded again.
+    lost: Option<String>,
 }
 
 impl Engine<'_, '_> {
@@ -371,8 +461,15 @@ impl Engine<'_, '_> {
             }
             Err(e) => {
                 log::error!("generation failed: {e}");
+                let code = match e.lost_worker() {
+                    Some(endpoint) => {
+                        self.lost = Some(endpoint.to_string());
+                        503
+                    }
+                    None => 500,
+                };
                 let _ =
-                    events.send(Event::Failed(ApiError::new(500, "server_error", format!("generation failed: {e}"))));
+                    events.send(Event::Failed(ApiError::new(code, "server_error", format!("generation failed: {e}"))));
             }
         }
     }

@@ -60,6 +60,8 @@ pub enum State {
     Ready,
     /// Stopping: in-flight requests finish, new ones get 503.
     Draining,
+    /// An RPC worker is gone: requests get 503 until it is back and the model is loaded again.
+    Degraded,
 }
 
 impl State {
@@ -69,6 +71,7 @@ impl State {
             State::Loading => "loading",
             State::Ready => "ready",
             State::Draining => "draining",
+            State::Degraded => "degraded",
         }
     }
 }
@@ -104,6 +107,8 @@ pub struct Shared {
     current: Mutex<Option<Arc<AtomicBool>>>,
     cancelling: AtomicBool,
     next_id: AtomicU64,
+    /// Why the server is degraded (with [`State::Degraded`]).
+    degraded: Mutex<String>,
     /// Counters for `/metrics`.
     pub metrics: Metrics,
     /// The model name.
@@ -127,6 +132,7 @@ impl Shared {
             current: Mutex::new(None),
             cancelling: AtomicBool::new(false),
             next_id: AtomicU64::new(0),
+            degraded: Mutex::new(String::new()),
             metrics: Metrics::default(),
             model_id,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
@@ -158,6 +164,7 @@ impl Shared {
         match self.state.load(Ordering::SeqCst) {
             0 => State::Loading,
             1 => State::Ready,
+            3 => State::Degraded,
             _ => State::Draining,
         }
     }
@@ -180,6 +187,34 @@ impl Shared {
             notify::ready(status);
         }
         self.beat();
+    }
+
+    /// Marks a ready (or reloading) server degraded (a worker is gone), with the reason
+    /// `/health` gives. A draining server stays draining.
+    pub fn set_degraded(&self, why: &str) {
+        *self.degraded.lock().unwrap_or_else(|e| e.into_inner()) = why.to_string();
+        let serving = |s: u8| (s == State::Ready as u8 || s == State::Loading as u8).then_some(State::Degraded as u8);
+        if self.state.fetch_update(Ordering::SeqCst, Ordering::SeqCst, serving).is_ok() {
+            log::warn!("degraded: {why}");
+            notify::status(&format!("degraded: {why}"));
+        }
+        self.beat();
+    }
+
+    /// Why the server is degraded.
+    pub fn degraded_reason(&self) -> String {
+        self.degraded.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A degraded server loads its model again: loading until [`Shared::set_ready`].
+    pub fn set_reloading(&self, why: &str) {
+        let _ = self.state.compare_exchange(
+            State::Degraded as u8,
+            State::Loading as u8,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+        self.loading_step(why);
     }
 
     /// The engine is alive and making progress.

@@ -1,7 +1,8 @@
-//! `sluice unit`: the systemd drop-in that fits `systemd/sluice.service` to one board and model.
+//! `sluice unit`: the systemd drop-in that fits `systemd/sluice.service` to one board and model,
+//! or `systemd/sluice-worker.service` to one RPC worker board.
 
 use std::fmt::Write as _;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
 use super::access::KEY_FILE;
@@ -34,21 +35,38 @@ const JETSON_GPU_DEVICES: &[&str] = &[
     "/dev/nvgpu/igpu0/tsg",
 ];
 
+/// Which service the drop-in is for.
+#[derive(Debug, Clone)]
+pub enum UnitRole<'a> {
+    /// `sluice serve` (`sluice.service`).
+    Serve {
+        /// The model's first file, absolute.
+        model: &'a Path,
+        /// A file on the board holding the API key, passed as the systemd credential `api-key`.
+        api_key_file: Option<&'a Path>,
+        /// RPC workers (`--rpc`): their `host:port` and IP address, which the service may reach.
+        rpc: Vec<(String, IpAddr)>,
+    },
+    /// `sluice worker` (`sluice-worker.service`).
+    Worker {
+        /// The head, the one address allowed to connect.
+        head: IpAddr,
+    },
+}
+
 /// What the drop-in is made from.
 #[derive(Debug, Clone)]
 pub struct UnitRequest<'a> {
     /// The board profile, with its id.
     pub board: &'a SelectedBoard,
-    /// The model's first file, absolute.
-    pub model: &'a Path,
+    /// The service.
+    pub role: UnitRole<'a>,
     /// The address to serve on.
     pub listen: SocketAddr,
     /// The installed binary.
     pub exe: &'a Path,
     /// `MemTotal` of this machine, for a profile that names no RAM size.
     pub mem_total: Option<u64>,
-    /// A file on the board holding the API key, passed as the systemd credential `api-key`.
-    pub api_key_file: Option<&'a Path>,
 }
 
 /// Why no drop-in can be made.
@@ -95,48 +113,77 @@ fn memory_max(req: &UnitRequest<'_>) -> Result<(u64, String), UnitError> {
     Ok((ram_mib.saturating_sub(reserve), format!("{from} - memory.reserve_mib {reserve} MiB")))
 }
 
-/// The drop-in text (`/etc/systemd/system/sluice.service.d/board.conf`).
+/// The drop-in text (`/etc/systemd/system/sluice.service.d/board.conf`, or
+/// `sluice-worker.service.d/board.conf` for a worker).
 pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
-    for (what, path) in
-        [("--model", req.model), ("--exe", req.exe)].into_iter().chain(req.api_key_file.map(|f| ("--api-key-file", f)))
-    {
+    let mut paths = vec![("--exe", req.exe)];
+    if let UnitRole::Serve { model, api_key_file, .. } = &req.role {
+        paths.push(("--model", model));
+        paths.extend(api_key_file.map(|f| ("--api-key-file", f)));
+    }
+    for (what, path) in paths {
         if !path.is_absolute() {
             return Err(UnitError::Relative { what, path: path.display().to_string() });
         }
     }
     let p = &req.board.profile;
     let board_arg = if req.board.origin == "built-in" { req.board.id.clone() } else { req.board.origin.clone() };
+    let (service, command) = match req.role {
+        UnitRole::Serve { .. } => ("sluice", "serve"),
+        UnitRole::Worker { .. } => ("sluice-worker", "worker"),
+    };
     let mut out = String::new();
-    let _ = writeln!(out, "# sluice.service drop-in for board {} ({}), made by `sluice unit`.", req.board.id, p.name);
     let _ =
-        writeln!(out, "# Install as /etc/systemd/system/sluice.service.d/board.conf, then `systemctl daemon-reload`.");
+        writeln!(out, "# {service}.service drop-in for board {} ({}), made by `sluice unit`.", req.board.id, p.name);
+    let _ = writeln!(
+        out,
+        "# Install as /etc/systemd/system/{service}.service.d/board.conf, then `systemctl daemon-reload`."
+    );
     let _ = writeln!(out, "[Service]");
     let _ = writeln!(out, "ExecStart=");
-    let args = [
-        req.exe.display().to_string(),
-        "-v".into(),
-        "serve".into(),
-        "--model".into(),
-        req.model.display().to_string(),
-        "--board".into(),
-        board_arg,
-        "--listen".into(),
-        req.listen.to_string(),
-    ];
+    let mut args = vec![req.exe.display().to_string(), "-v".into(), command.into()];
+    if let UnitRole::Serve { model, rpc, .. } = &req.role {
+        args.extend(["--model".into(), model.display().to_string()]);
+        if !rpc.is_empty() {
+            let list: Vec<&str> = rpc.iter().map(|(e, _)| e.as_str()).collect();
+            args.extend(["--rpc".into(), list.join(",")]);
+        }
+    }
+    args.extend(["--board".into(), board_arg, "--listen".into(), req.listen.to_string()]);
     let _ = writeln!(out, "ExecStart={}", args.iter().map(|a| exec_arg(a)).collect::<Vec<_>>().join(" "));
-    let mut cores: Vec<usize> = p.cpu.compute_cores.iter().chain(p.cpu.io_cores.iter()).flatten().copied().collect();
+    // A worker computes only; the head's I/O lanes need their cores too.
+    let io_cores = match req.role {
+        UnitRole::Serve { .. } => p.cpu.io_cores.iter().flatten().copied().collect(),
+        UnitRole::Worker { .. } => Vec::new(),
+    };
+    let mut cores: Vec<usize> = p.cpu.compute_cores.iter().flatten().copied().chain(io_cores).collect();
     cores.sort_unstable();
     cores.dedup();
     if !cores.is_empty() {
         let list = sluice_hal::cpulist::format(&cores);
-        let _ = writeln!(out, "# The profile's compute and I/O cores (cpu.compute_cores, cpu.io_cores).");
+        let which = match req.role {
+            UnitRole::Serve { .. } => "compute and I/O cores (cpu.compute_cores, cpu.io_cores)",
+            UnitRole::Worker { .. } => "compute cores (cpu.compute_cores)",
+        };
+        let _ = writeln!(out, "# The profile's {which}.");
         let _ = writeln!(out, "CPUAffinity={}", list.replace(',', " "));
     }
     let (mib, why) = memory_max(req)?;
     let _ = writeln!(out, "# The memory budget: {why}. sluice plans its memory within this cgroup limit.");
     let _ = writeln!(out, "MemoryMax={mib}M");
     let _ = writeln!(out, "MemorySwapMax=0");
-    let model_dir = req.model.parent().unwrap_or(Path::new("/"));
+    let (model, api_key_file, rpc) = match &req.role {
+        UnitRole::Serve { model, api_key_file, rpc } => (*model, *api_key_file, rpc),
+        UnitRole::Worker { head } => {
+            let _ = writeln!(
+                out,
+                "# Only the head at {head} may connect: ggml's RPC has no authentication. Keep the link private."
+            );
+            let _ = writeln!(out, "IPAddressAllow={head}");
+            return Ok(out);
+        }
+    };
+    let model_dir = model.parent().unwrap_or(Path::new("/"));
     let _ = writeln!(out, "# The model (and the other files of a split model) is only read.");
     let _ = writeln!(out, "ReadOnlyPaths={}", exec_arg(&model_dir.display().to_string()));
     if home_or_tmp(model_dir) {
@@ -144,7 +191,7 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
         let _ = writeln!(out, "ProtectHome=read-only");
         let _ = writeln!(out, "PrivateTmp=no");
     }
-    if let Some(key) = req.api_key_file {
+    if let Some(key) = api_key_file {
         let _ = writeln!(
             out,
             "# The API key, read by root and handed to the service as $CREDENTIALS_DIRECTORY/{}.",
@@ -156,6 +203,12 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
         let _ =
             writeln!(out, "# --listen {} is not a loopback address: accept connections from other hosts.", req.listen);
         let _ = writeln!(out, "IPAddressDeny=");
+    }
+    if !rpc.is_empty() {
+        let mut ips: Vec<String> = rpc.iter().map(|(_, ip)| ip.to_string()).collect();
+        ips.dedup();
+        let _ = writeln!(out, "# The RPC workers (--rpc) this board connects to.");
+        let _ = writeln!(out, "IPAddressAllow={}", ips.join(" "));
     }
     if p.compute.service == ServiceName::Cuda {
         let _ = writeln!(
@@ -194,11 +247,10 @@ mod tests {
         let b = board(id);
         drop_in(&UnitRequest {
             board: &b,
-            model: Path::new(model),
+            role: UnitRole::Serve { model: Path::new(model), api_key_file: None, rpc: Vec::new() },
             listen: listen.parse().unwrap(),
             exe: Path::new("/usr/local/bin/sluice"),
             mem_total: None,
-            api_key_file: None,
         })
         .unwrap()
     }
@@ -228,13 +280,52 @@ mod tests {
         let b = board("generic");
         let e = drop_in(&UnitRequest {
             board: &b,
-            model: Path::new("m.gguf"),
+            role: UnitRole::Serve { model: Path::new("m.gguf"), api_key_file: None, rpc: Vec::new() },
             listen: "127.0.0.1:1".parse().unwrap(),
             exe: Path::new("/usr/local/bin/sluice"),
             mem_total: Some(8 << 30),
-            api_key_file: None,
         })
         .unwrap_err();
         assert!(e.to_string().contains("--model m.gguf is relative"), "{e}");
+    }
+
+    #[test]
+    fn a_worker_admits_only_its_head_and_a_head_reaches_its_workers() {
+        let b = board("rpi5-8gb");
+        let head: IpAddr = "10.0.0.1".parse().unwrap();
+        let w = drop_in(&UnitRequest {
+            board: &b,
+            role: UnitRole::Worker { head },
+            listen: "10.0.0.2:50052".parse().unwrap(),
+            exe: Path::new("/usr/local/bin/sluice"),
+            mem_total: None,
+        })
+        .unwrap();
+        assert!(
+            w.contains(
+                "ExecStart=\nExecStart=/usr/local/bin/sluice -v worker --board rpi5-8gb --listen 10.0.0.2:50052\n"
+            ),
+            "{w}"
+        );
+        assert!(w.contains("sluice-worker.service.d/board.conf") && w.contains("\nIPAddressAllow=10.0.0.1\n"), "{w}");
+        assert!(w.contains("\nMemoryMax=7168M\n") && w.contains("\nCPUAffinity=0-3\n"), "{w}");
+        assert!(!w.contains("IPAddressDeny=") && !w.contains("ReadOnlyPaths"), "{w}");
+        let h = drop_in(&UnitRequest {
+            board: &b,
+            role: UnitRole::Serve {
+                model: Path::new("/srv/m.gguf"),
+                api_key_file: None,
+                rpc: vec![
+                    ("10.0.0.2:50052".into(), "10.0.0.2".parse().unwrap()),
+                    ("10.0.0.3:50052".into(), "10.0.0.3".parse().unwrap()),
+                ],
+            },
+            listen: "127.0.0.1:8080".parse().unwrap(),
+            exe: Path::new("/usr/local/bin/sluice"),
+            mem_total: None,
+        })
+        .unwrap();
+        assert!(h.contains(" --rpc 10.0.0.2:50052,10.0.0.3:50052 "), "{h}");
+        assert!(h.contains("\nIPAddressAllow=10.0.0.2 10.0.0.3\n"), "{h}");
     }
 }

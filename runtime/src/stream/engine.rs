@@ -453,7 +453,13 @@ impl<'m> Streamer<'m> {
                 false
             }
             (Mode::Capture, EvalPhase::Computed) => true,
-            (Mode::Stream, EvalPhase::Ask) => t.name().starts_with("ffn_moe_topk-"),
+            // Only the routers of layers that stream here: another layer's router may be on an
+            // RPC worker, and asking for it would split that worker's graph for nothing.
+            (Mode::Stream, EvalPhase::Ask) => t
+                .name()
+                .strip_prefix("ffn_moe_topk-")
+                .and_then(|l| l.parse::<u32>().ok())
+                .is_some_and(|l| self.index.layer_tensors(l).next().is_some()),
             (Mode::Stream, EvalPhase::Computed) => {
                 if self.failure.is_some() {
                     return false;

@@ -94,6 +94,8 @@ pub struct ExpertIndex {
     pub dense: Vec<DenseTensor>,
     /// Tensors of the blocks llama.cpp does not run (NextN/MTP): not loaded, never read.
     pub not_run: Vec<DenseTensor>,
+    /// Dense tensors of the layers RPC workers hold ([`ExpertIndex::keep_layers_below`]).
+    pub remote: Vec<DenseTensor>,
     /// Layers llama.cpp runs (`block_count` less the NextN blocks).
     pub n_layer: u32,
     /// NextN/MTP blocks after them (`nextn_predict_layers`).
@@ -228,6 +230,7 @@ impl ExpertIndex {
             experts,
             dense,
             not_run,
+            remote: Vec::new(),
             n_layer,
             nextn_layers: nextn_layers as u32,
             n_expert,
@@ -336,6 +339,47 @@ impl ExpertIndex {
         let mut windows: Vec<u64> = (0..self.n_expert).map(|e| self.expert_window_bytes(l, e)).collect();
         windows.sort_unstable_by(|a, b| b.cmp(a));
         windows.iter().take(self.experts_used(l) as usize).sum()
+    }
+
+    /// The index of a head that keeps only layers `0..first_remote` (the later ones are
+    /// resident on RPC workers): their expert tensors leave the index, so nothing here streams,
+    /// caches or plans them, and their dense tensors, with the output layer's (which goes with
+    /// the last layer), move to [`ExpertIndex::remote`].
+    pub fn keep_layers_below(mut self, first_remote: u32) -> ExpertIndex {
+        let remote_tensor = |name: &str| match parse_block(name) {
+            Some((layer, _)) => layer >= first_remote,
+            None => name.starts_with("output") && first_remote < self.n_layer,
+        };
+        let (remote, dense): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut self.dense).into_iter().partition(|t| remote_tensor(&t.name));
+        self.dense = dense;
+        self.remote.extend(remote);
+        self.experts.retain(|t| t.layer < first_remote);
+        self.by_layer = vec![Vec::new(); self.n_layer as usize];
+        for (i, t) in self.experts.iter().enumerate() {
+            self.by_layer[t.layer as usize].push(i);
+        }
+        self.by_name = self.experts.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        self.dense_by_name = self.dense.iter().enumerate().map(|(i, t)| (t.name.clone(), i)).collect();
+        self
+    }
+
+    /// Bytes of each layer's tensors, dense and experts (what an RPC worker holding the layer
+    /// holds of its weights), and of the output layer's tensors.
+    pub fn layer_weight_bytes(&self) -> (Vec<u64>, u64) {
+        let mut layers = vec![0u64; self.n_layer as usize];
+        let mut output = 0;
+        for (name, size) in
+            self.dense.iter().map(|t| (&t.name, t.size)).chain(self.experts.iter().map(|t| (&t.name, t.size)))
+        {
+            match parse_block(name) {
+                Some((l, _)) if l < self.n_layer => layers[l as usize] += size,
+                Some(_) => {}
+                None if name.starts_with("output") => output += size,
+                None => {}
+            }
+        }
+        (layers, output)
     }
 
     /// Bytes of all expert tensors.

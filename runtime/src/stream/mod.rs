@@ -136,11 +136,21 @@ pub struct StreamConfig {
     pub overlap_prompt_only: bool,
     /// Opt-in lossy modes (default: exact).
     pub lossy: crate::lossy::Lossy,
+    /// The layers RPC workers hold, resident there (`--rpc`); the index then keeps only this
+    /// board's layers ([`ExpertIndex::keep_layers_below`]).
+    pub rpc: Option<ggml_sys::RpcSplit>,
 }
 
-/// A regular expression matching the routed expert tensors of `index`.
-fn expert_pattern(index: &ExpertIndex) -> String {
-    format!(r"^blk\.[0-9]+\.({})\.weight$", index.expert_kinds().join("|"))
+/// A regular expression matching the routed expert tensors of `index`: of every layer, or with
+/// `only_its_layers` of the layers it holds (the others are resident on RPC workers, and a lazy
+/// tensor would stay in this board's memory).
+fn expert_pattern(index: &ExpertIndex, only_its_layers: bool) -> String {
+    let layers = if only_its_layers {
+        format!("({})", index.moe_layers().map(|l| l.to_string()).collect::<Vec<_>>().join("|"))
+    } else {
+        "[0-9]+".to_string()
+    };
+    format!(r"^blk\.{layers}\.({})\.weight$", index.expert_kinds().join("|"))
 }
 
 /// The tensors a streamed open keeps out of llama.cpp's load-time prefetch: the routed experts
@@ -149,7 +159,7 @@ fn expert_pattern(index: &ExpertIndex) -> String {
 pub fn lazy_pattern(index: &ExpertIndex, dense: DensePolicy) -> String {
     match dense {
         DensePolicy::Anon => ".".to_string(),
-        DensePolicy::Mmap => expert_pattern(index),
+        DensePolicy::Mmap => expert_pattern(index, false),
     }
 }
 
@@ -163,7 +173,7 @@ pub fn load_streamed_model(
     dense: DensePolicy,
     gpu_layers: u32,
 ) -> Result<Model, GenerateError> {
-    crate::generate::load_model_with(path, &streamed_params(index, dense, gpu_layers))
+    crate::generate::load_model_with(path, &streamed_params(index, dense, gpu_layers, None))
 }
 
 /// [`load_streamed_model`] as `config` says, its lossy `--experts-used` included (checked
@@ -176,19 +186,31 @@ pub fn load_configured(
     config.lossy.check(index.n_expert_used).map_err(GenerateError::Lossy)?;
     let params = ggml_sys::ModelParams {
         int_overrides: config.lossy.model_overrides(&index.arch),
-        ..streamed_params(index, config.dense, config.gpu_layers)
+        ..streamed_params(index, config.dense, config.gpu_layers, config.rpc.as_ref())
     };
     crate::generate::load_model_with(path, &params)
 }
 
-/// The model parameters of a streamed load (see [`load_streamed_model`]).
-fn streamed_params(index: &ExpertIndex, dense: DensePolicy, gpu_layers: u32) -> ggml_sys::ModelParams {
+/// The model parameters of a streamed load (see [`load_streamed_model`]). With `rpc`, the
+/// workers' layers load resident onto them (nothing of theirs is lazy: a lazy tensor stays in
+/// this board's memory), and the dense weights here are llama.cpp's mapping.
+fn streamed_params(
+    index: &ExpertIndex,
+    dense: DensePolicy,
+    gpu_layers: u32,
+    rpc: Option<&ggml_sys::RpcSplit>,
+) -> ggml_sys::ModelParams {
+    let lazy = match rpc {
+        Some(_) => expert_pattern(index, true),
+        None => lazy_pattern(index, dense),
+    };
     ggml_sys::ModelParams {
-        lazy_tensor_pattern: Some(lazy_pattern(index, dense)),
+        lazy_tensor_pattern: Some(lazy),
         n_gpu_layers: gpu_layers.min(i32::MAX as u32) as i32,
-        cpu_tensor_pattern: (gpu_layers > 0).then(|| expert_pattern(index)),
+        cpu_tensor_pattern: (gpu_layers > 0).then(|| expert_pattern(index, false)),
         metadata_only: false,
         int_overrides: Vec::new(),
+        rpc: rpc.cloned(),
     }
 }
 

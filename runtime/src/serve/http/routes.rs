@@ -73,8 +73,12 @@ async fn route(
         (&Method::GET, "/health") => {
             let state = shared.state();
             let code = if state == State::Ready { 200 } else { 503 };
-            let mut r = json_response(code, json!({ "status": state.as_str() }).to_string());
-            if state == State::Loading {
+            let body = match state {
+                State::Degraded => json!({ "status": state.as_str(), "reason": shared.degraded_reason() }),
+                _ => json!({ "status": state.as_str() }),
+            };
+            let mut r = json_response(code, body.to_string());
+            if matches!(state, State::Loading | State::Degraded) {
                 r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
             }
             r
@@ -244,6 +248,9 @@ async fn enqueue(req: Request<Incoming>, front: &Front, kind: Kind) -> Result<Qu
         State::Ready => {}
         State::Loading => return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly")),
         State::Draining => return Err(ApiError::new(503, "server_error", "the server is shutting down")),
+        State::Degraded => {
+            return Err(ApiError::new(503, "server_error", format!("{}; retry shortly", shared.degraded_reason())))
+        }
     }
     let body = read_body(req, front).await?;
     let request: GenerationRequest = match kind {

@@ -1,0 +1,115 @@
+//! `sluice worker`: a board that lends its memory and cores to a head over ggml's RPC backend.
+//! ggml's RPC server runs over this board's CPU with the profile's compute cores and threads,
+//! refuses any buffer beyond the memory budget (and reports the budget as its memory, so the
+//! head plans within it), and keeps the weights it was sent in a tensor cache on disk, so a
+//! restarted worker takes them from there instead of the network.
+
+use std::net::SocketAddrV4;
+use std::path::PathBuf;
+
+use crate::board::resolve::Sourced;
+use crate::budget::OVERHEAD_BYTES;
+use crate::serve::notify;
+use crate::telemetry::{mib, Usage};
+
+/// How a worker serves.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// The IPv4 address and port to listen on.
+    pub listen: SocketAddrV4,
+    /// ggml's tensor cache (weights the head sent before); `None`: none.
+    pub cache_dir: Option<PathBuf>,
+    /// Compute threads and the cores they run on.
+    pub threads: ggml_sys::Threads,
+    /// The memory budget.
+    pub budget: Sourced<u64>,
+}
+
+/// Why a worker cannot serve.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// The budget leaves nothing to lend.
+    #[error("the memory budget of {budget_mib:.1} MiB ({from}) leaves nothing to lend beside this process's {own_mib:.1} MiB; raise memory.budget_mib in the board profile")]
+    NoRoom {
+        /// The budget.
+        budget_mib: f64,
+        /// Where it comes from.
+        from: String,
+        /// What the process holds itself.
+        own_mib: f64,
+    },
+    /// The tensor cache directory cannot be used.
+    #[error("--cache-dir {path}: {source}")]
+    CacheDir {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The compute cores cannot be pinned.
+    #[error("cannot pin the worker to its compute cores: {0}")]
+    Pin(#[from] sluice_hal::cpu::CpuError),
+    /// ggml's RPC server could not start.
+    #[error(transparent)]
+    Serve(#[from] ggml_sys::Error),
+}
+
+/// What a worker lends: the budget less this process's own memory and llama.cpp's structures.
+pub fn allowance(budget: u64) -> u64 {
+    let u = Usage::sample();
+    budget.saturating_sub(u.rss_anon + u.rss_file + OVERHEAD_BYTES)
+}
+
+/// The tensor cache directory when `--cache-dir` is not given: systemd's `$CACHE_DIRECTORY`
+/// (`CacheDirectory=`), else `$XDG_CACHE_HOME/sluice/rpc`, else `~/.cache/sluice/rpc`.
+pub fn default_cache_dir() -> Option<PathBuf> {
+    if let Some(d) = std::env::var_os("CACHE_DIRECTORY") {
+        // systemd lists several directories separated by ':' when the unit names several.
+        let first = d.to_string_lossy().split(':').next().unwrap_or_default().to_string();
+        return Some(PathBuf::from(first));
+    }
+    let base = std::env::var_os("XDG_CACHE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+    Some(base.join("sluice").join("rpc"))
+}
+
+/// Serves until the process is stopped. Returns only on an error.
+pub fn run(cfg: &WorkerConfig) -> Result<std::convert::Infallible, WorkerError> {
+    if let Some(dir) = &cfg.cache_dir {
+        std::fs::create_dir_all(dir).map_err(|source| WorkerError::CacheDir { path: dir.clone(), source })?;
+    }
+    // The RPC server's compute threads are created by this thread and inherit its affinity.
+    sluice_hal::cpu::pin_current_thread(&cfg.threads.cpus)?;
+    let lend = allowance(cfg.budget.value);
+    if lend == 0 {
+        let u = Usage::sample();
+        return Err(WorkerError::NoRoom {
+            budget_mib: mib(cfg.budget.value),
+            from: cfg.budget.source.clone(),
+            own_mib: mib(u.rss_anon + u.rss_file + OVERHEAD_BYTES),
+        });
+    }
+    if cfg.listen.ip().is_unspecified() {
+        log::warn!(
+            "listening on every interface ({}): ggml's RPC has no authentication; anyone who reaches this port can use this board. Listen on the private link's address instead.",
+            cfg.listen
+        );
+    }
+    let status = format!(
+        "serving RPC at {}: lending {:.1} MiB of the {:.1} MiB budget ({}), {} threads on cores {}, tensor cache {}",
+        cfg.listen,
+        mib(lend),
+        mib(cfg.budget.value),
+        cfg.budget.source,
+        cfg.threads.count,
+        sluice_hal::cpulist::format(&cfg.threads.cpus),
+        cfg.cache_dir.as_ref().map_or("off".to_string(), |d| d.display().to_string())
+    );
+    ggml_sys::rpc_serve(&cfg.listen.to_string(), cfg.cache_dir.as_deref(), cfg.threads.count as usize, lend, || {
+        log::info!("{status}");
+        eprintln!("sluice worker: {status}");
+        notify::ready(&status);
+    })
+    .map_err(WorkerError::Serve)
+}

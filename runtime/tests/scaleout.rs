@@ -1,0 +1,278 @@
+//! Several boards serving one model: `sluice worker`s on loopback, each in a memory cgroup of
+//! its budget where this machine lets the test make one, and `plan`, `run` and `serve --rpc` on
+//! the head: the same greedy text as resident, the plan within each worker's budget, and a worker
+//! killed mid-generation (the request fails naming it, the server is degraded until it is back,
+//! then serves again).
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Output, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+use sluice_hal::cgroup::MemoryCgroup;
+
+mod common;
+mod serving;
+use common::sluice_command;
+use serving::{free_port, read_chunk, read_head, send, Server, PATIENCE};
+
+/// Budget of each test worker (and its cgroup's limit).
+const WORKER_MIB: u64 = 256;
+/// The fixture's end-of-sequence token (synth's vocabulary), biased away so a generation runs
+/// to its length.
+const EOS: u32 = 2;
+
+/// A running `sluice worker`, in its own memory cgroup when one can be made.
+struct Worker {
+    child: Child,
+    endpoint: String,
+    stderr: Arc<Mutex<String>>,
+    cgroup: Option<MemoryCgroup>,
+}
+
+impl Worker {
+    /// Starts a worker with a budget of `budget_mib` on `port` (a free one when `None`), its
+    /// tensor cache in `dir`, and waits until it listens.
+    fn start(dir: &Path, name: &str, budget_mib: u64, port: Option<u16>) -> Worker {
+        let port = port.unwrap_or_else(|| free_port().port());
+        let endpoint = format!("127.0.0.1:{port}");
+        let profile = dir.join(format!("{name}.toml"));
+        std::fs::write(&profile, format!("name = \"{name}\"\n[memory]\nbudget_mib = {budget_mib}\n")).unwrap();
+        let cgroup_name = format!("sluice-test-{}-{name}-{port}", std::process::id());
+        let cgroup = match MemoryCgroup::create(&cgroup_name, budget_mib << 20) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                eprintln!("note: worker {name} runs without a memory cgroup: {e}");
+                None
+            }
+        };
+        let mut cmd = sluice_command();
+        cmd.args(["--board", profile.to_str().unwrap(), "-v", "worker", "--listen", &endpoint, "--threads", "1"]);
+        if let Some(cg) = &cgroup {
+            cmd.arg("--join-cgroup").arg(cg.dir());
+        }
+        let cache = dir.join(format!("cache-{name}"));
+        let mut child = cmd
+            .args(["--cache-dir", cache.to_str().unwrap()])
+            .env_remove("NOTIFY_SOCKET")
+            .env_remove("CACHE_DIRECTORY")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stderr = Arc::new(Mutex::new(String::new()));
+        {
+            let stderr = Arc::clone(&stderr);
+            let pipe = child.stderr.take().unwrap();
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    let mut s = stderr.lock().unwrap();
+                    s.push_str(&line);
+                    s.push('\n');
+                }
+            });
+        }
+        let mut w = Worker { child, endpoint, stderr, cgroup };
+        let t0 = Instant::now();
+        while !w.log().contains("sluice worker: serving RPC at") {
+            if let Some(status) = w.child.try_wait().unwrap() {
+                panic!("worker {name} exited ({status}):\n{}", w.log());
+            }
+            assert!(t0.elapsed() < PATIENCE, "worker {name} does not listen:\n{}", w.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        w
+    }
+
+    fn log(&self) -> String {
+        self.stderr.lock().unwrap().clone()
+    }
+
+    fn port(&self) -> u16 {
+        self.endpoint.rsplit_once(':').unwrap().1.parse().unwrap()
+    }
+
+    /// SIGKILL: a board that loses power.
+    fn kill(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+
+    /// Checks that the worker's cgroup never hit its limit.
+    fn assert_within_cgroup(&self) {
+        if let Some(cg) = &self.cgroup {
+            let (peak, hits) = (cg.peak().unwrap_or(0), cg.limit_hits().unwrap_or(0));
+            println!("worker {}: cgroup peak {:.1} MiB of {WORKER_MIB} MiB", self.endpoint, peak as f64 / 1048576.0);
+            assert!(peak <= WORKER_MIB << 20 && hits == 0, "worker {}: peak {peak}, {hits} limit hits", self.endpoint);
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn sluice(args: &[&str]) -> Output {
+    sluice_command().args(args).output().expect("run sluice")
+}
+
+fn ok(o: &Output) -> String {
+    assert!(o.status.success(), "sluice failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    String::from_utf8(o.stdout.clone()).unwrap()
+}
+
+/// A five-layer fixture (so that two workers each get layers beside the head's first) written
+/// by `sluice synth` with `args`.
+fn fixture(dir: &Path, name: &str, args: &[&str]) -> PathBuf {
+    let path = dir.join(format!("{name}.gguf"));
+    ok(&sluice(&[&["synth", "--out", path.to_str().unwrap(), "--layers", "5", "--seed", "7"], args].concat()));
+    path
+}
+
+/// The gate fixtures' variants: f32, Q8_0, deepseek2 (latent attention, a shared expert, a
+/// leading dense layer, a NextN block) and gpt-oss with MXFP4 experts.
+const VARIANTS: [(&str, &[&str]); 4] = [
+    ("f32", &["--type", "f32"]),
+    ("q8_0", &["--type", "q8_0"]),
+    ("deepseek2", &["--arch", "deepseek2"]),
+    ("gptoss", &["--arch", "gpt-oss", "--type", "mxfp4_moe"]),
+];
+
+/// The split `plan --rpc --json` prints, checked: the workers' shares follow the head's layers
+/// to the end, each within what its worker had free, the output on the last.
+fn checked_split(plan: &Value, workers: &[&Worker]) -> Vec<(u64, u64)> {
+    let split = &plan["split"];
+    let n_layer = split["n_layer"].as_u64().unwrap();
+    let mut start = split["first_remote"].as_u64().unwrap();
+    assert!(start >= 1, "the head keeps its first MoE layer: {split}");
+    let shares = split["shares"].as_array().unwrap();
+    assert_eq!(shares.len(), workers.len(), "{split}");
+    let mut out = Vec::new();
+    for (s, w) in shares.iter().zip(workers) {
+        assert_eq!(s["endpoint"], w.endpoint.as_str(), "{split}");
+        let (a, b) = (s["layers"]["start"].as_u64().unwrap(), s["layers"]["end"].as_u64().unwrap());
+        assert!(a == start && b > a, "contiguous, non-empty shares: {split}");
+        start = b;
+        let held = s["weights"].as_u64().unwrap() + s["kv"].as_u64().unwrap() + s["compute"].as_u64().unwrap();
+        let (free, total) = (s["free"].as_u64().unwrap(), s["total"].as_u64().unwrap());
+        assert!(held > 0 && held <= free && free <= total && total < WORKER_MIB << 20, "{split}");
+        out.push((a, b));
+    }
+    assert_eq!(start, n_layer, "the workers hold the layers to the end: {split}");
+    assert_eq!(shares.last().unwrap()["output"], true, "{split}");
+    assert!(plan["ledger"]["total"].as_u64().unwrap() <= plan["ledger"]["budget"].as_u64().unwrap(), "{plan}");
+    out
+}
+
+#[test]
+fn two_workers_give_the_resident_text_within_their_budgets() {
+    let dir = tempfile::tempdir().unwrap();
+    let w1 = Worker::start(dir.path(), "w1", WORKER_MIB, None);
+    let w2 = Worker::start(dir.path(), "w2", WORKER_MIB, None);
+    let rpc = format!("{},{}", w1.endpoint, w2.endpoint);
+    for (name, args) in VARIANTS {
+        let model = fixture(dir.path(), name, args);
+        let m = model.to_str().unwrap();
+        let plan: Value =
+            serde_json::from_str(&ok(&sluice(&["plan", "-m", m, "--ctx", "256", "--rpc", &rpc, "--json"]))).unwrap();
+        let shares = checked_split(&plan, &[&w1, &w2]);
+        println!("{name}: head keeps layers 0..{}, workers {shares:?}", shares[0].0);
+        let prompt = "The quick brown fox jumps over the lazy dog.";
+        let resident = ok(&sluice(&["run", "-m", m, "-p", prompt, "-n", "12", "--resident"]));
+        let o = sluice(&["run", "-m", m, "-p", prompt, "-n", "12", "--rpc", &rpc]);
+        let split = ok(&o);
+        assert_eq!(split, resident, "{name}: --rpc generated other text than resident");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(&format!("{} ", w1.endpoint)) && err.contains("+ output"), "{name}: {err}");
+    }
+    w1.assert_within_cgroup();
+    w2.assert_within_cgroup();
+}
+
+#[test]
+fn a_worker_with_no_room_and_an_absent_worker_are_refused_with_what_to_do() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture(dir.path(), "m", &[]);
+    let m = model.to_str().unwrap();
+    // Nothing listens there.
+    let absent = format!("127.0.0.1:{}", free_port().port());
+    let o = sluice(&["plan", "-m", m, "--rpc", &absent]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains(&format!("cannot use the RPC worker at {absent}")), "{err}");
+    assert!(err.contains("sluice worker --listen") && !err.contains("panicked"), "{err}");
+    // A worker whose budget leaves nothing to lend does not start.
+    let profile = dir.path().join("tiny.toml");
+    std::fs::write(&profile, "name = \"tiny\"\n[memory]\nbudget_mib = 8\n").unwrap();
+    let o = sluice(&["--board", profile.to_str().unwrap(), "worker", "--listen", &absent, "--no-cache"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success() && err.contains("leaves nothing to lend"), "{err}");
+    // Malformed lists name the entry.
+    let o = sluice(&["plan", "-m", m, "--rpc", "127.0.0.1"]);
+    assert!(String::from_utf8_lossy(&o.stderr).contains("--rpc \"127.0.0.1\": no :PORT"));
+}
+
+/// Reads server-sent events from a streaming completion until it ends; returns them joined.
+fn rest_of_stream(r: &mut impl BufRead) -> String {
+    let mut out = String::new();
+    while let Some(chunk) = read_chunk(r) {
+        out.push_str(&chunk);
+    }
+    out
+}
+
+fn wait_for_health(server: &Server, status: &str) -> Value {
+    let t0 = Instant::now();
+    loop {
+        let h = server.request("GET", "/health", None).json();
+        if h["status"] == status {
+            return h;
+        }
+        assert!(t0.elapsed() < PATIENCE, "no /health {status} after {PATIENCE:?}: {h}\n{}", server.log());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_worker_lost_mid_generation_fails_the_request_and_the_server_serves_again_once_it_is_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture(dir.path(), "m", &[]);
+    let w1 = Worker::start(dir.path(), "w1", WORKER_MIB, None);
+    let mut w2 = Worker::start(dir.path(), "w2", WORKER_MIB, None);
+    let rpc = format!("{},{}", w1.endpoint, w2.endpoint);
+    let mut server = Server::start(dir.path(), &model, &["--rpc", &rpc, "--ctx", "2048"]);
+    server.wait_note("READY=1");
+    let body =
+        format!(r#"{{"prompt":"hi","max_tokens":2000,"stream":true,"temperature":0,"logit_bias":{{"{EOS}":-100}}}}"#);
+    let stream = send(server.addr, "POST", "/v1/completions", Some(&body));
+    let mut r = BufReader::new(stream);
+    let (status, _) = read_head(&mut r);
+    assert_eq!(status, 200);
+    assert!(read_chunk(&mut r).is_some_and(|c| c.contains("data:")), "a first token");
+    w2.kill();
+    let rest = rest_of_stream(&mut r);
+    let lost = format!("lost the RPC worker at {}", w2.endpoint);
+    assert!(rest.contains(&lost) && !rest.contains("[DONE]"), "the stream ends with the error: {rest}");
+    // Degraded until the worker is back; requests meanwhile get 503 naming it.
+    let h = wait_for_health(&server, "degraded");
+    assert!(h["reason"].as_str().unwrap().contains(&w2.endpoint), "{h}");
+    let r = server.request("POST", "/v1/completions", Some(r#"{"prompt":"hi","max_tokens":4}"#));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains(&w2.endpoint), "{}", r.body);
+    let _w2 = Worker::start(dir.path(), "w2", WORKER_MIB, Some(w2.port()));
+    wait_for_health(&server, "ready");
+    let r = server.request(
+        "POST",
+        "/v1/completions",
+        Some(&format!(r#"{{"prompt":"hi","max_tokens":16,"temperature":0,"logit_bias":{{"{EOS}":-100}}}}"#)),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 16, "{}", r.body);
+    let log = server.log();
+    assert!(log.contains("answers again: loading the model") && !log.contains("panicked"), "{log}");
+    drop(w1);
+}
