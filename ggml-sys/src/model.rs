@@ -38,6 +38,11 @@ pub struct ModelParams {
     pub int_overrides: Vec<(String, i64)>,
     /// Layers to place on RPC workers, resident there (`None`: every layer stays here).
     pub rpc: Option<RpcSplit>,
+    /// Read the tensors llama.cpp loads itself (those `lazy_tensor_pattern` leaves out) with
+    /// O_DIRECT (`LLAMA_LOAD_MODE_DIRECT_IO`) instead of through the file mapping, so none of
+    /// their pages stay in the page cache: an RPC head uploading its workers' layers. The lazy
+    /// tensors are still mapped.
+    pub direct_io: bool,
 }
 
 /// Which of a model's layers RPC workers hold: the last `layers.iter().sum()` repeating layers,
@@ -103,7 +108,11 @@ impl Model {
         // SAFETY: returns a plain struct of defaults.
         let mut p = unsafe { sys::llama_model_default_params() };
         // A metadata-only load maps nothing (llama.cpp requires it): it reads no weight anyway.
-        p.load_mode = if params.metadata_only { sys::LLAMA_LOAD_MODE_NONE } else { sys::LLAMA_LOAD_MODE_MMAP };
+        p.load_mode = match (params.metadata_only, params.direct_io) {
+            (true, _) => sys::LLAMA_LOAD_MODE_NONE,
+            (false, true) => sys::LLAMA_LOAD_MODE_DIRECT_IO,
+            (false, false) => sys::LLAMA_LOAD_MODE_MMAP,
+        };
         p.use_extra_bufts = false;
         p.n_gpu_layers = params.n_gpu_layers;
         p.no_alloc = params.metadata_only;

@@ -126,7 +126,7 @@ pub struct RpcArgs {
     /// RPC workers (`sluice worker`) that hold the model's last layers resident, as
     /// HOST:PORT,... in layer order (the last one holds the output layer too); this board keeps
     /// the first layers and streams their experts. Use a private link only: ggml's RPC has no
-    /// authentication. Dense weights here are then llama.cpp's mapping (--dense mmap).
+    /// authentication.
     #[arg(long, value_name = "HOST:PORT,...")]
     pub rpc: Vec<String>,
 }

@@ -48,12 +48,11 @@ pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
     if rpc.is_some() && board.compute.offloads() {
         return Err(scaleout::ScaleError::WithGpu.into());
     }
-    let dense = if rpc.is_some() { DensePolicy::Mmap } else { a.dense };
     let req = PlanRequest {
         model: &a.model,
         index: &index,
         positions: a.ctx,
-        dense,
+        dense: a.dense,
         cache_bytes: a.cache_mb.map(|m| m.saturating_mul(1 << 20)),
         budget: board.budget.clone(),
         gpu: board.compute.offloads(),

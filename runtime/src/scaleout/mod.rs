@@ -120,20 +120,14 @@ pub fn prepare(
     Ok((Some(split), index))
 }
 
-/// `config` for the head of `split`: the workers' layers load onto them, and this board's dense
-/// weights stay in llama.cpp's file mapping (`--dense mmap`: reading them into anonymous memory
-/// needs every tensor lazy, and llama.cpp keeps a lazy tensor on this board even in a worker's
-/// layer).
+/// `config` for the head of `split`: the workers' layers load onto them; this board's dense
+/// weights live as `config.dense` says, as on one board.
 pub fn head_config(
     mut config: crate::stream::StreamConfig,
     split: &Split,
 ) -> Result<crate::stream::StreamConfig, ScaleError> {
     if config.gpu_layers > 0 {
         return Err(ScaleError::WithGpu);
-    }
-    if config.dense == crate::stream::DensePolicy::Anon {
-        log::info!("--rpc: dense weights are loaded by llama.cpp (--dense mmap)");
-        config.dense = crate::stream::DensePolicy::Mmap;
     }
     config.rpc = Some(split.rpc());
     Ok(config)

@@ -192,17 +192,24 @@ pub fn load_configured(
 }
 
 /// The model parameters of a streamed load (see [`load_streamed_model`]). With `rpc`, the
-/// workers' layers load resident onto them (nothing of theirs is lazy: a lazy tensor stays in
-/// this board's memory), and the dense weights here are llama.cpp's mapping.
+/// workers' layers and the output layer load resident onto them: nothing of theirs is lazy (a
+/// lazy tensor stays in this board's memory). With dense `anon`, everything else is lazy, as on
+/// one board, and llama.cpp reads the workers' tensors with O_DIRECT, so their pages do not
+/// crowd this board's memory on their way to the workers.
 fn streamed_params(
     index: &ExpertIndex,
     dense: DensePolicy,
     gpu_layers: u32,
     rpc: Option<&ggml_sys::RpcSplit>,
 ) -> ggml_sys::ModelParams {
-    let lazy = match rpc {
-        Some(_) => expert_pattern(index, true),
-        None => lazy_pattern(index, dense),
+    let (lazy, direct_io) = match (rpc, dense) {
+        (None, _) => (lazy_pattern(index, dense), false),
+        (Some(_), DensePolicy::Mmap) => (expert_pattern(index, true), false),
+        (Some(split), DensePolicy::Anon) => {
+            let first_remote = index.n_layer.saturating_sub(split.layers.iter().sum());
+            let remote: Vec<String> = (first_remote..index.n_layer).map(|l| l.to_string()).collect();
+            (format!(r"^(?!blk\.({})\.|output)", remote.join("|")), true)
+        }
     };
     ggml_sys::ModelParams {
         lazy_tensor_pattern: Some(lazy),
@@ -211,6 +218,7 @@ fn streamed_params(
         metadata_only: false,
         int_overrides: Vec::new(),
         rpc: rpc.cloned(),
+        direct_io,
     }
 }
 
