@@ -7,10 +7,18 @@ CARGO ?= cargo
 
 # systemd: systemd-analyze, which the service-file tests run on systemd/sluice.service.
 # util-linux: prlimit, which gives a test server a small open-file limit. python3-venv: the
-# official openai client for the API test (scripts/ensure-openai).
-BUILD_DEBS := cmake clang libclang-dev patch make systemd util-linux python3-venv
+# official openai client for the API test (scripts/ensure-openai). wamerican: the dictionary the
+# demo's words are checked against.
+BUILD_DEBS := cmake clang libclang-dev patch make systemd util-linux python3-venv wamerican
+# Where apt reaches them: chromium, the headless browser that loads the status page; lintian,
+# which checks the Debian package. Without them those checks are skipped with a message.
+CHECK_DEBS := chromium lintian
 ARM_DEBS := gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 AARCH64 := aarch64-unknown-linux-gnu
+
+# cargo-deb, which builds the Debian packages (scripts/ensure-cargo-deb installs it).
+CARGO_DEB_VERSION := 3.8.0
+DEB_DIR := target/deb
 
 # The official openai Python client, for the API test (target/openai-venv).
 OPENAI_VENV := $(CURDIR)/target/openai-venv
@@ -25,7 +33,7 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	SLUICE_TEST_RUNNER=qemu-aarch64 \
 	SLUICE_GATE_FIXTURES=f32,q8_0,deepseek2,gptoss
 
-.PHONY: help deps vendor build demo test aarch64 lint bench cuda-check clean
+.PHONY: help deps vendor build demo test aarch64 deb lint bench cuda-check clean
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
@@ -43,6 +51,7 @@ help:
 	@echo "make demo     synthesize a small random-weight MoE model and run it"
 	@echo "make test     build and run the whole test suite"
 	@echo "make aarch64  cross-build for $(AARCH64) and run the tests under qemu-aarch64"
+	@echo "make deb      Debian packages for amd64 and arm64 (release builds) in $(DEB_DIR)"
 	@echo "make lint     rustfmt check and clippy with warnings as errors"
 	@echo "make bench    streamed vs mmap on a model 3x a $(BENCH_BUDGET_MB) MiB memory cgroup (root)"
 	@echo "make cuda-check  compile ggml-sys with the CUDA backend against a toolkit from PyPI (no GPU needed; ~25 min)"
@@ -59,15 +68,28 @@ build: vendor
 demo: build
 	$(CARGO) run --quiet --bin sluice -- demo
 
+# The package test checks an amd64 package made from the test build's binary (cargo-deb warns
+# that it is not a release build: `make deb` makes those; the files, units and scripts are the
+# same).
 test: build
 	@scripts/ensure-openai $(OPENAI_VENV)
-	$(OPENAI_ENV) $(CARGO) test --workspace --no-fail-fast
+	@scripts/ensure-deps $(CHECK_DEBS) || echo "make test: without $(CHECK_DEBS) the status page and lintian checks are skipped"
+	@scripts/ensure-cargo-deb $(CARGO_DEB_VERSION)
+	$(CARGO) deb -p sluice --no-build --profile dev --strip --quiet -o $(DEB_DIR)/test/
+	SLUICE_DEB=$$(ls $(DEB_DIR)/test/sluice_*_amd64.deb) $(OPENAI_ENV) $(CARGO) test --workspace --no-fail-fast
 
 aarch64: vendor
 	@scripts/ensure-deps --rust-target $(AARCH64) $(ARM_DEBS)
 	$(ARM_ENV) $(CARGO) build --target $(AARCH64) --workspace --bins --tests
 	@scripts/ensure-openai $(OPENAI_VENV)
 	$(ARM_ENV) $(OPENAI_ENV) $(CARGO) test --target $(AARCH64) --workspace --no-fail-fast
+
+deb: vendor
+	@scripts/ensure-cargo-deb $(CARGO_DEB_VERSION)
+	$(CARGO) deb -p sluice --strip -o $(DEB_DIR)/
+	@scripts/ensure-deps --rust-target $(AARCH64) $(ARM_DEBS)
+	$(ARM_ENV) $(CARGO) deb -p sluice --strip --target $(AARCH64) -o $(DEB_DIR)/
+	@ls -l $(DEB_DIR)/*.deb
 
 bench: vendor
 	$(CARGO) build --release --bin sluice

@@ -24,6 +24,7 @@ pub fn demo_spec() -> SynthSpec {
         chat_template: None,
         routing: synth::Routing::Uniform,
         reuse: None,
+        words: true,
     }
 }
 
@@ -44,7 +45,7 @@ pub fn cache_dir() -> PathBuf {
 pub fn demo_model_path(dir: &Path) -> PathBuf {
     let s = demo_spec();
     dir.join(format!(
-        "demo-{}-l{}-e{}-x{}k{}-ff{}-s{}.gguf",
+        "demo-{}-l{}-e{}-x{}k{}-ff{}-s{}-words.gguf",
         demo_spec().arch.name(),
         s.layers,
         s.embd,

@@ -16,9 +16,10 @@ struct Cli {
     #[arg(short, long, action = clap::ArgAction::Count, global = true)]
     verbose: u8,
     /// The board profile: auto (match the device tree and RAM, else generic), a built-in id
-    /// (see `sluice boards`), or a profile file.
-    #[arg(long, global = true, default_value = "auto")]
-    board: BoardChoice,
+    /// (see `sluice boards`), or a profile file. Default: auto (for `serve`, the settings
+    /// file's `board` first).
+    #[arg(long, global = true)]
+    board: Option<BoardChoice>,
     #[command(subcommand)]
     command: Command,
 }
@@ -75,13 +76,14 @@ fn main() {
     }
     let cli = Cli::parse();
     init_logging(cli.verbose);
-    if let Err(e) = dispatch(cli.command, &cli.board) {
+    if let Err(e) = dispatch(cli.command, cli.board.as_ref()) {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn dispatch(command: Command, board: &BoardChoice) -> Result<()> {
+fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
+    let board = &given.cloned().unwrap_or(BoardChoice::Auto);
     match command {
         Command::Run(a) => cli::run::run(&a, board),
         Command::Demo(a) => cli::run::run_demo(&a, board),
@@ -89,7 +91,7 @@ fn dispatch(command: Command, board: &BoardChoice) -> Result<()> {
         Command::Bench(a) => cli::bench::run_bench(&a, board),
         Command::Probe(a) => cli::probe::run_probe(&a, board),
         Command::Plan(a) => cli::plan::run_plan(&a, board),
-        Command::Serve(a) => cli::serve::run_serve(&a, board),
+        Command::Serve(a) => cli::serve::run_serve(&a, given),
         Command::Unit(a) => cli::serve::run_unit(&a, board),
         Command::Worker(a) => cli::worker::run_worker(&a, board),
         Command::BenchChild(a) => cli::bench::run_bench_child(&a, board),

@@ -55,7 +55,7 @@ impl PhaseMeter {
 }
 
 /// One decode's telemetry.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct TokenRow {
     /// Decode number.
     pub index: usize,

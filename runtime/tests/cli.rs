@@ -127,12 +127,18 @@ fn run_prints_the_continuation_and_its_speed() {
 fn demo_synthesizes_once_then_reuses_the_cache() {
     let dir = tempfile::tempdir().unwrap();
     let cache = dir.path().join("cache");
-    let first = sluice(&["demo", "-n", "8"], &cache);
+    let first = sluice(&["demo", "-n", "32"], &cache);
     assert!(first.status.success(), "{}", stderr(&first));
+    let dictionary = std::fs::read_to_string("/usr/share/dict/words")
+        .expect("/usr/share/dict/words (Debian package wamerican; make deps installs it)");
+    let dictionary: std::collections::HashSet<&str> = dictionary.lines().collect();
+    let text = String::from_utf8_lossy(&first.stdout);
+    let words = text.split_whitespace().filter(|w| dictionary.contains(w)).count();
+    assert!(words >= 10, "the demo printed {words} dictionary words, fewer than 10: {text}");
     assert!(stderr(&first).contains("generated just now"), "{}", stderr(&first));
     assert!(stderr(&first).contains("streamed decode:"), "{}", stderr(&first));
     assert!(stderr(&first).contains("The weights are random"), "{}", stderr(&first));
-    let second = sluice(&["demo", "-n", "8"], &cache);
+    let second = sluice(&["demo", "-n", "32"], &cache);
     assert!(second.status.success(), "{}", stderr(&second));
     assert!(stderr(&second).contains("from the cache"), "{}", stderr(&second));
     assert_eq!(first.stdout, second.stdout);

@@ -257,7 +257,7 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         if created { ", generated just now" } else { ", from the cache" }
     );
     eprintln!(
-        "The weights are random: the text below is noise, not language. It shows the model loading and generating."
+        "The weights are random: the words below are drawn from its vocabulary, not language. It shows the model loading and generating."
     );
     eprintln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
     let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };

@@ -10,6 +10,7 @@ use clap::Args;
 use sluice::board::{self, BoardChoice};
 use sluice::generate;
 use sluice::serve::access::{Access, KeySources};
+use sluice::serve::config::{self, ServeFile};
 use sluice::serve::engine::EngineConfig;
 use sluice::serve::http::HttpLimits;
 use sluice::serve::unit::{self, UnitRequest, UnitRole};
@@ -19,22 +20,36 @@ use sluice_hal::root::SysRoot;
 
 use super::args::{self, LossyArgs, RpcArgs, TuningArgs};
 
+/// The HTTP address when neither `--listen` nor the settings file gives one.
+const DEFAULT_LISTEN: SocketAddr = SocketAddr::new(IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8080);
+/// Generation requests that may wait, when neither `--queue` nor the settings file says.
+const DEFAULT_QUEUE: usize = 8;
+
 /// `sluice serve` arguments.
 #[derive(Args)]
 pub struct ServeArgs {
-    /// The model: a .gguf file (for a split model, its first file).
+    /// The settings file (default: /etc/sluice/sluice.toml when it exists); these flags
+    /// override its keys.
+    #[arg(long, conflicts_with = "no_config")]
+    config: Option<PathBuf>,
+    /// Read no settings file, not even /etc/sluice/sluice.toml.
+    #[arg(long)]
+    no_config: bool,
+    /// The model: a .gguf file (for a split model, its first file). Required here or as
+    /// `model` in the settings file.
     #[arg(short, long)]
-    model: PathBuf,
-    /// Address to serve HTTP on.
-    #[arg(long, default_value = "127.0.0.1:8080")]
-    listen: SocketAddr,
+    model: Option<PathBuf>,
+    /// Address to serve HTTP on (default: 127.0.0.1:8080).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
     /// Context positions per request, prompt and completion together (default: 4096, or the
     /// model's length if shorter).
     #[arg(long, value_parser = clap::value_parser!(u32).range(16..))]
     ctx: Option<u32>,
-    /// Generation requests that may wait while one runs; more are answered 503 with Retry-After.
-    #[arg(long, default_value_t = 8)]
-    queue: usize,
+    /// Generation requests that may wait while one runs; more are answered 503 with Retry-After
+    /// (default: 8).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    queue: Option<u64>,
     /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
@@ -95,40 +110,82 @@ pub struct ServeArgs {
     rpc: RpcArgs,
 }
 
-/// Runs `sluice serve`.
-pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
-    generate::check_model_file(&a.model)?;
-    let board = args::board(choice, Some(&a.model), &a.tuning)?;
+/// The settings file `serve` reads: `--config`, else the default one when it exists; none with
+/// `--no-config`.
+fn settings(a: &ServeArgs) -> Result<Option<(PathBuf, ServeFile)>> {
+    let path = match &a.config {
+        Some(p) => p.clone(),
+        None if a.no_config => return Ok(None),
+        None => {
+            let p = PathBuf::from(config::DEFAULT_PATH);
+            if !p.exists() {
+                return Ok(None);
+            }
+            p
+        }
+    };
+    let file = ServeFile::load(&path)?;
+    log::info!("settings from {}", path.display());
+    Ok(Some((path, file)))
+}
+
+/// Runs `sluice serve`: the flags, over the settings file's keys, over the defaults. `choice` is
+/// `--board` when given.
+pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
+    let (file_path, file) = settings(a)?.unwrap_or_default();
+    let model = match (&a.model, &file.model) {
+        (Some(m), _) => m.clone(),
+        (None, Some(m)) => m.clone(),
+        (None, None) if file_path.as_os_str().is_empty() => anyhow::bail!(
+            "no model: give --model FILE.gguf, or set model = \"/path/to/model.gguf\" in {} (or a file given with --config)",
+            config::DEFAULT_PATH
+        ),
+        (None, None) => return Err(file.require_model(&file_path).unwrap_err().into()),
+    };
+    let board_choice = match (choice, &file.board) {
+        (Some(c), _) => c.clone(),
+        (None, Some(b)) => b.parse().unwrap_or_else(|never| match never {}),
+        (None, None) => BoardChoice::Auto,
+    };
+    let ctx = a.ctx.or(file.ctx);
+    let cache_mb = a.cache_mb.or(file.cache_mb);
+    let rpc = if a.rpc.rpc.is_empty() { file.rpc.clone().unwrap_or_default() } else { a.rpc.rpc.clone() };
+    let cors_origins =
+        if a.cors_origins.is_empty() { file.cors_origins.clone().unwrap_or_default() } else { a.cors_origins.clone() };
+    let api_key_file = a.api_key_file.clone().or(file.api_key_file.clone());
+
+    generate::check_model_file(&model)?;
+    let board = args::board(&board_choice, Some(&model), &a.tuning)?;
     let state_dir = a.state_dir.clone().or_else(|| std::env::var_os("STATE_DIRECTORY").map(PathBuf::from));
     if let Some(dir) = &state_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("state directory {}", dir.display()))?;
     }
-    let model_id = a.model_id.clone().unwrap_or_else(|| {
-        let name = a.model.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
+    let model_id = a.model_id.clone().or(file.model_id.clone()).unwrap_or_else(|| {
+        let name = model.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
         name.strip_suffix(".gguf").unwrap_or(&name).to_string()
     });
     let engine = EngineConfig {
-        model: a.model.clone(),
+        model: model.clone(),
         stream: sluice::stream::StreamConfig {
             lossy: a.lossy.lossy(),
             ..args::stream_config(&board, 0, a.force_cache, a.dense)
         },
-        cache_bytes: a.cache_mb.map(|m| m.saturating_mul(1 << 20)),
+        cache_bytes: cache_mb.map(|m| m.saturating_mul(1 << 20)),
         threads: board.threads(),
         budget: board.budget.clone(),
-        ctx: a.ctx,
+        ctx,
         state_dir: state_dir.clone(),
         save_every: Duration::from_secs(a.save_secs),
         draft: board.draft_max(),
-        rpc: a.rpc.rpc.clone(),
+        rpc,
     };
     let keys = KeySources {
         key: a.api_key.clone(),
-        file: a.api_key_file.clone(),
+        file: api_key_file,
         credentials_dir: std::env::var_os("CREDENTIALS_DIRECTORY").map(PathBuf::from),
         state_dir,
     };
-    let access = Access::new(&keys, a.metrics_need_key, &a.cors_origins)?;
+    let access = Access::new(&keys, a.metrics_need_key || file.metrics_need_key == Some(true), &cors_origins)?;
     let limits = HttpLimits {
         max_connections: a.max_connections as usize,
         header_bytes: a.max_header_kib as usize * 1024,
@@ -138,14 +195,14 @@ pub fn run_serve(a: &ServeArgs, choice: &BoardChoice) -> Result<()> {
     };
     serve::serve(ServeConfig {
         engine,
-        listen: a.listen,
-        queue: a.queue,
+        listen: a.listen.or(file.listen).unwrap_or(DEFAULT_LISTEN),
+        queue: a.queue.map_or(file.queue.unwrap_or(DEFAULT_QUEUE), |q| q as usize),
         drain: Duration::from_secs(a.drain_secs),
         model_id,
         limits,
         access,
     })
-    .with_context(|| format!("serving {}", a.model.display()))
+    .with_context(|| format!("serving {}", model.display()))
 }
 
 /// `sluice unit` arguments.
@@ -203,7 +260,7 @@ pub fn run_unit(a: &UnitArgs, choice: &BoardChoice) -> Result<()> {
                     }
                 })
                 .collect::<Result<Vec<_>>>()?;
-            let listen = a.listen.unwrap_or_else(|| SocketAddr::from(([127, 0, 0, 1], 8080)));
+            let listen = a.listen.unwrap_or(DEFAULT_LISTEN);
             (UnitRole::Serve { model, api_key_file: a.api_key_file.as_deref(), rpc }, listen)
         }
         _ => anyhow::bail!("give --model (the serve unit), or --worker with --head (a worker's unit)"),

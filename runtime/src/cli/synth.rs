@@ -88,6 +88,10 @@ pub struct SynthArgs {
     /// Mixtral's middle layer (26-28% repeats against 12.5% by chance).
     #[arg(long)]
     reuse: Option<f64>,
+    /// Put a thousand common English words in the vocabulary besides the byte tokens (random
+    /// weights then generate words).
+    #[arg(long)]
+    words: bool,
     /// Threads for quantizing (default: every CPU this process may run on).
     #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
@@ -120,6 +124,7 @@ impl SynthArgs {
                 RoutingKind::Skewed => Some(self.reuse.unwrap_or(synth::reuse::DEFAULT_REUSE)),
                 RoutingKind::Uniform => self.reuse,
             },
+            words: self.words,
         };
         if let Some(size) = self.size {
             spec.expert_ff = synth::fit_expert_ff(&spec, size.as_u64())?;

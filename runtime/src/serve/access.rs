@@ -3,7 +3,9 @@
 //!
 //! The key comes from `--api-key` (or `SLUICE_API_KEY`), `--api-key-file`, or else a file named
 //! `api-key` in systemd's credentials directory (`LoadCredential=api-key:...`) or the state
-//! directory. `/health` is always open; `/metrics` is open unless `--metrics-need-key`.
+//! directory. `/health` and the status page's HTML at `/` (which holds no data: it asks for the
+//! key and sends it with its requests for `/status`) are always open; `/metrics` is open unless
+//! `--metrics-need-key`.
 
 use std::path::{Path, PathBuf};
 
@@ -126,7 +128,7 @@ impl Access {
     /// required and not given, or wrong.
     pub fn authorize(&self, path: &str, authorization: Option<&HeaderValue>) -> Result<(), ApiError> {
         let Some(key) = &self.key else { return Ok(()) };
-        if path == "/health" || (path == "/metrics" && !self.metrics_keyed) {
+        if path == "/health" || path == "/" || (path == "/metrics" && !self.metrics_keyed) {
             return Ok(());
         }
         let given = authorization.and_then(|v| v.to_str().ok()).and_then(|v| {

@@ -249,6 +249,7 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
     let tokenizer = Tokenizer::start(Arc::clone(&model))?;
     let mut engine = Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false, lost: None };
     engine.warm_start(&index);
+    engine.publish_heat();
     shared.set_ready(&format!(
         "ready: {} ({} positions, expert cache {} MiB of {} MiB)",
         cfg.model.display(),
@@ -320,6 +321,12 @@ impl Engine<'_, '_> {
             }
             Err(e) => log::warn!("warm start stopped: {e}; serving with what was read"),
         }
+    }
+
+    /// Hands the heat map to the status page.
+    fn publish_heat(&self) {
+        let heat = self.session.streamer().heat().to_vec();
+        self.shared.metrics.set_heat(self.identity.n_layer, self.identity.n_expert, &heat);
     }
 
     /// Saves the heat map if it changed.
@@ -424,6 +431,7 @@ impl Engine<'_, '_> {
         self.session.set_abort_flag(None);
         self.shared.set_current(None);
         self.heat_dirty = true;
+        self.publish_heat();
         match result {
             Ok((g, _)) => {
                 let (last, message) = answer.finish();

@@ -1,10 +1,13 @@
-//! Counters of the server, rendered as Prometheus text for `GET /metrics`.
+//! Counters of the server, rendered as Prometheus text for `GET /metrics` and as the JSON of
+//! `GET /status` (which the status page at `/` draws).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use serde_json::{json, Value};
 
 use crate::budget::Ledger;
 use crate::telemetry::{TokenRow, Usage};
@@ -44,6 +47,32 @@ pub struct Metrics {
     accept_errors: AtomicU64,
     substituted: AtomicU64,
     lossy: Mutex<crate::lossy::Lossy>,
+    minutes: Mutex<VecDeque<Minute>>,
+    heat: Mutex<Heat>,
+}
+
+/// Minutes of decode speed `/status` reports.
+pub const STATUS_MINUTES: u64 = 15;
+
+/// The decodes of one wall-clock minute.
+#[derive(Debug, Clone, Copy)]
+struct Minute {
+    /// Minutes since the Unix epoch.
+    at: u64,
+    decoded: u64,
+    decode_ns: u64,
+}
+
+/// How often each expert of each layer was routed, as the engine last reported.
+#[derive(Debug, Clone, Default)]
+struct Heat {
+    layers: u32,
+    experts: u32,
+    counts: Vec<u64>,
+}
+
+fn unix_minute() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() / 60)
 }
 
 impl Metrics {
@@ -75,7 +104,28 @@ impl Metrics {
         if g.decoded > 0 && !g.decode.is_zero() {
             let rate = g.decoded as f64 / g.decode.as_secs_f64();
             self.last_tok_per_s_milli.store((rate * 1000.0) as u64, Ordering::Relaxed);
+            let now = unix_minute();
+            let mut minutes = self.minutes.lock().unwrap_or_else(|e| e.into_inner());
+            match minutes.back_mut() {
+                Some(m) if m.at == now => {
+                    m.decoded += g.decoded;
+                    m.decode_ns += g.decode.as_nanos() as u64;
+                }
+                _ => minutes.push_back(Minute { at: now, decoded: g.decoded, decode_ns: g.decode.as_nanos() as u64 }),
+            }
+            while minutes.front().is_some_and(|m| m.at + STATUS_MINUTES <= now) {
+                minutes.pop_front();
+            }
         }
+    }
+
+    /// Records the expert heat map: route counts, `layer * experts + expert`.
+    pub fn set_heat(&self, layers: u32, experts: u32, counts: &[u64]) {
+        let mut h = self.heat.lock().unwrap_or_else(|e| e.into_inner());
+        h.layers = layers;
+        h.experts = experts;
+        h.counts.clear();
+        h.counts.extend_from_slice(counts);
     }
 
     /// Counts a generation stopped because its client went away or the server stopped.
@@ -114,6 +164,58 @@ impl Metrics {
         let lines = ledger.lines.iter().map(|l| (l.item.label().to_string(), l.bytes)).collect();
         *self.ledger.lock().unwrap_or_else(|e| e.into_inner()) = lines;
         self.budget.store(ledger.budget, Ordering::Relaxed);
+    }
+
+    /// The JSON of `GET /status`: the server `state` (and why, when degraded), the model, decode
+    /// speed per minute over the last [`STATUS_MINUTES`] (oldest first, 0 for a minute without
+    /// decodes), the cache hit rate, memory against the ledger and budget, and the heat map.
+    pub fn status(&self, state: &str, reason: Option<String>, model: &str, queued: usize) -> Value {
+        let n = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let now = unix_minute();
+        let per_minute: Vec<f64> = {
+            let minutes = self.minutes.lock().unwrap_or_else(|e| e.into_inner());
+            (0..STATUS_MINUTES)
+                .rev()
+                .map(|ago| {
+                    let at = now.saturating_sub(ago);
+                    minutes
+                        .iter()
+                        .find(|m| m.at == at && m.decode_ns > 0)
+                        .map_or(0.0, |m| m.decoded as f64 * 1e9 / m.decode_ns as f64)
+                })
+                .collect()
+        };
+        let (hits, misses) = (n(&self.hits), n(&self.misses));
+        let ledger: Vec<Value> = {
+            let l = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
+            l.iter().map(|(item, bytes)| json!({ "item": item, "bytes": bytes })).collect()
+        };
+        let usage = Usage::sample();
+        let heat = self.heat.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        json!({
+            "state": state,
+            "reason": reason,
+            "model": model,
+            "queued": queued,
+            "tokens": { "prompt": n(&self.prompt_tokens), "completion": n(&self.completion_tokens) },
+            "decode_tokens_per_second": {
+                "last": n(&self.last_tok_per_s_milli) as f64 / 1000.0,
+                "per_minute": per_minute,
+            },
+            "expert_cache": {
+                "hits": hits,
+                "misses": misses,
+                "hit_rate": if hits + misses == 0 { Value::Null } else { json!(hits as f64 / (hits + misses) as f64) },
+                "bytes_read": n(&self.bytes_read),
+            },
+            "memory": {
+                "rss_bytes": usage.rss_anon + usage.rss_file,
+                "rss_peak_bytes": usage.rss_peak,
+                "ledger": ledger,
+                "budget_bytes": n(&self.budget),
+            },
+            "heat": { "layers": heat.layers, "experts": heat.experts, "counts": heat.counts },
+        })
     }
 
     /// The Prometheus text exposition (format 0.0.4), with the server `state` and `queued`
@@ -240,5 +342,30 @@ mod tests {
         assert!(text.contains("sluice_lossy_experts_used 2\n"), "{text}");
         assert!(text.contains("sluice_lossy_substitute_ranks 4\n"), "{text}");
         assert!(text.contains("# TYPE sluice_expert_substitutions_total counter"), "{text}");
+    }
+
+    #[test]
+    fn status_has_this_minutes_speed_the_hit_rate_and_the_heat_map() {
+        let m = Metrics::default();
+        let s = m.status("loading", None, "m", 0);
+        assert_eq!(s["decode_tokens_per_second"]["per_minute"].as_array().unwrap().len(), STATUS_MINUTES as usize);
+        assert!(s["expert_cache"]["hit_rate"].is_null());
+        m.generation(GenerationCounts {
+            prompt_tokens: 3,
+            completion_tokens: 9,
+            decode: Duration::from_secs(2),
+            decoded: 8,
+        });
+        m.decode_row(&TokenRow { hits: 3, misses: 1, ..TokenRow::default() });
+        m.set_heat(2, 3, &[1, 2, 3, 4, 5, 6]);
+        let s = m.status("ready", None, "m", 1);
+        let minutes = s["decode_tokens_per_second"]["per_minute"].as_array().unwrap();
+        // The generation counts in this minute, or in the next if the minute turned meanwhile.
+        let last_two: f64 = minutes[minutes.len() - 2..].iter().map(|v| v.as_f64().unwrap()).sum();
+        assert_eq!(last_two, 4.0, "{s}");
+        assert_eq!(s["decode_tokens_per_second"]["last"], 4.0);
+        assert_eq!(s["expert_cache"]["hit_rate"], 0.75);
+        assert_eq!(s["heat"]["counts"].as_array().unwrap().len(), 6);
+        assert_eq!((s["heat"]["layers"].as_u64(), s["heat"]["experts"].as_u64()), (Some(2), Some(3)));
     }
 }

@@ -16,6 +16,7 @@ pub mod access;
 mod answer;
 pub mod api;
 pub mod chat;
+pub mod config;
 pub mod engine;
 pub mod heat;
 pub mod http;

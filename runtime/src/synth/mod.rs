@@ -144,6 +144,9 @@ pub struct SynthSpec {
     /// tokens share their first-choice expert than independent tokens ([`reuse`]); `None`
     /// leaves the attention random.
     pub reuse: Option<f64>,
+    /// A thousand common English words in the vocabulary besides the byte tokens (the demo
+    /// model: random weights then print words).
+    pub words: bool,
 }
 
 impl Default for SynthSpec {
@@ -166,6 +169,7 @@ impl Default for SynthSpec {
             chat_template: None,
             routing: Routing::Uniform,
             reuse: None,
+            words: false,
         }
     }
 }
@@ -328,7 +332,7 @@ impl SynthSpec {
         if self.alignment != 32 {
             meta.push(("general.alignment".to_string(), Value::U32(self.alignment as u32)));
         }
-        meta.extend(vocab::metadata());
+        meta.extend(vocab::metadata(self.words));
         if let Some(t) = &self.chat_template {
             meta.push(("tokenizer.chat_template".to_string(), Value::Str(t.clone())));
         }

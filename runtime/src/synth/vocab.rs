@@ -3,6 +3,8 @@
 //! word separator `▁` and the markers of the common chat formats (ChatML's `<|im_start|>` /
 //! `<|im_end|>`, thinking and tool-call tags), so that a chat template's prompt tokenizes and
 //! renders back to the same text (no space prefix is added) and a chat ends at `<|im_end|>`.
+//! With words ([`super::SynthSpec::words`], the demo model), a thousand common English words
+//! follow as `▁word` tokens, so that random weights generate random words instead of bytes.
 
 use super::gguf_writer::Value;
 
@@ -24,8 +26,18 @@ const CHAT_TOKENS: [(&str, i32); 7] = [
 ];
 /// Token id of `<|im_end|>` (end of a chat turn).
 const IM_END: u32 = 3 + 256 + 2;
-/// Number of tokens: three specials, 256 bytes and the chat tokens.
-pub const N_VOCAB: u64 = 3 + 256 + CHAT_TOKENS.len() as u64;
+/// Number of tokens without words: three specials, 256 bytes and the chat tokens.
+const N_BASE: u64 = 3 + 256 + CHAT_TOKENS.len() as u64;
+
+/// The common English words of the demo vocabulary (`words.txt`), most frequent first.
+pub fn words() -> impl Iterator<Item = &'static str> {
+    include_str!("words.txt").lines().filter(|l| !l.is_empty() && !l.starts_with('#'))
+}
+
+/// Number of tokens, with or without the words.
+pub fn n_vocab(with_words: bool) -> u64 {
+    N_BASE + if with_words { words().count() as u64 } else { 0 }
+}
 
 // llama.cpp's token attributes (enum llama_token_type).
 const TYPE_NORMAL: i32 = 1;
@@ -34,15 +46,23 @@ const TYPE_CONTROL: i32 = 3;
 const TYPE_USER_DEFINED: i32 = 4;
 const TYPE_BYTE: i32 = 6;
 
-/// The `tokenizer.ggml.*` metadata entries.
-pub fn metadata() -> Vec<(String, Value)> {
+/// The `tokenizer.ggml.*` metadata entries, with or without the words.
+pub fn metadata(with_words: bool) -> Vec<(String, Value)> {
     let mut tokens = vec!["<unk>".to_string(), "<s>".to_string(), "</s>".to_string()];
     tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
     let mut types = vec![TYPE_UNKNOWN, TYPE_CONTROL, TYPE_CONTROL];
     types.extend(std::iter::repeat_n(TYPE_BYTE, 256));
     tokens.extend(CHAT_TOKENS.iter().map(|(t, _)| t.to_string()));
     types.extend(CHAT_TOKENS.iter().map(|(_, kind)| *kind));
-    let scores = vec![0.0f32; tokens.len()];
+    let mut scores = vec![0.0f32; tokens.len()];
+    if with_words {
+        // SentencePiece prefers the higher-scored piece: the more frequent word.
+        for (rank, w) in words().enumerate() {
+            tokens.push(format!("\u{2581}{w}"));
+            types.push(TYPE_NORMAL);
+            scores.push(-(rank as f32) / 1000.0);
+        }
+    }
     vec![
         ("tokenizer.ggml.model".into(), Value::Str("llama".into())),
         ("tokenizer.ggml.tokens".into(), Value::StrArray(tokens)),

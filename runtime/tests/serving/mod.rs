@@ -104,7 +104,8 @@ impl Server {
             cmd = wrapped;
         }
         let child = cmd
-            .args(["-v", "serve", "--model", model.to_str().unwrap(), "--listen", &addr.to_string(), "--threads", "1"])
+            .args(["-v", "serve", "--no-config", "--model", model.to_str().unwrap(), "--listen", &addr.to_string()])
+            .args(["--threads", "1"])
             .args(extra)
             .env_remove("SLUICE_API_KEY")
             .env_remove("CREDENTIALS_DIRECTORY")

@@ -23,7 +23,14 @@ use crate::serve::api::{self, ApiError, GenerationRequest};
 use crate::serve::engine::{Event, Job, Piece};
 use crate::serve::State;
 
-const ENDPOINTS: [&str; 5] = ["/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"];
+const ENDPOINTS: [&str; 7] =
+    ["/", "/status", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"];
+
+/// The status page: one self-contained HTML file that draws `GET /status`.
+const STATUS_PAGE: &str = include_str!("../status.html");
+/// What the status page may load and do: its own inline script and style, and requests to this
+/// server; nothing from elsewhere, and no framing.
+const STATUS_PAGE_POLICY: &str = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'";
 
 /// Answers one request; counts it in the metrics.
 pub async fn handle(
@@ -70,6 +77,23 @@ async fn route(
 ) -> Response<Body> {
     let shared = front.shared();
     match (req.method(), path) {
+        (&Method::GET, "/") => {
+            let mut r = Response::new(Body::full(STATUS_PAGE));
+            let h = r.headers_mut();
+            h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+            h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(STATUS_PAGE_POLICY));
+            h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+            r
+        }
+        (&Method::GET, "/status") => {
+            let state = shared.state();
+            let reason = (state == State::Degraded).then(|| shared.degraded_reason());
+            let body = shared.metrics.status(state.as_str(), reason, &shared.model_id, shared.queued());
+            let mut r = json_response(200, body.to_string());
+            r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+            r
+        }
         (&Method::GET, "/health") => {
             let state = shared.state();
             let code = if state == State::Ready { 200 } else { 503 };
@@ -117,7 +141,7 @@ async fn route(
             404,
             "not_found_error",
             format!(
-                "no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics)"
+                "no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /status, and the status page at /)"
             ),
         )),
     }
