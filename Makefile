@@ -76,7 +76,7 @@ test: build
 	@scripts/ensure-deps $(CHECK_DEBS) || echo "make test: without $(CHECK_DEBS) the status page and lintian checks are skipped"
 	@scripts/ensure-cargo-deb $(CARGO_DEB_VERSION)
 	$(CARGO) deb -p sluice --no-build --profile dev --strip --quiet -o $(DEB_DIR)/test/
-	SLUICE_DEB=$$(ls $(DEB_DIR)/test/sluice_*_amd64.deb) $(OPENAI_ENV) $(CARGO) test --workspace --no-fail-fast
+	SLUICE_DEB=$$(ls $(CURDIR)/$(DEB_DIR)/test/sluice_*_amd64.deb) $(OPENAI_ENV) $(CARGO) test --workspace --no-fail-fast
 
 aarch64: vendor
 	@scripts/ensure-deps --rust-target $(AARCH64) $(ARM_DEBS)

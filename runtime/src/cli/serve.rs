@@ -132,15 +132,17 @@ fn settings(a: &ServeArgs) -> Result<Option<(PathBuf, ServeFile)>> {
 /// Runs `sluice serve`: the flags, over the settings file's keys, over the defaults. `choice` is
 /// `--board` when given.
 pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
-    let (file_path, file) = settings(a)?.unwrap_or_default();
-    let model = match (&a.model, &file.model) {
+    let (file_path, file) = match settings(a)? {
+        Some((path, file)) => (Some(path), file),
+        None => (None, ServeFile::default()),
+    };
+    let model = match (&a.model, &file_path) {
         (Some(m), _) => m.clone(),
-        (None, Some(m)) => m.clone(),
-        (None, None) if file_path.as_os_str().is_empty() => anyhow::bail!(
+        (None, Some(path)) => file.require_model(path)?.to_path_buf(),
+        (None, None) => anyhow::bail!(
             "no model: give --model FILE.gguf, or set model = \"/path/to/model.gguf\" in {} (or a file given with --config)",
             config::DEFAULT_PATH
         ),
-        (None, None) => return Err(file.require_model(&file_path).unwrap_err().into()),
     };
     let board_choice = match (choice, &file.board) {
         (Some(c), _) => c.clone(),
