@@ -17,37 +17,26 @@ pub const DEFAULT_PATH: &str = "/etc/sluice/sluice.toml";
 #[serde(deny_unknown_fields)]
 pub struct ServeFile {
     /// The model: a .gguf file (for a split model, its first file).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<PathBuf>,
     /// The board profile: `auto`, a built-in id, or a profile file.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub board: Option<String>,
     /// The HTTP address.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub listen: Option<SocketAddr>,
     /// Context positions per request.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub ctx: Option<u32>,
     /// Expert cache size in MiB (0: no cache; absent: what the budget leaves).
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cache_mb: Option<u64>,
     /// A file holding the API key.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub api_key_file: Option<PathBuf>,
     /// The model name clients give.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub model_id: Option<String>,
     /// Generation requests that may wait while one runs.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub queue: Option<usize>,
     /// RPC workers, `host:port` in layer order.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub rpc: Option<Vec<String>>,
     /// With an API key, require it for `/metrics` too.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub metrics_need_key: Option<bool>,
     /// Browser origins allowed by CORS.
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub cors_origins: Option<Vec<String>>,
 }
 
@@ -203,6 +192,7 @@ mod tests {
             assert!(text.lines().any(|l| l.starts_with(&format!("{key} = "))), "{key} missing from:\n{text}");
         }
         assert_eq!(parse(&text).unwrap(), f);
+        assert_eq!(toml::to_string(&ServeFile::default()).unwrap(), "", "absent keys are left out");
         assert_eq!(parse("").unwrap(), ServeFile::default());
     }
 

@@ -30,7 +30,7 @@ const IM_END: u32 = 3 + 256 + 2;
 const N_BASE: u64 = 3 + 256 + CHAT_TOKENS.len() as u64;
 
 /// The common English words of the demo vocabulary (`words.txt`), most frequent first.
-pub fn words() -> impl Iterator<Item = &'static str> {
+fn words() -> impl Iterator<Item = &'static str> {
     include_str!("words.txt").lines().filter(|l| !l.is_empty() && !l.starts_with('#'))
 }
 
