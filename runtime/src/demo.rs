@@ -31,8 +31,9 @@ pub fn demo_spec() -> SynthSpec {
 /// The prompt the demo runs.
 pub const DEMO_PROMPT: &str = "The board reads each expert from storage when a token needs it.";
 
-/// Where sluice caches generated models: `$SLUICE_CACHE_DIR`, else `$XDG_CACHE_HOME/sluice`, else
-/// `$HOME/.cache/sluice`, else a `sluice-cache` directory under the system temp directory.
+/// Where sluice keeps its caches (generated models; a worker's tensor cache in `rpc/`):
+/// `$SLUICE_CACHE_DIR`, else `$XDG_CACHE_HOME/sluice`, else `$HOME/.cache/sluice`, else a
+/// `sluice-cache` directory under the system temp directory.
 pub fn cache_dir() -> PathBuf {
     let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
     env("SLUICE_CACHE_DIR")

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 mod common;
-use common::sluice_command;
+use common::{sluice_command, sluice_command_at};
 
 fn sluice(args: &[&str]) -> Output {
     sluice_command().args(args).output().expect("run sluice")
@@ -245,15 +245,11 @@ fn the_debian_package_holds_the_binary_units_profiles_docs_and_settings() {
         assert!(score <= 1.5, "{service} as packaged: exposure {score} > 1.5");
     }
     // The unit's command on the shipped settings: nothing runs until a model is set.
-    let exe = r.join("usr/bin/sluice");
-    let mut cmd = if let Ok(runner) = std::env::var("SLUICE_TEST_RUNNER") {
-        let mut c = Command::new(runner);
-        c.arg(&exe);
-        c
-    } else {
-        Command::new(&exe)
-    };
-    let o = cmd.args(["serve", "--config"]).arg(r.join("etc/sluice/sluice.toml")).output().unwrap();
+    let o = sluice_command_at(&r.join("usr/bin/sluice"))
+        .args(["serve", "--config"])
+        .arg(r.join("etc/sluice/sluice.toml"))
+        .output()
+        .unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("sluice.toml: no `model` key; set model = "), "{err}");
 

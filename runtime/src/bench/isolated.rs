@@ -166,7 +166,7 @@ pub fn run_child(
     };
     let (index, config, boards) = if kind == ChildKind::StreamedAutoBoards {
         let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
-        let (split, head) = crate::scaleout::prepare(rpc, model, index, positions)?;
+        let (split, head) = crate::scaleout::prepare(rpc, model, index, positions, config.gpu_layers > 0)?;
         let Some(split) = split else {
             return Err(BenchError::Child {
                 kind: format!("{kind:?}"),
@@ -175,7 +175,7 @@ pub fn run_child(
             });
         };
         log::info!("{}", split.describe());
-        (head, crate::scaleout::head_config(config, &split)?, split.shares.len() + 1)
+        (head, StreamConfig { rpc: Some(split.rpc()), ..config }, split.shares.len() + 1)
     } else {
         (index, config, 1)
     };
@@ -430,7 +430,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
                 if !workers.is_empty() {
                     let peaks: Vec<String> = workers
                         .iter()
-                        .map(|w| format!("{:.0}", w.cgroup.peak().unwrap_or(0) as f64 / 1048576.0))
+                        .map(|w| format!("{:.0}", crate::telemetry::mib(w.cgroup.peak().unwrap_or(0))))
                         .collect();
                     row.label.push_str(&format!(" (workers' peak {} MiB)", peaks.join(", ")));
                 }

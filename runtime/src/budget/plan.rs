@@ -80,17 +80,10 @@ pub fn measure_context(
         }
         None => create(),
     }?;
-    let Some(rpc) = rpc else {
-        let s = ctx.memory_sizes();
-        return Ok(ContextSizes {
-            kv: s.context,
-            compute: s.compute,
-            n_ctx_train: m.n_ctx_train(),
-            workers: Vec::new(),
-        });
+    let (s, workers) = match rpc {
+        None => (ctx.memory_sizes(), Vec::new()),
+        Some(rpc) => (ctx.local_memory_sizes(), rpc.devices.iter().map(|d| ctx.worker_memory_sizes(d)).collect()),
     };
-    let s = ctx.local_memory_sizes();
-    let workers = rpc.devices.iter().map(|d| ctx.worker_memory_sizes(d)).collect();
     Ok(ContextSizes { kv: s.context, compute: s.compute, n_ctx_train: m.n_ctx_train(), workers })
 }
 

@@ -43,11 +43,9 @@ pub struct PlanArgs {
 pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
     generate::check_model_file(&a.model)?;
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
-    let (split, index) = scaleout::prepare(&a.rpc.rpc, &a.model, ExpertIndex::open(&a.model)?, a.ctx)?;
-    let rpc = split.as_ref().map(|s| s.rpc());
-    if rpc.is_some() && board.compute.offloads() {
-        return Err(scaleout::ScaleError::WithGpu.into());
-    }
+    let (split, index) =
+        scaleout::prepare(&a.rpc.rpc, &a.model, ExpertIndex::open(&a.model)?, a.ctx, board.compute.offloads())?;
+    let rpc = split.as_ref().map(scaleout::Split::rpc);
     let req = PlanRequest {
         model: &a.model,
         index: &index,

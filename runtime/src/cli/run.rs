@@ -119,11 +119,11 @@ fn run_streamed(
     config.lossy = args.lossy.lossy();
     if !rpc.rpc.is_empty() {
         let positions = generate::prompt_positions(model_path, prompt, params.n_predict)?;
-        let (split, head) = scaleout::prepare(&rpc.rpc, model_path, index, positions)?;
+        let (split, head) = scaleout::prepare(&rpc.rpc, model_path, index, positions, config.gpu_layers > 0)?;
         index = head;
         if let Some(split) = split {
             eprint!("{}", split.describe());
-            config = scaleout::head_config(config, &split)?;
+            config.rpc = Some(split.rpc());
         }
     }
     let index = Arc::new(index);

@@ -20,7 +20,7 @@ pub struct WorkerArgs {
     listen: SocketAddrV4,
     /// ggml's tensor cache: weights the head sent before are read from here after a restart
     /// instead of the network (default: $CACHE_DIRECTORY, which systemd's CacheDirectory= sets,
-    /// else ~/.cache/sluice/rpc).
+    /// else rpc in sluice's cache directory: $SLUICE_CACHE_DIR, else ~/.cache/sluice).
     #[arg(long)]
     cache_dir: Option<PathBuf>,
     /// No tensor cache: every load sends the weights over the network.
@@ -41,7 +41,7 @@ pub fn run_worker(a: &WorkerArgs, choice: &BoardChoice) -> Result<()> {
         sluice_hal::cgroup::join(dir).with_context(|| format!("joining {}", dir.display()))?;
     }
     let board = args::board(choice, None, &TuningArgs { threads: a.threads, ..Default::default() })?;
-    let cache_dir = if a.no_cache { None } else { a.cache_dir.clone().or_else(worker::default_cache_dir) };
+    let cache_dir = if a.no_cache { None } else { Some(a.cache_dir.clone().unwrap_or_else(worker::default_cache_dir)) };
     let cfg = WorkerConfig { listen: a.listen, cache_dir, threads: board.threads(), budget: board.budget.clone() };
     match worker::run(&cfg).with_context(|| format!("sluice worker at {}", a.listen))? {}
 }

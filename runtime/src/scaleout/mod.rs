@@ -102,35 +102,27 @@ pub fn connect(endpoints: &[String]) -> Result<Vec<Worker>, ScaleError> {
 }
 
 /// Scale-out for a run of `positions` positions over `model`, when `endpoints` (`--rpc`) lists
-/// workers: connects to them, splits the model, and narrows `index` to this board's layers.
-/// Without workers: no split, `index` unchanged.
+/// workers: connects to them, splits the model, and narrows `index` to this board's layers; the
+/// caller loads with [`Split::rpc`]. A head whose compute service offloads layers to its GPU
+/// (`gpu`) is refused before any worker is asked. Without workers: no split, `index` unchanged.
 pub fn prepare(
     endpoints: &[String],
     model: &std::path::Path,
     index: crate::stream::ExpertIndex,
     positions: u32,
+    gpu: bool,
 ) -> Result<(Option<Split>, crate::stream::ExpertIndex), ScaleError> {
     let endpoints = parse_endpoints(endpoints)?;
     if endpoints.is_empty() {
         return Ok((None, index));
     }
+    if gpu {
+        return Err(ScaleError::WithGpu);
+    }
     let workers = connect(&endpoints)?;
     let split = plan_split(model, &index, positions, &workers)?;
     let index = index.keep_layers_below(split.first_remote);
     Ok((Some(split), index))
-}
-
-/// `config` for the head of `split`: the workers' layers load onto them; this board's dense
-/// weights live as `config.dense` says, as on one board.
-pub fn head_config(
-    mut config: crate::stream::StreamConfig,
-    split: &Split,
-) -> Result<crate::stream::StreamConfig, ScaleError> {
-    if config.gpu_layers > 0 {
-        return Err(ScaleError::WithGpu);
-    }
-    config.rpc = Some(split.rpc());
-    Ok(config)
 }
 
 /// The RPC worker an error is about, when it is one that cannot be reached or was lost.

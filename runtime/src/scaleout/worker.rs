@@ -54,24 +54,20 @@ pub enum WorkerError {
     Serve(#[from] ggml_sys::Error),
 }
 
-/// What a worker lends: the budget less this process's own memory and llama.cpp's structures.
-pub fn allowance(budget: u64) -> u64 {
+/// What this process holds itself: its resident memory and llama.cpp's structures.
+fn own_memory() -> u64 {
     let u = Usage::sample();
-    budget.saturating_sub(u.rss_anon + u.rss_file + OVERHEAD_BYTES)
+    u.rss_anon + u.rss_file + OVERHEAD_BYTES
 }
 
 /// The tensor cache directory when `--cache-dir` is not given: systemd's `$CACHE_DIRECTORY`
-/// (`CacheDirectory=`), else `$XDG_CACHE_HOME/sluice/rpc`, else `~/.cache/sluice/rpc`.
-pub fn default_cache_dir() -> Option<PathBuf> {
-    if let Some(d) = std::env::var_os("CACHE_DIRECTORY") {
+/// (`CacheDirectory=`), else `rpc` in sluice's cache directory ([`crate::demo::cache_dir`]).
+pub fn default_cache_dir() -> PathBuf {
+    match std::env::var_os("CACHE_DIRECTORY") {
         // systemd lists several directories separated by ':' when the unit names several.
-        let first = d.to_string_lossy().split(':').next().unwrap_or_default().to_string();
-        return Some(PathBuf::from(first));
+        Some(d) => PathBuf::from(d.to_string_lossy().split(':').next().unwrap_or_default()),
+        None => crate::demo::cache_dir().join("rpc"),
     }
-    let base = std::env::var_os("XDG_CACHE_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
-    Some(base.join("sluice").join("rpc"))
 }
 
 /// Serves until the process is stopped. Returns only on an error.
@@ -81,13 +77,14 @@ pub fn run(cfg: &WorkerConfig) -> Result<std::convert::Infallible, WorkerError> 
     }
     // The RPC server's compute threads are created by this thread and inherit its affinity.
     sluice_hal::cpu::pin_current_thread(&cfg.threads.cpus)?;
-    let lend = allowance(cfg.budget.value);
+    // What it lends: the budget less what it holds itself.
+    let own = own_memory();
+    let lend = cfg.budget.value.saturating_sub(own);
     if lend == 0 {
-        let u = Usage::sample();
         return Err(WorkerError::NoRoom {
             budget_mib: mib(cfg.budget.value),
             from: cfg.budget.source.clone(),
-            own_mib: mib(u.rss_anon + u.rss_file + OVERHEAD_BYTES),
+            own_mib: mib(own),
         });
     }
     if cfg.listen.ip().is_unspecified() {

@@ -206,17 +206,20 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
     let mut index = ExpertIndex::open(&cfg.model)?;
     let mut config = cfg.stream.clone();
     // A --ctx beyond the model's own length is refused by the plan (BudgetError::ContextTooLong).
-    let n_ctx = match cfg.ctx {
-        Some(n) => n,
-        None => crate::generate::context_length(&cfg.model)?.min(DEFAULT_CTX),
-    };
+    let context = |n_ctx_train: u32| cfg.ctx.unwrap_or(n_ctx_train.min(DEFAULT_CTX));
     if !cfg.rpc.is_empty() {
         shared.loading_step("connecting to the RPC workers and splitting the model");
-        let (split, head) = scaleout::prepare(&cfg.rpc, &cfg.model, index, n_ctx)?;
+        // The split is sized before the model loads: the context length from a metadata-only
+        // load, when --ctx does not give the context.
+        let n_ctx = match cfg.ctx {
+            Some(n) => n,
+            None => context(crate::generate::context_length(&cfg.model)?),
+        };
+        let (split, head) = scaleout::prepare(&cfg.rpc, &cfg.model, index, n_ctx, config.gpu_layers > 0)?;
         index = head;
         if let Some(split) = split {
             log::info!("{}", split.describe());
-            config = scaleout::head_config(config, &split)?;
+            config.rpc = Some(split.rpc());
         }
     }
     let index = Arc::new(index);
@@ -225,6 +228,7 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
     if !config.lossy.is_exact() {
         log::warn!("{}", config.lossy.describe(index.n_expert_used));
     }
+    let n_ctx = context(model.n_ctx_train());
     shared.set_prompt_bound(PromptBound { n_ctx, max_token_bytes: model.max_token_bytes() });
     shared.loading_step("planning memory");
     let ledger = budget::plan_within_budget(&PlanRequest {
