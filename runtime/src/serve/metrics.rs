@@ -235,9 +235,11 @@ impl Metrics {
             r.iter().map(|((e, s), c)| (format!("{{endpoint=\"{e}\",status=\"{s}\"}}"), *c as f64)).collect()
         };
         metric("requests_total", "counter", "HTTP requests answered, by endpoint and status.", &requests);
-        let states = ["loading", "ready", "draining"];
-        let state_samples: Vec<(String, f64)> =
-            states.iter().map(|s| (format!("{{state=\"{s}\"}}"), if *s == state { 1.0 } else { 0.0 })).collect();
+        let state_samples: Vec<(String, f64)> = crate::serve::State::ALL
+            .map(crate::serve::State::as_str)
+            .iter()
+            .map(|s| (format!("{{state=\"{s}\"}}"), if *s == state { 1.0 } else { 0.0 }))
+            .collect();
         metric("state", "gauge", "The server's state (1 for the current one).", &state_samples);
         metric("connections_open", "gauge", "HTTP connections open.", &one(n(&self.connections_open)));
         metric("connections_total", "counter", "HTTP connections admitted.", &one(n(&self.connections_total)));
@@ -342,6 +344,15 @@ mod tests {
         assert!(text.contains("sluice_lossy_experts_used 2\n"), "{text}");
         assert!(text.contains("sluice_lossy_substitute_ranks 4\n"), "{text}");
         assert!(text.contains("# TYPE sluice_expert_substitutions_total counter"), "{text}");
+    }
+
+    #[test]
+    fn every_state_has_its_sample_and_the_current_one_is_1() {
+        let text = Metrics::default().render("degraded", 0);
+        for s in crate::serve::State::ALL {
+            let v = if s == crate::serve::State::Degraded { 1 } else { 0 };
+            assert!(text.contains(&format!("sluice_state{{state=\"{}\"}} {v}\n", s.as_str())), "{text}");
+        }
     }
 
     #[test]

@@ -66,6 +66,9 @@ pub enum State {
 }
 
 impl State {
+    /// Every state, as `/metrics` lists them.
+    pub const ALL: [State; 4] = [State::Loading, State::Ready, State::Draining, State::Degraded];
+
     /// The name `/health` and `/metrics` report.
     pub fn as_str(self) -> &'static str {
         match self {
