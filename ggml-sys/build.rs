@@ -26,6 +26,8 @@ fn main() {
         .include(llama.join("include"))
         .include(llama.join("ggml/include"))
         .include(llama.join("common"))
+        // llama-model.h: the model's own tensor lookup (sluice_model_tensor).
+        .include(llama.join("src"))
         .warnings(true)
         // common's Jinja headers define static helpers the shim does not call.
         .flag_if_supported("-Wno-unused-function")

@@ -127,6 +127,13 @@ pub enum Error {
         /// Its message.
         message: String,
     },
+    /// A token's grammar sampling ran past its time bound ([`crate::Sampler::set_guard`]): the
+    /// grammar keeps too many alternatives open for this vocabulary.
+    #[error("grammar sampling of one token took over {bound_ms} ms, its bound: the grammar (a JSON schema or tool list) keeps too many alternatives open; simplify it")]
+    GrammarTooSlow {
+        /// The bound.
+        bound_ms: u64,
+    },
     /// A decode was stopped by its abort flag.
     #[error("the decode was aborted")]
     Aborted,

@@ -39,7 +39,10 @@ pub use model::{Model, ModelParams, RpcSplit, Token};
 pub use pagecache::cached_bytes;
 pub use quantize::{quantize, QuantType};
 pub use reservation::{page_size, Reservation};
-pub use rpc::{serve as rpc_serve, RpcDevice, MAX_RPC_SERVERS};
+pub use rpc::{
+    serve as rpc_serve, set_client_options as rpc_client_options, ConnectHook, RpcDevice,
+    ServeOptions as RpcServeOptions, MAX_RPC_SERVERS,
+};
 pub use sampler::{GrammarKind, Sampler, SamplerParams};
 pub use services::{backends, extension_services, supports_gpu_offload, ServiceLookup, EXTENSION_SERVICES};
 pub use tensor::{TensorView, WeightTensor};

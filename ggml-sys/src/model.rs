@@ -88,8 +88,9 @@ pub struct Model {
     path: PathBuf,
     /// Memory that weight tensors were rebound to; freed only after the model.
     rebound: Mutex<Vec<Arc<Reservation>>>,
-    /// Decodes running over this model now, all contexts together.
-    decoding: std::sync::atomic::AtomicUsize,
+    /// The threads running a decode over this model now, all contexts together (the decode
+    /// gate [`Model::while_no_other_decode`] holds).
+    decoding: Mutex<Vec<std::thread::ThreadId>>,
     /// The RPC workers holding some of its layers.
     rpc: Vec<RpcDevice>,
 }
@@ -192,15 +193,27 @@ impl Model {
         crate::rpc::check_connected(&self.rpc)
     }
 
-    /// Counts a decode over this model until the guard drops.
+    /// Counts a decode of this thread over this model until the guard drops.
     pub(crate) fn begin_decode(&self) -> DecodingGuard<'_> {
-        self.decoding.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.decoding.lock().unwrap_or_else(|e| e.into_inner()).push(std::thread::current().id());
         DecodingGuard(self)
     }
 
-    /// Decodes running over this model now.
-    pub(crate) fn decodes_running(&self) -> usize {
-        self.decoding.load(std::sync::atomic::Ordering::SeqCst)
+    /// Runs `f` while no decode of another thread runs over this model, none starting until it
+    /// returns; `None` (and `f` not run) when one runs.
+    pub(crate) fn while_no_other_decode<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        let decoding = self.decoding.lock().unwrap_or_else(|e| e.into_inner());
+        let me = std::thread::current().id();
+        decoding.iter().all(|t| *t == me).then(f)
+    }
+
+    /// The address of this model's tensor named `name`, if it has one.
+    pub(crate) fn tensor_named(&self, name: &str) -> Option<*const sys::ggml_tensor> {
+        let c = std::ffi::CString::new(name).ok()?;
+        // SAFETY: a live model; c is NUL-terminated and outlives the call; the shim catches.
+        let t = unsafe { crate::shim::sluice_model_tensor(self.raw, c.as_ptr()) };
+        let _ = crate::shim::caught("llama_model::get_tensor");
+        (!t.is_null()).then_some(t)
     }
 
     /// Keeps `reservation` alive until the model is freed (a weight now points into it).
@@ -363,7 +376,11 @@ pub(crate) struct DecodingGuard<'a>(&'a Model);
 
 impl Drop for DecodingGuard<'_> {
     fn drop(&mut self) {
-        self.0.decoding.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        let mut decoding = self.0.decoding.lock().unwrap_or_else(|e| e.into_inner());
+        let me = std::thread::current().id();
+        if let Some(i) = decoding.iter().position(|t| *t == me) {
+            decoding.swap_remove(i);
+        }
     }
 }
 

@@ -3,9 +3,14 @@
 //! ([`RpcDevice`], [`crate::ModelParams::rpc`]). The patch turns the client's aborts (connection
 //! refused, a server that goes away) into a "lost" state this module reports as an [`Error`].
 
-use std::ffi::{c_char, c_void, CString};
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::fmt;
+use std::mem::ManuallyDrop;
+use std::net::TcpStream;
+use std::os::fd::FromRawFd;
 use std::path::Path;
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
 
 use llama_cpp_sys_2 as sys;
 
@@ -18,11 +23,30 @@ unsafe extern "C" {
         endpoint: *const c_char,
         cache_dir: *const c_char,
         n_threads: usize,
-        max_alloc: usize,
-        on_listening: Option<unsafe extern "C" fn(*mut c_void)>,
-        user: *mut c_void,
+        opts: *const RawServerOpts,
     ) -> bool;
+    fn ggml_backend_rpc_set_client_opts(opts: *const RawClientOpts);
     fn ggml_backend_rpc_server_lost(endpoint: *const c_char) -> bool;
+}
+
+/// `struct ggml_backend_rpc_server_opts` (ggml-rpc.h, vendor patch 0009).
+#[repr(C)]
+struct RawServerOpts {
+    max_alloc: usize,
+    max_buffers: usize,
+    cache_max_bytes: u64,
+    on_accept: Option<unsafe extern "C" fn(c_int, *mut c_void) -> bool>,
+    on_listening: Option<unsafe extern "C" fn(*mut c_void)>,
+    user: *mut c_void,
+}
+
+/// `struct ggml_backend_rpc_client_opts` (ggml-rpc.h, vendor patch 0009).
+#[repr(C)]
+struct RawClientOpts {
+    connect_timeout_ms: c_int,
+    call_timeout_ms: c_int,
+    on_connect: Option<unsafe extern "C" fn(c_int, *const c_char, *mut c_void) -> bool>,
+    user: *mut c_void,
 }
 
 /// An RPC server's device this process is connected to: a worker board lending its memory and
@@ -111,29 +135,62 @@ pub(crate) fn check_connected(devices: &[RpcDevice]) -> Result<()> {
 /// The most RPC servers a model may use (ggml's `GGML_RPC_MAX_SERVERS`).
 pub const MAX_RPC_SERVERS: usize = 16;
 
-/// What [`serve`] calls once its socket listens.
-type OnListening<'a> = Option<Box<dyn FnOnce() + 'a>>;
+/// What a worker allows each client, and how it treats connections.
+pub struct ServeOptions<'a> {
+    /// Bytes each client may allocate (its buffers beyond are refused, and the device reports
+    /// the limit as its memory); also the largest message a client may send.
+    pub max_alloc: u64,
+    /// Buffers each client may hold at once.
+    pub max_buffers: usize,
+    /// Bytes the tensor cache may hold on disk (the oldest files go first).
+    pub cache_max_bytes: u64,
+    /// Called with each accepted connection before anything is read from it: `false` closes
+    /// it (not an allowed peer, or its handshake failed).
+    pub on_accept: Box<dyn FnMut(&TcpStream) -> bool + 'a>,
+    /// Called once the socket listens.
+    pub on_listening: Box<dyn FnOnce() + 'a>,
+}
+
+/// The hooks [`serve`] hands to C through `user`.
+struct ServeHooks<'a> {
+    on_accept: Box<dyn FnMut(&TcpStream) -> bool + 'a>,
+    on_listening: Option<Box<dyn FnOnce() + 'a>>,
+}
+
+/// `fd` as a stream for the duration of a hook, never closed by Rust.
+fn borrowed_stream(fd: c_int) -> ManuallyDrop<TcpStream> {
+    // SAFETY: ggml's RPC server or client owns the connected socket `fd` for the whole call of
+    // the hook; ManuallyDrop keeps Rust from closing it, and the stream does not outlive the hook.
+    ManuallyDrop::new(unsafe { TcpStream::from_raw_fd(fd) })
+}
 
 unsafe extern "C" fn listening_trampoline(user: *mut c_void) {
-    // SAFETY: `user` is the &mut OnListening that `serve` passed, alive for the whole call.
-    let slot = unsafe { &mut *(user as *mut OnListening<'_>) };
-    if let Some(f) = slot.take() {
+    // SAFETY: `user` is the &mut ServeHooks that `serve` passed, alive for the whole call, and
+    // ggml's server calls its hooks from the serving thread only.
+    let hooks = unsafe { &mut *(user as *mut ServeHooks<'_>) };
+    if let Some(f) = hooks.on_listening.take() {
         // A panic must not unwind into C++: it is caught and the server goes on.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     }
 }
 
+unsafe extern "C" fn accept_trampoline(fd: c_int, user: *mut c_void) -> bool {
+    // SAFETY: as in listening_trampoline.
+    let hooks = unsafe { &mut *(user as *mut ServeHooks<'_>) };
+    let stream = borrowed_stream(fd);
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (hooks.on_accept)(&stream))).unwrap_or(false)
+}
+
 /// Serves this process's CPU device over RPC at `endpoint` (`ipv4:port`) with `threads` compute
-/// threads, each client allowed `max_alloc` bytes (its buffers beyond that are refused, and the
-/// device reports the limit as its memory); weights sent before are taken from `cache_dir`
-/// (ggml's tensor cache) instead of the network. Calls `on_listening` once the socket listens.
-/// Returns only when the server cannot start.
+/// threads under `opts` (vendor patch 0009 checks every command against its tensors and
+/// buffers); weights sent before are taken from `cache_dir` (ggml's tensor cache, each file
+/// checked against its hash) instead of the network. Serves one client at a time. Returns only
+/// when the server cannot start.
 pub fn serve(
     endpoint: &str,
     cache_dir: Option<&Path>,
     threads: usize,
-    max_alloc: u64,
-    on_listening: impl FnOnce(),
+    opts: ServeOptions<'_>,
 ) -> Result<std::convert::Infallible> {
     crate::init();
     let c = c_endpoint(endpoint)?;
@@ -141,20 +198,54 @@ pub fn serve(
         Some(d) => Some(CString::new(d.as_os_str().as_encoded_bytes()).map_err(|_| Error::PathNul(d.into()))?),
         None => None,
     };
-    let mut slot: OnListening<'_> = Some(Box::new(on_listening));
-    let max = usize::try_from(max_alloc).unwrap_or(usize::MAX);
-    // SAFETY: the strings are NUL-terminated and outlive the call; `slot` outlives it and the
-    // trampoline is the only user of the pointer; the shim catches exceptions.
+    let mut hooks = ServeHooks { on_accept: opts.on_accept, on_listening: Some(opts.on_listening) };
+    let raw = RawServerOpts {
+        max_alloc: usize::try_from(opts.max_alloc).unwrap_or(usize::MAX),
+        max_buffers: opts.max_buffers,
+        cache_max_bytes: opts.cache_max_bytes,
+        on_accept: Some(accept_trampoline),
+        on_listening: Some(listening_trampoline),
+        user: &mut hooks as *mut ServeHooks<'_> as *mut c_void,
+    };
+    // SAFETY: the strings are NUL-terminated and outlive the call; `hooks` outlives it and the
+    // trampolines are the only users of its pointer; the shim catches exceptions.
     let _ = unsafe {
-        sluice_rpc_serve(
-            c.as_ptr(),
-            cache.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
-            threads.max(1),
-            max,
-            Some(listening_trampoline),
-            &mut slot as *mut OnListening<'_> as *mut c_void,
-        )
+        sluice_rpc_serve(c.as_ptr(), cache.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()), threads.max(1), &raw)
     };
     crate::shim::caught("ggml_backend_rpc_serve")?;
     Err(Error::RpcServe { endpoint: endpoint.into() })
+}
+
+/// What this process does with each new connection to a worker, before ggml's handshake: the
+/// stream and the endpoint; `false` fails the connection.
+pub type ConnectHook = dyn Fn(&TcpStream, &str) -> bool + Send + Sync;
+
+/// The hook every new connection runs (set by [`set_client_options`]).
+static CONNECT_HOOK: RwLock<Option<Arc<ConnectHook>>> = RwLock::new(None);
+
+unsafe extern "C" fn connect_trampoline(fd: c_int, endpoint: *const c_char, _user: *mut c_void) -> bool {
+    let hook = CONNECT_HOOK.read().unwrap_or_else(|e| e.into_inner()).clone();
+    let Some(hook) = hook else { return true };
+    // SAFETY: ggml passes the endpoint it connects to, NUL-terminated, alive for the call.
+    let endpoint = unsafe { CStr::from_ptr(endpoint) }.to_string_lossy().into_owned();
+    let stream = borrowed_stream(fd);
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&stream, &endpoint))).unwrap_or(false)
+}
+
+/// Sets how this process connects to RPC workers from now on: a connect that gets no answer
+/// within `connect_timeout` fails, as does any send or wait for an answer longer than
+/// `call_timeout` (the connection is then lost: its requests fail and the next one reconnects);
+/// `on_connect` runs on each new connection before ggml's handshake.
+pub fn set_client_options(connect_timeout: Duration, call_timeout: Duration, on_connect: Option<Arc<ConnectHook>>) {
+    crate::init();
+    *CONNECT_HOOK.write().unwrap_or_else(|e| e.into_inner()) = on_connect;
+    let ms = |d: Duration| c_int::try_from(d.as_millis()).unwrap_or(c_int::MAX);
+    let opts = RawClientOpts {
+        connect_timeout_ms: ms(connect_timeout),
+        call_timeout_ms: ms(call_timeout),
+        on_connect: Some(connect_trampoline),
+        user: std::ptr::null_mut(),
+    };
+    // SAFETY: ggml copies the options; the trampoline is a plain function reading a static.
+    unsafe { ggml_backend_rpc_set_client_opts(&opts) };
 }

@@ -4,6 +4,9 @@
 
 use std::ffi::CString;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use llama_cpp_sys_2 as sys;
 use serde::Serialize;
@@ -109,6 +112,13 @@ impl SamplerParams {
 /// A sampler for one generation over one model.
 pub struct Sampler {
     raw: NonNull<RawSampler>,
+    guard: Option<Guard>,
+}
+
+/// What bounds one sampling call's grammar work: a cancel flag and a time bound.
+struct Guard {
+    cancel: Arc<AtomicBool>,
+    bound: Duration,
 }
 
 // SAFETY: the sampler is used from one thread at a time (&mut self; not Sync) and holds nothing
@@ -124,7 +134,7 @@ impl Sampler {
         let json = CString::new(json).map_err(|e| Error::TextNul(e.nul_position()))?;
         // SAFETY: live model; json is NUL-terminated and lives for the call.
         let raw = unsafe { sluice_sampler_init(model.raw().cast_const(), json.as_ptr()) };
-        made("common_sampler_init", raw).map(|raw| Sampler { raw })
+        made("common_sampler_init", raw).map(|raw| Sampler { raw, guard: None })
     }
 
     /// Feeds prompt tokens to the penalties' history.
@@ -137,15 +147,49 @@ impl Sampler {
         Ok(())
     }
 
+    /// Bounds the grammar work of each later [`Sampler::sample`]: it stops with
+    /// [`Error::Aborted`] once `cancel` is set, and with [`Error::GrammarTooSlow`] when one
+    /// token's grammar checks take longer than `bound` (a grammar's cost per token grows with
+    /// the alternatives it keeps open, times the vocabulary).
+    pub fn set_guard(&mut self, cancel: Arc<AtomicBool>, bound: Duration) {
+        self.guard = Some(Guard { cancel, bound });
+    }
+
     /// Chooses the token for output `idx` of `ctx`'s last decode (`-1`: the last), and
     /// accepts it.
     pub fn sample(&mut self, ctx: &Context<'_>, idx: i32) -> Result<Token> {
         ctx.logits(idx)?;
+        let started = Instant::now();
+        if let Some(g) = &self.guard {
+            let deadline_us = ggml_now_us().saturating_add(i64::try_from(g.bound.as_micros()).unwrap_or(i64::MAX));
+            // SAFETY: the flag is an AtomicBool (one byte, the layout of bool) that the guard's Arc
+            // keeps alive; the thread's guard is cleared below, before this call returns, so
+            // llama.cpp never reads it after that. llama.cpp loads it atomically.
+            unsafe { sys::llama_grammar_set_work_guard(g.cancel.as_ptr().cast_const(), deadline_us) };
+        }
         // SAFETY: live sampler and context; idx has logits (checked above).
         let token = unsafe { sluice_sampler_sample(self.raw.as_ptr(), ctx.raw(), idx) };
-        chat_caught("common_sampler_sample")?;
-        Ok(token)
+        if self.guard.is_some() {
+            // SAFETY: clearing the thread's guard: no pointer is kept.
+            unsafe { sys::llama_grammar_set_work_guard(std::ptr::null(), 0) };
+        }
+        let caught = chat_caught("common_sampler_sample");
+        match (&self.guard, caught) {
+            (_, Ok(())) => Ok(token),
+            (Some(g), Err(_)) if g.cancel.load(Ordering::Relaxed) => Err(Error::Aborted),
+            (Some(g), Err(_)) if started.elapsed() >= g.bound => {
+                Err(Error::GrammarTooSlow { bound_ms: g.bound.as_millis() as u64 })
+            }
+            (_, Err(e)) => Err(e),
+        }
     }
+}
+
+/// ggml's clock, which the grammar guard's deadline is on.
+fn ggml_now_us() -> i64 {
+    // SAFETY: takes no arguments and reads CLOCK_MONOTONIC (ggml_time_init is needed on Windows
+    // only).
+    unsafe { sys::ggml_time_us() }
 }
 
 impl Drop for Sampler {

@@ -58,12 +58,18 @@ pub fn backends() -> Vec<String> {
         .collect()
 }
 
-/// Whether this build can offload layers to a GPU (built with the `cuda` feature and a GPU
-/// backend registered).
+/// Whether this build can offload layers to a GPU: a GPU device is registered (a `cuda` build
+/// on a machine whose GPU its driver finds). llama.cpp's own `llama_supports_gpu_offload` also
+/// says yes for the RPC backend, which every sluice build has, so it is not asked.
 pub fn supports_gpu_offload() -> bool {
     crate::init();
     // SAFETY: no preconditions once the backends are initialized.
-    unsafe { sys::llama_supports_gpu_offload() }
+    let n = unsafe { sys::ggml_backend_dev_count() };
+    (0..n).any(|i| {
+        // SAFETY: i < ggml_backend_dev_count(); devices live for the process.
+        let kind = unsafe { sys::ggml_backend_dev_type(sys::ggml_backend_dev_get(i)) };
+        kind == sys::GGML_BACKEND_DEVICE_TYPE_GPU || kind == sys::GGML_BACKEND_DEVICE_TYPE_IGPU
+    })
 }
 
 #[cfg(test)]
@@ -76,5 +82,10 @@ mod tests {
         assert_eq!(found[0].backend.as_deref(), Some("CPU"), "{found:?}");
         let cuda = super::backends().iter().any(|b| b == "CUDA");
         assert!(found[1..].iter().all(|s| s.backend.is_some() == cuda), "{found:?}");
+        // The RPC backend, in every build, is no GPU.
+        assert!(super::backends().iter().any(|b| b == "RPC"));
+        if !cuda {
+            assert!(!super::supports_gpu_offload());
+        }
     }
 }

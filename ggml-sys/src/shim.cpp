@@ -7,6 +7,7 @@
 #include "llama.h"
 #include "gguf.h"
 #include "ggml-rpc.h"
+#include "llama-model.h"
 #include "shim.h"
 
 #include <string>
@@ -127,11 +128,11 @@ bool sluice_rpc_memory(const char * endpoint, uint64_t * free, uint64_t * total)
     SLUICE_CATCH(false)
 }
 
-// Serves this process's CPU device over RPC at endpoint, each client allowed max_alloc bytes
-// (0: no limit); calls on_listening(user) once the socket listens. Returns only when the server
-// cannot start (false) or throws (false, the exception recorded).
-bool sluice_rpc_serve(const char * endpoint, const char * cache_dir, size_t n_threads, size_t max_alloc,
-                      void (*on_listening)(void *), void * user) {
+// Serves this process's CPU device over RPC at endpoint with opts (vendor patch 0009: limits
+// and the accept hook). Returns only when the server cannot start (false) or throws (false, the
+// exception recorded).
+bool sluice_rpc_serve(const char * endpoint, const char * cache_dir, size_t n_threads,
+                      const struct ggml_backend_rpc_server_opts * opts) {
     try {
         ggml_backend_dev_t cpu = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU);
         if (cpu == nullptr) {
@@ -139,9 +140,18 @@ bool sluice_rpc_serve(const char * endpoint, const char * cache_dir, size_t n_th
             return false;
         }
         ggml_backend_dev_t devices[1] = { cpu };
-        return ggml_backend_rpc_serve(endpoint, cache_dir, n_threads, 1, devices, max_alloc, on_listening, user);
+        return ggml_backend_rpc_serve_opts(endpoint, cache_dir, n_threads, 1, devices, opts);
     }
     SLUICE_CATCH(false)
+}
+
+// The tensor of `model` named `name` (llama.cpp's own lookup over the tensors it loaded), or
+// NULL when the model has none of that name.
+const struct ggml_tensor * sluice_model_tensor(const struct llama_model * model, const char * name) {
+    try {
+        return model->get_tensor(name);
+    }
+    SLUICE_CATCH(nullptr)
 }
 
 }  // extern "C"

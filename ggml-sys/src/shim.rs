@@ -10,6 +10,7 @@ use crate::Error;
 
 unsafe extern "C" {
     fn sluice_shim_take_error(buf: *mut c_char, len: usize) -> bool;
+    pub(crate) fn sluice_model_tensor(model: *const sys::llama_model, name: *const c_char) -> *const sys::ggml_tensor;
     pub(crate) fn sluice_gguf_init_from_file(
         fname: *const c_char,
         params: sys::gguf_init_params,

@@ -82,8 +82,9 @@ impl<'a> TensorView<'a> {
         self.t().data as usize
     }
 
-    /// The tensor's bytes, when its buffer lives in host memory and is allocated.
-    pub fn host_bytes(&self) -> Option<&'a [u8]> {
+    /// The tensor's data address and size, when its buffer lives in host memory and it is
+    /// allocated.
+    fn host_span(&self) -> Option<(*mut u8, usize)> {
         let t = self.t();
         if t.data.is_null() {
             return None;
@@ -99,35 +100,53 @@ impl<'a> TensorView<'a> {
         if buffer.is_null() || !unsafe { sys::ggml_backend_buffer_is_host(buffer) } {
             return None;
         }
-        // SAFETY: host buffer, data non-null, and ggml_nbytes bytes from data belong to the
-        // tensor; the contents are not written while the callback runs (the node is computed).
-        Some(unsafe { std::slice::from_raw_parts(t.data as *const u8, self.n_bytes()) })
+        Some((t.data.cast::<u8>(), self.n_bytes()))
+    }
+
+    /// Whether the tensor's bytes live in host memory and are allocated (what
+    /// [`TensorView::read_host_bytes`] and [`TensorView::write_host_bytes`] need). No reference
+    /// into them is ever handed out: the graph's kernels write them while a view exists.
+    pub fn has_host_bytes(&self) -> bool {
+        self.host_span().is_some()
+    }
+
+    /// A copy of `len` bytes of the tensor from `offset`, when its buffer lives in host memory
+    /// and the range is inside the tensor.
+    pub fn read_host_bytes(&self, offset: usize, len: usize) -> Option<Vec<u8>> {
+        let (data, size) = self.host_span()?;
+        if offset.checked_add(len).is_none_or(|end| end > size) {
+            return None;
+        }
+        let mut out = vec![0u8; len];
+        // SAFETY: [offset, offset + len) lies within the tensor's host bytes (checked); the
+        // node is computed and ggml is paused between nodes while a view is used (eval callback),
+        // so nothing writes them during the copy; `out` is a separate allocation.
+        unsafe { std::ptr::copy_nonoverlapping(data.add(offset), out.as_mut_ptr(), len) };
+        Some(out)
     }
 
     /// The i32 element at `[i0, i1]`, read through the tensor's strides (a view's rows may lie
     /// far apart), when its buffer lives in host memory and the element lies inside its bytes.
     pub fn i32_at(&self, i0: usize, i1: usize) -> Option<i32> {
-        let bytes = self.host_bytes()?;
         let [nb0, nb1, ..] = self.nb();
         let at = i0.checked_mul(nb0)?.checked_add(i1.checked_mul(nb1)?)?;
-        let raw = bytes.get(at..at.checked_add(4)?)?;
+        let raw = self.read_host_bytes(at, 4)?;
         Some(i32::from_ne_bytes([raw[0], raw[1], raw[2], raw[3]]))
     }
 
     /// Overwrites the tensor's bytes from `offset` with `bytes`, when its buffer lives in host
     /// memory and the range is inside the tensor. For the eval callback's computed phase only: the
-    /// node's consumers (which then read the new bytes) have not run, and no slice from
-    /// [`TensorView::host_bytes`] of it may be held across the call. Returns whether it wrote.
+    /// node's consumers (which then read the new bytes) have not run. Returns whether it wrote.
     pub fn write_host_bytes(&self, offset: usize, bytes: &[u8]) -> bool {
-        let Some(current) = self.host_bytes() else { return false };
-        if offset.checked_add(bytes.len()).is_none_or(|end| end > current.len()) {
+        let Some((data, size)) = self.host_span() else { return false };
+        if offset.checked_add(bytes.len()).is_none_or(|end| end > size) {
             return false;
         }
-        let dst = current.as_ptr() as *mut u8;
         // SAFETY: [offset, offset + len) lies within the tensor's host bytes (checked above);
         // during the eval callback ggml's compute is paused between nodes, so nothing else
-        // reads or writes this tensor, and the caller holds no slice of it.
-        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), dst.add(offset), bytes.len()) };
+        // reads or writes this tensor, and no Rust reference into the bytes exists (this type
+        // hands out copies only); `bytes` is the caller's separate memory.
+        unsafe { std::ptr::copy_nonoverlapping(bytes.as_ptr(), data.add(offset), bytes.len()) };
         true
     }
 }
@@ -145,31 +164,29 @@ impl std::fmt::Debug for TensorView<'_> {
 
 /// A weight tensor of a loaded model, found in a graph during capture. Valid for as long as the
 /// model (`'m`) lives: llama.cpp allocates weight tensors once at load and frees them with the
-/// model.
+/// model. The handle is not `Send`: it is used on the thread that found it, and
+/// [`WeightTensor::rebind`] checks that no decode of another thread runs over the model.
 #[derive(Clone, Copy)]
 pub struct WeightTensor<'m> {
     raw: *mut sys::ggml_tensor,
-    _life: PhantomData<&'m crate::Model>,
+    model: &'m crate::Model,
 }
 
-// SAFETY: the handle is an address of a model-owned tensor; moving it between threads does not
-// access it. Writes happen only through rebind (below), on the decode thread between graph runs.
-unsafe impl Send for WeightTensor<'_> {}
-
 impl<'a> TensorView<'a> {
-    /// This tensor as a model weight, if it lives in a host weights buffer (not a graph
+    /// This tensor as a weight of `model`, if it is one of `model`'s tensors (looked up by name
+    /// in the model, and the same tensor) and lives in a host weights buffer (not a graph
     /// intermediate, and not on a device or an RPC worker, whose data pointer is not this
-    /// process's memory). The caller ties the handle to the model that owns the graph (`'m`).
-    pub fn as_weight<'m>(&self, _model: &'m crate::Model) -> Option<WeightTensor<'m>> {
+    /// process's memory).
+    pub fn as_weight<'m>(&self, model: &'m crate::Model) -> Option<WeightTensor<'m>> {
         let t = self.t();
-        if t.buffer.is_null() || !t.view_src.is_null() {
+        if t.buffer.is_null() || !t.view_src.is_null() || model.tensor_named(self.name()) != Some(self.raw) {
             return None;
         }
         // SAFETY: buffer is a live backend buffer (non-null, checked).
         let (usage, host) =
             unsafe { (sys::ggml_backend_buffer_get_usage(t.buffer), sys::ggml_backend_buffer_is_host(t.buffer)) };
         (usage == sys::GGML_BACKEND_BUFFER_USAGE_WEIGHTS && host)
-            .then_some(WeightTensor { raw: self.raw.cast_mut(), _life: PhantomData })
+            .then_some(WeightTensor { raw: self.raw.cast_mut(), model })
     }
 }
 
@@ -182,24 +199,24 @@ impl<'m> WeightTensor<'m> {
 
     /// Points the tensor's data at `reservation`'s base, so ggml's kernels read the tensor from
     /// there. The model keeps the reservation alive until it is freed, so the pointer never
-    /// dangles. Allowed between decodes, and from the eval callback of the one decode running
+    /// dangles. Allowed between decodes, and from the eval callback of a decode this thread runs
     /// over the model (before the node that reads the tensor computes); refused with
-    /// [`crate::Error::RebindWhileDecoding`] while another context's decode runs over the same
-    /// model, which could be reading the tensor.
-    pub fn rebind(
-        &self,
-        model: &'m crate::Model,
-        reservation: std::sync::Arc<crate::Reservation>,
-    ) -> crate::Result<()> {
-        if model.decodes_running() > 1 {
-            return Err(crate::Error::RebindWhileDecoding { tensor: self.view().name().to_string() });
-        }
+    /// [`crate::Error::RebindWhileDecoding`] while a decode of another thread runs over the
+    /// model, which could be reading the tensor. No decode can start during the write.
+    pub fn rebind(&self, reservation: std::sync::Arc<crate::Reservation>) -> crate::Result<()> {
         let base = reservation.base_ptr();
-        model.keep_alive(reservation);
-        // SAFETY: raw is a live weight tensor of `model`; at most the calling decode runs over
-        // the model (checked above), and it has not computed the node reading this tensor yet;
-        // the new data pointer refers to memory kept alive as long as the model.
-        unsafe { (*self.raw).data = base.cast() };
+        let raw = self.raw;
+        self.model
+            .while_no_other_decode(|| {
+                // SAFETY: raw is a live weight tensor of the model (as_weight checked it); no
+                // decode of another thread runs or can start (the model's decode gate is held),
+                // and a decode of this thread has not computed the node reading it yet (the
+                // caller's contract above, which only ordering in this thread can break); the new
+                // data pointer refers to memory the model keeps alive (below).
+                unsafe { (*raw).data = base.cast() };
+            })
+            .ok_or_else(|| crate::Error::RebindWhileDecoding { tensor: self.view().name().to_string() })?;
+        self.model.keep_alive(reservation);
         Ok(())
     }
 }

@@ -709,3 +709,109 @@ fn the_cuda_services_are_found_where_a_cuda_backend_is_registered() {
     assert_ne!(stream, 0);
     assert_eq!(cpu().cuda_stream(), None);
 }
+
+// Soundness: the safe API refuses what would otherwise read freed or unallocated memory, or
+// unwind into C.
+
+#[test]
+fn computing_a_graph_that_is_not_allocated_or_was_detached_is_an_error() {
+    let backend = cpu();
+    let g = GraphBuilder::new(8).unwrap();
+    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("unalloc.x").input();
+    let y = g.scale(x, 2.0).unwrap().named("unalloc.y").output();
+    let graph = g.graph(y).unwrap();
+    let not_allocated = |r: ggml_sys::Result<()>| matches!(r, Err(ggml_sys::Error::NotAllocated(_)));
+    assert!(not_allocated(backend.compute(&graph)), "a direct computation of unallocated tensors");
+    let mut sched = Scheduler::new(&[&backend], 64, false).unwrap();
+    assert!(not_allocated(sched.compute(&graph)), "a graph the scheduler never allocated");
+    sched.alloc(&graph).unwrap();
+    x.write(&f32_bytes(&INPUT)).unwrap();
+    sched.compute(&graph).unwrap();
+    assert_eq!(f32s(&y.read().unwrap())[1], 2.0);
+    // A reservation may replace the scheduler's buffers: the graph is detached first, and must be
+    // allocated again before it computes.
+    sched.reserve(&graph).unwrap();
+    assert!(not_allocated(sched.compute(&graph)), "a graph detached by a reservation");
+    assert!(y.read().is_err(), "the detached output has no data");
+    sched.alloc(&graph).unwrap();
+    x.write(&f32_bytes(&INPUT)).unwrap();
+    sched.compute(&graph).unwrap();
+    assert_eq!(f32s(&y.read().unwrap())[3], 6.0);
+}
+
+/// A fusion rule that claims more nodes than the graph has, and never computes.
+struct Greedy;
+
+impl Kernel for Greedy {
+    fn supports(&self, node: TensorView<'_>) -> bool {
+        node.name().starts_with("greedy.")
+    }
+
+    fn matches(&self, graph: GraphNodes<'_>, i: usize) -> usize {
+        if graph.node(i).is_some_and(|n| n.name().starts_with("greedy.")) {
+            usize::MAX
+        } else {
+            0
+        }
+    }
+
+    fn execute(&self, _run: &mut Execution<'_>) -> Result<(), KernelError> {
+        Err(KernelError("a range past the graph's end was fused".into()))
+    }
+}
+
+#[test]
+fn a_fusion_rule_claiming_more_nodes_than_the_graph_has_is_cut_to_what_is_left() {
+    let spec =
+        KernelSpec { name: "test.greedy.scale".into(), target: Target::Op(GgmlOp::SCALE), priority: 0, fusion: true };
+    register_kernel(Device::cpu(), spec, Greedy).unwrap();
+    let backend = cpu();
+    let g = GraphBuilder::new(8).unwrap();
+    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("greedy.x").input();
+    // The graph's only node: a claim of usize::MAX nodes from it leaves one, which fuses nothing.
+    let y = g.scale(x, 3.0).unwrap().named("greedy.y").output();
+    let graph = g.graph(y).unwrap();
+    assert_eq!(run_sched(&backend, &graph, x, y), INPUT.iter().map(|v| v * 3.0).collect::<Vec<_>>());
+}
+
+/// Plan state whose drop panics.
+struct Explosive;
+
+impl Drop for Explosive {
+    fn drop(&mut self) {
+        panic!("a kernel state that panics when dropped");
+    }
+}
+
+/// A kernel whose plan state panics when ggml destroys it.
+struct ExplosiveState;
+
+impl Kernel for ExplosiveState {
+    fn supports(&self, node: TensorView<'_>) -> bool {
+        node.name().starts_with("explode.")
+    }
+
+    fn prepare(&self, _nodes: &[TensorView<'_>]) -> Result<Prepared, KernelError> {
+        Ok(Prepared { workspace: 0, state: Some(Box::new(Explosive)) })
+    }
+
+    fn execute(&self, run: &mut Execution<'_>) -> Result<(), KernelError> {
+        scale_add(run)
+    }
+}
+
+#[test]
+fn a_kernel_state_that_panics_when_dropped_does_not_abort_the_process() {
+    let op = unary_op("test.explode.v1", 0);
+    register_kernel(Device::cpu(), spec("test.explode.cpu", Target::Ext(op), 0), ExplosiveState).unwrap();
+    let backend = cpu();
+    let g = GraphBuilder::new(8).unwrap();
+    let x = g.tensor(GgmlType::F32, &[8]).unwrap().named("explode.x");
+    let y = g.ext(op, &[x], &[]).unwrap().named("explode.y");
+    let graph = g.graph(y).unwrap();
+    g.alloc_on(&backend).unwrap();
+    x.write(&f32_bytes(&INPUT)).unwrap();
+    // A direct computation makes a temporary plan and destroys its state after the call.
+    backend.compute(&graph).unwrap();
+    assert_eq!(f32s(&y.read().unwrap())[1], 3.0);
+}

@@ -7,6 +7,7 @@ pub mod board;
 pub mod cgroup;
 pub mod cpu;
 pub mod cpulist;
+pub mod file;
 pub mod memory;
 pub mod probe;
 pub mod root;

@@ -92,6 +92,12 @@ impl Sampler {
         Sampler::new(model, &SamplerParams::greedy())
     }
 
+    /// Bounds each token's grammar work: cancelled with `cancel`, and an error past `bound`
+    /// ([`ggml_sys::Sampler::set_guard`]).
+    pub fn set_guard(&mut self, cancel: std::sync::Arc<std::sync::atomic::AtomicBool>, bound: std::time::Duration) {
+        self.inner.set_guard(cancel, bound);
+    }
+
     /// Keeps the text of these special tokens in the output (they are dropped otherwise).
     pub fn show_special(&mut self, tokens: impl IntoIterator<Item = Token>) {
         self.shown.extend(tokens);

@@ -297,6 +297,31 @@ fn probe_reports_a_fake_pi_5_completely() {
 }
 
 #[test]
+fn probe_describes_a_jetson_and_runs_it_on_the_cpu_service_without_cuda() {
+    let dir = tempfile::tempdir().unwrap();
+    for (tree, profile) in [("orin-nano-8gb-4core", "orin-nano-8gb"), ("agx-orin-64gb", "agx-orin-64gb")] {
+        let o = sluice(&["probe", "--root", &fake_board(tree)], dir.path());
+        assert!(o.status.success(), "{tree}: {}", stderr(&o));
+        let out = stdout(&o);
+        for line in [
+            "NVIDIA Jetson".to_string(),
+            format!("profile: {profile}"),
+            "GPU offload: no".into(),
+            "compute services this build can run: cpu (a `--features cuda` build on the board adds cuda)".into(),
+            "compute service: cpu".into(),
+        ] {
+            assert!(out.contains(&line), "{tree}: probe output lacks {line:?}:\n{out}");
+        }
+        let warnings = stderr(&o);
+        assert_eq!(
+            warnings.matches("this build has no CUDA").count(),
+            1,
+            "{tree}: one warning names the missing CUDA build:\n{warnings}"
+        );
+    }
+}
+
+#[test]
 fn probe_of_this_machine_measures_direct_reads_and_honours_overrides() {
     let dir = tempfile::tempdir().unwrap();
     let model = small_model(dir.path());

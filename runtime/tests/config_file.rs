@@ -93,3 +93,32 @@ fn bad_keys_wrong_types_and_a_missing_model_name_the_file_and_key() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains(&format!("cannot read the settings file {}", config.display())), "{err}");
 }
+
+#[test]
+fn devices_fifos_and_huge_files_are_refused_as_settings_or_key_files_without_waiting() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo");
+    assert!(std::process::Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let huge = dir.path().join("huge.toml");
+    std::fs::write(&huge, "#".repeat(2 << 20)).unwrap();
+    let model = synth(dir.path());
+    // Each would read forever, block forever, or take megabytes.
+    for (args, needle) in [
+        (vec!["serve", "--config", "/dev/zero"], "/dev/zero: not a regular file"),
+        (vec!["serve", "--config", fifo.to_str().unwrap()], "not a regular file"),
+        (vec!["serve", "--config", huge.to_str().unwrap()], "over the 1048576 bytes"),
+        (
+            vec!["serve", "--no-config", "--model", model.to_str().unwrap(), "--api-key-file", "/dev/zero"],
+            "cannot read the API key file /dev/zero: not a regular file",
+        ),
+        (
+            vec!["serve", "--no-config", "--model", model.to_str().unwrap(), "--api-key-file", fifo.to_str().unwrap()],
+            "not a regular file",
+        ),
+    ] {
+        let o = sluice_command().args(&args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(needle), "{args:?}: {needle:?} not in: {err}");
+    }
+}

@@ -6,116 +6,23 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Output, Stdio};
-use std::sync::{Arc, Mutex};
+use std::process::Output;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
-use sluice_hal::cgroup::MemoryCgroup;
 
 mod common;
 mod serving;
+mod workers;
 use common::sluice_command;
 use serving::{free_port, read_chunk, read_head, send, Server, PATIENCE};
+use workers::Worker;
 
 /// Budget of each test worker (and its cgroup's limit).
 const WORKER_MIB: u64 = 256;
 /// The fixture's end-of-sequence token (synth's vocabulary), biased away so a generation runs
 /// to its length.
 const EOS: u32 = 2;
-
-/// A running `sluice worker`, in its own memory cgroup when one can be made.
-struct Worker {
-    child: Child,
-    endpoint: String,
-    stderr: Arc<Mutex<String>>,
-    cgroup: Option<MemoryCgroup>,
-}
-
-impl Worker {
-    /// Starts a worker with a budget of `budget_mib` on `port` (a free one when `None`), its
-    /// tensor cache in `dir`, and waits until it listens.
-    fn start(dir: &Path, name: &str, budget_mib: u64, port: Option<u16>) -> Worker {
-        let port = port.unwrap_or_else(|| free_port().port());
-        let endpoint = format!("127.0.0.1:{port}");
-        let profile = dir.join(format!("{name}.toml"));
-        std::fs::write(&profile, format!("name = \"{name}\"\n[memory]\nbudget_mib = {budget_mib}\n")).unwrap();
-        let cgroup_name = format!("sluice-test-{}-{name}-{port}", std::process::id());
-        let cgroup = match MemoryCgroup::create(&cgroup_name, budget_mib << 20) {
-            Ok(c) => Some(c),
-            Err(e) => {
-                eprintln!("note: worker {name} runs without a memory cgroup: {e}");
-                None
-            }
-        };
-        let mut cmd = sluice_command();
-        cmd.args(["--board", profile.to_str().unwrap(), "-v", "worker", "--listen", &endpoint, "--threads", "1"]);
-        if let Some(cg) = &cgroup {
-            cmd.arg("--join-cgroup").arg(cg.dir());
-        }
-        let cache = dir.join(format!("cache-{name}"));
-        let mut child = cmd
-            .args(["--cache-dir", cache.to_str().unwrap()])
-            .env_remove("NOTIFY_SOCKET")
-            .env_remove("CACHE_DIRECTORY")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let stderr = Arc::new(Mutex::new(String::new()));
-        {
-            let stderr = Arc::clone(&stderr);
-            let pipe = child.stderr.take().unwrap();
-            std::thread::spawn(move || {
-                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                    let mut s = stderr.lock().unwrap();
-                    s.push_str(&line);
-                    s.push('\n');
-                }
-            });
-        }
-        let mut w = Worker { child, endpoint, stderr, cgroup };
-        let t0 = Instant::now();
-        while !w.log().contains("sluice worker: serving RPC at") {
-            if let Some(status) = w.child.try_wait().unwrap() {
-                panic!("worker {name} exited ({status}):\n{}", w.log());
-            }
-            assert!(t0.elapsed() < PATIENCE, "worker {name} does not listen:\n{}", w.log());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        w
-    }
-
-    fn log(&self) -> String {
-        self.stderr.lock().unwrap().clone()
-    }
-
-    fn port(&self) -> u16 {
-        self.endpoint.rsplit_once(':').unwrap().1.parse().unwrap()
-    }
-
-    /// SIGKILL: a board that loses power.
-    fn kill(&mut self) {
-        self.child.kill().unwrap();
-        self.child.wait().unwrap();
-    }
-
-    /// Checks that the worker's cgroup never hit its limit.
-    fn assert_within_cgroup(&self) {
-        if let Some(cg) = &self.cgroup {
-            let (peak, hits) = (cg.peak().unwrap_or(0), cg.limit_hits().unwrap_or(0));
-            println!("worker {}: cgroup peak {:.1} MiB of {WORKER_MIB} MiB", self.endpoint, peak as f64 / 1048576.0);
-            assert!(peak <= WORKER_MIB << 20 && hits == 0, "worker {}: peak {peak}, {hits} limit hits", self.endpoint);
-        }
-    }
-}
-
-impl Drop for Worker {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 fn sluice(args: &[&str]) -> Output {
     sluice_command().args(args).output().expect("run sluice")
@@ -190,8 +97,8 @@ fn two_workers_give_the_resident_text_within_their_budgets() {
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(err.contains(&format!("{} ", w1.endpoint)) && err.contains("+ output"), "{name}: {err}");
     }
-    w1.assert_within_cgroup();
-    w2.assert_within_cgroup();
+    w1.assert_within_cgroup(WORKER_MIB);
+    w2.assert_within_cgroup(WORKER_MIB);
 }
 
 #[test]

@@ -111,7 +111,7 @@ fn the_units_verify_and_are_hardened() {
 fn rpc_drop_ins_admit_only_the_head_and_reach_only_the_workers() {
     let worker =
         unit_text(&["--board", "rpi5-8gb", "unit", "--worker", "--listen", "10.0.0.2:50052", "--head", "10.0.0.1"]);
-    assert!(worker.contains("worker --board rpi5-8gb --listen 10.0.0.2:50052\n"), "{worker}");
+    assert!(worker.contains("worker --board rpi5-8gb --listen 10.0.0.2:50052 --allow 10.0.0.1\n"), "{worker}");
     assert!(worker.contains("\nIPAddressAllow=10.0.0.1\n") && worker.contains("MemoryMax=7168M\n"), "{worker}");
     let score = analyze(unit_root(WORKER, Some(&worker)).path(), WORKER);
     assert!(score <= 1.5, "worker drop-in: exposure {score} > 1.5");

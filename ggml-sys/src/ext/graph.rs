@@ -22,7 +22,8 @@ pub struct GraphBuilder {
     graph_made: std::cell::Cell<bool>,
 }
 
-/// A tensor of a [`GraphBuilder`].
+/// A tensor of a [`GraphBuilder`]. An operation takes nodes that live at least as long as the
+/// builder it is called on, so no graph ever points into a builder dropped before it.
 #[derive(Clone, Copy)]
 pub struct Node<'c> {
     raw: NonNull<sys::ggml_tensor>,
@@ -132,7 +133,9 @@ impl GraphBuilder {
     pub fn new(max_tensors: usize) -> Result<GraphBuilder> {
         crate::init();
         // SAFETY: pure size arithmetic.
-        let mem_size = unsafe { sys::ggml_tensor_overhead() * max_tensors + sys::ggml_graph_overhead() };
+        let mem_size = unsafe {
+            sys::ggml_tensor_overhead() * max_tensors + sys::ggml_graph_overhead_custom(max_tensors.max(1), false)
+        };
         let params = sys::ggml_init_params { mem_size, mem_buffer: std::ptr::null_mut(), no_alloc: true };
         // SAFETY: params is fully initialized; ggml allocates the metadata arena itself.
         let ctx = NonNull::new(unsafe { sys::ggml_init(params) })
@@ -172,17 +175,17 @@ impl GraphBuilder {
         made(unsafe { sys::ggml_new_tensor(ctx, ty.0, ne.len() as i32, ne.as_ptr()) }, "ggml_new_tensor")
     }
 
-    fn binary(
-        &self,
-        a: Node<'_>,
-        b: Node<'_>,
+    fn binary<'c>(
+        &'c self,
+        a: Node<'c>,
+        b: Node<'c>,
         call: &'static str,
         f: unsafe extern "C" fn(
             *mut sys::ggml_context,
             *mut sys::ggml_tensor,
             *mut sys::ggml_tensor,
         ) -> *mut sys::ggml_tensor,
-    ) -> Result<Node<'_>> {
+    ) -> Result<Node<'c>> {
         if !can_repeat(b.view(), a.view()) {
             return Err(Error::Extension {
                 call,
@@ -195,36 +198,36 @@ impl GraphBuilder {
     }
 
     /// `a + b` (b broadcast).
-    pub fn add(&self, a: Node<'_>, b: Node<'_>) -> Result<Node<'_>> {
+    pub fn add<'c>(&'c self, a: Node<'c>, b: Node<'c>) -> Result<Node<'c>> {
         self.binary(a, b, "ggml_add", sys::ggml_add)
     }
 
     /// `a + b` written into `a`'s memory (an explicit in-place node, a view of `a`).
-    pub fn add_inplace(&self, a: Node<'_>, b: Node<'_>) -> Result<Node<'_>> {
+    pub fn add_inplace<'c>(&'c self, a: Node<'c>, b: Node<'c>) -> Result<Node<'c>> {
         self.binary(a, b, "ggml_add_inplace", sys::ggml_add_inplace)
     }
 
     /// `a * b` elementwise (b broadcast).
-    pub fn mul(&self, a: Node<'_>, b: Node<'_>) -> Result<Node<'_>> {
+    pub fn mul<'c>(&'c self, a: Node<'c>, b: Node<'c>) -> Result<Node<'c>> {
         self.binary(a, b, "ggml_mul", sys::ggml_mul)
     }
 
     /// `a * s`.
-    pub fn scale(&self, a: Node<'_>, s: f32) -> Result<Node<'_>> {
+    pub fn scale<'c>(&'c self, a: Node<'c>, s: f32) -> Result<Node<'c>> {
         let ctx = self.ctx_for("ggml_scale")?;
         // SAFETY: a context with room and a live tensor.
         made(unsafe { sys::ggml_scale(ctx, a.raw.as_ptr(), s) }, "ggml_scale")
     }
 
     /// RMS norm over rows of `a`.
-    pub fn rms_norm(&self, a: Node<'_>, eps: f32) -> Result<Node<'_>> {
+    pub fn rms_norm<'c>(&'c self, a: Node<'c>, eps: f32) -> Result<Node<'c>> {
         let ctx = self.ctx_for("ggml_rms_norm")?;
         // SAFETY: a context with room and a live tensor.
         made(unsafe { sys::ggml_rms_norm(ctx, a.raw.as_ptr(), eps) }, "ggml_rms_norm")
     }
 
     /// A registered operator over `srcs` with attribute bytes `attrs` (exactly its size).
-    pub fn ext(&self, op: ExtOp, srcs: &[Node<'_>], attrs: &[u8]) -> Result<Node<'_>> {
+    pub fn ext<'c>(&'c self, op: ExtOp, srcs: &[Node<'c>], attrs: &[u8]) -> Result<Node<'c>> {
         if attrs.len() != op.attr_size() {
             return Err(Error::Extension {
                 call: "ggml_ext_op_create",
@@ -245,12 +248,13 @@ impl GraphBuilder {
     }
 
     /// The forward graph computing `out` (one per builder).
-    pub fn graph(&self, out: Node<'_>) -> Result<Graph<'_>> {
+    pub fn graph<'c>(&'c self, out: Node<'c>) -> Result<Graph<'c>> {
         if self.graph_made.replace(true) {
             return Err(Error::Extension { call: "ggml_new_graph", detail: "a builder makes one graph".into() });
         }
-        // SAFETY: a live context with room for its one graph (reserved in new).
-        let raw = unsafe { sys::ggml_new_graph(self.ctx.as_ptr()) };
+        // SAFETY: a live context with room for its one graph of max_tensors nodes (reserved in
+        // new), as many as the builder can make, so ggml never finds the graph full.
+        let raw = unsafe { sys::ggml_new_graph_custom(self.ctx.as_ptr(), self.max_tensors.max(1), false) };
         // SAFETY: raw is a live graph of this context; out a live tensor.
         unsafe { sys::ggml_build_forward_expand(raw, out.raw.as_ptr()) };
         Ok(Graph { raw, _ctx: PhantomData })
@@ -300,5 +304,23 @@ impl Graph<'_> {
     /// Whether the graph has no nodes.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+    /// The name of the first node or input that has no data (never allocated, or detached
+    /// from a scheduler's buffers); `None` when every one has.
+    pub(crate) fn unallocated(&self) -> Option<String> {
+        for i in 0..self.len() {
+            // SAFETY: i < n_nodes of a live graph.
+            let node = unsafe { sys::ggml_graph_node(self.raw, i as i32) };
+            // SAFETY: nodes of a live graph are live; their sources too.
+            let srcs = unsafe { (*node).src };
+            for t in std::iter::once(node).chain(srcs.into_iter().filter(|s| !s.is_null())) {
+                // SAFETY: a live tensor.
+                let empty = unsafe { sys::ggml_nbytes(t) } == 0;
+                if !empty && !allocated(t) {
+                    return Some(name_of(t));
+                }
+            }
+        }
+        None
     }
 }

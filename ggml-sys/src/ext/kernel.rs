@@ -252,7 +252,10 @@ unsafe extern "C" fn match_trampoline(graph: *const sys::ggml_cgraph, i: c_int, 
     // SAFETY: ggml passes the registration's user data and a live graph.
     let d = unsafe { data(user_data) };
     let nodes = GraphNodes { raw: graph, _life: std::marker::PhantomData };
-    guarded(d, "match", 0, || d.kernel.matches(nodes, i.max(0) as usize).min(c_int::MAX as usize) as c_int)
+    let i = i.max(0) as usize;
+    // ggml indexes the graph with i + count: a count past the graph's end is cut to what is left.
+    let left = nodes.len().saturating_sub(i);
+    guarded(d, "match", 0, || d.kernel.matches(nodes, i).min(left).min(c_int::MAX as usize) as c_int)
 }
 
 unsafe extern "C" fn prepare_trampoline(
@@ -318,7 +321,11 @@ unsafe extern "C" fn execute_trampoline(
 unsafe extern "C" fn destroy_trampoline(state: *mut c_void, _user_data: *mut c_void) {
     if !state.is_null() {
         // SAFETY: state is the Box prepare_trampoline made; ggml destroys it once.
-        drop(unsafe { Box::from_raw(state.cast::<Option<Box<dyn Any + Send>>>()) });
+        let state = unsafe { Box::from_raw(state.cast::<Option<Box<dyn Any + Send>>>()) };
+        // A state whose Drop panics must not unwind into C (an abort): the panic is logged.
+        if catch_unwind(AssertUnwindSafe(|| drop(state))).is_err() {
+            log::error!("an extension kernel's state panicked while it was dropped");
+        }
     }
 }
 

@@ -170,11 +170,14 @@ impl Backend {
     }
 
     /// Computes `graph` directly on this backend (`ggml_backend_graph_compute`): its tensors
-    /// must have been allocated on it ([`super::GraphBuilder::alloc_on`]). Single-node
-    /// extension kernels run with temporary plans; nothing is fused.
+    /// must have been allocated ([`super::GraphBuilder::alloc_on`]); a graph with a tensor
+    /// without data is [`Error::NotAllocated`]. Single-node extension kernels run with
+    /// temporary plans; nothing is fused.
     pub fn compute(&self, graph: &Graph<'_>) -> Result<()> {
-        // SAFETY: a live backend and graph; allocation is checked by ggml's kernels through
-        // the graph's tensors, which the builder allocated on this backend.
+        if let Some(name) = graph.unallocated() {
+            return Err(Error::NotAllocated(name));
+        }
+        // SAFETY: a live backend and graph whose every tensor has data (checked above).
         let status = unsafe { sys::ggml_backend_graph_compute(self.raw, graph.raw()) };
         check_status("ggml_backend_graph_compute", status)
     }
@@ -299,9 +302,11 @@ impl<'b> Scheduler<'b> {
     }
 
     /// Sizes the compute buffers (and extension workspace) for `graph` without computing it:
-    /// kernels prepare here, before tensors have addresses.
+    /// kernels prepare here, before tensors have addresses. Reserving may replace the buffers,
+    /// so every graph allocated before is detached first (allocate it again to compute it).
     pub fn reserve(&mut self, graph: &Graph<'_>) -> Result<()> {
-        // SAFETY: a live scheduler and graph.
+        self.detach_all();
+        // SAFETY: a live scheduler and graph; no allocated graph points into its buffers.
         if unsafe { sys::ggml_backend_sched_reserve(self.raw, graph.raw()) } {
             Ok(())
         } else {
@@ -322,21 +327,29 @@ impl<'b> Scheduler<'b> {
     /// Allocates `graph`'s tensors (detaching those of every graph allocated before).
     pub fn alloc(&mut self, graph: &'b Graph<'_>) -> Result<()> {
         self.detach_all();
-        self.allocated.push(graph.raw());
         // SAFETY: a live scheduler and graph; the scheduler must be reset before a new
         // allocation, which reset does.
         unsafe { sys::ggml_backend_sched_reset(self.raw) };
         // SAFETY: as above.
         if unsafe { sys::ggml_backend_sched_alloc_graph(self.raw, graph.raw()) } {
+            self.allocated.push(graph.raw());
             Ok(())
         } else {
+            // Whatever it allocated before failing is detached when the next graph is.
+            self.allocated.push(graph.raw());
+            self.detach_all();
             Err(Error::Graph { call: "ggml_backend_sched_alloc_graph", status: "failed" })
         }
     }
 
-    /// Computes `graph` (allocated by [`Scheduler::alloc`]).
+    /// Computes `graph`, which must be the graph last allocated by [`Scheduler::alloc`] (and
+    /// not detached since by another allocation or a reservation): anything else is
+    /// [`Error::NotAllocated`].
     pub fn compute(&mut self, graph: &Graph<'_>) -> Result<()> {
-        // SAFETY: a live scheduler and graph.
+        if self.allocated.last() != Some(&graph.raw()) {
+            return Err(Error::NotAllocated("the graph (allocate it with Scheduler::alloc first)".into()));
+        }
+        // SAFETY: a live scheduler and the graph it allocated last, still attached.
         let status = unsafe { sys::ggml_backend_sched_graph_compute(self.raw, graph.raw()) };
         check_status("ggml_backend_sched_graph_compute", status)
     }

@@ -123,13 +123,35 @@ pub fn board_for(
     model: Option<&std::path::Path>,
     overrides: &Overrides,
 ) -> Result<(HardwareProbe, ResolvedBoard), BoardError> {
+    let (probe, resolved) = probe_and_resolve(root, choice, model, overrides);
+    Ok((probe, resolved?))
+}
+
+/// The hardware probe, always, and the profile resolved against it (or why it cannot be): what
+/// `sluice probe` shows even when the profile does not fit this build or board.
+pub fn probe_and_resolve(
+    root: &SysRoot,
+    choice: &BoardChoice,
+    model: Option<&std::path::Path>,
+    overrides: &Overrides,
+) -> (HardwareProbe, Result<ResolvedBoard, BoardError>) {
     let probe = HardwareProbe::run(root, model);
+    let resolved = resolve_probed(root, choice, &probe, overrides);
+    (probe, resolved)
+}
+
+fn resolve_probed(
+    root: &SysRoot,
+    choice: &BoardChoice,
+    probe: &HardwareProbe,
+    overrides: &Overrides,
+) -> Result<ResolvedBoard, BoardError> {
     let selected = select(choice, &probe.identity)?;
     let allowed = if root.is_real() { sluice_hal::cpu::allowed_cpus().ok() } else { None };
-    let resolved = resolve(selected, &probe, overrides, allowed.as_deref(), BuildCaps::of_this_build())?;
+    let resolved = resolve(selected, probe, overrides, allowed.as_deref(), BuildCaps::of_this_build())?;
     log::info!("board profile {} ({}): {}", resolved.selected.id, resolved.selected.origin, resolved.selected.reason);
     for note in &resolved.notes {
         log::warn!("board {}: {note}", resolved.selected.id);
     }
-    Ok((probe, resolved))
+    Ok(resolved)
 }

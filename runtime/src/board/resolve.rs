@@ -304,7 +304,7 @@ pub fn resolve(
         (ServiceName::Cpu, _) => ComputeService::Cpu,
         (ServiceName::Cuda, true) => ComputeService::Cuda { n_gpu_layers: p.compute.n_gpu_layers },
         (ServiceName::Cuda, false) if p.compute.cpu_fallback => {
-            notes.push("compute.service = \"cuda\" but this build has no CUDA; running on the cpu service (compute.cpu_fallback)".into());
+            notes.push("compute.service = \"cuda\" but this build has no CUDA (or its driver finds no GPU): running on the cpu service (compute.cpu_fallback); a `--features cuda` build on the board runs it on the GPU".into());
             ComputeService::Cpu
         }
         (ServiceName::Cuda, false) => return Err(BoardError::NoCuda { origin }),

@@ -136,23 +136,8 @@ const MAX_PROFILE_BYTES: u64 = 1 << 20;
 /// Reads a profile file: a regular file (a FIFO would block, a device read without end) of at
 /// most [`MAX_PROFILE_BYTES`].
 fn read_profile_file(path: &std::path::Path) -> Result<String, BoardError> {
-    use std::io::Read as _;
-    let err = |message: String| BoardError::Read { path: path.to_path_buf(), message };
-    let meta = std::fs::metadata(path).map_err(|e| err(e.to_string()))?;
-    if !meta.is_file() {
-        return Err(err("not a regular file (a directory, FIFO or device); give a TOML profile file".into()));
-    }
-    if meta.len() > MAX_PROFILE_BYTES {
-        return Err(err(format!(
-            "{} bytes is too large for a board profile (at most {MAX_PROFILE_BYTES})",
-            meta.len()
-        )));
-    }
-    let mut text = String::new();
-    std::fs::File::open(path)
-        .and_then(|f| f.take(MAX_PROFILE_BYTES).read_to_string(&mut text))
-        .map_err(|e| err(e.to_string()))?;
-    Ok(text)
+    sluice_hal::file::read_regular_string(path, MAX_PROFILE_BYTES)
+        .map_err(|e| BoardError::Read { path: path.to_path_buf(), message: e.to_string() })
 }
 
 #[cfg(test)]

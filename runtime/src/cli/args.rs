@@ -125,10 +125,27 @@ pub struct StreamArgs {
 pub struct RpcArgs {
     /// RPC workers (`sluice worker`) that hold the model's last layers resident, as
     /// HOST:PORT,... in layer order (the last one holds the output layer too); this board keeps
-    /// the first layers and streams their experts. Use a private link only: ggml's RPC has no
-    /// authentication.
+    /// the first layers and streams their experts. Use a private link only: the link is not
+    /// encrypted.
     #[arg(long, value_name = "HOST:PORT,...")]
     pub rpc: Vec<String>,
+    /// The pre-shared key file the workers were started with (`sluice worker --key-file`).
+    #[arg(long, value_name = "FILE")]
+    pub rpc_key_file: Option<std::path::PathBuf>,
+}
+
+impl RpcArgs {
+    /// Sets up this process's link to the workers (time bounds, and the key from `key_file`,
+    /// or `--rpc-key-file` when given); a no-op without workers.
+    pub fn configure_link(&self, endpoints: &[String], key_file: Option<&std::path::Path>) -> anyhow::Result<()> {
+        if endpoints.is_empty() {
+            return Ok(());
+        }
+        let key =
+            self.rpc_key_file.as_deref().or(key_file).map(sluice::scaleout::link::LinkKey::from_file).transpose()?;
+        sluice::scaleout::link::configure_head(key);
+        Ok(())
+    }
 }
 
 /// A streaming configuration on `board`: its lanes and compute service.

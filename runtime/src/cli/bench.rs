@@ -295,6 +295,7 @@ pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
         sluice_hal::cgroup::join(dir).with_context(|| format!("joining {}", dir.display()))?;
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
+    a.rpc.configure_link(&a.rpc.rpc, None)?;
     let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board, &a.lossy.lossy(), &a.rpc.rpc)?;
     outln!("{}", serde_json::to_string(&out)?);
     Ok(())

@@ -43,6 +43,7 @@ pub struct PlanArgs {
 pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
     generate::check_model_file(&a.model)?;
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
+    a.rpc.configure_link(&a.rpc.rpc, None)?;
     let (split, index) =
         scaleout::prepare(&a.rpc.rpc, &a.model, ExpertIndex::open(&a.model)?, a.ctx, board.compute.offloads())?;
     let rpc = split.as_ref().map(scaleout::Split::rpc);

@@ -43,14 +43,20 @@ pub fn run_probe(a: &ProbeArgs, choice: &BoardChoice) -> Result<()> {
             f.display()
         );
     }
-    let (probe, resolved) = board::board_for(&root, choice, storage_file, &a.tuning.overrides())?;
+    let (probe, resolved) = board::probe_and_resolve(&root, choice, storage_file, &a.tuning.overrides());
     out!("{}", board::describe_probe(&probe));
     outln!("ggml");
     outln!("  backends: {}", ggml_sys::backends().join(", "));
-    outln!("  GPU offload: {}", if ggml_sys::supports_gpu_offload() { "yes" } else { "no (built without cuda)" });
+    let gpu = ggml_sys::supports_gpu_offload();
+    outln!("  GPU offload: {}", if gpu { "yes" } else { "no (this build has no CUDA, or its driver finds no GPU)" });
     for s in ggml_sys::extension_services() {
         outln!("  {}: {}", s.name, s.backend.map_or("absent".to_string(), |b| format!("present ({b})")));
     }
+    outln!(
+        "  compute services this build can run: {}",
+        if gpu { "cpu, cuda" } else { "cpu (a `--features cuda` build on the board adds cuda)" }
+    );
+    let resolved = resolved?;
     out!("{}", board::describe_resolved(&resolved));
     if let Some(file) = &a.io {
         let align = StorageProbe::for_file(&SysRoot::default(), file).map_or(4096, |s| s.direct_alignment()) as usize;

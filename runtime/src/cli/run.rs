@@ -118,6 +118,7 @@ fn run_streamed(
     let mut config = args::stream_config(board, 0, args.force_cache, args.dense);
     config.lossy = args.lossy.lossy();
     if !rpc.rpc.is_empty() {
+        rpc.configure_link(&rpc.rpc, None)?;
         let positions = generate::prompt_positions(model_path, prompt, params.n_predict)?;
         let (split, head) = scaleout::prepare(&rpc.rpc, model_path, index, positions, config.gpu_layers > 0)?;
         index = head;

@@ -152,6 +152,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     let ctx = a.ctx.or(file.ctx);
     let cache_mb = a.cache_mb.or(file.cache_mb);
     let rpc = if a.rpc.rpc.is_empty() { file.rpc.clone().unwrap_or_default() } else { a.rpc.rpc.clone() };
+    a.rpc.configure_link(&rpc, file.rpc_key_file.as_deref())?;
     let cors_origins =
         if a.cors_origins.is_empty() { file.cors_origins.clone().unwrap_or_default() } else { a.cors_origins.clone() };
     let api_key_file = a.api_key_file.clone().or(file.api_key_file.clone());

@@ -7,6 +7,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::board::BoardChoice;
+use sluice::scaleout::link::LinkKey;
 use sluice::scaleout::worker::{self, WorkerConfig};
 
 use super::args::{self, TuningArgs};
@@ -14,10 +15,20 @@ use super::args::{self, TuningArgs};
 /// `sluice worker` arguments.
 #[derive(Args)]
 pub struct WorkerArgs {
-    /// This board's IPv4 address and port on the private link to the head. ggml's RPC has no
-    /// authentication: never a public interface (and systemd's unit admits only the head).
+    /// This board's IPv4 address and port on the private link to the head: never a public
+    /// interface (systemd's unit admits only the head).
     #[arg(long, value_name = "IPV4:PORT")]
     listen: SocketAddrV4,
+    /// The heads' IP addresses that may connect (others are closed at once); default: any.
+    #[arg(long, value_name = "IP,...", value_delimiter = ',')]
+    allow: Vec<std::net::IpAddr>,
+    /// A file holding a pre-shared key (at least 16 bytes) the head must prove before any
+    /// command, and the worker proves back; give the head the same file with --rpc-key-file.
+    #[arg(long, value_name = "FILE")]
+    key_file: Option<PathBuf>,
+    /// The most the tensor cache keeps on disk, in MiB (the oldest files go first).
+    #[arg(long, default_value_t = 8192, value_parser = clap::value_parser!(u64).range(1..=1 << 30))]
+    cache_max_mib: u64,
     /// ggml's tensor cache: weights the head sent before are read from here after a restart
     /// instead of the network (default: $CACHE_DIRECTORY, which systemd's CacheDirectory= sets,
     /// else rpc in sluice's cache directory: $SLUICE_CACHE_DIR, else ~/.cache/sluice).
@@ -42,6 +53,15 @@ pub fn run_worker(a: &WorkerArgs, choice: &BoardChoice) -> Result<()> {
     }
     let board = args::board(choice, None, &TuningArgs { threads: a.threads, ..Default::default() })?;
     let cache_dir = if a.no_cache { None } else { Some(a.cache_dir.clone().unwrap_or_else(worker::default_cache_dir)) };
-    let cfg = WorkerConfig { listen: a.listen, cache_dir, threads: board.threads(), budget: board.budget.clone() };
+    let key = a.key_file.as_deref().map(LinkKey::from_file).transpose()?;
+    let cfg = WorkerConfig {
+        listen: a.listen,
+        cache_dir,
+        threads: board.threads(),
+        budget: board.budget.clone(),
+        allow: a.allow.clone(),
+        key,
+        cache_max_bytes: a.cache_max_mib << 20,
+    };
     match worker::run(&cfg).with_context(|| format!("sluice worker at {}", a.listen))? {}
 }

@@ -7,6 +7,7 @@
 //! of the model, resident there (dense weights and experts); the head keeps the first layers and
 //! streams their experts under its own budget.
 
+pub mod link;
 pub mod split;
 pub mod worker;
 

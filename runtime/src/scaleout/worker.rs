@@ -2,11 +2,14 @@
 //! ggml's RPC server runs over this board's CPU with the profile's compute cores and threads,
 //! refuses any buffer beyond the memory budget (and reports the budget as its memory, so the
 //! head plans within it), and keeps the weights it was sent in a tensor cache on disk, so a
-//! restarted worker takes them from there instead of the network.
+//! restarted worker takes them from there instead of the network (within a byte bound, each
+//! file checked against its hash). Every command is checked before use (vendor patch 0009), and
+//! who may connect is [`Admission`]'s: the `--allow` list and the pre-shared key.
 
 use std::net::SocketAddrV4;
 use std::path::PathBuf;
 
+use super::link::{Admission, LinkKey};
 use crate::board::resolve::Sourced;
 use crate::budget::OVERHEAD_BYTES;
 use crate::serve::notify;
@@ -23,7 +26,17 @@ pub struct WorkerConfig {
     pub threads: ggml_sys::Threads,
     /// The memory budget.
     pub budget: Sourced<u64>,
+    /// The heads' addresses that may connect (empty: any).
+    pub allow: Vec<std::net::IpAddr>,
+    /// The key a head must prove (`None`: none).
+    pub key: Option<LinkKey>,
+    /// Bytes the tensor cache may hold on disk.
+    pub cache_max_bytes: u64,
 }
+
+/// Buffers one head may hold at once (a model's weights, KV cache and compute buffers take a
+/// few dozen).
+const MAX_BUFFERS: usize = 1024;
 
 /// Why a worker cannot serve.
 #[derive(Debug, thiserror::Error)]
@@ -87,26 +100,43 @@ pub fn run(cfg: &WorkerConfig) -> Result<std::convert::Infallible, WorkerError> 
             own_mib: mib(own),
         });
     }
-    if cfg.listen.ip().is_unspecified() {
+    if cfg.key.is_none() && cfg.allow.is_empty() {
         log::warn!(
-            "listening on every interface ({}): ggml's RPC has no authentication; anyone who reaches this port can use this board. Listen on the private link's address instead.",
+            "no --key-file and no --allow: anyone who reaches {} can use this board; give the head's address with --allow and a key with --key-file",
             cfg.listen
         );
     }
+    if cfg.listen.ip().is_unspecified() {
+        log::warn!("listening on every interface ({}): listen on the private link's address instead.", cfg.listen);
+    }
     let status = format!(
-        "serving RPC at {}: lending {:.1} MiB of the {:.1} MiB budget ({}), {} threads on cores {}, tensor cache {}",
+        "serving RPC at {}: lending {:.1} MiB of the {:.1} MiB budget ({}), {} threads on cores {}, tensor cache {}, heads {}{}",
         cfg.listen,
         mib(lend),
         mib(cfg.budget.value),
         cfg.budget.source,
         cfg.threads.count,
         sluice_hal::cpulist::format(&cfg.threads.cpus),
-        cfg.cache_dir.as_ref().map_or("off".to_string(), |d| d.display().to_string())
+        cfg.cache_dir.as_ref().map_or("off".to_string(), |d| d.display().to_string()),
+        if cfg.allow.is_empty() {
+            "from anywhere".to_string()
+        } else {
+            cfg.allow.iter().map(ToString::to_string).collect::<Vec<_>>().join(", ")
+        },
+        if cfg.key.is_some() { " with the key" } else { "" }
     );
-    ggml_sys::rpc_serve(&cfg.listen.to_string(), cfg.cache_dir.as_deref(), cfg.threads.count as usize, lend, || {
-        log::info!("{status}");
-        eprintln!("sluice worker: {status}");
-        notify::ready(&status);
-    })
-    .map_err(WorkerError::Serve)
+    let admission = Admission { allow: cfg.allow.clone(), key: cfg.key.clone() };
+    let opts = ggml_sys::RpcServeOptions {
+        max_alloc: lend,
+        max_buffers: MAX_BUFFERS,
+        cache_max_bytes: cfg.cache_max_bytes,
+        on_accept: Box::new(move |stream| admission.admit(stream)),
+        on_listening: Box::new(|| {
+            log::info!("{status}");
+            eprintln!("sluice worker: {status}");
+            notify::ready(&status);
+        }),
+    };
+    ggml_sys::rpc_serve(&cfg.listen.to_string(), cfg.cache_dir.as_deref(), cfg.threads.count as usize, opts)
+        .map_err(WorkerError::Serve)
 }

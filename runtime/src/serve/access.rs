@@ -63,6 +63,9 @@ pub struct KeySources {
     pub state_dir: Option<PathBuf>,
 }
 
+/// The largest API key file read.
+const MAX_KEY_FILE_BYTES: u64 = 64 << 10;
+
 impl KeySources {
     /// The key, and where it came from; `None` when no source has one.
     fn resolve(&self) -> Result<Option<(String, String)>, AccessError> {
@@ -70,7 +73,7 @@ impl KeySources {
             return Ok(Some((k.clone(), "--api-key".into())));
         }
         let read = |path: &Path| -> Result<(String, String), AccessError> {
-            let text = std::fs::read_to_string(path)
+            let text = sluice_hal::file::read_regular_string(path, MAX_KEY_FILE_BYTES)
                 .map_err(|source| AccessError::Read { path: path.to_path_buf(), source })?;
             Ok((text.trim().to_string(), path.display().to_string()))
         };

@@ -27,6 +27,8 @@ pub(super) struct Answer {
     text: ResponseText,
     message: Option<MessageStream>,
     logprobs: Vec<TokenLogprob>,
+    /// The request field the grammar comes from.
+    grammar_param: &'static str,
 }
 
 impl Answer {
@@ -53,16 +55,21 @@ impl Answer {
             shown = c.shown;
             message = Some(MessageStream::new(c.parser, &tool_call_prefix()));
         }
+        let grammar_param = if params.grammar_kind == GrammarKind::Output { "response_format" } else { "tools" };
         let mut sampler = Sampler::new(model, &params).map_err(|e| {
             let e = e.to_string();
             if e.contains("logit_bias") {
                 return ApiError::invalid(e, Some("logit_bias"));
             }
-            let param = if params.grammar_kind == GrammarKind::Output { "response_format" } else { "tools" };
-            ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some(param))
+            ApiError::invalid(format!("the answer's grammar cannot be enforced: {e}"), Some(grammar_param))
         })?;
         sampler.show_special(shown);
-        Ok((sampler, Answer { text: ResponseText::new(&stops), message, logprobs: Vec::new() }))
+        Ok((sampler, Answer { text: ResponseText::new(&stops), message, logprobs: Vec::new(), grammar_param }))
+    }
+
+    /// The request field the answer's grammar comes from (`response_format` or `tools`).
+    pub(super) fn grammar_param(&self) -> &'static str {
+        self.grammar_param
     }
 
     /// Takes a chosen token; returns the event to send, if there is news.

@@ -6,6 +6,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::chat::{chat_inputs, ChatFields};
+use super::limits::{MAX_LOGIT_BIAS, MAX_STOP_BYTES};
 
 /// An HTTP error with an OpenAI-style body: `{"error": {"message", "type", "param", "code"}}`.
 #[derive(Debug, Clone, PartialEq)]
@@ -184,7 +185,11 @@ impl PromptBound {
         let Some(limit) = self.bytes() else { return Ok(()) };
         let (bytes, param) = match &request.prompt {
             PromptInput::Text(t) => (t.len(), "prompt"),
-            PromptInput::Chat(c) => (c.messages.to_string().len(), "messages"),
+            // Tools and schemas are rendered into the prompt or its grammar: they count too.
+            PromptInput::Chat(c) => {
+                let text = |v: &Option<serde_json::Value>| v.as_ref().map_or(0, |v| v.to_string().len());
+                (c.messages.to_string().len() + text(&c.tools) + text(&c.json_schema), "messages")
+            }
         };
         if bytes <= limit {
             return Ok(());
@@ -307,6 +312,12 @@ impl RequestBody {
         if stop.iter().any(String::is_empty) {
             return Err(ApiError::invalid("stop: a stop sequence is empty", Some("stop")));
         }
+        if let Some(s) = stop.iter().find(|s| s.len() > MAX_STOP_BYTES) {
+            return Err(ApiError::invalid(
+                format!("stop: a stop sequence of {} bytes; at most {MAX_STOP_BYTES}", s.len()),
+                Some("stop"),
+            ));
+        }
         Ok((p, stop))
     }
 
@@ -324,8 +335,15 @@ impl RequestBody {
 /// `logit_bias`: token ids (as strings) to biases in [-100, 100]. Whether the tokens exist is
 /// checked against the vocabulary when the sampler is made.
 fn logit_bias(map: Option<Map<String, Value>>) -> Result<Vec<(ggml_sys::Token, f32)>, ApiError> {
+    let map = map.unwrap_or_default();
+    if map.len() > MAX_LOGIT_BIAS {
+        return Err(ApiError::invalid(
+            format!("logit_bias: {} entries; at most {MAX_LOGIT_BIAS}", map.len()),
+            Some("logit_bias"),
+        ));
+    }
     let mut out = Vec::new();
-    for (key, value) in map.unwrap_or_default() {
+    for (key, value) in map {
         let param = format!("logit_bias.{key}");
         let token = key
             .parse::<ggml_sys::Token>()

@@ -10,6 +10,7 @@ use ggml_sys::{ChatInputs, ChatParser, ParsedMessage, ToolChoice};
 use serde_json::{json, Map, Value};
 
 use super::api::ApiError;
+use super::limits::{self, MAX_TOOLS};
 
 /// Roles a message may have.
 const ROLES: [&str; 5] = ["system", "developer", "user", "assistant", "tool"];
@@ -48,6 +49,12 @@ pub fn chat_inputs(f: ChatFields) -> Result<ChatInputs, ApiError> {
     }
     let mut inputs = ChatInputs::new(Value::Array(f.messages));
     let mut tools = f.tools.unwrap_or_default();
+    if tools.len() > MAX_TOOLS {
+        return Err(ApiError::invalid(
+            format!("tools: {} tools; at most {MAX_TOOLS} per request", tools.len()),
+            Some("tools"),
+        ));
+    }
     for (i, t) in tools.iter().enumerate() {
         check_tool(i, t)?;
     }
@@ -189,7 +196,8 @@ fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
         return Err(ApiError::invalid(format!("{param}.function.name: a tool needs a name"), Some(&param)));
     }
     match t.pointer("/function/parameters") {
-        None | Some(Value::Object(_)) => Ok(()),
+        None => Ok(()),
+        Some(schema @ Value::Object(_)) => limits::check_schema(&format!("{param}.function.parameters"), schema),
         Some(_) => {
             Err(ApiError::invalid(format!("{param}.function.parameters: must be a JSON schema object"), Some(&param)))
         }
@@ -203,7 +211,10 @@ fn response_schema(format: &Value) -> Result<Option<Value>, ApiError> {
         Some("text") => Ok(None),
         Some("json_object") => Ok(Some(json!({ "type": "object" }))),
         Some("json_schema") => match format.pointer("/json_schema/schema") {
-            Some(schema @ Value::Object(_)) => Ok(Some(schema.clone())),
+            Some(schema @ Value::Object(_)) => {
+                limits::check_schema("response_format.json_schema.schema", schema)?;
+                Ok(Some(schema.clone()))
+            }
             Some(Value::Bool(true)) | None => Ok(Some(json!({}))),
             Some(other) => Err(ApiError::invalid(
                 format!("response_format.json_schema.schema: must be a JSON schema object, got {other}"),

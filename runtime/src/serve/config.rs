@@ -34,6 +34,8 @@ pub struct ServeFile {
     pub queue: Option<usize>,
     /// RPC workers, `host:port` in layer order.
     pub rpc: Option<Vec<String>>,
+    /// The pre-shared key file the workers were started with.
+    pub rpc_key_file: Option<PathBuf>,
     /// With an API key, require it for `/metrics` too.
     pub metrics_need_key: Option<bool>,
     /// Browser origins allowed by CORS.
@@ -77,6 +79,9 @@ pub enum ConfigError {
     },
 }
 
+/// The largest settings file read (a commented one is a few KiB).
+const MAX_FILE_BYTES: u64 = 1 << 20;
+
 /// The 1-based line of byte `offset` in `text`.
 fn line_of(text: &str, offset: usize) -> usize {
     text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1
@@ -85,8 +90,8 @@ fn line_of(text: &str, offset: usize) -> usize {
 impl ServeFile {
     /// Reads and checks the settings file at `path`.
     pub fn load(path: &Path) -> Result<ServeFile, ConfigError> {
-        let text =
-            std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
+        let text = sluice_hal::file::read_regular_string(path, MAX_FILE_BYTES)
+            .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
         ServeFile::parse(&text, path)
     }
 
@@ -146,7 +151,7 @@ impl ServeFile {
 }
 
 /// The keys, in the order the struct declares them.
-const KEYS: [&str; 11] = [
+const KEYS: [&str; 12] = [
     "model",
     "board",
     "listen",
@@ -156,6 +161,7 @@ const KEYS: [&str; 11] = [
     "model_id",
     "queue",
     "rpc",
+    "rpc_key_file",
     "metrics_need_key",
     "cors_origins",
 ];
@@ -175,6 +181,7 @@ mod tests {
             model_id: Some("qwen3".into()),
             queue: Some(4),
             rpc: Some(vec!["10.0.0.2:50052".into(), "10.0.0.3:50052".into()]),
+            rpc_key_file: Some("/etc/sluice/rpc.key".into()),
             metrics_need_key: Some(true),
             cors_origins: Some(vec!["https://example.org".into()]),
         }

@@ -2,7 +2,7 @@
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 use ggml_sys::ParsedMessage;
 
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::answer::Answer;
 use super::api::{ApiError, GenerationRequest, PromptBound};
@@ -28,6 +28,10 @@ use crate::stream::{self, ExpertIndex, StreamConfig, StreamedSession};
 
 /// Context length when `--ctx` is not given (or the model's, if shorter).
 pub const DEFAULT_CTX: u32 = 4096;
+/// The longest one token's grammar checks may take: well inside the watchdog's interval, so a
+/// costly grammar fails its request instead of stalling the service (cancel and SIGTERM stop it
+/// at once through the request's cancel flag).
+pub const GRAMMAR_TOKEN_BOUND: Duration = Duration::from_secs(5);
 /// How long the engine waits for a request before it reports that it is alive.
 pub(super) const IDLE_BEAT: Duration = Duration::from_millis(250);
 
@@ -119,13 +123,98 @@ pub enum Event {
     Failed(ApiError),
 }
 
+impl Event {
+    /// About how many bytes the event holds until its client reads it.
+    fn weight(&self) -> usize {
+        const OVERHEAD: usize = 64;
+        match self {
+            Event::Output { piece, logprobs } => {
+                let text = match piece {
+                    Piece::Text(t) => t.len(),
+                    Piece::Delta(d) => {
+                        d.content.len()
+                            + d.reasoning.len()
+                            + d.tool_calls.iter().map(|c| c.arguments.len() + OVERHEAD).sum::<usize>()
+                    }
+                };
+                OVERHEAD + text + logprobs.iter().map(TokenLogprob::weight).sum::<usize>()
+            }
+            _ => OVERHEAD,
+        }
+    }
+}
+
+/// The most output a client may leave unread before its generation is cancelled: the events
+/// wait in memory until the connection takes them, so a client that stops reading must not make
+/// the server keep a whole answer for it.
+pub const MAX_UNREAD_BYTES: usize = 1 << 20;
+
+/// Why an event was not sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unsent {
+    /// The request's handler is gone (its client left).
+    Gone,
+    /// The client left more than [`MAX_UNREAD_BYTES`] unread.
+    Unread,
+}
+
+/// Where a job's events go: a channel whose unread bytes are counted.
+#[derive(Debug)]
+pub struct EventSender {
+    tx: UnboundedSender<Event>,
+    unread: Arc<AtomicUsize>,
+}
+
+/// The request handler's end of a job's events.
+#[derive(Debug)]
+pub struct EventReceiver {
+    rx: UnboundedReceiver<Event>,
+    unread: Arc<AtomicUsize>,
+}
+
+/// A job's event channel.
+pub fn event_channel() -> (EventSender, EventReceiver) {
+    let (tx, rx) = unbounded_channel();
+    let unread = Arc::new(AtomicUsize::new(0));
+    (EventSender { tx, unread: Arc::clone(&unread) }, EventReceiver { rx, unread })
+}
+
+impl EventSender {
+    /// Sends `event`, unless the handler is gone or its client has left too much unread.
+    pub fn send(&self, event: Event) -> Result<(), Unsent> {
+        let weight = event.weight();
+        if self.unread.load(Ordering::Relaxed) + weight > MAX_UNREAD_BYTES {
+            return Err(Unsent::Unread);
+        }
+        self.unread.fetch_add(weight, Ordering::Relaxed);
+        self.tx.send(event).map_err(|_| Unsent::Gone)
+    }
+}
+
+impl EventReceiver {
+    /// The next event; `None` when the engine dropped the job.
+    pub async fn recv(&mut self) -> Option<Event> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// Polls for the next event.
+    pub fn poll_recv(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Event>> {
+        self.rx.poll_recv(cx).map(|e| {
+            if let Some(e) = &e {
+                self.unread.fetch_sub(e.weight().min(self.unread.load(Ordering::Relaxed)), Ordering::Relaxed);
+            }
+            e
+        })
+    }
+}
+
 /// A queued generation request.
 #[derive(Debug)]
 pub struct Job {
     /// What to generate.
     pub request: GenerationRequest,
     /// Where the events go.
-    pub events: UnboundedSender<Event>,
+    pub events: EventSender,
     /// Set when the client goes away (or the server stops): the generation ends at the next
     /// graph node.
     pub cancel: Arc<AtomicBool>,
@@ -404,6 +493,7 @@ impl Engine<'_, '_> {
                 return;
             }
         };
+        sampler.set_guard(Arc::clone(&cancel), GRAMMAR_TOKEN_BOUND);
         let _ = events.send(Event::Started { prompt_tokens: tokens.len() });
         self.shared.set_current(Some(Arc::clone(&cancel)));
         self.session.set_abort_flag(Some(Arc::clone(&cancel)));
@@ -416,7 +506,13 @@ impl Engine<'_, '_> {
             |chosen| {
                 let event = answer.take(model, chosen, logprobs);
                 if let Some(e) = event {
-                    if events.send(e).is_err() {
+                    if let Err(why) = events.send(e) {
+                        if why == Unsent::Unread {
+                            log::warn!(
+                                "a client left over {} KiB of its answer unread: cancelling its generation",
+                                MAX_UNREAD_BYTES >> 10
+                            );
+                        }
                         cancel.store(true, Ordering::Relaxed);
                         return ControlFlow::Break(());
                     }
@@ -471,6 +567,10 @@ impl Engine<'_, '_> {
                 log::info!("generation cancelled after its client went away or the server began stopping");
                 let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the generation was cancelled")));
             }
+            Err(GenerateError::Llama(e @ ggml_sys::Error::GrammarTooSlow { .. })) => {
+                log::warn!("a request's grammar was too costly: {e}");
+                let _ = events.send(Event::Failed(ApiError::invalid(e.to_string(), Some(answer.grammar_param()))));
+            }
             Err(e) => {
                 log::error!("generation failed: {e}");
                 let code = match e.lost_worker() {
@@ -484,5 +584,34 @@ impl Engine<'_, '_> {
                     events.send(Event::Failed(ApiError::new(code, "server_error", format!("generation failed: {e}"))));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_that_leaves_its_answer_unread_is_cut_off_at_the_bound() {
+        let (tx, mut rx) = event_channel();
+        let piece = || Event::Output { piece: Piece::Text("x".repeat(1000)), logprobs: Vec::new() };
+        let mut sent = 0;
+        let why = loop {
+            match tx.send(piece()) {
+                Ok(()) => sent += 1,
+                Err(why) => break why,
+            }
+            assert!(sent < 10_000, "never bounded");
+        };
+        assert_eq!(why, Unsent::Unread);
+        assert!(sent * 1000 <= MAX_UNREAD_BYTES && (sent + 2) * 1064 > MAX_UNREAD_BYTES, "{sent} events");
+        // What the client reads makes room again.
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        assert!(matches!(rx.poll_recv(&mut cx), std::task::Poll::Ready(Some(Event::Output { .. }))));
+        assert_eq!(tx.send(piece()), Ok(()));
+        let (tx, rx) = event_channel();
+        drop(rx);
+        assert_eq!(tx.send(Event::Started { prompt_tokens: 1 }), Err(Unsent::Gone));
     }
 }

@@ -18,6 +18,9 @@ const MAGIC: &[u8; 8] = b"SLUICEHM";
 pub const VERSION: u32 = 1;
 /// The state file's name inside the state directory.
 pub const FILE_NAME: &str = "expert-heat.bin";
+/// The largest heat map read: a count (at most 10 varint bytes) for each expert of the largest
+/// models (~100 layers of ~512 experts), with room to spare.
+const MAX_FILE_BYTES: u64 = 16 << 20;
 
 /// Which model a heat map belongs to: its expert layout, so a map is never applied to another
 /// model (or to the same name re-quantized).
@@ -90,7 +93,7 @@ pub fn path_in(dir: &Path) -> PathBuf {
 
 /// Reads the counts saved at `path` for `model`. `Ok(None)`: no file (a first start).
 pub fn load(path: &Path, model: &ModelIdentity) -> Result<Option<Vec<u64>>, HeatError> {
-    let bytes = match std::fs::read(path) {
+    let bytes = match sluice_hal::file::read_regular(path, MAX_FILE_BYTES) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(source) => return Err(HeatError::Io { path: path.into(), source }),

@@ -41,6 +41,12 @@ impl TokenLogprob {
         }
     }
 
+    /// About how many bytes it holds.
+    pub fn weight(&self) -> usize {
+        const ENTRY: usize = 32;
+        ENTRY + self.bytes.len() + self.top.iter().map(|(b, _)| ENTRY + b.len()).sum::<usize>()
+    }
+
     fn text(bytes: &[u8]) -> String {
         String::from_utf8_lossy(bytes).into_owned()
     }

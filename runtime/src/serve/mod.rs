@@ -20,6 +20,7 @@ pub mod config;
 pub mod engine;
 pub mod heat;
 pub mod http;
+pub mod limits;
 pub mod logprobs;
 pub mod metrics;
 pub mod notify;
@@ -49,6 +50,9 @@ const POLL: Duration = Duration::from_millis(100);
 /// How long responses may take to be written after the engine stopped, and how long past the
 /// drain bound a busy engine is waited for.
 const LAST_WRITES: Duration = Duration::from_secs(2);
+/// The engine thread's stack: llama.cpp's grammar parser recurses as deep as a grammar's
+/// nesting (bounded by [`limits`]). Only the pages touched are committed.
+const ENGINE_STACK: usize = 16 << 20;
 /// File descriptors kept for everything but connections (model files, reader lanes, logs).
 const FD_RESERVE: usize = 64;
 
@@ -226,6 +230,16 @@ impl Shared {
         self.heartbeat_ms.store(self.now_ms(), Ordering::SeqCst);
     }
 
+    /// How long since the engine last made progress.
+    pub fn engine_silent(&self) -> Duration {
+        Duration::from_millis(self.now_ms().saturating_sub(self.heartbeat_ms.load(Ordering::SeqCst)))
+    }
+
+    /// Whether a generation is running.
+    pub fn engine_busy(&self) -> bool {
+        self.current.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
     /// How long since the engine last made progress, and since the acceptor last ran: the
     /// older of the two.
     fn since_beat(&self) -> Duration {
@@ -314,7 +328,10 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     let engine = {
         let shared = Arc::clone(&shared);
         let engine_cfg = cfg.engine.clone();
-        std::thread::Builder::new().name("sluice-engine".into()).spawn(move || engine::run(engine_cfg, &shared, rx))?
+        std::thread::Builder::new()
+            .name("sluice-engine".into())
+            .stack_size(ENGINE_STACK)
+            .spawn(move || engine::run(engine_cfg, &shared, rx))?
     };
     let pinger_done = Arc::new(AtomicBool::new(false));
     let pinger = notify::watchdog_interval().map(|interval| {

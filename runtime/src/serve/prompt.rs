@@ -34,6 +34,11 @@ pub(super) struct ChatSetup {
     pub(super) shown: Vec<Token>,
 }
 
+/// The stack of the thread that renders templates, converts schemas to grammars and tokenizes:
+/// llama.cpp recurses there as deep as a schema's nesting and an object's optional properties
+/// (bounded by [`super::limits`]) and a template's calls. Only the pages touched are committed.
+const PREPARE_STACK: usize = 64 << 20;
+
 /// A prompt to prepare, and where the result goes.
 type TokenizeJob = (PromptInput, Sender<Result<Prepared, ApiError>>);
 
@@ -103,7 +108,7 @@ impl Tokenizer {
     pub(super) fn start(model: Arc<Model>) -> Result<Tokenizer> {
         let (jobs, rx) = channel::<TokenizeJob>();
         let templates = chat_templates(&model)?;
-        std::thread::Builder::new().name("sluice-tokenize".into()).spawn(move || {
+        std::thread::Builder::new().name("sluice-tokenize".into()).stack_size(PREPARE_STACK).spawn(move || {
             for (prompt, reply) in rx {
                 let t0 = Instant::now();
                 let prepared = match &prompt {

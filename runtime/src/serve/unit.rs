@@ -150,6 +150,10 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
         }
     }
     args.extend(["--board".into(), board_arg, "--listen".into(), req.listen.to_string()]);
+    if let UnitRole::Worker { head } = &req.role {
+        // The worker itself admits the head alone too (beside IPAddressAllow=).
+        args.extend(["--allow".into(), head.to_string()]);
+    }
     let _ = writeln!(out, "ExecStart={}", args.iter().map(|a| exec_arg(a)).collect::<Vec<_>>().join(" "));
     // A worker computes only; the head's I/O lanes need their cores too.
     let io_cores = match req.role {
@@ -303,7 +307,7 @@ mod tests {
         .unwrap();
         assert!(
             w.contains(
-                "ExecStart=\nExecStart=/usr/local/bin/sluice -v worker --board rpi5-8gb --listen 10.0.0.2:50052\n"
+                "ExecStart=\nExecStart=/usr/local/bin/sluice -v worker --board rpi5-8gb --listen 10.0.0.2:50052 --allow 10.0.0.1\n"
             ),
             "{w}"
         );

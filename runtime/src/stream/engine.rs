@@ -544,7 +544,7 @@ impl<'m> Streamer<'m> {
             });
         }
         let r = Arc::new(Reservation::new(t.offset, t.size).map_err(StreamError::Reserve)?);
-        w.rebind(self.model, Arc::clone(&r)).map_err(|e| StreamError::Graph(e.to_string()))?;
+        w.rebind(Arc::clone(&r)).map_err(|e| StreamError::Graph(e.to_string()))?;
         Ok(r)
     }
 
@@ -564,7 +564,7 @@ impl<'m> Streamer<'m> {
         });
         let stats = self.source.lanes().read_all(&mut self.jobs)?;
         self.dense_bytes_read += stats.bytes;
-        w.rebind(self.model, r).map_err(|e| StreamError::Graph(e.to_string()))?;
+        w.rebind(r).map_err(|e| StreamError::Graph(e.to_string()))?;
         Ok(())
     }
 
@@ -683,7 +683,7 @@ impl<'m> Streamer<'m> {
         let k = topk.ne()[0] as usize;
         let n = (sorted.ne()[0] as usize).min(self.index.n_expert as usize);
         let reach = n.min(k + window as usize);
-        if sorted.host_bytes().is_none() {
+        if !sorted.has_host_bytes() {
             return Err(graph("the ranking is not in host memory"));
         }
         self.ranking.clear();
@@ -724,7 +724,7 @@ impl<'m> Streamer<'m> {
     /// Fills `self.ids` with the distinct expert ids of the top-k view `t` (`ne = [k, n_tokens]`,
     /// rows `nb[1]` apart: it is a view of the whole argsort).
     fn read_routed_ids(&mut self, t: TensorView<'_>, layer: u32) -> Result<(), StreamError> {
-        if t.host_bytes().is_none() {
+        if !t.has_host_bytes() {
             return Err(StreamError::Graph(format!("{} is not in host memory", t.name())));
         }
         let [k, n_tokens, ..] = t.ne();

@@ -10,11 +10,10 @@ use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use hyper::body::{Body as HttpBody, Frame, SizeHint};
-use tokio::sync::mpsc::UnboundedReceiver;
 
 use super::conn::RequestGuard;
 use super::reply::{Kind, Reply};
-use crate::serve::engine::{Event, Piece};
+use crate::serve::engine::{Event, EventReceiver, Piece};
 
 /// A response body.
 pub struct Body {
@@ -90,7 +89,7 @@ pub type Gone = Pin<Box<dyn Future<Output = ()> + Send>>;
 /// the client goes away; dropping it (hyper does when a write fails) cancels the generation.
 pub struct EventStream {
     reply: Reply,
-    events: UnboundedReceiver<Event>,
+    events: EventReceiver,
     gone: Gone,
     _cancel: CancelOnDrop,
     started: bool,
@@ -101,7 +100,7 @@ pub struct EventStream {
 
 impl EventStream {
     /// The stream of `events`, formatted as `reply`, cancelled through `cancel`.
-    pub fn new(reply: Reply, events: UnboundedReceiver<Event>, cancel: CancelOnDrop, gone: Gone) -> EventStream {
+    pub fn new(reply: Reply, events: EventReceiver, cancel: CancelOnDrop, gone: Gone) -> EventStream {
         EventStream { reply, events, gone, _cancel: cancel, started: false, ended: false, sent: 0 }
     }
 

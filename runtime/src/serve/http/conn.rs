@@ -2,10 +2,13 @@
 //! to a new client when the cap is reached.
 //!
 //! A connection is *in a request* from the moment hyper hands a request to the service until
-//! its response body is sent or dropped. Only connections that are not in a request can be
-//! evicted: one waiting for a request head (a stalled or idle client) or lingering after its
-//! last response. The least recently active goes first, so a flood of stalled sockets cannot
-//! keep a real client out; when every connection is in a request, a new one gets 503.
+//! its response body is sent or dropped. Connections that are not in a request can be evicted:
+//! one waiting for a request head (a stalled or idle client) or lingering after its last
+//! response. So can one whose client stalls inside its request for longer than
+//! [`STALL_GRACE`]: still sending its body (a client on this network sends a body within
+//! moments), or not reading its response. Idle ones go first, then stalled ones, the least
+//! recently active first, so a flood of stalled sockets, heads or bodies, cannot keep a real
+//! client out; when every connection is in a request and none stalls, a new one gets 503.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -13,6 +16,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
+
+/// How long a client may stall inside a request (sending its body, or reading its response)
+/// before its connection may give way to a new one.
+pub const STALL_GRACE: Duration = Duration::from_secs(2);
 
 /// One open connection, as its supervisor, its transport and its requests see it.
 #[derive(Debug)]
@@ -24,6 +31,8 @@ pub struct ConnState {
     last_active_ms: AtomicU64,
     /// Since when a write has waited for the peer to read (ms after `epoch`); `u64::MAX`: none.
     write_blocked_ms: AtomicU64,
+    /// Since when a request body has been read (ms after `epoch`); `u64::MAX`: none is.
+    body_since_ms: AtomicU64,
     /// Asks the supervisor to close the connection.
     pub close: Notify,
 }
@@ -35,6 +44,7 @@ impl ConnState {
             requests: AtomicUsize::new(0),
             last_active_ms: AtomicU64::new(epoch.elapsed().as_millis() as u64),
             write_blocked_ms: AtomicU64::new(u64::MAX),
+            body_since_ms: AtomicU64::new(u64::MAX),
             close: Notify::new(),
         }
     }
@@ -66,6 +76,33 @@ impl ConnState {
         self.write_blocked_ms.store(u64::MAX, Ordering::Relaxed);
     }
 
+    /// A request body is being read until the guard drops.
+    pub fn reading_body(self: &Arc<Self>) -> BodyGuard {
+        self.body_since_ms.store(self.now_ms(), Ordering::Relaxed);
+        BodyGuard(Arc::clone(self))
+    }
+
+    /// How long a request body has been read (zero when none is).
+    fn body_for(&self) -> Duration {
+        let since = self.body_since_ms.load(Ordering::Relaxed);
+        if since == u64::MAX {
+            return Duration::ZERO;
+        }
+        Duration::from_millis(self.now_ms().saturating_sub(since))
+    }
+
+    /// Whether the connection may give way to a new one: 0 idle, 1 stalled in a request for
+    /// longer than [`STALL_GRACE`]; `None`: busy.
+    fn eviction_class(&self) -> Option<u8> {
+        if !self.in_request() {
+            Some(0)
+        } else if self.body_for() > STALL_GRACE || self.write_stalled_for() > STALL_GRACE {
+            Some(1)
+        } else {
+            None
+        }
+    }
+
     /// How long the peer has left a write waiting (zero when none waits).
     pub fn write_stalled_for(&self) -> Duration {
         let since = self.write_blocked_ms.load(Ordering::Relaxed);
@@ -84,6 +121,16 @@ impl Drop for RequestGuard {
     fn drop(&mut self) {
         self.0.last_active_ms.store(self.0.now_ms(), Ordering::Relaxed);
         self.0.requests.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A request body being read; dropped when it is read or abandoned.
+#[derive(Debug)]
+pub struct BodyGuard(Arc<ConnState>);
+
+impl Drop for BodyGuard {
+    fn drop(&mut self) {
+        self.0.body_since_ms.store(u64::MAX, Ordering::Relaxed);
     }
 }
 
@@ -111,9 +158,9 @@ impl Registry {
         self.open.lock().unwrap_or_else(|e| e.into_inner()).values().filter(|c| c.in_request()).count()
     }
 
-    /// Admits a connection, evicting the least recently active one not in a request when the
-    /// cap is reached; `Err(Full)` when every open connection is in a request. The returned id
-    /// is given back with [`Registry::remove`].
+    /// Admits a connection, evicting the least recently active idle one (or else a stalled
+    /// one) when the cap is reached; `Err(Full)` when every open connection is busy. The
+    /// returned id is given back with [`Registry::remove`].
     pub fn admit(&self) -> Result<(u64, Arc<ConnState>), Full> {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         if open.len() >= self.cap {
@@ -128,8 +175,8 @@ impl Registry {
         Ok((id, state))
     }
 
-    /// Closes the least recently active connection that is not in a request, to free a file
-    /// descriptor; whether there was one.
+    /// Closes the least recently active connection that is idle (or else stalled), to free a
+    /// file descriptor; whether there was one.
     pub fn evict_one(&self) -> bool {
         let mut open = self.open.lock().unwrap_or_else(|e| e.into_inner());
         let Some(victim) = Self::least_active_idle(&open) else { return false };
@@ -146,9 +193,9 @@ impl Registry {
 
     fn least_active_idle(open: &HashMap<u64, Arc<ConnState>>) -> Option<u64> {
         open.iter()
-            .filter(|(_, c)| !c.in_request())
-            .min_by_key(|(id, c)| (c.last_active_ms.load(Ordering::Relaxed), **id))
-            .map(|(id, _)| *id)
+            .filter_map(|(id, c)| Some((c.eviction_class()?, c.last_active_ms.load(Ordering::Relaxed), *id)))
+            .min()
+            .map(|(_, _, id)| id)
     }
 }
 
@@ -179,6 +226,23 @@ mod tests {
         drop(busy_d);
         assert!(r.evict_one());
         drop(busy_b);
+    }
+
+    #[test]
+    fn a_request_whose_body_stalls_past_the_grace_gives_way() {
+        let r = Registry::new(1);
+        let (_a, sa) = r.admit().unwrap();
+        let _busy = sa.begin_request();
+        let body = sa.reading_body();
+        assert_eq!(r.admit().unwrap_err(), Full, "a body just begun is not stalled");
+        // Backdate the body's start past the grace.
+        let grace = STALL_GRACE.as_millis() as u64 + 1;
+        sa.body_since_ms.store(sa.now_ms().saturating_sub(grace), Ordering::Relaxed);
+        if sa.now_ms() < grace {
+            return; // the process is younger than the grace: nothing to backdate to
+        }
+        assert!(r.admit().is_ok(), "a stalled body kept a new client out");
+        drop(body);
     }
 
     /// Whether a future is ready at its first poll.

@@ -12,7 +12,6 @@ use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 use tokio::net::TcpStream;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::body::{Body, CancelOnDrop, EventStream, Gone};
 use super::conn::ConnState;
@@ -20,7 +19,7 @@ use super::reply::{Gathered, Kind, Reply};
 use super::transport::peer_gone;
 use super::Front;
 use crate::serve::api::{self, ApiError, GenerationRequest};
-use crate::serve::engine::{Event, Job, Piece};
+use crate::serve::engine::{event_channel, Event, EventReceiver, Job, Piece};
 use crate::serve::State;
 
 const ENDPOINTS: [&str; 7] =
@@ -56,7 +55,7 @@ pub async fn handle(
     } else if let Err(e) = access.authorize(&path, req.headers().get(header::AUTHORIZATION)) {
         error(&e)
     } else {
-        route(req, &path, endpoint, front, tcp).await
+        route(req, &path, endpoint, front, tcp, conn).await
     };
     if let Some(allowed) = access.cors_allows(origin.as_ref()) {
         let h = response.headers_mut();
@@ -74,6 +73,7 @@ async fn route(
     endpoint: &str,
     front: &Front,
     tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
 ) -> Response<Body> {
     let shared = front.shared();
     match (req.method(), path) {
@@ -94,19 +94,7 @@ async fn route(
             r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
             r
         }
-        (&Method::GET, "/health") => {
-            let state = shared.state();
-            let code = if state == State::Ready { 200 } else { 503 };
-            let body = match state {
-                State::Degraded => json!({ "status": state.as_str(), "reason": shared.degraded_reason() }),
-                _ => json!({ "status": state.as_str() }),
-            };
-            let mut r = json_response(code, body.to_string());
-            if matches!(state, State::Loading | State::Degraded) {
-                r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-            }
-            r
-        }
+        (&Method::GET, "/health") => health(shared),
         (&Method::GET, "/metrics") => {
             let body = shared.metrics.render(shared.state().as_str(), shared.queued());
             let mut r = Response::new(Body::full(body));
@@ -132,8 +120,8 @@ async fn route(
                 error(&e)
             }
         }
-        (&Method::POST, "/v1/completions") => generate(req, front, tcp, Kind::Completion).await,
-        (&Method::POST, "/v1/chat/completions") => generate(req, front, tcp, Kind::Chat).await,
+        (&Method::POST, "/v1/completions") => generate(req, front, tcp, conn, Kind::Completion).await,
+        (&Method::POST, "/v1/chat/completions") => generate(req, front, tcp, conn, Kind::Chat).await,
         (m, _) if endpoint != "other" => {
             error(&ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}")))
         }
@@ -146,6 +134,38 @@ async fn route(
         )),
     }
 }
+
+/// `/health`: 200 while ready and the engine makes progress; 503 while loading, degraded,
+/// draining, or when a ready engine has made no progress for [`ENGINE_STALLED`] (one step it
+/// cannot leave, such as a read stuck on storage). The body says which, whether a generation
+/// runs, and how many wait.
+fn health(shared: &crate::serve::Shared) -> Response<Body> {
+    let state = shared.state();
+    let silent = shared.engine_silent();
+    let stalled = state == State::Ready && silent >= ENGINE_STALLED;
+    let mut body = json!({
+        "status": if stalled { "stalled" } else { state.as_str() },
+        "engine": if shared.engine_busy() { "busy" } else { "idle" },
+        "queued": shared.queued(),
+    });
+    if state == State::Degraded {
+        body["reason"] = json!(shared.degraded_reason());
+    }
+    if shared.engine_busy() || stalled {
+        body["engine_silent_s"] = json!(silent.as_secs());
+    }
+    let code = if state == State::Ready && !stalled { 200 } else { 503 };
+    let mut r = json_response(code, body.to_string());
+    if matches!(state, State::Loading | State::Degraded) || stalled {
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    r
+}
+
+/// How long a ready engine may go without progress before `/health` says it is stalled: half the
+/// packaged unit's watchdog interval (a prompt batch streamed from an SD card can take tens of
+/// seconds; the watchdog restarts the service at the whole interval).
+const ENGINE_STALLED: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The served model, as OpenAI's model object.
 fn model_json(shared: &crate::serve::Shared) -> serde_json::Value {
@@ -197,7 +217,7 @@ fn preflight(req: &Request<Incoming>) -> Response<Body> {
 
 /// Reads a request body within the limits: `Content-Length` only, at most the body limit,
 /// within the idle timeout, and only while the budget for bodies being read has room.
-async fn read_body(req: Request<Incoming>, front: &Front) -> Result<Vec<u8>, ApiError> {
+async fn read_body(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Result<Vec<u8>, ApiError> {
     let limit = front.limits().body_bytes;
     let too_large = || {
         ApiError::new(
@@ -230,6 +250,7 @@ async fn read_body(req: Request<Incoming>, front: &Front) -> Result<Vec<u8>, Api
     let Ok(permit) = Arc::clone(front.body_budget()).try_acquire_many_owned(length as u32) else {
         return Err(ApiError::new(503, "server_error", "the server is busy reading other requests; retry shortly"));
     };
+    let _reading = conn.reading_body();
     let read = async {
         let mut body = Vec::with_capacity(length);
         let mut incoming = req.into_body();
@@ -261,12 +282,12 @@ struct Queued {
     stream: bool,
     include_usage: bool,
     logprobs: bool,
-    events: UnboundedReceiver<Event>,
+    events: EventReceiver,
     cancel: CancelOnDrop,
 }
 
 /// Checks, parses and queues a generation request.
-async fn enqueue(req: Request<Incoming>, front: &Front, kind: Kind) -> Result<Queued, ApiError> {
+async fn enqueue(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>, kind: Kind) -> Result<Queued, ApiError> {
     let shared = front.shared();
     match shared.state() {
         State::Ready => {}
@@ -276,7 +297,7 @@ async fn enqueue(req: Request<Incoming>, front: &Front, kind: Kind) -> Result<Qu
             return Err(ApiError::new(503, "server_error", format!("{}; retry shortly", shared.degraded_reason())))
         }
     }
-    let body = read_body(req, front).await?;
+    let body = read_body(req, front, conn).await?;
     let request: GenerationRequest = match kind {
         Kind::Completion => api::completion_request(&body, &shared.model_id)?,
         Kind::Chat => api::chat_request(&body, &shared.model_id)?,
@@ -284,7 +305,7 @@ async fn enqueue(req: Request<Incoming>, front: &Front, kind: Kind) -> Result<Qu
     drop(body);
     shared.prompt_bound().check(&request)?;
     let (stream, include_usage, logprobs) = (request.stream, request.include_usage, request.logprobs.is_some());
-    let (tx, events) = unbounded_channel();
+    let (tx, events) = event_channel();
     let cancel = Arc::new(AtomicBool::new(false));
     shared
         .enqueue(Job { request, events: tx, cancel: Arc::clone(&cancel) })
@@ -293,10 +314,16 @@ async fn enqueue(req: Request<Incoming>, front: &Front, kind: Kind) -> Result<Qu
 }
 
 /// A generation request, answered.
-async fn generate(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, kind: Kind) -> Response<Body> {
+async fn generate(
+    req: Request<Incoming>,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+    kind: Kind,
+) -> Response<Body> {
     let shared = front.shared();
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let Queued { stream, include_usage, logprobs, mut events, cancel } = match enqueue(req, front, kind).await {
+    let Queued { stream, include_usage, logprobs, mut events, cancel } = match enqueue(req, front, conn, kind).await {
         Ok(q) => q,
         Err(e) => return error(&e),
     };
