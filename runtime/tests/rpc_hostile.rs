@@ -422,6 +422,22 @@ fn silent_unlisted_and_keyless_peers_are_dropped_and_the_head_gets_in() {
     assert!(w.alive());
 }
 
+/// A command a head sent: its byte and payload; `None` when the connection ended.
+fn read_command(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
+    let mut head = [0u8; 9];
+    s.read_exact(&mut head).ok()?;
+    let mut payload = vec![0u8; u64::from_le_bytes(head[1..9].try_into().unwrap()) as usize];
+    s.read_exact(&mut payload).ok()?;
+    Some((head[0], payload))
+}
+
+/// A worker's answer to HELLO: protocol 7.0.0, no transport capabilities.
+fn hello_answer() -> Vec<u8> {
+    let mut r = vec![7u8, 0, 0, 0];
+    r.extend([0u8; 24]);
+    r
+}
+
 /// A fake worker on a free port: answers HELLO, then each command with `answer(cmd, payload)`
 /// (`None`: say nothing more), for every connection until the test ends.
 fn fake_worker(answer: fn(u8, &[u8]) -> Option<Vec<u8>>) -> String {
@@ -431,21 +447,8 @@ fn fake_worker(answer: fn(u8, &[u8]) -> Option<Vec<u8>>) -> String {
         for conn in listener.incoming() {
             let Ok(mut s) = conn else { return };
             std::thread::spawn(move || loop {
-                let mut head = [0u8; 9];
-                if s.read_exact(&mut head).is_err() {
-                    return;
-                }
-                let mut payload = vec![0u8; u64::from_le_bytes(head[1..9].try_into().unwrap()) as usize];
-                if s.read_exact(&mut payload).is_err() {
-                    return;
-                }
-                let rsp = if head[0] == HELLO {
-                    let mut r = vec![7u8, 0, 0, 0];
-                    r.extend([0u8; 24]);
-                    Some(r)
-                } else {
-                    answer(head[0], &payload)
-                };
+                let Some((cmd, payload)) = read_command(&mut s) else { return };
+                let rsp = if cmd == HELLO { Some(hello_answer()) } else { answer(cmd, &payload) };
                 match rsp {
                     Some(r) if r.is_empty() => {}
                     Some(r) => {
@@ -541,22 +544,8 @@ fn a_thousand_mutated_answers_never_end_or_hang_the_head() {
             // Which answer (HELLO first) is mutated, and how.
             let victim = rng.next_u32() % 5;
             let mut n = 0;
-            loop {
-                let mut head = [0u8; 9];
-                if s.read_exact(&mut head).is_err() {
-                    break;
-                }
-                let mut payload = vec![0u8; (u64::from_le_bytes(head[1..9].try_into().unwrap()) as usize).min(1 << 20)];
-                if s.read_exact(&mut payload).is_err() {
-                    break;
-                }
-                let mut rsp = if head[0] == HELLO {
-                    let mut r = vec![7u8, 0, 0, 0];
-                    r.extend([0u8; 24]);
-                    r
-                } else {
-                    honest(head[0], &payload)
-                };
+            while let Some((cmd, payload)) = read_command(&mut s) {
+                let mut rsp = if cmd == HELLO { hello_answer() } else { honest(cmd, &payload) };
                 let mut size = rsp.len() as u64;
                 if n == victim {
                     match rng.next_u32() % 32 {

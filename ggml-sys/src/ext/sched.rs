@@ -335,7 +335,7 @@ impl<'b> Scheduler<'b> {
             self.allocated.push(graph.raw());
             Ok(())
         } else {
-            // Whatever it allocated before failing is detached when the next graph is.
+            // Whatever it allocated before failing is detached at once.
             self.allocated.push(graph.raw());
             self.detach_all();
             Err(Error::Graph { call: "ggml_backend_sched_alloc_graph", status: "failed" })

@@ -200,8 +200,9 @@ impl EventReceiver {
     /// Polls for the next event.
     pub fn poll_recv(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Event>> {
         self.rx.poll_recv(cx).map(|e| {
+            // Every event was counted before it was sent, so this never goes below zero.
             if let Some(e) = &e {
-                self.unread.fetch_sub(e.weight().min(self.unread.load(Ordering::Relaxed)), Ordering::Relaxed);
+                self.unread.fetch_sub(e.weight(), Ordering::Relaxed);
             }
             e
         })

@@ -100,11 +100,11 @@ fn check_keywords(
         if counts.properties > MAX_PROPERTIES {
             return Err(over(param, format!("{path}.properties: more than {MAX_PROPERTIES} properties in the schema")));
         }
-        let required: Vec<&str> = match map.get("required") {
+        let required: std::collections::HashSet<&str> = match map.get("required") {
             Some(Value::Array(r)) => r.iter().filter_map(Value::as_str).collect(),
-            _ => Vec::new(),
+            _ => std::collections::HashSet::new(),
         };
-        let optional = props.keys().filter(|k| !required.contains(&k.as_str())).count();
+        let optional = props.keys().filter(|k| !required.contains(k.as_str())).count();
         if optional > MAX_OPTIONAL_PROPERTIES {
             return Err(over(
                 param,

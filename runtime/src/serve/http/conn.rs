@@ -82,13 +82,18 @@ impl ConnState {
         BodyGuard(Arc::clone(self))
     }
 
-    /// How long a request body has been read (zero when none is).
-    fn body_for(&self) -> Duration {
-        let since = self.body_since_ms.load(Ordering::Relaxed);
+    /// How long since the time stored in `at` (zero when it holds `u64::MAX`: not now).
+    fn since(&self, at: &AtomicU64) -> Duration {
+        let since = at.load(Ordering::Relaxed);
         if since == u64::MAX {
             return Duration::ZERO;
         }
         Duration::from_millis(self.now_ms().saturating_sub(since))
+    }
+
+    /// How long a request body has been read (zero when none is).
+    fn body_for(&self) -> Duration {
+        self.since(&self.body_since_ms)
     }
 
     /// Whether the connection may give way to a new one: 0 idle, 1 stalled in a request for
@@ -105,11 +110,7 @@ impl ConnState {
 
     /// How long the peer has left a write waiting (zero when none waits).
     pub fn write_stalled_for(&self) -> Duration {
-        let since = self.write_blocked_ms.load(Ordering::Relaxed);
-        if since == u64::MAX {
-            return Duration::ZERO;
-        }
-        Duration::from_millis(self.now_ms().saturating_sub(since))
+        self.since(&self.write_blocked_ms)
     }
 }
 

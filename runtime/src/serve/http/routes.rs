@@ -143,15 +143,16 @@ fn health(shared: &crate::serve::Shared) -> Response<Body> {
     let state = shared.state();
     let silent = shared.engine_silent();
     let stalled = state == State::Ready && silent >= ENGINE_STALLED;
+    let busy = shared.engine_busy();
     let mut body = json!({
         "status": if stalled { "stalled" } else { state.as_str() },
-        "engine": if shared.engine_busy() { "busy" } else { "idle" },
+        "engine": if busy { "busy" } else { "idle" },
         "queued": shared.queued(),
     });
     if state == State::Degraded {
         body["reason"] = json!(shared.degraded_reason());
     }
-    if shared.engine_busy() || stalled {
+    if busy || stalled {
         body["engine_silent_s"] = json!(silent.as_secs());
     }
     let code = if state == State::Ready && !stalled { 200 } else { 503 };
