@@ -31,6 +31,7 @@ unsafe extern "C" {
         eos: *const c_char,
     ) -> *mut RawTemplates;
     fn sluice_chat_templates_free(t: *mut RawTemplates);
+    fn sluice_chat_set_work_limits(max_depth: usize, max_steps: u64, max_value: usize, max_ms: i64);
     fn sluice_chat_templates_support_tool_calls(t: *const RawTemplates) -> bool;
     fn sluice_chat_templates_apply(
         t: *const RawTemplates,
@@ -65,6 +66,29 @@ pub(crate) fn chat_caught(call: &'static str) -> Result<()> {
     })
 }
 
+/// The bounds of one template parse or render (vendor patch 0010, llama.cpp's Jinja engine):
+/// nesting of statements, expressions, calls and values (a recursive macro overflows no stack),
+/// statements executed, the largest string, array or object, and the time. Real templates use a
+/// few dozen levels, thousands of statements and well under a second; a template past a bound
+/// is an error, which `serve` answers as for a template that does not parse.
+pub mod template_bounds {
+    /// Levels of nesting.
+    pub const DEPTH: usize = 1000;
+    /// Statements and expressions executed.
+    pub const STEPS: u64 = 10_000_000;
+    /// Bytes of a string (the rendered prompt among them), items of an array or object.
+    pub const VALUE: usize = 16 << 20;
+    /// Milliseconds of one parse (with the capability probes it renders) or one render.
+    pub const TIME_MS: i64 = 2_000;
+}
+
+/// Bounds the next template call of this thread (see [`template_bounds`]).
+fn bound_template_work() {
+    use template_bounds::*;
+    // SAFETY: sets plain thread-local values.
+    unsafe { sluice_chat_set_work_limits(DEPTH, STEPS, VALUE, TIME_MS) };
+}
+
 fn c_string(s: &str) -> Result<CString> {
     CString::new(s).map_err(|e| Error::TextNul(e.nul_position()))
 }
@@ -82,6 +106,7 @@ unsafe impl Send for ChatTemplates {}
 impl ChatTemplates {
     /// The templates stored in `model` (`tokenizer.chat_template`, `tokenizer.chat_template.tool_use`).
     pub fn of_model(model: &Model) -> Result<ChatTemplates> {
+        bound_template_work();
         // SAFETY: live model; a null source asks for the model's own templates.
         let raw = unsafe {
             sluice_chat_templates_init(model.raw().cast_const(), std::ptr::null(), std::ptr::null(), std::ptr::null())
@@ -94,6 +119,7 @@ impl ChatTemplates {
     pub fn from_source(model: Option<&Model>, source: &str, bos: &str, eos: &str) -> Result<ChatTemplates> {
         let (source, bos, eos) = (c_string(source)?, c_string(bos)?, c_string(eos)?);
         let model = model.map_or(std::ptr::null(), |m| m.raw().cast_const());
+        bound_template_work();
         // SAFETY: the strings are NUL-terminated and live for the call; model is null or live.
         let raw = unsafe { sluice_chat_templates_init(model, source.as_ptr(), bos.as_ptr(), eos.as_ptr()) };
         Self::wrap(raw)
@@ -119,6 +145,7 @@ impl ChatTemplates {
         })?;
         let json = c_string(&json)?;
         let mut parser: *mut RawParser = std::ptr::null_mut();
+        bound_template_work();
         // SAFETY: live templates; json is NUL-terminated; parser is a valid out-pointer that the
         // shim sets only when it returns a result.
         let raw = unsafe { sluice_chat_templates_apply(self.raw.as_ptr(), json.as_ptr(), &mut parser) };

@@ -11,6 +11,7 @@
 
 #include "chat.h"
 #include "common.h"
+#include "jinja/work.h"
 #include "llama.h"
 #include "ngram-cache.h"
 #include "sampling.h"
@@ -35,6 +36,18 @@ char * dup_string(const std::string & s) {
     std::memcpy(out, s.data(), s.size());
     out[s.size()] = '\0';
     return out;
+}
+
+// The longest chat template source sluice parses (its parse tree is as deep as its longest
+// chain of operators, and it is lexed and kept whole): real templates are tens of KiB.
+constexpr size_t MAX_TEMPLATE_BYTES = 256 * 1024;
+
+void check_template_size(const char * source, const char * what) {
+    const size_t n = source == nullptr ? 0 : std::strlen(source);
+    if (n > MAX_TEMPLATE_BYTES) {
+        throw std::length_error(std::string(what) + " is " + std::to_string(n) + " bytes; sluice parses templates of up to " +
+                                std::to_string(MAX_TEMPLATE_BYTES) + " bytes");
+    }
 }
 
 std::vector<llama_token> tokenize_tag(const llama_vocab * vocab, const std::string & tag) {
@@ -79,11 +92,29 @@ struct sluice_chat_templates * sluice_chat_templates_init(const struct llama_mod
         if (model == nullptr && (source == nullptr || source[0] == '\0')) {
             throw std::invalid_argument("a chat template needs a model or a template source");
         }
+        if (source != nullptr && source[0] != '\0') {
+            check_template_size(source, "the chat template");
+        } else {
+            check_template_size(llama_model_chat_template(model, nullptr), "the model's chat template (tokenizer.chat_template)");
+            check_template_size(llama_model_chat_template(model, "tool_use"),
+                                "the model's tool-use chat template (tokenizer.chat_template.tool_use)");
+        }
         auto t = std::make_unique<sluice_chat_templates>();
         t->tmpls = common_chat_templates_init(model, source ? source : "", bos ? bos : "", eos ? eos : "");
         return t.release();
     }
     SLUICE_CATCH(nullptr)
+}
+
+// Bounds this thread's next template parses and renders (see jinja/work.h); `max_ms` counts
+// from this call.
+void sluice_chat_set_work_limits(size_t max_depth, uint64_t max_steps, size_t max_value, int64_t max_ms) {
+    jinja::work_limits limits;
+    limits.max_depth = max_depth;
+    limits.max_steps = max_steps;
+    limits.max_value = max_value;
+    limits.max_ms = max_ms;
+    jinja::set_work_limits(limits);
 }
 
 void sluice_chat_templates_free(struct sluice_chat_templates * t) {

@@ -40,6 +40,15 @@ pub enum Error {
         /// The file.
         path: PathBuf,
     },
+    /// The vocabulary lacks a token llama.cpp's tokenizer adds (it would assert at the first
+    /// tokenize).
+    #[error("{path}: {message}; the file is malformed (re-download or re-convert it)")]
+    Vocabulary {
+        /// The file.
+        path: PathBuf,
+        /// What is missing.
+        message: String,
+    },
     /// No ggml RPC server answered at an endpoint.
     #[error("cannot use the RPC worker at {endpoint}: {reason}; is `sluice worker --listen {endpoint}` running there, and does its firewall let this board in?")]
     RpcConnect {

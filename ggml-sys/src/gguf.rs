@@ -235,6 +235,10 @@ impl GgufFile {
         if ty != sys::GGUF_TYPE_UINT32 && ty != sys::GGUF_TYPE_INT32 {
             return None; // (ggml aborts when asked for the data of a string array)
         }
+        if n == 0 {
+            // ggml holds no data for an empty array (a null pointer, not a slice).
+            return Some(Vec::new());
+        }
         // SAFETY: id holds an array of n 4-byte integers, which ggml owns.
         let data = unsafe { sys::gguf_get_arr_data(self.ctx, id) };
         // SAFETY: as above: n elements of 4 bytes at data, alive as long as self.

@@ -185,7 +185,45 @@ impl Model {
         caught?;
         // A worker lost during the load leaves its layers without their weights.
         crate::rpc::check_connected(&model.rpc)?;
+        model.check_special_tokens()?;
         Ok(model)
+    }
+
+    /// The special tokens llama.cpp's tokenizer adds exist (it asserts on a missing one at the
+    /// first tokenize): WordPiece adds BOS and SEP, the others BOS and EOS where the vocabulary
+    /// asks for them; and there is a tokenizer at all.
+    fn check_special_tokens(&self) -> Result<()> {
+        let v = self.vocab();
+        let n = self.n_vocab() as sys::llama_token;
+        // SAFETY: a live vocab; plain getters of loaded values.
+        let (ty, bos, eos, sep, add_bos, add_eos) = unsafe {
+            (
+                sys::llama_vocab_type(v),
+                sys::llama_vocab_bos(v),
+                sys::llama_vocab_eos(v),
+                sys::llama_vocab_sep(v),
+                sys::llama_vocab_get_add_bos(v),
+                sys::llama_vocab_get_add_eos(v),
+            )
+        };
+        let fail = |message: String| Err(Error::Vocabulary { path: self.path.clone(), message });
+        if ty == sys::LLAMA_VOCAB_TYPE_NONE {
+            return fail("it has no tokenizer (tokenizer.ggml.model), so no text can be turned into tokens".into());
+        }
+        let wordpiece = ty == sys::LLAMA_VOCAB_TYPE_WPM;
+        let added = [
+            ("BOS", "tokenizer.ggml.bos_token_id", bos, add_bos || wordpiece),
+            ("EOS", "tokenizer.ggml.eos_token_id", eos, add_eos && !wordpiece),
+            ("SEP", "tokenizer.ggml.seperator_token_id", sep, wordpiece),
+        ];
+        for (what, key, id, needed) in added {
+            if needed && !(0..n).contains(&id) {
+                return fail(format!(
+                    "its tokenizer adds a {what} token to every prompt, but {key} names none of its {n} tokens"
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// `Err` naming the first RPC worker of this model whose connection was lost.

@@ -1,4 +1,4 @@
-// Catching shims: the llama.cpp entry points that can throw a C++ exception (a malformed
+// Catching shims: the llama.cpp and ggml entry points that can throw a C++ exception (a malformed
 // vocabulary's std::out_of_range, a std::bad_alloc for absurd sizes, ...), wrapped so that no
 // exception unwinds into Rust, which would abort the process. Each returns what the wrapped
 // function returns, or a neutral value after an exception, whose message is then kept for this
@@ -6,6 +6,8 @@
 
 #include "llama.h"
 #include "gguf.h"
+#include "ggml-backend.h"
+#include "ggml-ext.h"
 #include "ggml-rpc.h"
 #include "llama-model.h"
 #include "shim.h"
@@ -152,6 +154,67 @@ const struct ggml_tensor * sluice_model_tensor(const struct llama_model * model,
         return model->get_tensor(name);
     }
     SLUICE_CATCH(nullptr)
+}
+
+// The operator-extension registry and the scheduler (vendor patch 0005 and ggml-backend): C
+// entry points implemented in C++ over std containers (std::bad_alloc, ...).
+
+ggml_ext_op_t sluice_ext_register_op(const struct ggml_ext_op_desc * desc) {
+    try {
+        return ggml_ext_register_op(desc);
+    }
+    SLUICE_CATCH(nullptr)
+}
+
+ggml_ext_op_t sluice_ext_find_op(const char * name) {
+    try {
+        return ggml_ext_find_op(name);
+    }
+    SLUICE_CATCH(nullptr)
+}
+
+struct ggml_tensor * sluice_ext_op_create(struct ggml_context * ctx, ggml_ext_op_t op, struct ggml_tensor ** srcs,
+                                          int n_srcs, const void * attrs) {
+    try {
+        return ggml_ext_op_create(ctx, op, srcs, n_srcs, attrs);
+    }
+    SLUICE_CATCH(nullptr)
+}
+
+bool sluice_ext_register_kernel(ggml_backend_dev_t device, const struct ggml_ext_kernel_desc * desc) {
+    try {
+        return ggml_ext_register_kernel(device, desc);
+    }
+    SLUICE_CATCH(false)
+}
+
+ggml_backend_sched_t sluice_sched_new(ggml_backend_t * backends, ggml_backend_buffer_type_t * bufts, int n_backends,
+                                      size_t graph_size, bool parallel, bool op_offload) {
+    try {
+        return ggml_backend_sched_new(backends, bufts, n_backends, graph_size, parallel, op_offload);
+    }
+    SLUICE_CATCH(nullptr)
+}
+
+bool sluice_sched_reserve(ggml_backend_sched_t sched, struct ggml_cgraph * graph) {
+    try {
+        return ggml_backend_sched_reserve(sched, graph);
+    }
+    SLUICE_CATCH(false)
+}
+
+bool sluice_sched_alloc_graph(ggml_backend_sched_t sched, struct ggml_cgraph * graph) {
+    try {
+        return ggml_backend_sched_alloc_graph(sched, graph);
+    }
+    SLUICE_CATCH(false)
+}
+
+enum ggml_status sluice_sched_graph_compute(ggml_backend_sched_t sched, struct ggml_cgraph * graph) {
+    try {
+        return ggml_backend_sched_graph_compute(sched, graph);
+    }
+    SLUICE_CATCH(GGML_STATUS_FAILED)
 }
 
 }  // extern "C"

@@ -33,6 +33,33 @@ unsafe extern "C" {
         add_special: bool,
         parse_special: bool,
     ) -> i32;
+    pub(crate) fn sluice_ext_register_op(desc: *const sys::ggml_ext_op_desc) -> sys::ggml_ext_op_t;
+    pub(crate) fn sluice_ext_find_op(name: *const c_char) -> sys::ggml_ext_op_t;
+    pub(crate) fn sluice_ext_op_create(
+        ctx: *mut sys::ggml_context,
+        op: sys::ggml_ext_op_t,
+        srcs: *mut *mut sys::ggml_tensor,
+        n_srcs: i32,
+        attrs: *const std::ffi::c_void,
+    ) -> *mut sys::ggml_tensor;
+    pub(crate) fn sluice_ext_register_kernel(
+        device: sys::ggml_backend_dev_t,
+        desc: *const sys::ggml_ext_kernel_desc,
+    ) -> bool;
+    pub(crate) fn sluice_sched_new(
+        backends: *mut sys::ggml_backend_t,
+        bufts: *mut sys::ggml_backend_buffer_type_t,
+        n_backends: i32,
+        graph_size: usize,
+        parallel: bool,
+        op_offload: bool,
+    ) -> sys::ggml_backend_sched_t;
+    pub(crate) fn sluice_sched_reserve(sched: sys::ggml_backend_sched_t, graph: *mut sys::ggml_cgraph) -> bool;
+    pub(crate) fn sluice_sched_alloc_graph(sched: sys::ggml_backend_sched_t, graph: *mut sys::ggml_cgraph) -> bool;
+    pub(crate) fn sluice_sched_graph_compute(
+        sched: sys::ggml_backend_sched_t,
+        graph: *mut sys::ggml_cgraph,
+    ) -> sys::ggml_status;
     pub(crate) fn sluice_token_to_piece(
         vocab: *const sys::llama_vocab,
         token: sys::llama_token,

@@ -69,6 +69,21 @@ impl GgmlType {
         // SAFETY: reads the static type traits table; self.0 is a valid type.
         unsafe { sys::ggml_blck_size(self.0) }
     }
+
+    /// Whether ggml's CPU backend multiplies a matrix of this type: it has a dot product, and the
+    /// activations can be converted to that dot product's operand type. A weight matrix of any
+    /// other type (I8, I32, F64, ...) reaches a kernel that does not exist.
+    pub fn has_cpu_matmul(self) -> bool {
+        // SAFETY: ggml's CPU trait table is static and covers every type below GGML_TYPE_COUNT.
+        let Some(traits) = (unsafe { sys::ggml_get_type_traits_cpu(self.0).as_ref() }) else { return false };
+        if traits.vec_dot.is_none() {
+            return false;
+        }
+        let operand = traits.vec_dot_type;
+        // SAFETY: as above, for the dot product's operand type (a valid type of the table).
+        operand == sys::GGML_TYPE_F32
+            || unsafe { sys::ggml_get_type_traits_cpu(operand).as_ref() }.is_some_and(|t| t.from_float.is_some())
+    }
 }
 
 impl std::fmt::Display for GgmlType {
@@ -91,5 +106,15 @@ mod tests {
         assert!(!GgmlType::F16.is_quantized());
         assert_eq!(GgmlType::from_raw(10_000), None);
         assert_eq!(GgmlType::from_raw(0), Some(GgmlType::F32));
+    }
+
+    #[test]
+    fn matmul_types() {
+        for t in [GgmlType::F32, GgmlType::F16, GgmlType::BF16, GgmlType::Q8_0, GgmlType::Q4_K, GgmlType::MXFP4] {
+            assert!(t.has_cpu_matmul(), "{t}");
+        }
+        for raw in [sys::GGML_TYPE_I8, sys::GGML_TYPE_I16, sys::GGML_TYPE_I32, sys::GGML_TYPE_I64, sys::GGML_TYPE_F64] {
+            assert!(!GgmlType(raw).has_cpu_matmul(), "{}", GgmlType(raw));
+        }
     }
 }

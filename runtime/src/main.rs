@@ -77,9 +77,25 @@ fn main() {
     let cli = Cli::parse();
     init_logging(cli.verbose);
     if let Err(e) = dispatch(cli.command, cli.board.as_ref()) {
-        eprintln!("error: {e:#}");
+        noteln!("error: {}", error_chain(&e));
         std::process::exit(1);
     }
+}
+
+/// `e` with its causes, each once: a cause whose text an outer message already quotes (errors
+/// that name their source in their own message) is not repeated.
+fn error_chain(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if !text.contains(&part) {
+            if !text.is_empty() {
+                text.push_str(": ");
+            }
+            text.push_str(&part);
+        }
+    }
+    text
 }
 
 fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
@@ -113,5 +129,18 @@ fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
             );
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn each_cause_is_shown_once() {
+        let gone = || std::io::Error::other("disk gone");
+        assert_eq!(error_chain(&anyhow::Error::from(gone()).context("reading m.gguf")), "reading m.gguf: disk gone");
+        let quoting = anyhow::Error::from(gone()).context("reading m.gguf: disk gone");
+        assert_eq!(error_chain(&quoting), "reading m.gguf: disk gone");
     }
 }

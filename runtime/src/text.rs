@@ -66,9 +66,55 @@ impl DisplayText {
     }
 }
 
+/// At most `max` bytes of `s` (cut at a character boundary), followed by how much was left out:
+/// what an error message quotes of a value or line that may be megabytes long.
+pub fn excerpt(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let cut = (0..=max).rev().find(|&i| s.is_char_boundary(i)).unwrap_or(0);
+    format!("{}... ({} more bytes)", &s[..cut], s.len() - cut)
+}
+
+/// The longest part of a parser's message an error quotes.
+const MAX_QUOTED: usize = 300;
+
+/// A TOML parse error of `text` as sluice reports it: the line, the key written there and the
+/// parser's message, never the offending line itself (a line may be megabytes long), the message
+/// capped.
+pub fn toml_error(text: &str, e: &toml::de::Error) -> String {
+    let message = excerpt(e.message(), MAX_QUOTED);
+    let Some(span) = e.span() else { return message };
+    let at = span.start.min(text.len());
+    let before = &text[..at];
+    let line = before.bytes().filter(|b| *b == b'\n').count() + 1;
+    let line_start = before.rfind('\n').map_or(0, |i| i + 1);
+    let line_text = &text[line_start..];
+    let line_text = &line_text[..line_text.find('\n').unwrap_or(line_text.len())];
+    match line_text.split_once('=').map(|(key, _)| key.trim()).filter(|k| !k.is_empty()) {
+        Some(key) => format!("line {line} (`{}`): {message}", excerpt(key, 64)),
+        None => format!("line {line}: {message}"),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn excerpts_are_capped_at_a_character() {
+        assert_eq!(excerpt("short", 10), "short");
+        assert_eq!(excerpt("ééé", 3), "é... (4 more bytes)");
+    }
+
+    #[test]
+    fn toml_errors_name_the_line_not_its_text() {
+        let text = format!("a = 1\nb = \"{}", "x".repeat(100_000));
+        let e = toml::from_str::<toml::Table>(&text).unwrap_err();
+        let m = toml_error(&text, &e);
+        assert!(m.starts_with("line 2 (`b`): "), "{m}");
+        assert!(m.len() < 400, "{m}");
+    }
 
     #[test]
     fn splits_multibyte_characters_across_pushes() {

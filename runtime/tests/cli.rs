@@ -433,6 +433,20 @@ fn output_that_cannot_be_written_fails_the_run() {
     assert!(o.stdout.is_empty(), "generated before checking --csv: {:?}", String::from_utf8_lossy(&o.stdout));
     let o = sluice(&["run", "-m", &model, "-p", "Hello", "-n", "4", "--csv", "/dev/full"], dir.path());
     assert_clean_error(&o, "writing --csv /dev/full");
+    // A closed standard output would swallow the text: an error before generating.
+    let mut run = sluice_command();
+    run.args(["run", "-m", &model, "-p", "Hello", "-n", "4"]);
+    let o = std::process::Command::new("sh")
+        .args(["-c", "exec \"$@\" >&-", "sh"])
+        .arg(run.get_program())
+        .args(run.get_args())
+        .output()
+        .unwrap();
+    assert_clean_error(&o, "standard output is closed");
+    // A standard error that cannot be written loses the messages, not the run.
+    let o = sluice_command().args(["run", "-m", &model, "-p", "Hello", "-n", "4"]).stderr(full()).output().unwrap();
+    assert!(o.status.success(), "{:?}", o.status);
+    assert!(!o.stdout.is_empty());
 }
 
 #[test]

@@ -6,34 +6,11 @@
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::process::Stdio;
-use std::time::{Duration, Instant};
 
 mod common;
+mod fuzzing;
 use common::sluice_command;
-
-/// How long one run may take before it counts as a hang.
-const HANG: Duration = Duration::from_secs(60);
-
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n.max(1) as u64) as usize
-    }
-
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len())]
-    }
-}
+use fuzzing::{run, skip_value, u32_at, u64_at, Rng};
 
 /// Where the fields of a GGUF header are: value offsets of the metadata, and the tensor infos.
 struct Layout {
@@ -43,30 +20,6 @@ struct Layout {
     tensors: Vec<(usize, Vec<usize>, usize, usize)>,
     /// End of the tensor infos.
     end: usize,
-}
-
-fn u32_at(b: &[u8], p: usize) -> u32 {
-    u32::from_le_bytes(b[p..p + 4].try_into().unwrap())
-}
-
-fn u64_at(b: &[u8], p: usize) -> u64 {
-    u64::from_le_bytes(b[p..p + 8].try_into().unwrap())
-}
-
-/// Skips one metadata value of type `ty` at `p`; returns the offset after it.
-fn skip_value(b: &[u8], ty: u32, p: usize) -> usize {
-    match ty {
-        0 | 1 | 7 => p + 1,
-        2 | 3 => p + 2,
-        4..=6 => p + 4,
-        10..=12 => p + 8,
-        8 => p + 8 + u64_at(b, p) as usize,
-        9 => {
-            let (elem, n) = (u32_at(b, p), u64_at(b, p + 4));
-            (0..n).fold(p + 12, |q, _| skip_value(b, elem, q))
-        }
-        _ => panic!("fixture has value type {ty}"),
-    }
 }
 
 fn layout(b: &[u8]) -> Layout {
@@ -183,42 +136,6 @@ fn mutate(base: &[u8], l: &Layout, rng: &mut Rng) -> (Vec<u8>, &'static str) {
     (b, kind)
 }
 
-/// How one run ended.
-fn outcome(path: &Path, mode: &[&str]) -> &'static str {
-    let mut child = sluice_command()
-        .args(mode.iter().map(|a| if *a == "M" { path.to_str().unwrap() } else { a }))
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if t0.elapsed() > HANG {
-            let _ = child.kill();
-            let _ = child.wait();
-            return "hang";
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    };
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
-    use std::os::unix::process::ExitStatusExt as _;
-    if status.signal().is_some() {
-        "signal"
-    } else if err.contains("panicked") {
-        "panic"
-    } else if status.success() {
-        "ok"
-    } else if err.contains("error:") {
-        "clean error"
-    } else {
-        "error without a message"
-    }
-}
-
 #[test]
 fn malformed_models_never_crash_sluice() {
     let dir = tempfile::tempdir().unwrap();
@@ -237,8 +154,8 @@ fn malformed_models_never_crash_sluice() {
         })
         .collect();
     // Emulated (qemu) runs are slow: fewer mutations there.
-    let emulated = std::env::var("SLUICE_TEST_RUNNER").is_ok_and(|r| !r.is_empty());
-    let n = if emulated { 100 } else { 1000 };
+    let emulated = common::emulated();
+    let n = if emulated { 40 } else { 600 };
     let modes: [&[&str]; 3] = [
         &["plan", "--model", "M"],
         &["run", "-m", "M", "-p", "hi", "-n", "2"],
@@ -248,12 +165,12 @@ fn malformed_models_never_crash_sluice() {
     let mut bad = Vec::new();
     let path = dir.path().join("mutated.gguf");
     for i in 0..n {
-        let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (i as u64 + 1).wrapping_mul(0xbf58_476d_1ce4_e5b9));
+        let mut rng = Rng::of(i);
         let (base, l) = &bases[i % bases.len()];
         let (bytes, kind) = mutate(base, l, &mut rng);
         std::fs::write(&path, &bytes).unwrap();
         for mode in modes {
-            let what = outcome(&path, mode);
+            let what = run(&path, mode).outcome;
             *counts.entry(what).or_default() += 1;
             if !matches!(what, "ok" | "clean error") {
                 // SLUICE_FUZZ_KEEP=DIR keeps the failing inputs for a closer look.

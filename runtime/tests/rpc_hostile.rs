@@ -350,7 +350,8 @@ fn a_thousand_mutated_commands_never_end_the_worker() {
     let (mut closed, mut served) = (0, 0);
     let mut p = Peer::hello(&e).unwrap();
     let (mut buf, mut base) = p.alloc(4096);
-    let runs = 1200;
+    // Emulated (qemu) runs take a sample.
+    let runs = if common::emulated() { 300 } else { 1200 };
     for i in 0..runs {
         let (cmd, payload, answer) = mutated(&mut rng, buf, base);
         // An answer the mutation changed the size of is not read: the size check would fail.
@@ -534,7 +535,7 @@ fn a_thousand_mutated_answers_never_end_or_hang_the_head() {
     let mut rng = ChaCha8Rng::seed_from_u64(30);
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
-    let runs = 1000;
+    let runs = if common::emulated() { 250 } else { 1000 };
     // Every connection the head makes gets its own mutation (the head reconnects after each
     // failure, and ggml opens one per request when none is held).
     std::thread::spawn(move || {

@@ -237,10 +237,18 @@ impl GraphBuilder {
         let mut raws: Vec<*mut sys::ggml_tensor> = srcs.iter().map(|n| n.raw.as_ptr()).collect();
         let ctx = self.ctx_for("ggml_ext_op_create")?;
         // SAFETY: a context with room; live tensors; attrs holds the operator's attribute bytes;
-        // ggml copies them and checks the inputs through the operator's inference.
+        // ggml copies them and checks the inputs through the operator's inference; the shim
+        // catches.
         let raw = unsafe {
-            sys::ggml_ext_op_create(ctx, op.raw(), raws.as_mut_ptr(), raws.len() as i32, attrs.as_ptr().cast())
+            crate::shim::sluice_ext_op_create(
+                ctx,
+                op.raw(),
+                raws.as_mut_ptr(),
+                raws.len() as i32,
+                attrs.as_ptr().cast(),
+            )
         };
+        crate::shim::caught("ggml_ext_op_create")?;
         NonNull::new(raw).map(|raw| Node { raw, _ctx: PhantomData }).ok_or_else(|| Error::Extension {
             call: "ggml_ext_op_create",
             detail: format!("{} refused its inputs", op.name()),

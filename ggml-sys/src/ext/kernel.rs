@@ -354,8 +354,11 @@ pub fn register_kernel(device: Device, spec: KernelSpec, kernel: impl Kernel) ->
         user_data: data.cast(),
     };
     // SAFETY: desc is fully initialized; ggml copies it and the name, and keeps user_data, which
-    // stays allocated for the process when the registration succeeds.
-    if unsafe { sys::ggml_ext_register_kernel(device.raw(), &desc) } {
+    // stays allocated for the process when the registration succeeds; the shim catches.
+    let registered = unsafe { crate::shim::sluice_ext_register_kernel(device.raw(), &desc) };
+    // After an exception data is left allocated: whether ggml kept it is unknown.
+    crate::shim::caught("ggml_ext_register_kernel")?;
+    if registered {
         return Ok(());
     }
     // SAFETY: refused: ggml kept no pointer to data.

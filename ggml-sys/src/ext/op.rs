@@ -160,8 +160,10 @@ pub fn register_op(
         user_data: data.cast(),
     };
     // SAFETY: desc is fully initialized; ggml copies the name and keeps user_data, which is
-    // leaked below when the registration succeeds.
-    let raw = unsafe { sys::ggml_ext_register_op(&desc) };
+    // leaked below when the registration succeeds. The shim catches what the registry throws.
+    let raw = unsafe { crate::shim::sluice_ext_register_op(&desc) };
+    // After an exception data is left allocated: whether ggml kept it is unknown.
+    crate::shim::caught("ggml_ext_register_op")?;
     match NonNull::new(raw) {
         // data stays allocated for the process: ggml holds it as the registration's user data.
         Some(raw) => Ok(ExtOp { raw }),
@@ -180,6 +182,8 @@ pub fn register_op(
 pub fn find_op(name: &str) -> Option<ExtOp> {
     crate::init();
     let c_name = CString::new(name).ok()?;
-    // SAFETY: c_name is NUL-terminated; the registry is thread-safe.
-    NonNull::new(unsafe { sys::ggml_ext_find_op(c_name.as_ptr()) }).map(|raw| ExtOp { raw })
+    // SAFETY: c_name is NUL-terminated; the registry is thread-safe; the shim catches.
+    let raw = unsafe { crate::shim::sluice_ext_find_op(c_name.as_ptr()) };
+    crate::shim::caught("ggml_ext_find_op").ok()?;
+    NonNull::new(raw).map(|raw| ExtOp { raw })
 }

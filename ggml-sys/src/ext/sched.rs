@@ -284,9 +284,9 @@ impl<'b> Scheduler<'b> {
     pub fn new(backends: &[&'b Backend], graph_size: usize, parallel: bool) -> Result<Scheduler<'b>> {
         let mut raws: Vec<sys::ggml_backend_t> = backends.iter().map(|b| b.raw).collect();
         // SAFETY: raws holds live backends that outlive the scheduler ('b); null buffer types
-        // mean each backend's default.
+        // mean each backend's default; the shim catches.
         let raw = unsafe {
-            sys::ggml_backend_sched_new(
+            crate::shim::sluice_sched_new(
                 raws.as_mut_ptr(),
                 std::ptr::null_mut(),
                 raws.len() as i32,
@@ -295,6 +295,7 @@ impl<'b> Scheduler<'b> {
                 true,
             )
         };
+        crate::shim::caught("ggml_backend_sched_new")?;
         if raw.is_null() {
             return Err(Error::Graph { call: "ggml_backend_sched_new", status: "failed" });
         }
@@ -306,8 +307,11 @@ impl<'b> Scheduler<'b> {
     /// so every graph allocated before is detached first (allocate it again to compute it).
     pub fn reserve(&mut self, graph: &Graph<'_>) -> Result<()> {
         self.detach_all();
-        // SAFETY: a live scheduler and graph; no allocated graph points into its buffers.
-        if unsafe { sys::ggml_backend_sched_reserve(self.raw, graph.raw()) } {
+        // SAFETY: a live scheduler and graph; no allocated graph points into its buffers; the
+        // shim catches.
+        let reserved = unsafe { crate::shim::sluice_sched_reserve(self.raw, graph.raw()) };
+        crate::shim::caught("ggml_backend_sched_reserve")?;
+        if reserved {
             Ok(())
         } else {
             Err(Error::Graph { call: "ggml_backend_sched_reserve", status: "failed" })
@@ -330,16 +334,16 @@ impl<'b> Scheduler<'b> {
         // SAFETY: a live scheduler and graph; the scheduler must be reset before a new
         // allocation, which reset does.
         unsafe { sys::ggml_backend_sched_reset(self.raw) };
-        // SAFETY: as above.
-        if unsafe { sys::ggml_backend_sched_alloc_graph(self.raw, graph.raw()) } {
-            self.allocated.push(graph.raw());
-            Ok(())
-        } else {
-            // Whatever it allocated before failing is detached at once.
-            self.allocated.push(graph.raw());
-            self.detach_all();
-            Err(Error::Graph { call: "ggml_backend_sched_alloc_graph", status: "failed" })
+        // SAFETY: as above; the shim catches.
+        let allocated = unsafe { crate::shim::sluice_sched_alloc_graph(self.raw, graph.raw()) };
+        let caught = crate::shim::caught("ggml_backend_sched_alloc_graph");
+        self.allocated.push(graph.raw());
+        if allocated && caught.is_ok() {
+            return Ok(());
         }
+        // Whatever it allocated before failing is detached at once.
+        self.detach_all();
+        Err(caught.err().unwrap_or(Error::Graph { call: "ggml_backend_sched_alloc_graph", status: "failed" }))
     }
 
     /// Computes `graph`, which must be the graph last allocated by [`Scheduler::alloc`] (and
@@ -349,8 +353,10 @@ impl<'b> Scheduler<'b> {
         if self.allocated.last() != Some(&graph.raw()) {
             return Err(Error::NotAllocated("the graph (allocate it with Scheduler::alloc first)".into()));
         }
-        // SAFETY: a live scheduler and the graph it allocated last, still attached.
-        let status = unsafe { sys::ggml_backend_sched_graph_compute(self.raw, graph.raw()) };
+        // SAFETY: a live scheduler and the graph it allocated last, still attached; the shim
+        // catches.
+        let status = unsafe { crate::shim::sluice_sched_graph_compute(self.raw, graph.raw()) };
+        crate::shim::caught("ggml_backend_sched_graph_compute")?;
         check_status("ggml_backend_sched_graph_compute", status)
     }
 

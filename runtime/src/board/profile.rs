@@ -175,6 +175,10 @@ pub struct MemorySection {
     pub reserve_mib: u64,
 }
 
+/// The most MiB a profile's memory fields may give (16 TiB): sizes stay far from wrapping when
+/// they are turned into bytes.
+const MAX_MEMORY_MIB: u64 = 1 << 24;
+
 fn default_reserve() -> u64 {
     512
 }
@@ -233,7 +237,7 @@ impl BoardProfile {
     /// errors.
     pub fn parse(text: &str, origin: &str) -> Result<BoardProfile, BoardError> {
         let profile: BoardProfile = toml::from_str(text)
-            .map_err(|e| BoardError::Parse { origin: origin.into(), message: e.to_string().trim_end().into() })?;
+            .map_err(|e| BoardError::Parse { origin: origin.into(), message: crate::text::toml_error(text, &e) })?;
         profile.check(origin)?;
         Ok(profile)
     }
@@ -270,6 +274,13 @@ impl BoardProfile {
         }
         if self.identity.ram_gib == Some(0) {
             return bad("identity.ram_gib", "give the board's nominal RAM in GiB (4, 8, 16, ...)");
+        }
+        for (field, mib) in
+            [("memory.budget_mib", self.memory.budget_mib), ("memory.reserve_mib", Some(self.memory.reserve_mib))]
+        {
+            if mib.is_some_and(|m| m > MAX_MEMORY_MIB) {
+                return bad(field, "give MiB up to 16777216 (16 TiB)");
+            }
         }
         if self.memory.budget_mib == Some(0) {
             return bad(

@@ -139,7 +139,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         stream: args::stream_config(&board, 0, true, DensePolicy::Anon),
         draft: board.draft_max(),
     };
-    eprintln!(
+    noteln!(
         "bench: {} ({:.1} MiB), a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads on CPUs {}, {} lanes, reads of {} KiB (board {})",
         a.model.display(),
         model_mib(&a.model)?,
@@ -192,7 +192,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         None => None,
         Some(speed) => Some(storage_throttle(speed, &model, &board)?),
     };
-    eprintln!(
+    noteln!(
         "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}, a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
         model.display(),
         model_mib(&model)?,
@@ -258,7 +258,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     );
     std::fs::write(&svg, sluice::bench::svg_bar_chart(&report.rows, &title))
         .with_context(|| format!("writing {}", svg.display()))?;
-    eprintln!("wrote {} and {}", csv.display(), svg.display());
+    noteln!("wrote {} and {}", csv.display(), svg.display());
     if report.rows.iter().any(|r| r.lossy_quality.is_none() && r.tokens != report.rows[0].tokens) {
         anyhow::bail!("an exact streamed configuration generated different tokens from the resident run");
     }

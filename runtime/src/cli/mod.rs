@@ -13,6 +13,24 @@ macro_rules! outln {
     ($($arg:tt)*) => { $crate::cli::write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
 }
 
+/// `eprint!` that never panics: a failed write to standard error (`2>/dev/full`, a closed
+/// descriptor) loses the message, not the command's result.
+macro_rules! note {
+    ($($arg:tt)*) => { $crate::cli::write_stderr(format_args!($($arg)*)) };
+}
+
+/// `eprintln!` that never panics (see `note!`).
+macro_rules! noteln {
+    () => { $crate::cli::write_stderr(format_args!("\n")) };
+    ($($arg:tt)*) => { $crate::cli::write_stderr(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// Writes to standard error, ignoring a failure: there is nowhere left to report it.
+pub fn write_stderr(args: std::fmt::Arguments<'_>) {
+    use std::io::Write as _;
+    let _ = std::io::stderr().write_fmt(args);
+}
+
 /// Ends the process with status 141 (as SIGPIPE would) when `e` says the reader has gone.
 fn exit_if_reader_gone(e: &std::io::Error) {
     if e.kind() == std::io::ErrorKind::BrokenPipe {
@@ -25,7 +43,7 @@ pub fn write_stdout(args: std::fmt::Arguments<'_>) {
     use std::io::Write as _;
     if let Err(e) = std::io::stdout().write_fmt(args) {
         exit_if_reader_gone(&e);
-        eprintln!("error: writing to standard output: {e}");
+        noteln!("error: writing to standard output: {e}");
         std::process::exit(1);
     }
 }
@@ -38,9 +56,16 @@ pub struct TextOut {
 }
 
 impl TextOut {
-    /// Standard output, locked for the generation.
-    pub fn new() -> TextOut {
-        TextOut { out: std::io::stdout().lock(), failed: None }
+    /// Standard output, locked for the generation; an error when it was closed when the command
+    /// started (the text would be lost and the command would succeed).
+    pub fn new() -> anyhow::Result<TextOut> {
+        let stdout = std::io::stdout();
+        if was_closed(&stdout) {
+            anyhow::bail!(
+                "standard output is closed: the generated text would be lost; redirect it (`> FILE` or `> /dev/null`)"
+            );
+        }
+        Ok(TextOut { out: stdout.lock(), failed: None })
     }
 
     /// Writes and flushes `text` (nothing after a failure).
@@ -66,6 +91,22 @@ impl TextOut {
             }
         }
     }
+}
+
+/// Whether standard output was closed when the process started. Rust's runtime opens
+/// `/dev/null` read-write on a standard descriptor it finds closed; a shell's `> /dev/null`
+/// opens it write-only, so only the former is read-write.
+fn was_closed(stdout: &std::io::Stdout) -> bool {
+    use nix::fcntl::{fcntl, FcntlArg, OFlag};
+    use std::os::fd::AsFd as _;
+    let fd = stdout.as_fd();
+    let Ok(flags) = fcntl(fd, FcntlArg::F_GETFL) else { return true };
+    let read_write = OFlag::from_bits_truncate(flags) & OFlag::O_ACCMODE == OFlag::O_RDWR;
+    let dev_null = nix::sys::stat::fstat(fd).is_ok_and(|st| {
+        st.st_mode & libc::S_IFMT == libc::S_IFCHR
+            && (nix::sys::stat::major(st.st_rdev), nix::sys::stat::minor(st.st_rdev)) == (1, 3)
+    });
+    read_write && dev_null
 }
 
 pub mod args;

@@ -53,10 +53,10 @@ pub struct DemoArgs {
 /// Generates while printing each token as it comes, then prints the timing summary.
 fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GenerateParams) -> Result<Generation> {
     let mut display = DisplayText::default();
-    let mut out = TextOut::new();
+    let mut out = TextOut::new()?;
     let generation = generate::generate(model, prompt, params, |_, bytes| out.write(&display.push(bytes)))?;
     out.finish(&display.finish())?;
-    eprintln!(
+    noteln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s); generated: {} tokens, decode {:.2} tok/s{}",
         generation.prompt_tokens.len(),
         generation.prefill.as_secs_f64(),
@@ -66,7 +66,7 @@ fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GeneratePa
         if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
     );
     if params.draft.is_some() {
-        eprintln!("draft: {} of {} drafted tokens accepted", generation.accepted, generation.drafted);
+        noteln!("draft: {} of {} drafted tokens accepted", generation.accepted, generation.drafted);
     }
     Ok(generation)
 }
@@ -123,7 +123,7 @@ fn run_streamed(
         let (split, head) = scaleout::prepare(&rpc.rpc, model_path, index, positions, config.gpu_layers > 0)?;
         index = head;
         if let Some(split) = split {
-            eprint!("{}", split.describe());
+            note!("{}", split.describe());
             config.rpc = Some(split.rpc());
         }
     }
@@ -155,7 +155,7 @@ fn run_streamed(
         config.cache_bytes >> 20
     );
     let mut display = DisplayText::default();
-    let mut out = TextOut::new();
+    let mut out = TextOut::new()?;
     let progress = args.progress;
     let (generation, rows) = session.generate(
         &tokens,
@@ -163,27 +163,27 @@ fn run_streamed(
         |_, bytes| out.write(&display.push(bytes)),
         |row| {
             if progress {
-                eprint!("\r{}", row.progress_line());
+                note!("\r{}", row.progress_line());
             }
         },
     )?;
     out.finish(&display.finish())?;
     if progress {
-        eprintln!();
+        noteln!();
     }
     let summary = Summary::of_generation(&rows, &generation);
     let streamer = session.streamer();
     let direct = (0..index.shards.len()).all(|s| streamer.lanes().is_direct(s));
     let (cache_used, counters) = (streamer.cache_used(), streamer.cache_counters());
     drop(streamer);
-    eprintln!(
+    noteln!(
         "open: {:.3} s, {} read from storage ({:.1} MiB of dense weights by sluice's reader); first token after {:.3} s",
         open_wall.as_secs_f64(),
         open_read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64)),
         session.dense_bytes_read as f64 / (1 << 20) as f64,
         (open_wall + generation.prefill).as_secs_f64()
     );
-    eprintln!(
+    noteln!(
         "prompt: {} tokens in {:.3} s; generated {} tokens{}",
         generation.prompt_tokens.len(),
         generation.prefill.as_secs_f64(),
@@ -191,18 +191,18 @@ fn run_streamed(
         if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
     );
     if params.draft.is_some() {
-        eprintln!("draft: {} of {} drafted tokens accepted", generation.accepted, generation.drafted);
+        noteln!("draft: {} of {} drafted tokens accepted", generation.accepted, generation.drafted);
     }
-    eprintln!("{}", summary.describe());
+    noteln!("{}", summary.describe());
     if !config.lossy.is_exact() {
-        eprintln!(
+        noteln!(
             "{}; {} chosen experts substituted by cached ones",
             config.lossy.describe(index.n_expert_used),
             summary.substituted
         );
     }
     let usage = telemetry::Usage::sample();
-    eprintln!(
+    noteln!(
         "memory: peak RSS {:.1} MiB (now anon {:.1} + file {:.1} MiB), ledger total {:.1} MiB, budget {:.1} MiB ({})",
         mib(usage.rss_peak),
         mib(usage.rss_anon),
@@ -211,7 +211,7 @@ fn run_streamed(
         mib(ledger.budget),
         ledger.budget_source
     );
-    eprintln!(
+    noteln!(
         "cache: budget {:.1} MiB, {:.1} MiB resident at the end (the last layer's experts included), {} evictions, {} re-reads; reads {}",
         config.cache_bytes.min(index.all_expert_window_bytes()) as f64 / (1 << 20) as f64,
         cache_used as f64 / (1 << 20) as f64,
@@ -250,17 +250,17 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
     let (path, created) = demo::ensure_demo_model(&dir, sluice_hal::cpu::default_threads())?;
     let board = args::board(choice, Some(&path), &a.tuning)?;
     let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-    eprintln!(
+    noteln!(
         "sluice demo: {} synthetic MoE model at {} ({:.1} MiB{})",
         demo::demo_spec().arch.name(),
         path.display(),
         size as f64 / (1 << 20) as f64,
         if created { ", generated just now" } else { ", from the cache" }
     );
-    eprintln!(
+    noteln!(
         "The weights are random: the words below are drawn from its vocabulary, not language. It shows the model loading and generating."
     );
-    eprintln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
+    noteln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
     let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };
     let args = StreamArgs {
         resident: false,

@@ -72,7 +72,8 @@ pub struct SynthArgs {
     /// Split into files of at most N tensors each, after a first file holding only metadata.
     #[arg(long, value_name = "N")]
     split_max_tensors: Option<u32>,
-    /// Store a chat template (`tokenizer.chat_template`), e.g. `chatml` or a template's text.
+    /// Store a chat template (`tokenizer.chat_template`): a name such as `chatml`, a template's
+    /// text, or `@FILE` for the text in FILE.
     #[arg(long)]
     chat_template: Option<String>,
     /// How tokens spread over each layer's experts. skewed: log-normal expert popularity of
@@ -97,6 +98,18 @@ pub struct SynthArgs {
     threads: Option<u32>,
 }
 
+/// The most bytes `--chat-template @FILE` reads.
+const MAX_TEMPLATE_FILE: u64 = 64 << 20;
+
+/// The text `--chat-template` stands for: the file's text for `@FILE`, else the argument.
+fn chat_template_text(arg: &str) -> Result<String> {
+    match arg.strip_prefix('@') {
+        Some(file) => sluice_hal::file::read_regular_string(std::path::Path::new(file), MAX_TEMPLATE_FILE)
+            .with_context(|| format!("--chat-template @{file}")),
+        None => Ok(arg.to_string()),
+    }
+}
+
 impl SynthArgs {
     pub fn spec(&self) -> Result<SynthSpec> {
         let mut spec = SynthSpec {
@@ -114,7 +127,7 @@ impl SynthArgs {
             out_type: self.out_type,
             alignment: self.alignment,
             split_max_tensors: self.split_max_tensors,
-            chat_template: self.chat_template.clone(),
+            chat_template: self.chat_template.as_deref().map(chat_template_text).transpose()?,
             routing: match self.routing {
                 RoutingKind::Uniform => Routing::Uniform,
                 RoutingKind::Skewed => Routing::Skewed(self.skew),
@@ -141,7 +154,7 @@ pub fn run_synth(a: &SynthArgs) -> Result<()> {
     for f in &out.files {
         outln!("{}", f.display());
     }
-    eprintln!(
+    noteln!(
         "wrote {} file(s), {:.1} MiB ({:.1} MiB of routed experts): {}, {} layers, {} experts (top-{}), expert FFN {}, {:?}",
         out.files.len(),
         out.total_bytes as f64 / (1 << 20) as f64,
@@ -154,17 +167,17 @@ pub fn run_synth(a: &SynthArgs) -> Result<()> {
         spec.out_type
     );
     if let Some(c) = out.calibration {
-        eprintln!(
+        noteln!(
             "skewed routing calibrated in {} round(s) on the model itself: each expert's routed share within {:.3} of its target",
             c.rounds, c.max_error
         );
         if let Some((sink, reuse)) = c.reuse {
-            eprintln!(
+            noteln!(
                 "token-to-token reuse: consecutive tokens share their first-choice expert {reuse:.2}x as often as independent tokens (attention sink {sink:.2})"
             );
             let wanted = spec.reuse.unwrap_or(1.0);
             if (reuse / wanted).ln().abs() > 0.1 {
-                eprintln!(
+                noteln!(
                     "note: --reuse {wanted} was not reached (this shape's attention gives {reuse:.2}); more experts or layers widen the range"
                 );
             }

@@ -6,6 +6,7 @@
 //! file checked against its hash). Every command is checked before use (vendor patch 0009), and
 //! who may connect is [`Admission`]'s: the `--allow` list and the pre-shared key.
 
+use std::io::Write as _;
 use std::net::SocketAddrV4;
 use std::path::PathBuf;
 
@@ -133,7 +134,8 @@ pub fn run(cfg: &WorkerConfig) -> Result<std::convert::Infallible, WorkerError> 
         on_accept: Box::new(move |stream| admission.admit(stream)),
         on_listening: Box::new(|| {
             log::info!("{status}");
-            eprintln!("sluice worker: {status}");
+            // (never a panic: a worker started with a full or closed standard error still serves)
+            let _ = writeln!(std::io::stderr(), "sluice worker: {status}");
             notify::ready(&status);
         }),
     };

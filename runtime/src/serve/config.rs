@@ -82,11 +82,6 @@ pub enum ConfigError {
 /// The largest settings file read (a commented one is a few KiB).
 const MAX_FILE_BYTES: u64 = 1 << 20;
 
-/// The 1-based line of byte `offset` in `text`.
-fn line_of(text: &str, offset: usize) -> usize {
-    text[..offset.min(text.len())].bytes().filter(|b| *b == b'\n').count() + 1
-}
-
 impl ServeFile {
     /// Reads and checks the settings file at `path`.
     pub fn load(path: &Path) -> Result<ServeFile, ConfigError> {
@@ -99,14 +94,11 @@ impl ServeFile {
     pub fn parse(text: &str, path: &Path) -> Result<ServeFile, ConfigError> {
         let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             path: path.to_path_buf(),
-            message: match e.span() {
-                Some(span) => format!("line {}: {}", line_of(text, span.start), e.message()),
-                None => e.message().to_string(),
-            },
+            message: crate::text::toml_error(text, &e),
         })?;
         let file: ServeFile = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
             let path_in = e.path().to_string();
-            let message = e.into_inner().message().to_string();
+            let message = crate::text::excerpt(e.into_inner().message(), 300);
             // serde names an unknown key in its message, at the table that holds it.
             let unknown = message.strip_prefix("unknown field `").and_then(|r| r.split('`').next());
             let (key, message) = match unknown {
@@ -231,6 +223,6 @@ mod tests {
         let e = parse("ctx = 8\n").unwrap_err().to_string();
         assert!(e.starts_with("/etc/sluice/sluice.toml: key `ctx`: at least 16"), "{e}");
         let e = parse("model = \"/m.gguf\"\nctx = \n").unwrap_err().to_string();
-        assert!(e.starts_with("/etc/sluice/sluice.toml: not valid TOML: line 2:"), "{e}");
+        assert!(e.starts_with("/etc/sluice/sluice.toml: not valid TOML: line 2 (`ctx`):"), "{e}");
     }
 }

@@ -58,14 +58,19 @@ pub(super) enum TokenizeError {
     Interrupted,
 }
 
-/// The model's chat templates; ChatML (llama.cpp's default) when they cannot be parsed.
+/// The model's chat templates; ChatML (llama.cpp's default) when they cannot be parsed or
+/// cannot render a plain conversation within the template bounds (a template that recurses or
+/// loops without end would fail every request).
 fn chat_templates(model: &Model) -> Result<ChatTemplates> {
-    match ChatTemplates::of_model(model) {
+    let trial = ChatInputs::new(serde_json::json!([{"role": "user", "content": "hello"}]));
+    let usable = ChatTemplates::of_model(model).and_then(|t| t.apply(&trial).map(|_| t));
+    match usable {
         Ok(t) => Ok(t),
         Err(e) => {
             log::warn!(
-                "the chat template in {} cannot be used ({e}); chats are formatted as ChatML",
-                model.path().display()
+                "the chat template in {} cannot be used ({}); chats are formatted as ChatML",
+                model.path().display(),
+                crate::text::excerpt(&e.to_string(), 1000)
             );
             Ok(ChatTemplates::from_source(Some(model), "chatml", "", "")?)
         }
@@ -105,10 +110,22 @@ fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -
 
 impl Tokenizer {
     /// Starts the tokenizer thread for `model` (with its own chat templates).
+    /// The templates are parsed there too (with the capability probes that render them), on
+    /// its large stack and within the template bounds; this returns once they are ready.
     pub(super) fn start(model: Arc<Model>) -> Result<Tokenizer> {
         let (jobs, rx) = channel::<TokenizeJob>();
-        let templates = chat_templates(&model)?;
+        let (ready, parsed) = channel::<Result<()>>();
         std::thread::Builder::new().name("sluice-tokenize".into()).stack_size(PREPARE_STACK).spawn(move || {
+            let templates = match chat_templates(&model) {
+                Ok(t) => {
+                    let _ = ready.send(Ok(()));
+                    t
+                }
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
             for (prompt, reply) in rx {
                 let t0 = Instant::now();
                 let prepared = match &prompt {
@@ -125,6 +142,9 @@ impl Tokenizer {
                 let _ = reply.send(prepared);
             }
         })?;
+        parsed
+            .recv()
+            .map_err(|_| anyhow::anyhow!("the tokenizer thread stopped while parsing the chat template"))??;
         Ok(Tokenizer { jobs })
     }
 

@@ -450,9 +450,11 @@ impl<'m> Streamer<'m> {
                         self.failure = Some(e);
                     }
                 }
-                false
+                // A failure stops the warm-up right after this node (its Computed answer), before
+                // any later node computes over what failed.
+                self.failure.is_some()
             }
-            (Mode::Capture, EvalPhase::Computed) => true,
+            (Mode::Capture, EvalPhase::Computed) => self.failure.is_none(),
             // Only the routers of layers that stream here: another layer's router may be on an
             // RPC worker, and asking for it would split that worker's graph for nothing.
             (Mode::Stream, EvalPhase::Ask) => t
@@ -562,9 +564,15 @@ impl<'m> Streamer<'m> {
             tensor: usize::MAX,
             pass: None,
         });
-        let stats = self.source.lanes().read_all(&mut self.jobs)?;
+        // The tensor leaves llama.cpp's file mapping before the read: if the read fails, the node
+        // that asked computes over zeros (and the warm-up stops after it), never over a mapping
+        // whose pages fault on the failing file.
+        w.rebind(Arc::clone(&r)).map_err(|e| StreamError::Graph(e.to_string()))?;
+        let stats = self.source.lanes().read_all(&mut self.jobs).map_err(|mut f| {
+            f.what = format!("tensor {}", d.name);
+            f
+        })?;
         self.dense_bytes_read += stats.bytes;
-        w.rebind(r).map_err(|e| StreamError::Graph(e.to_string()))?;
         Ok(())
     }
 

@@ -110,21 +110,36 @@ pub struct ExpertIndex {
     dense_by_name: HashMap<String, usize>,
 }
 
-/// The shard files of the model whose first file is `first`.
-pub fn shard_paths(first: &Path, g: &GgufFile) -> Result<Vec<PathBuf>, IndexError> {
+/// The most shards llama.cpp's loader reads (`split.count` is a u16 there).
+const MAX_SHARDS: u64 = u16::MAX as u64;
+
+/// The shard files of the model whose first file is `first`, each found on disk in turn (the
+/// first one missing is named); the error says what is wrong with the split.
+pub fn shard_paths(first: &Path, g: &GgufFile) -> Result<Vec<PathBuf>, String> {
     let count = g.get_u64("split.count").unwrap_or(1);
     if count <= 1 {
         return Ok(vec![first.to_path_buf()]);
     }
+    if count > MAX_SHARDS {
+        return Err(format!("split.count is {count}; llama.cpp reads at most {MAX_SHARDS} files"));
+    }
     let s = first.to_string_lossy();
     let suffix = format!("-00001-of-{count:05}.gguf");
-    let prefix = s.strip_suffix(&suffix).ok_or_else(|| IndexError::Metadata {
-        path: first.into(),
-        what: format!(
-            "split.count is {count} but the file name does not end in {suffix}; pass the first file of the split"
-        ),
+    let prefix = s.strip_suffix(&suffix).ok_or_else(|| {
+        format!("split.count is {count} but the file name does not end in {suffix}; pass the first file of the split")
     })?;
-    Ok((1..=count).map(|i| PathBuf::from(format!("{prefix}-{i:05}-of-{count:05}.gguf"))).collect())
+    let mut shards = vec![first.to_path_buf()];
+    for i in 2..=count {
+        let shard = PathBuf::from(format!("{prefix}-{i:05}-of-{count:05}.gguf"));
+        if !shard.is_file() {
+            return Err(format!(
+                "split.count is {count}, but shard {i} ({}) is not there; copy every file of the split beside the first",
+                shard.display()
+            ));
+        }
+        shards.push(shard);
+    }
+    Ok(shards)
 }
 
 /// The block number and the rest of a `blk.<il>.<rest>` tensor name.
@@ -177,7 +192,7 @@ impl ExpertIndex {
         let n_expert = u32::try_from(n_expert)
             .map_err(|_| meta_err(format!("{} is {n_expert}, too many experts", key("expert_count"))))?;
         let used_per_layer = used_per_layer(&first, &key("expert_used_count"), n_layer, blocks).map_err(meta_err)?;
-        let shards = shard_paths(path, &first)?;
+        let shards = shard_paths(path, &first).map_err(meta_err)?;
         let (mut experts, mut dense, mut not_run) = (Vec::new(), Vec::new(), Vec::new());
         for (shard, shard_path) in shards.iter().enumerate() {
             let opened;

@@ -59,20 +59,19 @@ pub struct ReadJob {
     pub pass: Option<(u64, u64)>,
 }
 
-/// A read that failed.
+/// A read that failed. Its cause is part of its message, not a separate source, so that a
+/// chain of errors prints it once.
 #[derive(Debug, thiserror::Error)]
-#[error("reading expert {expert} of layer {layer} from {path} at offset {offset}: {source}")]
+#[error("reading {what} from {path} at offset {offset}: {cause}")]
 pub struct ReadFailure {
-    /// Layer.
-    pub layer: u32,
-    /// Expert.
-    pub expert: u32,
+    /// What was read: `expert E of layer L`, or `tensor NAME`.
+    pub what: String,
     /// File.
     pub path: PathBuf,
     /// Offset of the failed window.
     pub offset: u64,
     /// The error.
-    pub source: io::Error,
+    pub cause: io::Error,
 }
 
 /// Byte counts of one `read_all`.
@@ -87,18 +86,28 @@ pub struct ReadStats {
 /// How often a wait looks at the cancel flag.
 pub const CANCEL_POLL: Duration = Duration::from_millis(100);
 
-/// What a shard file was when the lanes opened it: a read finding it otherwise fails.
+/// What a shard file was when the lanes opened it: a read finding it otherwise fails. The
+/// change time counts: tools that rewrite a file in place can restore its size and
+/// modification time (`cp --preserve=timestamps`, `rsync --inplace -t`, `touch -r`), but not
+/// its ctime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct FileIdentity {
     dev: u64,
     ino: u64,
     size: u64,
     mtime: (i64, i64),
+    ctime: (i64, i64),
 }
 
 impl FileIdentity {
     fn of(m: &std::fs::Metadata) -> FileIdentity {
-        FileIdentity { dev: m.dev(), ino: m.ino(), size: m.size(), mtime: (m.mtime(), m.mtime_nsec()) }
+        FileIdentity {
+            dev: m.dev(),
+            ino: m.ino(),
+            size: m.size(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        }
     }
 
     /// How `now` differs from `self`, if it does.
@@ -111,6 +120,8 @@ impl FileIdentity {
             Some(format!("it grew from {} to {} bytes", self.size, now.size))
         } else if now.mtime != self.mtime {
             Some("it was modified".into())
+        } else if now.ctime != self.ctime {
+            Some("it was rewritten or its attributes changed (its change time moved)".into())
         } else {
             None
         }
@@ -179,14 +190,13 @@ struct Shared {
 }
 
 impl Shared {
-    /// The failure of `job` for `source`, naming its expert, file and offset.
-    fn failure(&self, job: &ReadJob, source: io::Error) -> ReadFailure {
+    /// The failure of `job` for `cause`, naming its expert, file and offset.
+    fn failure(&self, job: &ReadJob, cause: io::Error) -> ReadFailure {
         ReadFailure {
-            layer: job.tag.0,
-            expert: job.tag.1,
+            what: format!("expert {} of layer {}", job.tag.1, job.tag.0),
             path: self.shards[job.shard].path.clone(),
             offset: job.start,
-            source,
+            cause,
         }
     }
 
@@ -714,8 +724,8 @@ mod tests {
         assert!(!lanes.is_landed(0, 3));
         assert!(!lanes.wait_any(0, &[3], Duration::ZERO));
         let failure = lanes.wait(&mut jobs, Some(Duration::from_secs(30))).unwrap_err();
-        assert_eq!((failure.layer, failure.expert), (5, 3));
-        assert_eq!(failure.source.kind(), io::ErrorKind::TimedOut);
+        assert_eq!(failure.what, "expert 3 of layer 5");
+        assert_eq!(failure.cause.kind(), io::ErrorKind::TimedOut);
         assert!(failure.to_string().contains("expert 3 of layer 5"), "{failure}");
     }
 }

@@ -292,8 +292,10 @@ impl<'m> StreamedSession<'m> {
         let mut session = session?;
         let claims = kernel::Claims::register(&index, &claim, &source);
         lock(&streamer).set_kernel_tensors(claims.taken());
-        session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0))?;
+        let warmed = session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0));
+        // A capture failure (a failed read stops the warm-up) says more than the decode's status.
         let dense_bytes_read = lock(&streamer).finish_capture()?;
+        warmed?;
         if let Some(bound) = config.overlap {
             lock(&streamer).enable_overlap(bound, config.overlap_prompt_only);
         }
@@ -363,7 +365,7 @@ impl<'m> StreamedSession<'m> {
             s.end_decode();
             if let Some(e) = s.take_failure() {
                 return Err(match e {
-                    StreamError::Read(f) if f.source.kind() == std::io::ErrorKind::Interrupted => {
+                    StreamError::Read(f) if f.cause.kind() == std::io::ErrorKind::Interrupted => {
                         GenerateError::Cancelled
                     }
                     e => e.into(),

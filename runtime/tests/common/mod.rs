@@ -1,5 +1,7 @@
 //! What the binary's integration tests share.
 
+#![allow(dead_code)] // each test binary uses a part
+
 use std::path::Path;
 use std::process::Command;
 
@@ -22,4 +24,10 @@ pub fn sluice_command_at(bin: &Path) -> Command {
     };
     cmd.env_remove("RUST_LOG");
     cmd
+}
+
+/// Whether the tests run the binary under an emulator (`SLUICE_TEST_RUNNER`, set by `make
+/// aarch64`): slow suites then take a sample.
+pub fn emulated() -> bool {
+    std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty())
 }
