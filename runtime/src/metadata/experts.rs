@@ -1,5 +1,7 @@
 //! Expert counts, groups and gating (`load_hparams`' expert asserts, `build_moe_ffn`).
 
+use std::collections::HashSet;
+
 use super::{shown, Meta, MetadataError, MAX_EXPERTS};
 
 /// The most `expert_gating_func` llama.cpp's `build_moe_ffn` computes (softmax 1, sigmoid 2,
@@ -7,23 +9,49 @@ use super::{shown, Meta, MetadataError, MAX_EXPERTS};
 /// value reaches its `GGML_ABORT`.
 const MAX_GATING_FUNC: u64 = 4;
 
+/// The architectures whose graphs take each layer's own count of experts per token (nemotron-h's
+/// heterogeneous layers); the others select layer 0's count for every layer.
+const PER_LAYER_ROUTING: [&str; 2] = ["nemotron_h", "nemotron_h_moe"];
+
 /// Expert counts: at most [`MAX_EXPERTS`]; experts used per token 1 to the count in every layer
-/// (0 without experts), none above layer 0's (the graph selects layer 0's count of experts per
-/// token and sums each layer's own count of them; a 0 divides by zero in the loaders); groups
-/// that divide the experts; a gating function `build_moe_ffn` knows; and expert tensors of that
-/// many experts.
+/// that holds routed experts (a 0 there divides by zero in the loaders or sums no expert), 0 to
+/// the count in the others; none above layer 0's (the graph selects layer 0's count of experts
+/// per token and sums each layer's own count of them), but where the architecture routes per
+/// layer; groups that divide the experts; a gating function `build_moe_ffn` knows; and expert
+/// tensors of that many experts.
 pub(super) fn check(m: &Meta) -> Result<(), MetadataError> {
     let experts = m.int("expert_count").unwrap_or(0);
     if experts > MAX_EXPERTS {
         return Err(m.error("expert_count", format!("is {experts}; llama.cpp runs at most {MAX_EXPERTS} experts")));
     }
-    let used = m.per_layer("expert_used_count")?.unwrap_or_else(|| vec![0]);
-    let range = if experts > 0 { format!("1 to {experts} (the expert count)") } else { "0 (no experts)".into() };
-    let fits = |u: i64| if experts > 0 { (1..=experts as i64).contains(&u) } else { u == 0 };
-    if !used.iter().all(|&u| fits(u)) {
-        return Err(m.error("expert_used_count", format!("is {}; it must be {range} in every layer", shown(&used))));
+    let used = m.per_layer("expert_used_count")?.unwrap_or_else(|| vec![0; m.layers as usize]);
+    let routed: HashSet<u32> = m
+        .gguf
+        .tensors()
+        .iter()
+        .filter_map(|t| crate::stream::index::parse_block(&t.name))
+        .filter(|(_, rest)| crate::stream::index::is_expert_weight(rest))
+        .map(|(layer, _)| layer)
+        .collect();
+    let max = experts as i64;
+    let bad = used.iter().enumerate().find(|&(layer, &u)| {
+        let least = i64::from(routed.contains(&(layer as u32)) && experts > 0);
+        !(least..=max).contains(&u)
+    });
+    if let Some((layer, u)) = bad {
+        let least = if routed.contains(&(layer as u32)) { "1" } else { "0" };
+        let which =
+            if used.iter().all(|&v| v == used[0]) { String::new() } else { format!(" ({u} for layer {layer})") };
+        return Err(m.error(
+            "expert_used_count",
+            format!("is {}{which}; it must be {least} to {experts} (the expert count)", shown(&used)),
+        ));
     }
-    if let Some((layer, u)) = used.iter().enumerate().find(|(_, &u)| u > used[0]) {
+    if experts > 0 && used.iter().all(|&u| u == 0) {
+        return Err(m.error("expert_used_count", format!("is 0 in every layer, with {experts} experts")));
+    }
+    let per_layer_routing = PER_LAYER_ROUTING.contains(&m.arch.as_str());
+    if let Some((layer, u)) = used.iter().enumerate().find(|(_, &u)| u > used[0]).filter(|_| !per_layer_routing) {
         return Err(m.error(
             "expert_used_count",
             format!(

@@ -143,7 +143,7 @@ pub fn shard_paths(first: &Path, g: &GgufFile) -> Result<Vec<PathBuf>, String> {
 }
 
 /// The block number and the rest of a `blk.<il>.<rest>` tensor name.
-fn parse_block(name: &str) -> Option<(u32, &str)> {
+pub(crate) fn parse_block(name: &str) -> Option<(u32, &str)> {
     let (il, rest) = name.strip_prefix("blk.")?.split_once('.')?;
     Some((il.parse().ok()?, rest))
 }
