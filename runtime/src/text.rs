@@ -77,7 +77,7 @@ pub fn excerpt(s: &str, max: usize) -> String {
 }
 
 /// The longest part of a parser's message an error quotes.
-const MAX_QUOTED: usize = 300;
+pub const MAX_QUOTED: usize = 300;
 
 /// A TOML parse error of `text` as sluice reports it: the line, the key written there and the
 /// parser's message, never the offending line itself (a line may be megabytes long), the message

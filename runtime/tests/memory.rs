@@ -9,14 +9,13 @@ use std::process::{Command, Output};
 
 use sluice_hal::cgroup::MemoryCgroup;
 
+mod common;
+use common::emulated;
+
 fn sluice(args: &[&str]) -> Command {
     let mut c = Command::new(env!("CARGO_BIN_EXE_sluice"));
     c.args(args).env_remove("RUST_LOG");
     c
-}
-
-fn emulated() -> bool {
-    std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty())
 }
 
 fn synth(dir: &Path, size: &str) -> String {

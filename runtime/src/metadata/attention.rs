@@ -60,9 +60,10 @@ pub(super) fn check(m: &Meta) -> Result<(), MetadataError> {
 /// Norm epsilons, temperature and rotary frequencies: finite, and the epsilons >= 0.
 fn check_floats(m: &Meta) -> Result<(), MetadataError> {
     for name in FINITE_KEYS {
+        let epsilon = name.contains("epsilon");
         if let Some(v) = m.float(name) {
-            if !v.is_finite() || (name.contains("epsilon") && v < 0.0) {
-                let want = if name.contains("epsilon") { "a finite number >= 0" } else { "a finite number" };
+            if !v.is_finite() || (epsilon && v < 0.0) {
+                let want = if epsilon { "a finite number >= 0" } else { "a finite number" };
                 return Err(m.error(name, format!("is {v}; it must be {want}")));
             }
         }

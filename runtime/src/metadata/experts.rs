@@ -33,18 +33,15 @@ pub(super) fn check(m: &Meta) -> Result<(), MetadataError> {
         .filter(|(_, rest)| crate::stream::index::is_expert_weight(rest))
         .map(|(layer, _)| layer)
         .collect();
-    let max = experts as i64;
-    let bad = used.iter().enumerate().find(|&(layer, &u)| {
-        let least = i64::from(routed.contains(&(layer as u32)) && experts > 0);
-        !(least..=max).contains(&u)
-    });
-    if let Some((layer, u)) = bad {
-        let least = if routed.contains(&(layer as u32)) { "1" } else { "0" };
+    // The fewest experts per token layer `layer` may use: 1 where it holds routed experts.
+    let least = |layer: usize| i64::from(experts > 0 && routed.contains(&(layer as u32)));
+    if let Some((layer, u)) = used.iter().enumerate().find(|&(layer, &u)| !(least(layer)..=experts as i64).contains(&u))
+    {
         let which =
             if used.iter().all(|&v| v == used[0]) { String::new() } else { format!(" ({u} for layer {layer})") };
         return Err(m.error(
             "expert_used_count",
-            format!("is {}{which}; it must be {least} to {experts} (the expert count)", shown(&used)),
+            format!("is {}{which}; it must be {} to {experts} (the expert count)", shown(&used), least(layer)),
         ));
     }
     if experts > 0 && used.iter().all(|&u| u == 0) {

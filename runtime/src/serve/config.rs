@@ -98,7 +98,7 @@ impl ServeFile {
         })?;
         let file: ServeFile = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
             let path_in = e.path().to_string();
-            let message = crate::text::excerpt(e.into_inner().message(), 300);
+            let message = crate::text::excerpt(e.into_inner().message(), crate::text::MAX_QUOTED);
             // serde names an unknown key in its message, at the table that holds it.
             let unknown = message.strip_prefix("unknown field `").and_then(|r| r.split('`').next());
             let (key, message) = match unknown {
