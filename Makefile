@@ -8,8 +8,8 @@ CARGO ?= cargo
 # systemd: systemd-analyze, which the service-file tests run on systemd/sluice.service.
 # util-linux: prlimit, which gives a test server a small open-file limit. python3-venv: the
 # official openai client for the API test (scripts/ensure-openai). wamerican: the dictionary the
-# demo's words are checked against.
-BUILD_DEBS := cmake clang libclang-dev patch make systemd util-linux python3-venv wamerican
+# demo's words are checked against. valgrind: the extension tests run again under memcheck.
+BUILD_DEBS := cmake clang libclang-dev patch make systemd util-linux python3-venv wamerican valgrind
 # Where apt reaches them: chromium, the headless browser that loads the status page; lintian,
 # which checks the Debian package. Without them those checks are skipped with a message.
 CHECK_DEBS := chromium lintian
@@ -37,13 +37,14 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
-# defaults; the models are kept in BENCH_DIR: delete them after changing synth), streamed vs
-# llama.cpp's mmap load, each
-# configuration in a memory cgroup of BENCH_BUDGET_MB (needs root), on the release build, with a
-# 512-token prompt (32 generated tokens, 16 at SD speed) and a row per lossy mode: at the disk's own
-# speed, then throttled to an SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s), with a read sweep
-# (lanes x request size) on the uniform model, and rows with the model split over two and three
-# boards of the same budget (loopback RPC workers). Results under BENCH_DIR/<routing>-<speed>/.
+# defaults; the models and their checksum sidecars are kept in BENCH_DIR: delete them after
+# changing synth), streamed vs llama.cpp's mmap load, each configuration in a memory cgroup of
+# BENCH_BUDGET_MB (needs root), on the release build, with a 512-token prompt (32 generated
+# tokens, 16 at SD speed) and a row per lossy mode: at the disk's own speed, then throttled to an
+# SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s), with a read sweep (lanes x request size)
+# on the uniform model, rows with the model split over two and three boards of the same budget
+# (loopback RPC workers), and rows checking every read against the model's checksum sidecar
+# (--verify). Results under BENCH_DIR/<routing>-<speed>/.
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
 
@@ -98,6 +99,7 @@ bench: vendor
 		m=$(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf; \
 		test -f $$m || target/release/sluice synth --out $$m --arch gpt-oss --routing $$r \
 			--size 1650MB --layers 8 --experts 32 --experts-used 4 || exit 1; \
+		test -f $$m.sluice-sums || target/release/sluice verify --model $$m || exit 1; \
 	done
 	@for r in uniform skewed; do for s in disk sd nvme-gen2; do \
 		t=$$(test $$s = disk || echo "--storage-mbps $$s"); \
@@ -106,7 +108,7 @@ bench: vendor
 		echo "== $$r routing, $$s"; \
 		target/release/sluice bench --model $(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf \
 			--budget-mb $(BENCH_BUDGET_MB) -n $$n --prompt-tokens 512 $$t $$w \
-			--experts-used 2 --substitute 4 --rpc --out $(BENCH_DIR)/$$r-$$s || exit 1; \
+			--experts-used 2 --substitute 4 --rpc --verify --out $(BENCH_DIR)/$$r-$$s || exit 1; \
 	done; done
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.

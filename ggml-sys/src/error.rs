@@ -96,6 +96,9 @@ pub enum Error {
     /// Tokenization failed.
     #[error("tokenization failed: {0}")]
     Tokenize(String),
+    /// A tokenization was stopped by its cancel flag.
+    #[error("tokenization cancelled")]
+    TokenizeCancelled,
     /// A batch was filled past its capacity.
     #[error("batch is full ({capacity} tokens)")]
     BatchFull {

@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 
 use llama_cpp_sys_2 as sys;
 
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
 
 use crate::{Error, Reservation, Result, RpcDevice};
@@ -114,6 +115,11 @@ impl Model {
             (false, true) => sys::LLAMA_LOAD_MODE_DIRECT_IO,
             (false, false) => sys::LLAMA_LOAD_MODE_MMAP,
         };
+        if p.load_mode == sys::LLAMA_LOAD_MODE_MMAP {
+            // A page of the mapping the storage cannot read is an error naming the model, not a
+            // silent SIGBUS.
+            crate::mapping_faults::name_mapped_model(path);
+        }
         p.use_extra_bufts = false;
         p.n_gpu_layers = params.n_gpu_layers;
         p.no_alloc = params.metadata_only;
@@ -329,12 +335,38 @@ impl Model {
     /// [`Model::tokenize`], with control-token text parsed as control tokens when
     /// `parse_special` is set (for prompts made by a chat template).
     pub fn tokenize_with(&self, text: &str, add_special: bool, parse_special: bool) -> Result<Vec<Token>> {
+        self.tokenize_until(text, add_special, parse_special, None)
+    }
+
+    /// [`Model::tokenize_with`] that stops with [`Error::TokenizeCancelled`] soon after
+    /// `cancel` is set (from another thread): llama.cpp's tokenizers check it as they go
+    /// (vendor patch 0011), so a prompt whose request went away is not finished for nothing.
+    pub fn tokenize_cancellable(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        cancel: &AtomicBool,
+    ) -> Result<Vec<Token>> {
+        self.tokenize_until(text, add_special, parse_special, Some(cancel))
+    }
+
+    fn tokenize_until(
+        &self,
+        text: &str,
+        add_special: bool,
+        parse_special: bool,
+        cancel: Option<&AtomicBool>,
+    ) -> Result<Vec<Token>> {
+        let abort = cancel.map_or(std::ptr::null(), |c| c.as_ptr().cast_const()).cast::<u8>();
         let len = i32::try_from(text.len())
             .map_err(|_| Error::Tokenize(format!("text of {} bytes is too long", text.len())))?;
         let mut tokens: Vec<Token> = vec![0; text.len() + 2];
         for _ in 0..2 {
             // SAFETY: text is valid for len bytes (no NUL needed: the length is passed); tokens
-            // is writable for tokens.len() entries.
+            // is writable for tokens.len() entries; abort is NULL or points at the borrowed
+            // cancel flag, which outlives the call, read there only with atomic loads (an
+            // AtomicBool is one byte, 0 or 1), and the shim clears it before returning.
             let n = unsafe {
                 crate::shim::sluice_tokenize(
                     self.vocab(),
@@ -344,9 +376,15 @@ impl Model {
                     tokens.len() as i32,
                     add_special,
                     parse_special,
+                    abort,
                 )
             };
-            crate::shim::caught("llama_tokenize")?;
+            if let Err(e) = crate::shim::caught("llama_tokenize") {
+                return Err(match cancel {
+                    Some(c) if c.load(std::sync::atomic::Ordering::Relaxed) => Error::TokenizeCancelled,
+                    _ => e,
+                });
+            }
             if n >= 0 {
                 tokens.truncate(n as usize);
                 return Ok(tokens);

@@ -10,6 +10,8 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+use std::sync::atomic::Ordering;
+
 use memmap2::{Advice, MmapOptions, MmapRaw, UncheckedAdvice};
 
 /// The system page size.
@@ -128,6 +130,40 @@ impl Reservation {
         Ok(done)
     }
 
+    /// Copies the tensor bytes `[from, from + out.len())` (relative to the tensor) into `out`,
+    /// for checking what a read landed; `false` (and nothing copied) when the range runs past
+    /// the tensor. Pages never read, or given back, read as zeros.
+    ///
+    /// The copy uses relaxed atomic loads, never a shared slice: another lane may be reading a
+    /// neighbouring slice's window into a page this range shares (the kernel writes the same
+    /// file bytes there), and a release may drop pages under it.
+    pub fn copy_to(&self, from: u64, out: &mut [u8]) -> bool {
+        if from.checked_add(out.len() as u64).is_none_or(|to| to > self.size) {
+            return false;
+        }
+        // SAFETY: from + out.len() <= size (checked above) and the tensor's bytes lie inside the
+        // mapping, so the range starts inside this live mapping.
+        let src = unsafe { self.base_ptr().add(from as usize) };
+        let mut i = 0usize;
+        while i < out.len() {
+            let p = src.wrapping_add(i);
+            if p as usize % 8 == 0 && out.len() - i >= 8 {
+                // SAFETY: p is 8-aligned and p..p+8 lies inside the mapping, which outlives this
+                // borrow of self; Rust code reads the mapping only through atomics (this
+                // function), and writes reach it only from the kernel (pread, madvise), so no
+                // non-atomic Rust access races with the load.
+                let word = unsafe { std::sync::atomic::AtomicU64::from_ptr(p.cast()) }.load(Ordering::Relaxed);
+                out[i..i + 8].copy_from_slice(&word.to_ne_bytes());
+                i += 8;
+            } else {
+                // SAFETY: p lies inside the mapping (i < out.len()); as above for the access.
+                out[i] = unsafe { std::sync::atomic::AtomicU8::from_ptr(p) }.load(Ordering::Relaxed);
+                i += 1;
+            }
+        }
+        true
+    }
+
     /// Bytes of the mapping in memory now (`mincore`): what the reservation really holds.
     pub fn resident_bytes(&self) -> u64 {
         // SAFETY: map/map_len is this live, page-aligned mapping.
@@ -190,6 +226,14 @@ mod tests {
         // SAFETY: the window covering tensor bytes 100..200 was just read into the live mapping.
         let got = unsafe { std::slice::from_raw_parts(r.base_ptr().add(100), 100) };
         assert_eq!(got, &data[(off + 100) as usize..(off + 200) as usize]);
+        // copy_to sees the same bytes, from any alignment; a range past the tensor is refused.
+        for at in [100u64, 101, 107] {
+            let mut copy = vec![0u8; 93];
+            assert!(r.copy_to(at, &mut copy));
+            assert_eq!(copy, &data[(off + at) as usize..(off + at + 93) as usize]);
+        }
+        assert!(!r.copy_to(size - 10, &mut [0u8; 11]));
+        assert!(!r.copy_to(u64::MAX, &mut [0u8; 2]));
         // Releasing a range smaller than a page frees nothing; the whole tensor frees the whole
         // mapping, head and tail pages included.
         assert_eq!(r.release(100, 200), 0);

@@ -73,8 +73,17 @@ int32_t sluice_decode(struct llama_context * ctx, struct llama_batch batch) {
     SLUICE_CATCH(-1)
 }
 
+// Vendor patch 0011: the tokenizers of this thread stop (throwing) once *flag is non-zero.
+extern "C" void sluice_tokenize_set_abort(const unsigned char * flag);
+
+// llama_tokenize, stopping with an exception once *abort (when not NULL) is set.
 int32_t sluice_tokenize(const struct llama_vocab * vocab, const char * text, int32_t text_len, llama_token * tokens,
-                        int32_t n_tokens_max, bool add_special, bool parse_special) {
+                        int32_t n_tokens_max, bool add_special, bool parse_special, const unsigned char * abort) {
+    // Cleared however the call ends: the flag must not outlive the borrow it came from.
+    struct ClearAbort {
+        ~ClearAbort() { sluice_tokenize_set_abort(nullptr); }
+    } clear;
+    sluice_tokenize_set_abort(abort);
     try {
         return llama_tokenize(vocab, text, text_len, tokens, n_tokens_max, add_special, parse_special);
     }

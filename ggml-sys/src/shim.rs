@@ -32,6 +32,7 @@ unsafe extern "C" {
         n_tokens_max: i32,
         add_special: bool,
         parse_special: bool,
+        abort: *const u8,
     ) -> i32;
     pub(crate) fn sluice_ext_register_op(desc: *const sys::ggml_ext_op_desc) -> sys::ggml_ext_op_t;
     pub(crate) fn sluice_ext_find_op(name: *const c_char) -> sys::ggml_ext_op_t;

@@ -815,3 +815,38 @@ fn a_kernel_state_that_panics_when_dropped_does_not_abort_the_process() {
     backend.compute(&graph).unwrap();
     assert_eq!(f32s(&y.read().unwrap())[1], 3.0);
 }
+
+/// Every test above again under valgrind's memcheck, where valgrind is installed (`make test`
+/// installs it): the soundness cases included, each now refused or impossible, with no invalid
+/// read or write in ggml, the shims or the safe wrappers. Skipped, saying so, under emulation
+/// (qemu-user cannot host valgrind) or without valgrind.
+#[test]
+fn the_extension_tests_are_clean_under_memcheck() {
+    const INNER: &str = "SLUICE_UNDER_MEMCHECK";
+    if std::env::var_os(INNER).is_some() {
+        return;
+    }
+    if std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty()) {
+        println!("memcheck skipped: an emulated run");
+        return;
+    }
+    if std::process::Command::new("valgrind").arg("--version").output().is_err() {
+        println!("memcheck skipped: valgrind is not installed");
+        return;
+    }
+    let o = std::process::Command::new("valgrind")
+        .args(["--quiet", "--error-exitcode=99", "--leak-check=no", "--fair-sched=yes"])
+        .arg(std::env::current_exe().unwrap())
+        .args(["--test-threads=1", "--skip", "the_extension_tests_are_clean_under_memcheck"])
+        .env(INNER, "1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    let tail: String = err.lines().rev().take(60).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>().join("\n");
+    assert!(
+        o.status.success(),
+        "memcheck found errors ({}):\n{tail}\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout)
+    );
+}

@@ -43,6 +43,9 @@ enum Command {
     /// Print the memory ledger of a run (what it would hold, against the budget) without
     /// loading the weights.
     Plan(cli::plan::PlanArgs),
+    /// Write a model's checksum sidecar (MODEL.sluice-sums) for --verify, or with --check compare
+    /// the model with it: for storage that rots, such as SD cards.
+    Verify(cli::verify::VerifyArgs),
     /// Serve the model over HTTP (OpenAI-compatible), as a systemd notify service.
     Serve(cli::serve::ServeArgs),
     /// Print the systemd drop-in (CPUAffinity, MemoryMax, ExecStart) for a board and model, or
@@ -107,6 +110,7 @@ fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
         Command::Bench(a) => cli::bench::run_bench(&a, board),
         Command::Probe(a) => cli::probe::run_probe(&a, board),
         Command::Plan(a) => cli::plan::run_plan(&a, board),
+        Command::Verify(a) => cli::verify::run_verify(&a),
         Command::Serve(a) => cli::serve::run_serve(&a, given),
         Command::Unit(a) => cli::serve::run_unit(&a, board),
         Command::Worker(a) => cli::worker::run_worker(&a, board),

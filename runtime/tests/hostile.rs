@@ -250,6 +250,29 @@ fn tool(parameters: serde_json::Value) -> serde_json::Value {
     serde_json::json!({"type": "function", "function": {"name": "f", "parameters": parameters}})
 }
 
+/// The memory cgroup the hostile requests run the server under: a small board's RAM.
+const CAP_MIB: u64 = 1024;
+
+/// Moves `server` into a memory cgroup of [`CAP_MIB`] (past it the kernel reclaims, then kills
+/// the server, which the test sees); `None`, saying why, where no cgroup can be made (not root)
+/// or under emulation (the emulator's memory is not the server's).
+fn memory_cap(server: &Server) -> Option<sluice_hal::cgroup::MemoryCgroup> {
+    if common::emulated() {
+        println!("no memory cgroup: an emulated run");
+        return None;
+    }
+    let name = format!("sluice-hostile-{}", std::process::id());
+    let cap = match sluice_hal::cgroup::MemoryCgroup::create(&name, CAP_MIB << 20) {
+        Ok(c) => c,
+        Err(e) => {
+            println!("no memory cgroup ({e}): the peak RSS bound only");
+            return None;
+        }
+    };
+    std::fs::write(cap.dir().join("cgroup.procs"), server.child.id().to_string()).unwrap();
+    Some(cap)
+}
+
 /// The server's peak resident memory (VmHWM), in MiB.
 fn peak_rss_mib(server: &Server) -> u64 {
     let status = std::fs::read_to_string(format!("/proc/{}/status", server.child.id())).unwrap();
@@ -261,6 +284,7 @@ fn peak_rss_mib(server: &Server) -> u64 {
 fn costly_schemas_tools_enums_patterns_and_stops_are_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
     let mut server = ready_server(dir.path(), &[]);
+    let cap = memory_cap(&server);
     let reference = server.request("POST", "/v1/completions", Some(GREEDY)).json()["choices"][0]["text"].clone();
     let tokenized = server.metric("sluice_prompt_tokens_total");
     let enum_of =
@@ -353,6 +377,12 @@ fn costly_schemas_tools_enums_patterns_and_stops_are_refused_before_any_work() {
     let peak = peak_rss_mib(&server);
     assert!(peak < 1024, "the server's peak RSS reached {peak} MiB");
     assert!(server.child.try_wait().unwrap().is_none(), "the server exited; log:\n{}", server.log());
+    if let Some(cap) = &cap {
+        let hits = cap.limit_hits().unwrap_or(0);
+        assert_eq!(hits, 0, "the server reached its {CAP_MIB} MiB memory cgroup's limit {hits} times");
+    }
+    drop(server); // the cgroup is removed once empty
+    drop(cap);
 }
 
 #[test]

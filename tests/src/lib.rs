@@ -170,6 +170,7 @@ pub fn stream_config(
         overlap_prompt_only: false,
         lossy: sluice::lossy::Lossy::default(),
         rpc: None,
+        verify: false,
     }
 }
 

@@ -106,3 +106,22 @@ fn every_variant_generates_the_same_greedy_text_on_repeat_and_across_thread_coun
         assert_eq!(greedy_tokens(&model, 24, 2), reference, "{f:?}: 2 threads");
     }
 }
+
+#[test]
+fn a_cancelled_tokenization_stops_and_the_next_one_is_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let files = Fixture::F16.write(dir.path());
+    let model = load_model(&files[0]).unwrap();
+    let text = "the quick brown fox jumps over the lazy dog ".repeat(2000);
+    let whole = model.tokenize_with(&text, true, true).unwrap();
+    let flag = std::sync::atomic::AtomicBool::new(false);
+    assert_eq!(model.tokenize_cancellable(&text, true, true, &flag).unwrap(), whole);
+    // Set: llama.cpp's tokenizer stops in its loops, with or without special-token parsing.
+    flag.store(true, std::sync::atomic::Ordering::Relaxed);
+    for parse_special in [true, false] {
+        let r = model.tokenize_cancellable(&text, true, parse_special, &flag);
+        assert!(matches!(r, Err(ggml_sys::Error::TokenizeCancelled)), "parse_special {parse_special}: {r:?}");
+    }
+    // The flag does not outlive its call: this thread's next tokenization is whole.
+    assert_eq!(model.tokenize_with(&text, true, true).unwrap(), whole);
+}

@@ -246,6 +246,54 @@ fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
 }
 
 #[test]
+fn reads_that_land_after_their_batch_was_given_up_are_released_not_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let reference = resident_reference(&files[0], N);
+    // mincore and madvise are the emulator's under qemu-user: the byte counts are checked natively.
+    let count_bytes = !sluice_tests::emulated();
+    for overlap in [false, true] {
+        // One read lands only once its batch was given up at the bound: the engine has released
+        // what the batch was loading by then, and that read writes its pages again.
+        let bound = Duration::from_secs(1);
+        let mut config = faulty_config(&index, FaultKind::Late, overlap.then_some(bound));
+        config.lanes.bound = bound;
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let (mut session, tokens) = open_session(&model, &index, &config);
+        let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("the late read fails its batch");
+        assert!(err.to_string().contains("not read within 1.0 s"), "overlap {overlap}: {err}");
+        let lanes = Arc::clone(session.streamer().lanes());
+        for _ in 0..6000 {
+            if lanes.idle() {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert!(lanes.idle(), "overlap {overlap}: the late read never finished");
+        let mut s = session.streamer();
+        if count_bytes {
+            assert!(
+                s.resident_expert_bytes() > s.cache_used(),
+                "overlap {overlap}: the late read did not write released pages, so nothing here is tested"
+            );
+        }
+        // What the server does while idle, and the engine before its next batch.
+        s.release_stale();
+        if count_bytes {
+            assert!(
+                s.resident_expert_bytes() <= s.cache_used(),
+                "overlap {overlap}: {} bytes of experts in RAM, the cache accounts {}",
+                s.resident_expert_bytes(),
+                s.cache_used()
+            );
+        }
+        drop(s);
+        let again = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap().0.tokens;
+        assert_eq!(again, reference, "overlap {overlap}: the next generation");
+    }
+}
+
+#[test]
 fn a_model_file_changed_under_a_session_fails_its_reads_and_never_gives_wrong_tokens() {
     let dir = tempfile::tempdir().unwrap();
     let (files, index) = setup(Fixture::Q8_0, dir.path());

@@ -33,6 +33,10 @@ pub enum ChildKind {
     StreamedNoCache,
     /// Overlapped streaming with no expert cache.
     StreamedNoCacheOverlap,
+    /// Serial streaming with no expert cache, every read checked against the checksum sidecar.
+    StreamedNoCacheVerified,
+    /// Overlapped streaming with no expert cache, every read checked.
+    StreamedNoCacheOverlapVerified,
     /// Serial streaming with the expert cache the budget leaves.
     StreamedAuto,
     /// Overlapped streaming with the expert cache the budget leaves.
@@ -57,11 +61,11 @@ pub enum ChildKind {
 }
 
 /// The kinds the parent runs, in order, each with the boards it runs on: the drafting rows only
-/// when the board drafts, a lossy row for each lossy mode `lossy` sets, a several-board row for
-/// each count in `boards`. The ceiling comes last: storage behind a cache of its own (a VM's
+/// when the board drafts, the verified rows with `verify`, a lossy row for each lossy mode
+/// `lossy` sets, a several-board row for each count in `boards`. The ceiling comes last: storage behind a cache of its own (a VM's
 /// host, a drive's DRAM) is then as warm for it as for the decodes before it, so the streamer's
 /// share of it is not flattered.
-pub fn kinds(draft: bool, lossy: &Lossy, sweep: bool, boards: &[u32]) -> Vec<(ChildKind, u32)> {
+pub fn kinds(draft: bool, verify: bool, lossy: &Lossy, sweep: bool, boards: &[u32]) -> Vec<(ChildKind, u32)> {
     let mut kinds = vec![
         ChildKind::Resident,
         ChildKind::StreamedNoCache,
@@ -72,6 +76,9 @@ pub fn kinds(draft: bool, lossy: &Lossy, sweep: bool, boards: &[u32]) -> Vec<(Ch
     ];
     if draft {
         kinds.extend([ChildKind::ResidentDraft, ChildKind::StreamedAutoDraft]);
+    }
+    if verify {
+        kinds.extend([ChildKind::StreamedNoCacheVerified, ChildKind::StreamedNoCacheOverlapVerified]);
     }
     if lossy.experts_used.is_some() {
         kinds.push(ChildKind::StreamedAutoFewerExperts);
@@ -163,6 +170,7 @@ pub fn run_child(
         overlap_prompt_only: false,
         lossy: crate::lossy::Lossy::default(),
         rpc: None,
+        verify: false,
     };
     let (index, config, boards) = if kind == ChildKind::StreamedAutoBoards {
         let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
@@ -190,6 +198,8 @@ pub fn run_child(
         }
         ChildKind::StreamedNoCache
         | ChildKind::StreamedNoCacheOverlap
+        | ChildKind::StreamedNoCacheVerified
+        | ChildKind::StreamedNoCacheOverlapVerified
         | ChildKind::StreamedAuto
         | ChildKind::StreamedAutoOverlap
         | ChildKind::StreamedAutoOverlapPrompt
@@ -197,7 +207,8 @@ pub fn run_child(
         | ChildKind::StreamedAutoFewerExperts
         | ChildKind::StreamedAutoSubstitute
         | ChildKind::StreamedAutoBoards => {
-            let auto = !matches!(kind, ChildKind::StreamedNoCache | ChildKind::StreamedNoCacheOverlap);
+            let verify = matches!(kind, ChildKind::StreamedNoCacheVerified | ChildKind::StreamedNoCacheOverlapVerified);
+            let auto = !verify && !matches!(kind, ChildKind::StreamedNoCache | ChildKind::StreamedNoCacheOverlap);
             let lossy = match kind {
                 ChildKind::StreamedAutoFewerExperts => Lossy { experts_used: lossy.experts_used, substitute: None },
                 ChildKind::StreamedAutoSubstitute => Lossy { experts_used: None, substitute: lossy.substitute },
@@ -206,8 +217,13 @@ pub fn run_child(
             let draft = kind == ChildKind::StreamedAutoDraft;
             let params = GenerateParams { draft: draft.then_some(NGRAM_DRAFT_MAX), ..params.clone() };
             let prompt_only = kind == ChildKind::StreamedAutoOverlapPrompt;
-            let overlap =
-                prompt_only || matches!(kind, ChildKind::StreamedNoCacheOverlap | ChildKind::StreamedAutoOverlap);
+            let overlap = prompt_only
+                || matches!(
+                    kind,
+                    ChildKind::StreamedNoCacheOverlap
+                        | ChildKind::StreamedNoCacheOverlapVerified
+                        | ChildKind::StreamedAutoOverlap
+                );
             let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
             let ledger = budget::plan_within_budget(&PlanRequest {
                 model,
@@ -224,10 +240,11 @@ pub fn run_child(
                 overlap: overlap.then_some(crate::stream::READ_BOUND),
                 overlap_prompt_only: prompt_only,
                 lossy,
+                verify,
                 ..config
             };
             let label = format!(
-                "streamed, {}, {}{}{}{}",
+                "streamed, {}, {}{}{}{}{}",
                 if auto { "auto cache" } else { "no cache" },
                 match (overlap, prompt_only) {
                     (true, true) => "overlapped prompt",
@@ -235,6 +252,7 @@ pub fn run_child(
                     (false, _) => "serial",
                 },
                 if draft { ", ngram draft" } else { "" },
+                if verify { ", verified" } else { "" },
                 lossy_label(&lossy, index.n_expert_used),
                 if boards > 1 { format!(", {boards} boards") } else { String::new() }
             );
@@ -350,6 +368,8 @@ pub struct IsolatedPlan {
     pub throttle: Option<DiskThrottle>,
     /// Whether to add the n-gram drafting rows.
     pub draft: bool,
+    /// Whether to add the rows that check every read against the checksum sidecar.
+    pub verify: bool,
     /// The lossy modes to add a row for (each measured alone).
     pub lossy: Lossy,
     /// Whether to measure the read sweep.
@@ -384,7 +404,8 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut rows = Vec::new();
     let mut ceiling = None;
     let mut sweep = Vec::new();
-    for (i, (kind, boards)) in kinds(plan.draft, &plan.lossy, plan.sweep, &plan.boards).iter().enumerate() {
+    for (i, (kind, boards)) in kinds(plan.draft, plan.verify, &plan.lossy, plan.sweep, &plan.boards).iter().enumerate()
+    {
         let workers = (1..*boards)
             .map(|w| LoopbackWorker::start(&plan.exe, &plan.global_args, plan.budget, &format!("{i}-worker{w}")))
             .collect::<Result<Vec<_>, _>>()?;

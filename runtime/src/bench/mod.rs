@@ -293,7 +293,11 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
     for &pct in &plan.cache_percents {
         let cache_bytes = all * u64::from(pct) / 100;
         let config = StreamConfig { cache_bytes, force_cache: true, ..plan.stream.clone() };
-        let label = format!("streamed cache {pct}%{}", if plan.draft.is_some() { ", ngram draft" } else { "" });
+        let label = format!(
+            "streamed cache {pct}%{}{}",
+            if plan.draft.is_some() { ", ngram draft" } else { "" },
+            if config.verify { ", verified" } else { "" }
+        );
         rows.push(run_streamed(&plan.model, &index, &config, label, &plan.prompt, &params)?);
     }
     Ok(rows)

@@ -111,6 +111,10 @@ pub struct StorageSection {
     /// `true`/"on". Absent: "prompt" where the build has the CPU extension service, else off.
     #[serde(default, deserialize_with = "overlap")]
     pub overlap: Option<Overlap>,
+    /// Check every expert and dense read against the model's checksum sidecar (`sluice
+    /// verify`): for media that rot, such as SD cards.
+    #[serde(default)]
+    pub verify: bool,
 }
 
 /// `storage.overlap`: when expert reads overlap expert compute.
@@ -160,7 +164,7 @@ fn yes() -> bool {
 
 impl Default for StorageSection {
     fn default() -> Self {
-        StorageSection { medium: None, read_kib: None, lanes: None, direct_io: true, overlap: None }
+        StorageSection { medium: None, read_kib: None, lanes: None, direct_io: true, overlap: None, verify: false }
     }
 }
 

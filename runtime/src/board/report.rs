@@ -122,6 +122,7 @@ pub fn describe_resolved(r: &ResolvedBoard) -> String {
     let _ = writeln!(o, "  read size: {} KiB ({})", r.read_bytes.value >> 10, r.read_bytes.source);
     let _ = writeln!(o, "  lanes: {} ({})", r.lanes.value, r.lanes.source);
     let _ = writeln!(o, "  direct I/O: {}", if r.direct_io { "on" } else { "off" });
+    let _ = writeln!(o, "  verify reads: {}", if r.verify { "on (checksum sidecar)" } else { "off" });
     let _ = writeln!(o, "  overlap: {} ({})", r.overlap.value.name(), r.overlap.source);
     let draft = match r.draft.value {
         Draft::Off => "off",

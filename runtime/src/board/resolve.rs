@@ -22,6 +22,8 @@ pub struct Overrides {
     pub read_kib: Option<u64>,
     /// `--no-direct-io`.
     pub no_direct_io: bool,
+    /// `--verify`.
+    pub verify: bool,
     /// `--overlap`, `--overlap-prompt` or `--no-overlap`.
     pub overlap: Option<Overlap>,
     /// `--draft`.
@@ -83,6 +85,8 @@ pub struct ResolvedBoard {
     pub lanes: Sourced<u32>,
     /// Read experts with `O_DIRECT`.
     pub direct_io: bool,
+    /// Check every read against the model's checksum sidecar.
+    pub verify: bool,
     /// When expert reads overlap expert compute.
     pub overlap: Sourced<Overlap>,
     /// Draft tokens per decode.
@@ -333,6 +337,7 @@ pub fn resolve(
         read_bytes,
         lanes,
         direct_io: p.storage.direct_io && !overrides.no_direct_io,
+        verify: p.storage.verify || overrides.verify,
         overlap,
         draft,
         budget,

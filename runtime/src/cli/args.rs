@@ -26,6 +26,12 @@ pub struct TuningArgs {
     /// Read experts through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub no_direct_io: bool,
+    /// Check every expert and dense read against the checksums `sluice verify MODEL` wrote
+    /// beside the model (default: the profile's storage.verify): damaged bytes from failing
+    /// storage are an error naming the expert, never wrong tokens. With `sluice bench
+    /// --budget-mb`: adds verified rows.
+    #[arg(long)]
+    pub verify: bool,
     /// Overlap expert reads with expert compute in every decode (default: the profile's, else
     /// prompt batches only).
     #[arg(long, conflicts_with_all = ["no_overlap", "overlap_prompt"])]
@@ -51,6 +57,7 @@ impl TuningArgs {
             io_lanes: self.io_lanes,
             read_kib: self.read_kib,
             no_direct_io: self.no_direct_io,
+            verify: self.verify,
             overlap: if self.overlap {
                 Some(Overlap::On)
             } else if self.overlap_prompt {
@@ -97,7 +104,7 @@ impl LossyArgs {
 pub struct StreamArgs {
     /// Load everything with llama.cpp's own mmap and do not stream (the reference for
     /// comparison). The streaming flags do not apply to it and are refused beside it.
-    #[arg(long, conflicts_with_all = ["cache_mb", "force_cache", "dense", "csv", "progress", "experts_used", "substitute", "rpc"])]
+    #[arg(long, conflicts_with_all = ["cache_mb", "force_cache", "dense", "csv", "progress", "experts_used", "substitute", "rpc", "verify"])]
     pub resident: bool,
     /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: what the
     /// board's memory budget leaves after the rest of the ledger (`sluice plan`), at most all the
@@ -171,5 +178,6 @@ pub fn stream_config(board: &ResolvedBoard, cache_bytes: u64, force_cache: bool,
         overlap_prompt_only: board.overlap.value == Overlap::Prompt,
         lossy: sluice::lossy::Lossy::default(),
         rpc: None,
+        verify: board.verify,
     }
 }

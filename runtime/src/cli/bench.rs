@@ -101,6 +101,12 @@ fn model_mib(model: &std::path::Path) -> Result<f64> {
 /// Runs `sluice bench`.
 pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     generate::check_model_file(&a.model)?;
+    let board = args::board(choice, Some(&a.model), &a.tuning)?;
+    if board.verify {
+        // The sidecar is there and matches before any row runs (the in-process rows all
+        // verify; a --budget-mb run adds verified rows).
+        sluice::checksums::ReadSums::load(&ExpertIndex::open(&a.model)?)?;
+    }
     let prompt = match a.prompt_tokens {
         Some(n) => sluice::bench::prompt_of_tokens(&a.model, &a.prompt, n as usize)
             .with_context(|| format!("--prompt-tokens {n}"))?,
@@ -113,7 +119,6 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     if !a.lossy.lossy().is_exact() {
         anyhow::bail!("--experts-used and --substitute add rows to a --budget-mb run; give --budget-mb too");
     }
-    let board = args::board(choice, Some(&a.model), &a.tuning)?;
     // Every streamed configuration must fit the board's budget, like a run. A plan's total
     // only grows with its cache, so the largest cache decides.
     if let Some(&pct) = a.cache_percents.iter().max() {
@@ -224,6 +229,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         budget: budget_mb << 20,
         throttle: throttle.map(|(_, t)| t),
         draft: board.draft_max().is_some(),
+        verify: board.verify,
         lossy: a.lossy.lossy(),
         sweep: a.read_sweep,
         boards: if a.rpc { vec![2, 3] } else { Vec::new() },

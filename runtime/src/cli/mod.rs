@@ -116,4 +116,5 @@ pub mod probe;
 pub mod run;
 pub mod serve;
 pub mod synth;
+pub mod verify;
 pub mod worker;

@@ -84,6 +84,9 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     let board = args::board(choice, Some(model_path), &a.tuning)?;
     let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };
     if a.stream.resident {
+        if board.verify {
+            log::warn!("storage.verify checks streamed reads; --resident reads through llama.cpp's mapping, unchecked (`sluice verify --check` checks the whole model)");
+        }
         let gpu_layers = match board.compute {
             ComputeService::Cpu => 0,
             ComputeService::Cuda { n_gpu_layers } => n_gpu_layers.min(i32::MAX as u32) as i32,

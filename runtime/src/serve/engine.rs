@@ -356,7 +356,8 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
         shared.beat();
         match jobs.recv_timeout(IDLE_BEAT) {
             Ok(job) => engine.handle(job),
-            Err(RecvTimeoutError::Timeout) => {}
+            // Idle: reads a cancelled or timed-out request left behind may have landed since.
+            Err(RecvTimeoutError::Timeout) => engine.session.streamer().release_stale(),
             Err(RecvTimeoutError::Disconnected) => break Served::Done,
         }
         if let Some(endpoint) = engine.lost.take() {

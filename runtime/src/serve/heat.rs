@@ -1,16 +1,15 @@
 //! Warm restarts: the expert heat map (how often each layer's experts were routed), kept in the
 //! state directory so the next start can fill the cache with the experts that will be wanted.
 //!
-//! File: `SLUICEHM` magic, a postcard body ([`HeatFile`]: format version, the model's identity,
-//! the counts), and a little-endian CRC-32 of everything before it. It is written to a
-//! temporary file, synced, and renamed over the old one, so a crash leaves the old file or the
-//! new one, never half of one. A file that fails any check is reported and not used.
+//! File: a [`crate::framed`] file with the `SLUICEHM` magic and a [`HeatFile`] body (format
+//! version, the model's identity, the counts). A file that fails any check is reported and not
+//! used.
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
+use crate::framed::{self, FramedError};
 use crate::stream::ExpertIndex;
 
 const MAGIC: &[u8; 8] = b"SLUICEHM";
@@ -93,20 +92,12 @@ pub fn path_in(dir: &Path) -> PathBuf {
 
 /// Reads the counts saved at `path` for `model`. `Ok(None)`: no file (a first start).
 pub fn load(path: &Path, model: &ModelIdentity) -> Result<Option<Vec<u64>>, HeatError> {
-    let bytes = match sluice_hal::file::read_regular(path, MAX_FILE_BYTES) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => return Err(HeatError::Io { path: path.into(), source }),
+    let file: HeatFile = match framed::load(path, MAGIC, MAX_FILE_BYTES) {
+        Ok(f) => f,
+        Err(FramedError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(FramedError::Io(source)) => return Err(HeatError::Io { path: path.into(), source }),
+        Err(FramedError::Corrupt(why)) => return Err(HeatError::Corrupt { path: path.into(), why }),
     };
-    let corrupt = |why: &str| HeatError::Corrupt { path: path.into(), why: why.into() };
-    if bytes.len() < MAGIC.len() + 4 || &bytes[..MAGIC.len()] != MAGIC {
-        return Err(corrupt("no SLUICEHM header"));
-    }
-    let (body, crc) = bytes.split_at(bytes.len() - 4);
-    if crc32fast::hash(body).to_le_bytes() != crc {
-        return Err(corrupt("checksum mismatch"));
-    }
-    let file: HeatFile = postcard::from_bytes(&body[MAGIC.len()..]).map_err(|e| corrupt(&e.to_string()))?;
     if file.version != VERSION {
         return Err(HeatError::Foreign { path: path.into(), what: format!("format version {}", file.version) });
     }
@@ -125,27 +116,15 @@ pub fn load(path: &Path, model: &ModelIdentity) -> Result<Option<Vec<u64>>, Heat
         });
     }
     if file.counts.len() != (model.n_layer * model.n_expert) as usize {
-        return Err(corrupt("count table of the wrong size"));
+        return Err(HeatError::Corrupt { path: path.into(), why: "count table of the wrong size".into() });
     }
     Ok(Some(file.counts))
 }
 
-/// Saves `counts` for `model` at `path`: temporary file, fsync, rename, directory fsync.
+/// Saves `counts` for `model` at `path` ([`framed::save`]: a crash leaves the old file or the new).
 pub fn save(path: &Path, model: &ModelIdentity, counts: &[u64]) -> Result<(), HeatError> {
-    let io = |source| HeatError::Io { path: path.into(), source };
     let file = HeatFile { version: VERSION, model: model.clone(), counts: counts.to_vec() };
-    let mut bytes = MAGIC.to_vec();
-    bytes.extend(postcard::to_allocvec(&file).map_err(|e| io(std::io::Error::other(e)))?);
-    bytes.extend(crc32fast::hash(&bytes).to_le_bytes());
-    let tmp = path.with_extension("tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io)?;
-    f.write_all(&bytes).and_then(|()| f.sync_all()).map_err(io)?;
-    drop(f);
-    std::fs::rename(&tmp, path).map_err(io)?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::File::open(dir).and_then(|d| d.sync_all()).map_err(io)?;
-    }
-    Ok(())
+    framed::save(path, MAGIC, &file).map_err(|source| HeatError::Io { path: path.into(), source })
 }
 
 /// The experts worth reading at start, most routed first: `(layer, expert)` of every non-zero
@@ -174,7 +153,7 @@ mod tests {
         let counts = load(&path, &id()).unwrap().unwrap();
         assert_eq!(counts, [0, 5, 1, 9, 0, 5]);
         assert_eq!(warm_order(&counts, 3), [(1, 0), (0, 1), (1, 2), (0, 2)]);
-        assert!(!path.with_extension("tmp").exists());
+        assert!(!dir.path().join("expert-heat.bin.tmp").exists());
     }
 
     #[test]

@@ -39,13 +39,13 @@ pub(super) struct ChatSetup {
 /// (bounded by [`super::limits`]) and a template's calls. Only the pages touched are committed.
 const PREPARE_STACK: usize = 64 << 20;
 
-/// A prompt to prepare, and where the result goes.
-type TokenizeJob = (PromptInput, Sender<Result<Prepared, ApiError>>);
+/// A prompt to prepare, the flag that abandons it, and where the result goes.
+type TokenizeJob = (PromptInput, Arc<AtomicBool>, Sender<Result<Prepared, ApiError>>);
 
 /// Renders chat prompts and tokenizes prompts on a thread of its own, so that the engine keeps
-/// beating and notices a cancelled request or a stop while a long prompt is tokenized
-/// (llama.cpp's tokenizer cannot be interrupted). A prompt abandoned that way finishes in the
-/// background.
+/// beating and notices a cancelled request or a stop while a long prompt is tokenized. A prompt
+/// abandoned that way stops: llama.cpp's tokenizers check the job's flag as they go (vendor
+/// patch 0011), and the thread takes the next prompt.
 pub(super) struct Tokenizer {
     jobs: Sender<TokenizeJob>,
 }
@@ -77,8 +77,21 @@ fn chat_templates(model: &Model) -> Result<ChatTemplates> {
     }
 }
 
-/// Renders `inputs` with the model's template and tokenizes the prompt.
-fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -> Result<Prepared, ApiError> {
+/// Tokenizes `text` (a completion prompt, or a template's rendering with `field` "messages")
+/// until `abandon` is set.
+fn tokenize(model: &Model, text: &str, abandon: &AtomicBool, field: &str) -> Result<Vec<Token>, ApiError> {
+    model
+        .tokenize_cancellable(text, true, true, abandon)
+        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some(field)))
+}
+
+/// Renders `inputs` with the model's template and tokenizes the prompt (until `abandon` is set).
+fn prepare_chat(
+    model: &Model,
+    templates: &ChatTemplates,
+    inputs: &ChatInputs,
+    abandon: &AtomicBool,
+) -> Result<Prepared, ApiError> {
     if inputs.tools.is_some() && !templates.supports_tool_calls() {
         return Err(ApiError::invalid(
             "tools: this model's chat template has no tool calls (its model was not taught a tool-call format); leave tools out",
@@ -92,9 +105,7 @@ fn prepare_chat(model: &Model, templates: &ChatTemplates, inputs: &ChatInputs) -
         ApiError::invalid(format!("the model's chat template cannot take this request: {text}"), Some(param))
     })?;
     log::debug!("chat prompt rendered in llama.cpp's {} format", prompt.format);
-    let tokens = model
-        .tokenize_with(&prompt.prompt, true, true)
-        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("messages")))?;
+    let tokens = tokenize(model, &prompt.prompt, abandon, "messages")?;
     let shown = prompt
         .preserved_tokens
         .iter()
@@ -126,18 +137,26 @@ impl Tokenizer {
                     return;
                 }
             };
-            for (prompt, reply) in rx {
+            for (prompt, abandon, reply) in rx {
                 let t0 = Instant::now();
                 let prepared = match &prompt {
                     // Control tokens' text is parsed, as llama-server does: the client writes the whole prompt.
-                    PromptInput::Text(t) => model
-                        .tokenize_with(t, true, true)
-                        .map(|tokens| Prepared { tokens, chat: None })
-                        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("prompt"))),
-                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, inputs),
+                    PromptInput::Text(t) => {
+                        tokenize(&model, t, &abandon, "prompt").map(|tokens| Prepared { tokens, chat: None })
+                    }
+                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, inputs, &abandon),
                 };
-                if let Ok(p) = &prepared {
-                    log::debug!("prompt prepared: {} tokens in {:.3} s", p.tokens.len(), t0.elapsed().as_secs_f64());
+                match &prepared {
+                    Ok(p) => {
+                        log::debug!("prompt prepared: {} tokens in {:.3} s", p.tokens.len(), t0.elapsed().as_secs_f64())
+                    }
+                    Err(_) if abandon.load(Ordering::Relaxed) => {
+                        log::info!(
+                            "an abandoned prompt's tokenization stopped after {:.3} s",
+                            t0.elapsed().as_secs_f64()
+                        )
+                    }
+                    Err(_) => {}
                 }
                 let _ = reply.send(prepared);
             }
@@ -158,13 +177,15 @@ impl Tokenizer {
     ) -> Result<Prepared, TokenizeError> {
         let (reply, prepared) = channel();
         let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
-        self.jobs.send((prompt, reply)).map_err(|_| gone())?;
+        let abandon = Arc::new(AtomicBool::new(false));
+        self.jobs.send((prompt, Arc::clone(&abandon), reply)).map_err(|_| gone())?;
         loop {
             match prepared.recv_timeout(IDLE_BEAT) {
                 Ok(t) => return t.map_err(TokenizeError::Invalid),
                 Err(RecvTimeoutError::Timeout) => {
                     shared.beat();
                     if cancel.load(Ordering::Relaxed) || shared.cancelling() {
+                        abandon.store(true, Ordering::Relaxed);
                         return Err(TokenizeError::Interrupted);
                     }
                 }

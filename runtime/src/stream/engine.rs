@@ -41,9 +41,10 @@ use ggml_sys::{EvalPhase, Model, Reservation, TensorView, WeightTensor};
 
 use super::cache::{CacheCounters, ExpertCache, LayerPlan};
 use super::index::ExpertIndex;
-use super::io::{IoLanes, ReadJob, ReadStats};
+use super::io::{IoLanes, ReadJob, ReadStats, SliceCheck};
 use super::kernel::{self, ExpertSource};
 use super::StreamError;
+use crate::checksums::ReadSums;
 
 /// The smallest batch ggml's scheduler may move from the CPU to a GPU (its `op_offload` of
 /// products over weights in host memory): such a batch's products may not run in the kernel.
@@ -113,7 +114,14 @@ fn empty_cache(index: &Arc<ExpertIndex>, budget: u64) -> ExpertCache {
 
 /// The read of expert `e`'s slice of expert tensor `k`, page-aligned within its reservation;
 /// with `pass`, a read the kernel gives back once it has computed the expert.
-fn slice_read(index: &ExpertIndex, reservations: &[Arc<Reservation>], k: usize, e: u32, pass: bool) -> ReadJob {
+fn slice_read(
+    index: &ExpertIndex,
+    reservations: &[Arc<Reservation>],
+    sums: Option<&ReadSums>,
+    k: usize,
+    e: u32,
+    pass: bool,
+) -> ReadJob {
     let tensor = &index.experts[k];
     let r = &reservations[k];
     let (a, b) = tensor.slice(e);
@@ -126,6 +134,7 @@ fn slice_read(index: &ExpertIndex, reservations: &[Arc<Reservation>], k: usize, 
         tag: (tensor.layer, e),
         tensor: k,
         pass: pass.then_some((a, b)),
+        check: sums.map(|s| SliceCheck { from: a, to: b, sum: s.expert(k, e) }),
     }
 }
 
@@ -140,6 +149,8 @@ pub struct Streamer<'m> {
     dense_bytes_read: u64,
     reservations: Vec<Arc<Reservation>>,
     source: Arc<ExpertSource>,
+    /// What every read is checked against (`--verify`).
+    sums: Option<Arc<ReadSums>>,
     /// Each layer's expert tensors in the order the graph uses them (from the capture).
     use_order: Vec<Vec<usize>>,
     /// Layers offloaded to a GPU (their prompt batches may run there, outside the kernel).
@@ -208,6 +219,7 @@ impl<'m> Streamer<'m> {
             dense_bytes_read: 0,
             reservations: Vec::new(),
             source,
+            sums: None,
             use_order: vec![Vec::new(); index.n_layer as usize],
             gpu,
             in_kernel: vec![false; index.experts.len()],
@@ -234,6 +246,12 @@ impl<'m> Streamer<'m> {
             dense_anon,
             index,
         }
+    }
+
+    /// Checks every read from now on against `sums` (`--verify`): a read whose bytes differ
+    /// fails naming its expert or tensor.
+    pub fn set_sums(&mut self, sums: Arc<ReadSums>) {
+        self.sums = Some(sums);
     }
 
     /// Records which expert tensors the kernel computes: only layers whose tensors it all
@@ -313,7 +331,7 @@ impl<'m> Streamer<'m> {
                 }
                 self.loading.push((layer, e));
                 for (k, _) in self.index.layer_tensors(layer) {
-                    self.jobs.push(slice_read(&self.index, &self.reservations, k, e, false));
+                    self.jobs.push(slice_read(&self.index, &self.reservations, self.sums.as_deref(), k, e, false));
                 }
             }
             if self.jobs.is_empty() {
@@ -406,6 +424,7 @@ impl<'m> Streamer<'m> {
     /// through is given back, pages shared with idle neighbours included.
     fn collect(&mut self) -> Result<(), StreamError> {
         if !std::mem::take(&mut self.in_flight) {
+            self.release_stale();
             return Ok(());
         }
         let bound = self.overlap.as_ref().map_or_else(|| self.source.lanes().bound(), |o| o.bound);
@@ -416,7 +435,22 @@ impl<'m> Streamer<'m> {
             self.release_expert(l, e);
         }
         self.passing.clear();
+        self.release_stale();
         self.account(result)
+    }
+
+    /// Gives back the pages that reads of abandoned batches (a bound passed, a cancel) wrote
+    /// after the engine had released them, for each such expert not resident again. Call it
+    /// with no batch out with the lanes: the engine does between batches, the server while idle.
+    pub fn release_stale(&mut self) {
+        if self.mode != Mode::Stream {
+            return;
+        }
+        for (l, e) in self.source.lanes().take_stale() {
+            if !self.cache.is_resident(l, e) {
+                self.release_expert(l, e);
+            }
+        }
     }
 
     /// Adds a finished batch's bytes to the stats; a failure marks the experts it was loading as
@@ -563,6 +597,7 @@ impl<'m> Streamer<'m> {
             tag: (u32::MAX, k as u32),
             tensor: usize::MAX,
             pass: None,
+            check: self.sums.as_ref().map(|s| SliceCheck { from: 0, to: d.size, sum: s.dense(k) }),
         });
         // The tensor leaves llama.cpp's file mapping before the read: if the read fails, the node
         // that asked computes over zeros (and the warm-up stops after it), never over a mapping
@@ -645,7 +680,7 @@ impl<'m> Streamer<'m> {
         self.reads.sort_unstable();
         for &k in &self.use_order[layer as usize] {
             for &(e, pass) in &self.reads {
-                self.jobs.push(slice_read(&self.index, &self.reservations, k, e, pass));
+                self.jobs.push(slice_read(&self.index, &self.reservations, self.sums.as_deref(), k, e, pass));
             }
         }
         if self.jobs.is_empty() {

@@ -57,6 +57,20 @@ pub struct ReadJob {
     /// to give back once the expert is computed. It holds a share of the batch's window until
     /// then.
     pub pass: Option<(u64, u64)>,
+    /// What the landed bytes must hash to (`--verify`): checked by the lane before the read
+    /// counts as landed.
+    pub check: Option<SliceCheck>,
+}
+
+/// The checksum a read's bytes must have ([`crate::checksums`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SliceCheck {
+    /// The tensor bytes `[from, to)` (relative to the tensor) the checksum covers.
+    pub from: u64,
+    /// End of that range.
+    pub to: u64,
+    /// Their xxh3-64, as `sluice verify` recorded it.
+    pub sum: u64,
 }
 
 /// A read that failed. Its cause is part of its message, not a separate source, so that a
@@ -152,6 +166,10 @@ pub enum FaultKind {
     Panic,
     /// Never returns (until the lanes shut down): a stuck device.
     Hang,
+    /// Lands only after its batch was given up (a bound passed or a cancel) and the engine has
+    /// released its tensor's memory (polled with `mincore`, at most 10 s): a read that was
+    /// already with the device then, writing into memory the engine has released.
+    Late,
 }
 
 #[derive(Default)]
@@ -167,6 +185,11 @@ struct Queue {
     held: u64,
     /// Batch number, so a read finishing after its batch was abandoned is not counted.
     batch: u64,
+    /// Reads a lane is performing now.
+    busy: usize,
+    /// The (layer, expert) of expert reads that finished after their batch was abandoned: they
+    /// may have written pages the engine had already released ([`IoLanes::take_stale`]).
+    stale: Vec<(u32, u32)>,
     next: usize,
     finished: usize,
     stats: ReadStats,
@@ -187,6 +210,9 @@ struct Shared {
     bound: Duration,
     /// Set when the decode the reads serve is cancelled.
     cancel: Mutex<Option<Arc<AtomicBool>>>,
+    /// The batch being read (`Queue::batch`), for a read between its chunks to see that its
+    /// batch was abandoned without taking the queue's lock.
+    batch: AtomicU64,
 }
 
 impl Shared {
@@ -281,6 +307,7 @@ impl IoLanes {
             reads: AtomicU64::new(0),
             bound: config.bound,
             cancel: Mutex::new(None),
+            batch: AtomicU64::new(0),
         });
         // Dropped on an error below: joins the lanes already started.
         let mut lanes = IoLanes { shared, threads: Vec::new() };
@@ -304,6 +331,18 @@ impl IoLanes {
     /// Reads begun since the lanes opened (a read counts once its lane takes it).
     pub fn reads_begun(&self) -> u64 {
         self.shared.reads.load(Ordering::Relaxed)
+    }
+
+    /// Whether no lane is in the middle of a read.
+    pub fn idle(&self) -> bool {
+        self.queue().busy == 0
+    }
+
+    /// The (layer, expert) of expert reads that landed after their batch was given up (a bound
+    /// or a cancel), since the last call. Their pages may be in memory again although the engine
+    /// released them: it releases each that is not resident again (`Streamer::release_stale`).
+    pub fn take_stale(&self) -> Vec<(u32, u32)> {
+        std::mem::take(&mut self.queue().stale)
     }
 
     /// Makes waits end, failing their batch, once `flag` is set (`None`: no flag).
@@ -358,6 +397,7 @@ impl IoLanes {
         q.window = window;
         q.held = 0;
         q.batch += 1;
+        self.shared.batch.store(q.batch, Ordering::Relaxed);
         q.next = 0;
         q.finished = 0;
         q.stats = ReadStats::default();
@@ -385,6 +425,8 @@ impl IoLanes {
                 });
                 q.next = q.jobs.len(); // lanes take nothing more from this batch
                 q.batch += 1; // and what they finish of it is not counted
+                self.shared.batch.store(q.batch, Ordering::Relaxed);
+                self.shared.work.notify_all(); // a late read (tests) sees it
                 std::mem::swap(&mut q.jobs, jobs);
                 jobs.clear();
                 return Err(failure);
@@ -479,6 +521,11 @@ fn cancelled_error() -> io::Error {
     io::Error::new(io::ErrorKind::Interrupted, "cancelled while waiting for the read")
 }
 
+/// Why a read stopped part-way: its batch was given up.
+fn abandoned_error() -> io::Error {
+    io::Error::new(io::ErrorKind::Interrupted, "its batch was given up")
+}
+
 /// Why a read still outstanding after `bound` failed.
 fn timed_out_error(bound: Duration) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, format!("not read within {:.1} s", bound.as_secs_f64()))
@@ -516,18 +563,25 @@ fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
             let (i, batch) = (q.next, q.batch);
             let job = q.jobs[i].clone();
             q.next += 1;
+            q.busy += 1;
             if job.pass.is_some() {
                 q.held += job.len as u64;
             }
             drop(q);
-            let result = catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job))).unwrap_or_else(|p| {
+            let result = catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job, batch))).unwrap_or_else(|p| {
                 let what =
                     p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
                 Err(io::Error::other(format!("the reader thread panicked: {}", what.unwrap_or_default())))
             });
             q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.busy -= 1;
             if q.batch != batch {
-                continue; // its batch was abandoned after a timeout
+                // Its batch was abandoned after a timeout or a cancel, and the engine has
+                // released what it was loading: the pages this read wrote are its to give back.
+                if job.tensor != usize::MAX {
+                    q.stale.push(job.tag);
+                }
+                continue;
             }
             match result {
                 Ok((bytes, direct)) => {
@@ -561,10 +615,11 @@ fn has_room(q: &Queue) -> bool {
     }
 }
 
-/// Reads one job in chunks of at most `max_request` bytes. Returns the bytes read and whether
-/// they came through `O_DIRECT`. Fails when the file ends before its size at open, or is no
-/// longer the file the lanes opened.
-fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(u64, bool)> {
+/// Reads one job of batch `batch` in chunks of at most `max_request` bytes. Returns the bytes
+/// read and whether they came through `O_DIRECT`. Fails when the file ends before its size at
+/// open, or is no longer the file the lanes opened; stops between chunks once its batch was
+/// abandoned, so that little is written into memory the engine has released.
+fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batch: u64) -> io::Result<(u64, bool)> {
     let n = shared.reads.fetch_add(1, Ordering::Relaxed) + 1;
     if let Some(fault) = shared.fault.filter(|f| f.at == n) {
         match fault.kind {
@@ -577,6 +632,21 @@ fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(
                 }
                 return Err(io::Error::from_raw_os_error(libc::EIO));
             }
+            FaultKind::Late => {
+                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+                while !q.shutdown && q.batch == batch {
+                    q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+                drop(q);
+                let released = Instant::now() + Duration::from_secs(10);
+                while job.target.resident_bytes() > 0 && Instant::now() < released {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                // The chunk that was with the device lands.
+                let len = job.len.min(shared.max_request);
+                let _ = job.target.read_window(files[job.shard].buffered.as_fd(), job.start, len);
+                return Err(abandoned_error());
+            }
         }
     }
     let shard = &shared.shards[job.shard];
@@ -584,6 +654,9 @@ fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(
     let mut use_direct = shard.direct.load(Ordering::Relaxed) && f.direct.is_some();
     let mut done = 0usize;
     while done < job.len {
+        if shared.batch.load(Ordering::Relaxed) != batch {
+            return Err(abandoned_error());
+        }
         let len = (job.len - done).min(shared.max_request);
         let fd = match (&f.direct, use_direct) {
             (Some(d), true) => d.as_fd(),
@@ -619,12 +692,26 @@ fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob) -> io::Result<(
     // After the read: a change during it is caught too.
     let now = std::fs::metadata(&shard.path).map(|m| FileIdentity::of(&m));
     match now.as_ref().map(|now| shard.identity.change(now)) {
-        Ok(None) => Ok((done as u64, use_direct)),
+        Ok(None) => {}
         Ok(Some(change)) => {
-            Err(io::Error::other(format!("the file changed since it was opened: {change}; restart to use it")))
+            return Err(io::Error::other(format!("the file changed since it was opened: {change}; restart to use it")))
         }
-        Err(e) => Err(io::Error::new(e.kind(), format!("the file changed since it was opened: {e}"))),
+        Err(e) => return Err(io::Error::new(e.kind(), format!("the file changed since it was opened: {e}"))),
     }
+    if let Some(check) = job.check {
+        let sum = crate::checksums::sum_of_landed(&job.target, check.from, check.to);
+        if sum != Some(check.sum) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "its bytes do not match the checksum `sluice verify` recorded: the storage returned damaged data \
+                     (`sluice verify --check {}` lists what else is damaged; restore the file from a good copy)",
+                    shared.shards[0].path.display()
+                ),
+            ));
+        }
+    }
+    Ok((done as u64, use_direct))
 }
 
 impl Drop for IoLanes {
@@ -666,7 +753,7 @@ mod tests {
         };
         let lanes = IoLanes::new(&[path], &config).unwrap();
         let target = Arc::new(Reservation::new(0, len as u64).unwrap());
-        let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, pass: None };
+        let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, pass: None, check: None };
         (lanes, vec![job])
     }
 

@@ -24,7 +24,7 @@ use crate::telemetry::{TokenRow, Usage};
 pub use cache::CacheCounters;
 pub use engine::{DecodeStats, RouteRecord, Streamer};
 pub use index::{ExpertIndex, IndexError};
-pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, READ_BOUND};
+pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, SliceCheck, READ_BOUND};
 
 /// Errors of the streaming engine.
 #[derive(Debug, thiserror::Error)]
@@ -68,6 +68,9 @@ pub enum StreamError {
     /// A read failed.
     #[error(transparent)]
     Read(#[from] ReadFailure),
+    /// `--verify`: the checksums could not be loaded, or the model's headers do not match them.
+    #[error(transparent)]
+    Sums(#[from] crate::checksums::SumsError),
     /// The lanes could not be started.
     #[error("cannot start the I/O lanes: {0}")]
     Lanes(std::io::Error),
@@ -139,6 +142,9 @@ pub struct StreamConfig {
     /// The layers RPC workers hold, resident there (`--rpc`); the index then keeps only this
     /// board's layers ([`ExpertIndex::keep_layers_below`]).
     pub rpc: Option<ggml_sys::RpcSplit>,
+    /// Check every expert and dense read against the model's checksum sidecar
+    /// ([`crate::checksums`], `storage.verify`).
+    pub verify: bool,
 }
 
 /// A regular expression matching the routed expert tensors of `index`: of every layer, or with
@@ -238,6 +244,19 @@ pub fn check_cache_budget(index: &ExpertIndex, budget: u64, force: bool) -> Resu
     })
 }
 
+/// The checksums every read of `index`'s model is checked against (`--verify`); the model's
+/// headers are checked now. With dense `mmap` llama.cpp's mapping reads the dense weights,
+/// unchecked: said once.
+fn open_sums(index: &ExpertIndex, dense: DensePolicy) -> Result<crate::checksums::ReadSums, StreamError> {
+    let sums = crate::checksums::ReadSums::load(index)?;
+    if dense == DensePolicy::Mmap {
+        log::warn!(
+            "--verify checks the routed experts' reads; with dense mmap (the cuda service) llama.cpp's mapping reads the dense weights unchecked: `sluice verify --check` checks those"
+        );
+    }
+    Ok(sums)
+}
+
 /// A session that streams routed experts.
 pub struct StreamedSession<'m> {
     // The context first, then the kernel's claim on its expert tensors.
@@ -270,6 +289,7 @@ impl<'m> StreamedSession<'m> {
                 index.expert_kinds().join(", ")
             );
         }
+        let sums = if config.verify { Some(Arc::new(open_sums(&index, config.dense)?)) } else { None };
         let lanes = Arc::new(IoLanes::new(&index.shards, &config.lanes).map_err(StreamError::Lanes)?);
         let bound = config.overlap.unwrap_or(config.lanes.bound);
         let source = Arc::new(kernel::ExpertSource::new(lanes, bound, threads.count));
@@ -283,6 +303,9 @@ impl<'m> StreamedSession<'m> {
         );
         if config.trace_routes {
             streamer.enable_trace();
+        }
+        if let Some(sums) = sums {
+            streamer.set_sums(sums);
         }
         streamer.set_substitute(config.lossy.substitute);
         let streamer = Arc::new(Mutex::new(streamer));
