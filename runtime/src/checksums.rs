@@ -94,7 +94,7 @@ pub enum SumsError {
         source: io::Error,
     },
     /// No sidecar.
-    #[error("{sidecar} not found: --verify (storage.verify) checks reads against the checksums `sluice verify {model}` writes there; write them first, from a copy of the model you trust")]
+    #[error("{sidecar} not found: --verify (storage.verify) checks reads against the checksums `sluice verify --model {model}` writes there; write them first, from a copy of the model you trust")]
     Missing {
         /// Where it was looked for.
         sidecar: PathBuf,

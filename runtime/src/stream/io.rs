@@ -705,7 +705,7 @@ fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batch: u64) -> 
                 io::ErrorKind::InvalidData,
                 format!(
                     "its bytes do not match the checksum `sluice verify` recorded: the storage returned damaged data \
-                     (`sluice verify --check {}` lists what else is damaged; restore the file from a good copy)",
+                     (`sluice verify --check --model {}` lists what else is damaged; restore the file from a good copy)",
                     shared.shards[0].path.display()
                 ),
             ));
