@@ -23,12 +23,16 @@
 //! resident with bytes that are not the model's. No wait is unbounded: every batch is bounded
 //! (a stuck read fails it naming the expert), a cancel flag ends a wait within
 //! [`CANCEL_POLL`], and a reader that panics fails its read instead of its batch hanging.
+//!
+//! Here: the lanes' API ([`IoLanes`]); in `lane`, the lane threads and the read of one job; in
+//! `identity`, a file's identity and the direct-I/O check.
 
-use std::fs::File;
+mod identity;
+mod lane;
+#[cfg(test)]
+mod tests;
+
 use std::io;
-use std::os::fd::AsFd;
-use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -36,6 +40,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use ggml_sys::Reservation;
+
+use identity::{verify_direct, FileIdentity};
+use lane::{lane_loop, open_lane_files, Queue, Shard, Shared};
 
 /// One read: the file window `[start, start + len)` of `shard` into `target`.
 #[derive(Clone)]
@@ -100,54 +107,6 @@ pub struct ReadStats {
 /// How often a wait looks at the cancel flag.
 pub const CANCEL_POLL: Duration = Duration::from_millis(100);
 
-/// What a shard file was when the lanes opened it: a read finding it otherwise fails. The
-/// change time counts: tools that rewrite a file in place can restore its size and
-/// modification time (`cp --preserve=timestamps`, `rsync --inplace -t`, `touch -r`), but not
-/// its ctime.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct FileIdentity {
-    dev: u64,
-    ino: u64,
-    size: u64,
-    mtime: (i64, i64),
-    ctime: (i64, i64),
-}
-
-impl FileIdentity {
-    fn of(m: &std::fs::Metadata) -> FileIdentity {
-        FileIdentity {
-            dev: m.dev(),
-            ino: m.ino(),
-            size: m.size(),
-            mtime: (m.mtime(), m.mtime_nsec()),
-            ctime: (m.ctime(), m.ctime_nsec()),
-        }
-    }
-
-    /// How `now` differs from `self`, if it does.
-    fn change(&self, now: &FileIdentity) -> Option<String> {
-        if (now.dev, now.ino) != (self.dev, self.ino) {
-            Some("it was replaced by another file".into())
-        } else if now.size < self.size {
-            Some(format!("it was truncated from {} to {} bytes", self.size, now.size))
-        } else if now.size != self.size {
-            Some(format!("it grew from {} to {} bytes", self.size, now.size))
-        } else if now.mtime != self.mtime {
-            Some("it was modified".into())
-        } else if now.ctime != self.ctime {
-            Some("it was rewritten or its attributes changed (its change time moved)".into())
-        } else {
-            None
-        }
-    }
-}
-
-struct Shard {
-    path: PathBuf,
-    direct: AtomicBool,
-    identity: FileIdentity,
-}
-
 /// An injected fault, for tests: what the `at`-th read (counting from 1 across lanes) does.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReadFault {
@@ -170,65 +129,6 @@ pub enum FaultKind {
     /// released its tensor's memory (polled with `mincore`, at most 10 s): a read that was
     /// already with the device then, writing into memory the engine has released.
     Late,
-}
-
-#[derive(Default)]
-struct Queue {
-    jobs: Vec<ReadJob>,
-    /// Which of `jobs` have landed.
-    landed: Vec<bool>,
-    /// Which passing reads were given back.
-    released: Vec<bool>,
-    /// The byte window passing reads share (`None`: no waves).
-    window: Option<u64>,
-    /// Bytes of passing reads begun and not yet given back.
-    held: u64,
-    /// Batch number, so a read finishing after its batch was abandoned is not counted.
-    batch: u64,
-    /// Reads a lane is performing now.
-    busy: usize,
-    /// The (layer, expert) of expert reads that finished after their batch was abandoned: they
-    /// may have written pages the engine had already released ([`IoLanes::take_stale`]).
-    stale: Vec<(u32, u32)>,
-    next: usize,
-    finished: usize,
-    stats: ReadStats,
-    failure: Option<ReadFailure>,
-    shutdown: bool,
-}
-
-struct Shared {
-    shards: Vec<Shard>,
-    max_request: usize,
-    queue: Mutex<Queue>,
-    work: Condvar,
-    done: Condvar,
-    /// Fault injection.
-    fault: Option<ReadFault>,
-    reads: AtomicU64,
-    /// The longest a batch is waited for.
-    bound: Duration,
-    /// Set when the decode the reads serve is cancelled.
-    cancel: Mutex<Option<Arc<AtomicBool>>>,
-    /// The batch being read (`Queue::batch`), for a read between its chunks to see that its
-    /// batch was abandoned without taking the queue's lock.
-    batch: AtomicU64,
-}
-
-impl Shared {
-    /// The failure of `job` for `cause`, naming its expert, file and offset.
-    fn failure(&self, job: &ReadJob, cause: io::Error) -> ReadFailure {
-        ReadFailure {
-            what: format!("expert {} of layer {}", job.tag.1, job.tag.0),
-            path: self.shards[job.shard].path.clone(),
-            offset: job.start,
-            cause,
-        }
-    }
-
-    fn cancelled(&self) -> bool {
-        self.cancel.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
-    }
 }
 
 /// The reader threads.
@@ -257,27 +157,6 @@ pub struct LaneConfig {
 /// How long a batch of reads, or a compute thread's wait for one expert under overlap, may take
 /// before it fails naming the expert (a device that stopped answering).
 pub const READ_BOUND: Duration = Duration::from_secs(30);
-
-fn open_direct(path: &PathBuf) -> io::Result<File> {
-    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
-}
-
-/// Whether `O_DIRECT` works on `path` and returns the same bytes as a buffered read.
-fn verify_direct(path: &PathBuf) -> Result<(), String> {
-    let direct = open_direct(path).map_err(|e| format!("O_DIRECT open failed ({e})"))?;
-    let buffered = File::open(path).map_err(|e| e.to_string())?;
-    let block = 4096usize;
-    let mut raw = vec![0u8; 2 * block];
-    let at = raw.as_ptr().align_offset(block);
-    let aligned = &mut raw[at..at + block];
-    let n = direct.read_at(aligned, 0).map_err(|e| format!("O_DIRECT read failed ({e})"))?;
-    let mut plain = vec![0u8; block];
-    let m = buffered.read_at(&mut plain, 0).map_err(|e| e.to_string())?;
-    if n != m || aligned[..n] != plain[..m] {
-        return Err("O_DIRECT and buffered reads of the first block differ".into());
-    }
-    Ok(())
-}
 
 impl IoLanes {
     /// Opens the lanes over `shards`. A lane that cannot start stops the ones already started.
@@ -531,189 +410,6 @@ fn timed_out_error(bound: Duration) -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, format!("not read within {:.1} s", bound.as_secs_f64()))
 }
 
-struct LaneFiles {
-    direct: Option<File>,
-    buffered: File,
-}
-
-fn open_lane_files(shards: &[Shard]) -> io::Result<Vec<LaneFiles>> {
-    shards
-        .iter()
-        .map(|s| {
-            let direct = if s.direct.load(Ordering::Relaxed) { open_direct(&s.path).ok() } else { None };
-            Ok(LaneFiles { direct, buffered: File::open(&s.path)? })
-        })
-        .collect()
-}
-
-fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
-    let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-    loop {
-        if q.shutdown {
-            return;
-        }
-        if q.next < q.jobs.len() && q.window.is_some() && q.failure.is_some() {
-            // A failed wave batch: nothing will compute (and give back) what is left.
-            let i = q.next;
-            q.next += 1;
-            q.finished += 1;
-            q.landed[i] = true;
-            shared.done.notify_all();
-        } else if q.next < q.jobs.len() && has_room(&q) {
-            let (i, batch) = (q.next, q.batch);
-            let job = q.jobs[i].clone();
-            q.next += 1;
-            q.busy += 1;
-            if job.pass.is_some() {
-                q.held += job.len as u64;
-            }
-            drop(q);
-            let result = catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job, batch))).unwrap_or_else(|p| {
-                let what =
-                    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
-                Err(io::Error::other(format!("the reader thread panicked: {}", what.unwrap_or_default())))
-            });
-            q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-            q.busy -= 1;
-            if q.batch != batch {
-                // Its batch was abandoned after a timeout or a cancel, and the engine has
-                // released what it was loading: the pages this read wrote are its to give back.
-                if job.tensor != usize::MAX {
-                    q.stale.push(job.tag);
-                }
-                continue;
-            }
-            match result {
-                Ok((bytes, direct)) => {
-                    q.stats.bytes += bytes;
-                    if direct {
-                        q.stats.direct_bytes += bytes;
-                    }
-                }
-                Err(source) => {
-                    if q.failure.is_none() {
-                        q.failure = Some(shared.failure(&job, source));
-                    }
-                }
-            }
-            q.finished += 1;
-            q.landed[i] = true;
-            // Compute threads may be waiting for this very expert.
-            shared.done.notify_all();
-        } else {
-            q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
-        }
-    }
-}
-
-/// Whether the next job may begin: a passing read only while the window has room for it (or
-/// nothing else of the window is held).
-fn has_room(q: &Queue) -> bool {
-    match (q.window, &q.jobs[q.next].pass) {
-        (Some(window), Some(_)) => q.held == 0 || q.held + q.jobs[q.next].len as u64 <= window,
-        _ => true,
-    }
-}
-
-/// Reads one job of batch `batch` in chunks of at most `max_request` bytes. Returns the bytes
-/// read and whether they came through `O_DIRECT`. Fails when the file ends before its size at
-/// open, or is no longer the file the lanes opened; stops between chunks once its batch was
-/// abandoned, so that little is written into memory the engine has released.
-fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batch: u64) -> io::Result<(u64, bool)> {
-    let n = shared.reads.fetch_add(1, Ordering::Relaxed) + 1;
-    if let Some(fault) = shared.fault.filter(|f| f.at == n) {
-        match fault.kind {
-            FaultKind::Eio => return Err(io::Error::from_raw_os_error(libc::EIO)),
-            FaultKind::Panic => panic!("injected fault at read {n}"),
-            FaultKind::Hang => {
-                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-                while !q.shutdown {
-                    q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
-                }
-                return Err(io::Error::from_raw_os_error(libc::EIO));
-            }
-            FaultKind::Late => {
-                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-                while !q.shutdown && q.batch == batch {
-                    q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
-                }
-                drop(q);
-                let released = Instant::now() + Duration::from_secs(10);
-                while job.target.resident_bytes() > 0 && Instant::now() < released {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                // The chunk that was with the device lands.
-                let len = job.len.min(shared.max_request);
-                let _ = job.target.read_window(files[job.shard].buffered.as_fd(), job.start, len);
-                return Err(abandoned_error());
-            }
-        }
-    }
-    let shard = &shared.shards[job.shard];
-    let f = &files[job.shard];
-    let mut use_direct = shard.direct.load(Ordering::Relaxed) && f.direct.is_some();
-    let mut done = 0usize;
-    while done < job.len {
-        if shared.batch.load(Ordering::Relaxed) != batch {
-            return Err(abandoned_error());
-        }
-        let len = (job.len - done).min(shared.max_request);
-        let fd = match (&f.direct, use_direct) {
-            (Some(d), true) => d.as_fd(),
-            _ => f.buffered.as_fd(),
-        };
-        match job.target.read_window(fd, job.start + done as u64, len) {
-            Ok(n) => {
-                done += n;
-                if n < len {
-                    // The window's last page may run past the end of the file; nothing else may.
-                    let end = job.start + done as u64;
-                    if end < shard.identity.size {
-                        return Err(io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            format!(
-                                "the file ends at {end} bytes, before its size at open ({} bytes): it was truncated",
-                                shard.identity.size
-                            ),
-                        ));
-                    }
-                    break;
-                }
-            }
-            Err(e) if use_direct && e.raw_os_error() == Some(libc::EINVAL) => {
-                if shard.direct.swap(false, Ordering::Relaxed) {
-                    log::warn!("{}: O_DIRECT read rejected ({e}); reading it buffered", shard.path.display());
-                }
-                use_direct = false;
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    // After the read: a change during it is caught too.
-    let now = std::fs::metadata(&shard.path).map(|m| FileIdentity::of(&m));
-    match now.as_ref().map(|now| shard.identity.change(now)) {
-        Ok(None) => {}
-        Ok(Some(change)) => {
-            return Err(io::Error::other(format!("the file changed since it was opened: {change}; restart to use it")))
-        }
-        Err(e) => return Err(io::Error::new(e.kind(), format!("the file changed since it was opened: {e}"))),
-    }
-    if let Some(check) = job.check {
-        let sum = crate::checksums::sum_of_landed(&job.target, check.from, check.to);
-        if sum != Some(check.sum) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!(
-                    "its bytes do not match the checksum `sluice verify` recorded: the storage returned damaged data \
-                     (`sluice verify --check --model {}` lists what else is damaged; restore the file from a good copy)",
-                    shared.shards[0].path.display()
-                ),
-            ));
-        }
-    }
-    Ok((done as u64, use_direct))
-}
-
 impl Drop for IoLanes {
     /// Stops the lanes; one stuck in a read that does not return within the bound is left
     /// behind (it holds only its own files) rather than hanging the caller.
@@ -731,88 +427,5 @@ impl Drop for IoLanes {
                 log::warn!("an I/O lane is stuck in a read; leaving it behind");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Lanes over one file of `len` bytes of 7s, and a job reading all of it as expert 3 of
-    /// layer 5 (tensor 0).
-    fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
-        let path = dir.join("f");
-        std::fs::write(&path, vec![7u8; len]).unwrap();
-        let config = LaneConfig {
-            lanes: 1,
-            direct: false,
-            max_request: 1 << 20,
-            cpus: Vec::new(),
-            bound: READ_BOUND,
-            fault: None,
-        };
-        let lanes = IoLanes::new(&[path], &config).unwrap();
-        let target = Arc::new(Reservation::new(0, len as u64).unwrap());
-        let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, pass: None, check: None };
-        (lanes, vec![job])
-    }
-
-    #[test]
-    fn waves_begin_a_passing_read_only_when_the_window_has_room() {
-        let dir = tempfile::tempdir().unwrap();
-        let page = ggml_sys::page_size() as usize;
-        let (lanes, mut jobs) = setup(dir.path(), 4 * page);
-        let one = jobs.pop().unwrap();
-        // Four passing reads of one page each (experts 0..4 of tensor 0), a window of two pages.
-        for e in 0..4u32 {
-            let from = u64::from(e) * page as u64;
-            jobs.push(ReadJob {
-                start: from,
-                len: page,
-                tag: (5, e),
-                pass: Some((from, from + page as u64)),
-                ..one.clone()
-            });
-        }
-        lanes.submit_waves(&mut jobs, 2 * page as u64);
-        assert!(lanes.wait_any(0, &[0], READ_BOUND) && lanes.wait_any(0, &[1], READ_BOUND));
-        // Nothing is given back: the third read may not begin, however long we look.
-        std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(lanes.reads_begun(), 2);
-        assert!(!lanes.is_landed(0, 2));
-        assert_eq!(lanes.release_after_use(0, 1), page as u64);
-        assert!(lanes.wait_any(0, &[2], READ_BOUND));
-        assert_eq!(lanes.release_after_use(0, 1), 0, "given back once");
-        lanes.release_after_use(0, 0);
-        lanes.release_after_use(0, 2);
-        let stats = lanes.wait(&mut jobs, None).unwrap();
-        assert_eq!(stats.bytes, 4 * page as u64);
-    }
-
-    #[test]
-    fn wait_any_returns_once_one_of_the_experts_has_landed() {
-        let dir = tempfile::tempdir().unwrap();
-        let (lanes, mut jobs) = setup(dir.path(), 1 << 20);
-        lanes.submit(&mut jobs);
-        assert!(lanes.is_landed(0, 9), "an expert never asked for is not waited for");
-        assert!(lanes.wait_any(1, &[3], Duration::from_secs(30)), "another tensor's expert is not waited for");
-        assert!(lanes.wait_any(0, &[3], Duration::from_secs(30)));
-        assert!(lanes.is_landed(0, 3));
-        let stats = lanes.wait(&mut jobs, None).unwrap();
-        assert_eq!(stats.bytes, 1 << 20);
-    }
-
-    #[test]
-    fn a_wait_past_its_bound_fails_the_batch_naming_the_expert() {
-        let dir = tempfile::tempdir().unwrap();
-        // 64 MiB in 1 MiB requests on one lane: still in flight when the zero bound has passed.
-        let (lanes, mut jobs) = setup(dir.path(), 64 << 20);
-        lanes.submit(&mut jobs);
-        assert!(!lanes.is_landed(0, 3));
-        assert!(!lanes.wait_any(0, &[3], Duration::ZERO));
-        let failure = lanes.wait(&mut jobs, Some(Duration::from_secs(30))).unwrap_err();
-        assert_eq!(failure.what, "expert 3 of layer 5");
-        assert_eq!(failure.cause.kind(), io::ErrorKind::TimedOut);
-        assert!(failure.to_string().contains("expert 3 of layer 5"), "{failure}");
     }
 }

@@ -1,0 +1,264 @@
+//! The lane threads: each takes the batch's next read (a passing read only while the waves'
+//! window has room), reads it in chunks into its reservation, checks that the file is still the
+//! one opened and, with `--verify`, the checksum of what landed, and records the outcome. A read
+//! that lands after its batch was given up is recorded as stale for the engine to release.
+
+use std::fs::File;
+use std::io;
+use std::os::fd::AsFd;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use super::identity::{open_direct, FileIdentity};
+use super::{abandoned_error, FaultKind, ReadFailure, ReadFault, ReadJob, ReadStats};
+
+pub(super) struct Shard {
+    pub(super) path: PathBuf,
+    pub(super) direct: AtomicBool,
+    pub(super) identity: FileIdentity,
+}
+
+#[derive(Default)]
+pub(super) struct Queue {
+    pub(super) jobs: Vec<ReadJob>,
+    /// Which of `jobs` have landed.
+    pub(super) landed: Vec<bool>,
+    /// Which passing reads were given back.
+    pub(super) released: Vec<bool>,
+    /// The byte window passing reads share (`None`: no waves).
+    pub(super) window: Option<u64>,
+    /// Bytes of passing reads begun and not yet given back.
+    pub(super) held: u64,
+    /// Batch number, so a read finishing after its batch was abandoned is not counted.
+    pub(super) batch: u64,
+    /// Reads a lane is performing now.
+    pub(super) busy: usize,
+    /// The (layer, expert) of expert reads that finished after their batch was abandoned: they
+    /// may have written pages the engine had already released ([`IoLanes::take_stale`]).
+    pub(super) stale: Vec<(u32, u32)>,
+    pub(super) next: usize,
+    pub(super) finished: usize,
+    pub(super) stats: ReadStats,
+    pub(super) failure: Option<ReadFailure>,
+    pub(super) shutdown: bool,
+}
+
+pub(super) struct Shared {
+    pub(super) shards: Vec<Shard>,
+    pub(super) max_request: usize,
+    pub(super) queue: Mutex<Queue>,
+    pub(super) work: Condvar,
+    pub(super) done: Condvar,
+    /// Fault injection.
+    pub(super) fault: Option<ReadFault>,
+    pub(super) reads: AtomicU64,
+    /// The longest a batch is waited for.
+    pub(super) bound: Duration,
+    /// Set when the decode the reads serve is cancelled.
+    pub(super) cancel: Mutex<Option<Arc<AtomicBool>>>,
+    /// The batch being read (`Queue::batch`), for a read between its chunks to see that its
+    /// batch was abandoned without taking the queue's lock.
+    pub(super) batch: AtomicU64,
+}
+
+impl Shared {
+    /// The failure of `job` for `cause`, naming its expert, file and offset.
+    pub(super) fn failure(&self, job: &ReadJob, cause: io::Error) -> ReadFailure {
+        ReadFailure {
+            what: format!("expert {} of layer {}", job.tag.1, job.tag.0),
+            path: self.shards[job.shard].path.clone(),
+            offset: job.start,
+            cause,
+        }
+    }
+
+    pub(super) fn cancelled(&self) -> bool {
+        self.cancel.lock().unwrap_or_else(|e| e.into_inner()).as_ref().is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+}
+
+pub(super) struct LaneFiles {
+    pub(super) direct: Option<File>,
+    pub(super) buffered: File,
+}
+
+pub(super) fn open_lane_files(shards: &[Shard]) -> io::Result<Vec<LaneFiles>> {
+    shards
+        .iter()
+        .map(|s| {
+            let direct = if s.direct.load(Ordering::Relaxed) { open_direct(&s.path).ok() } else { None };
+            Ok(LaneFiles { direct, buffered: File::open(&s.path)? })
+        })
+        .collect()
+}
+
+pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
+    let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+    loop {
+        if q.shutdown {
+            return;
+        }
+        if q.next < q.jobs.len() && q.window.is_some() && q.failure.is_some() {
+            // A failed wave batch: nothing will compute (and give back) what is left.
+            let i = q.next;
+            q.next += 1;
+            q.finished += 1;
+            q.landed[i] = true;
+            shared.done.notify_all();
+        } else if q.next < q.jobs.len() && has_room(&q) {
+            let (i, batch) = (q.next, q.batch);
+            let job = q.jobs[i].clone();
+            q.next += 1;
+            q.busy += 1;
+            if job.pass.is_some() {
+                q.held += job.len as u64;
+            }
+            drop(q);
+            let result = catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job, batch))).unwrap_or_else(|p| {
+                let what =
+                    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                Err(io::Error::other(format!("the reader thread panicked: {}", what.unwrap_or_default())))
+            });
+            q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            q.busy -= 1;
+            if q.batch != batch {
+                // Its batch was abandoned after a timeout or a cancel, and the engine has
+                // released what it was loading: the pages this read wrote are its to give back.
+                if job.tensor != usize::MAX {
+                    q.stale.push(job.tag);
+                }
+                continue;
+            }
+            match result {
+                Ok((bytes, direct)) => {
+                    q.stats.bytes += bytes;
+                    if direct {
+                        q.stats.direct_bytes += bytes;
+                    }
+                }
+                Err(source) => {
+                    if q.failure.is_none() {
+                        q.failure = Some(shared.failure(&job, source));
+                    }
+                }
+            }
+            q.finished += 1;
+            q.landed[i] = true;
+            // Compute threads may be waiting for this very expert.
+            shared.done.notify_all();
+        } else {
+            q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+}
+
+/// Whether the next job may begin: a passing read only while the window has room for it (or
+/// nothing else of the window is held).
+pub(super) fn has_room(q: &Queue) -> bool {
+    match (q.window, &q.jobs[q.next].pass) {
+        (Some(window), Some(_)) => q.held == 0 || q.held + q.jobs[q.next].len as u64 <= window,
+        _ => true,
+    }
+}
+
+/// Reads one job of batch `batch` in chunks of at most `max_request` bytes. Returns the bytes
+/// read and whether they came through `O_DIRECT`. Fails when the file ends before its size at
+/// open, or is no longer the file the lanes opened; stops between chunks once its batch was
+/// abandoned, so that little is written into memory the engine has released.
+pub(super) fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batch: u64) -> io::Result<(u64, bool)> {
+    let n = shared.reads.fetch_add(1, Ordering::Relaxed) + 1;
+    if let Some(fault) = shared.fault.filter(|f| f.at == n) {
+        match fault.kind {
+            FaultKind::Eio => return Err(io::Error::from_raw_os_error(libc::EIO)),
+            FaultKind::Panic => panic!("injected fault at read {n}"),
+            FaultKind::Hang => {
+                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+                while !q.shutdown {
+                    q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+                return Err(io::Error::from_raw_os_error(libc::EIO));
+            }
+            FaultKind::Late => {
+                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+                while !q.shutdown && q.batch == batch {
+                    q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+                }
+                drop(q);
+                let released = Instant::now() + Duration::from_secs(10);
+                while job.target.resident_bytes() > 0 && Instant::now() < released {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                // The chunk that was with the device lands.
+                let len = job.len.min(shared.max_request);
+                let _ = job.target.read_window(files[job.shard].buffered.as_fd(), job.start, len);
+                return Err(abandoned_error());
+            }
+        }
+    }
+    let shard = &shared.shards[job.shard];
+    let f = &files[job.shard];
+    let mut use_direct = shard.direct.load(Ordering::Relaxed) && f.direct.is_some();
+    let mut done = 0usize;
+    while done < job.len {
+        if shared.batch.load(Ordering::Relaxed) != batch {
+            return Err(abandoned_error());
+        }
+        let len = (job.len - done).min(shared.max_request);
+        let fd = match (&f.direct, use_direct) {
+            (Some(d), true) => d.as_fd(),
+            _ => f.buffered.as_fd(),
+        };
+        match job.target.read_window(fd, job.start + done as u64, len) {
+            Ok(n) => {
+                done += n;
+                if n < len {
+                    // The window's last page may run past the end of the file; nothing else may.
+                    let end = job.start + done as u64;
+                    if end < shard.identity.size {
+                        return Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            format!(
+                                "the file ends at {end} bytes, before its size at open ({} bytes): it was truncated",
+                                shard.identity.size
+                            ),
+                        ));
+                    }
+                    break;
+                }
+            }
+            Err(e) if use_direct && e.raw_os_error() == Some(libc::EINVAL) => {
+                if shard.direct.swap(false, Ordering::Relaxed) {
+                    log::warn!("{}: O_DIRECT read rejected ({e}); reading it buffered", shard.path.display());
+                }
+                use_direct = false;
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    // After the read: a change during it is caught too.
+    let now = std::fs::metadata(&shard.path).map(|m| FileIdentity::of(&m));
+    match now.as_ref().map(|now| shard.identity.change(now)) {
+        Ok(None) => {}
+        Ok(Some(change)) => {
+            return Err(io::Error::other(format!("the file changed since it was opened: {change}; restart to use it")))
+        }
+        Err(e) => return Err(io::Error::new(e.kind(), format!("the file changed since it was opened: {e}"))),
+    }
+    if let Some(check) = job.check {
+        let sum = crate::checksums::sum_of_landed(&job.target, check.from, check.to);
+        if sum != Some(check.sum) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "its bytes do not match the checksum `sluice verify` recorded: the storage returned damaged data \
+                     (`sluice verify --check --model {}` lists what else is damaged; restore the file from a good copy)",
+                    shared.shards[0].path.display()
+                ),
+            ));
+        }
+    }
+    Ok((done as u64, use_direct))
+}

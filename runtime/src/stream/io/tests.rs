@@ -1,0 +1,75 @@
+//! The lanes' API: waves, waits for one expert, bounds.
+
+use super::*;
+
+/// Lanes over one file of `len` bytes of 7s, and a job reading all of it as expert 3 of
+/// layer 5 (tensor 0).
+fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
+    let path = dir.join("f");
+    std::fs::write(&path, vec![7u8; len]).unwrap();
+    let config =
+        LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault: None };
+    let lanes = IoLanes::new(&[path], &config).unwrap();
+    let target = Arc::new(Reservation::new(0, len as u64).unwrap());
+    let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, pass: None, check: None };
+    (lanes, vec![job])
+}
+
+#[test]
+fn waves_begin_a_passing_read_only_when_the_window_has_room() {
+    let dir = tempfile::tempdir().unwrap();
+    let page = ggml_sys::page_size() as usize;
+    let (lanes, mut jobs) = setup(dir.path(), 4 * page);
+    let one = jobs.pop().unwrap();
+    // Four passing reads of one page each (experts 0..4 of tensor 0), a window of two pages.
+    for e in 0..4u32 {
+        let from = u64::from(e) * page as u64;
+        jobs.push(ReadJob {
+            start: from,
+            len: page,
+            tag: (5, e),
+            pass: Some((from, from + page as u64)),
+            ..one.clone()
+        });
+    }
+    lanes.submit_waves(&mut jobs, 2 * page as u64);
+    assert!(lanes.wait_any(0, &[0], READ_BOUND) && lanes.wait_any(0, &[1], READ_BOUND));
+    // Nothing is given back: the third read may not begin, however long we look.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(lanes.reads_begun(), 2);
+    assert!(!lanes.is_landed(0, 2));
+    assert_eq!(lanes.release_after_use(0, 1), page as u64);
+    assert!(lanes.wait_any(0, &[2], READ_BOUND));
+    assert_eq!(lanes.release_after_use(0, 1), 0, "given back once");
+    lanes.release_after_use(0, 0);
+    lanes.release_after_use(0, 2);
+    let stats = lanes.wait(&mut jobs, None).unwrap();
+    assert_eq!(stats.bytes, 4 * page as u64);
+}
+
+#[test]
+fn wait_any_returns_once_one_of_the_experts_has_landed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (lanes, mut jobs) = setup(dir.path(), 1 << 20);
+    lanes.submit(&mut jobs);
+    assert!(lanes.is_landed(0, 9), "an expert never asked for is not waited for");
+    assert!(lanes.wait_any(1, &[3], Duration::from_secs(30)), "another tensor's expert is not waited for");
+    assert!(lanes.wait_any(0, &[3], Duration::from_secs(30)));
+    assert!(lanes.is_landed(0, 3));
+    let stats = lanes.wait(&mut jobs, None).unwrap();
+    assert_eq!(stats.bytes, 1 << 20);
+}
+
+#[test]
+fn a_wait_past_its_bound_fails_the_batch_naming_the_expert() {
+    let dir = tempfile::tempdir().unwrap();
+    // 64 MiB in 1 MiB requests on one lane: still in flight when the zero bound has passed.
+    let (lanes, mut jobs) = setup(dir.path(), 64 << 20);
+    lanes.submit(&mut jobs);
+    assert!(!lanes.is_landed(0, 3));
+    assert!(!lanes.wait_any(0, &[3], Duration::ZERO));
+    let failure = lanes.wait(&mut jobs, Some(Duration::from_secs(30))).unwrap_err();
+    assert_eq!(failure.what, "expert 3 of layer 5");
+    assert_eq!(failure.cause.kind(), io::ErrorKind::TimedOut);
+    assert!(failure.to_string().contains("expert 3 of layer 5"), "{failure}");
+}
