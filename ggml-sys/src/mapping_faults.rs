@@ -20,9 +20,8 @@ pub fn name_mapped_model(model: &Path) {
         "error: reading the model {} through llama.cpp's file mapping failed (the storage returned an I/O error, or the file was truncated while in use); streamed runs with --dense anon (the default) read with sluice's own reader, which reports the failing tensor and keeps serving\n",
         model.display()
     );
-    let old = MESSAGE.swap(Box::into_raw(Box::new(text.into_bytes())), Ordering::AcqRel);
-    // The old message is leaked, not freed: a handler running now may be writing it.
-    let _ = old;
+    // The message this replaces is leaked, not freed: a handler running now may be writing it.
+    let _ = MESSAGE.swap(Box::into_raw(Box::new(text.into_bytes())), Ordering::AcqRel);
     INSTALL.call_once(|| {
         // SAFETY: a zeroed sigaction is a valid "no flags, empty mask" value; the handler has the
         // SA_SIGINFO signature and only calls async-signal-safe functions (write, signal, _exit).

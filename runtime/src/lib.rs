@@ -4,7 +4,8 @@
 //! ([`synth`]), text generation ([`generate`]), the streaming engine ([`stream`]), board
 //! profiles ([`board`]), the memory ledger ([`budget`]), the HTTP service ([`serve`]), several
 //! boards serving one model over RPC ([`scaleout`]), terminal-safe output ([`text`]), checksums
-//! for storage that rots ([`checksums`]) and the out-of-the-box demo ([`demo`]). llama.cpp is reached only through `ggml-sys`.
+//! for storage that rots ([`checksums`]), the small state files ([`framed`]) and the
+//! out-of-the-box demo ([`demo`]). llama.cpp is reached only through `ggml-sys`.
 #![forbid(unsafe_code)]
 
 pub mod bench;

@@ -62,9 +62,9 @@ pub enum ChildKind {
 
 /// The kinds the parent runs, in order, each with the boards it runs on: the drafting rows only
 /// when the board drafts, the verified rows with `verify`, a lossy row for each lossy mode
-/// `lossy` sets, a several-board row for each count in `boards`. The ceiling comes last: storage behind a cache of its own (a VM's
-/// host, a drive's DRAM) is then as warm for it as for the decodes before it, so the streamer's
-/// share of it is not flattered.
+/// `lossy` sets, a several-board row for each count in `boards`. The ceiling comes last: storage
+/// behind a cache of its own (a VM's host, a drive's DRAM) is then as warm for it as for the
+/// decodes before it, so the streamer's share of it is not flattered.
 pub fn kinds(draft: bool, verify: bool, lossy: &Lossy, sweep: bool, boards: &[u32]) -> Vec<(ChildKind, u32)> {
     let mut kinds = vec![
         ChildKind::Resident,

@@ -85,7 +85,7 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };
     if a.stream.resident {
         if board.verify {
-            log::warn!("storage.verify checks streamed reads; --resident reads through llama.cpp's mapping, unchecked (`sluice verify --check` checks the whole model)");
+            log::warn!("storage.verify checks streamed reads; --resident reads through llama.cpp's mapping, unchecked (`sluice verify --check --model MODEL` checks the whole model)");
         }
         let gpu_layers = match board.compute {
             ComputeService::Cpu => 0,

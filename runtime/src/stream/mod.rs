@@ -251,7 +251,7 @@ fn open_sums(index: &ExpertIndex, dense: DensePolicy) -> Result<crate::checksums
     let sums = crate::checksums::ReadSums::load(index)?;
     if dense == DensePolicy::Mmap {
         log::warn!(
-            "--verify checks the routed experts' reads; with dense mmap (the cuda service) llama.cpp's mapping reads the dense weights unchecked: `sluice verify --check` checks those"
+            "--verify checks the routed experts' reads; with dense mmap (the cuda service) llama.cpp's mapping reads the dense weights unchecked: `sluice verify --check --model MODEL` checks those"
         );
     }
     Ok(sums)
