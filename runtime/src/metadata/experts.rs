@@ -29,8 +29,8 @@ pub(super) fn check(m: &Meta) -> Result<(), MetadataError> {
         .gguf
         .tensors()
         .iter()
-        .filter_map(|t| crate::stream::index::parse_block(&t.name))
-        .filter(|(_, rest)| crate::stream::index::is_expert_weight(rest))
+        .filter_map(|t| super::layout::parse_block(&t.name))
+        .filter(|(_, rest)| super::layout::is_expert_weight(rest))
         .map(|(layer, _)| layer)
         .collect();
     // The fewest experts per token layer `layer` may use: 1 where it holds routed experts.
@@ -74,7 +74,7 @@ pub(super) fn check(m: &Meta) -> Result<(), MetadataError> {
         );
     }
     if let Some(t) =
-        m.gguf.tensors().iter().find(|t| crate::stream::index::is_expert_weight(&t.name) && t.ne[2] != experts as i64)
+        m.gguf.tensors().iter().find(|t| super::layout::is_expert_weight(&t.name) && t.ne[2] != experts as i64)
     {
         return Err(m.error("expert_count", format!("is {experts}, but tensor {} holds {} experts", t.name, t.ne[2])));
     }

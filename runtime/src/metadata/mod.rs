@@ -6,6 +6,7 @@
 
 mod attention;
 mod experts;
+pub mod layout;
 mod tensors;
 mod vocab;
 

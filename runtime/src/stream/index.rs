@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use ggml_sys::{GgmlType, GgufFile};
 
 use super::verified;
+use crate::metadata::layout::{is_expert_layout, is_expert_weight, parse_block};
 
 /// A stacked expert tensor (`ne[2]` experts) of one layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -142,12 +143,6 @@ pub fn shard_paths(first: &Path, g: &GgufFile) -> Result<Vec<PathBuf>, String> {
     Ok(shards)
 }
 
-/// The block number and the rest of a `blk.<il>.<rest>` tensor name.
-pub(crate) fn parse_block(name: &str) -> Option<(u32, &str)> {
-    let (il, rest) = name.strip_prefix("blk.")?.split_once('.')?;
-    Some((il.parse().ok()?, rest))
-}
-
 /// The experts used per token in each of the first `n_layer` of `blocks` layers: one value for
 /// all, or one per block.
 fn used_per_layer(g: &GgufFile, key: &str, n_layer: u32, blocks: u64) -> Result<Vec<u32>, String> {
@@ -159,18 +154,6 @@ fn used_per_layer(g: &GgufFile, key: &str, n_layer: u32, blocks: u64) -> Result<
         each => each.iter().take(n_layer as usize).copied().collect(),
     };
     per_layer.iter().map(|&v| u32::try_from(v).map_err(|_| format!("{key} holds {v}"))).collect()
-}
-
-/// Whether `rest` (a name after `blk.<il>.`) belongs to an expert layout (`ffn_down_exps.bias`,
-/// `ffn_gate_chexps.weight`, ...), streamed or not; shared experts (`*_shexp`) do not.
-fn is_expert_layout(rest: &str) -> bool {
-    rest.split('.').next().is_some_and(|base| base.ends_with("exps"))
-}
-
-/// Whether a tensor name (or its part after `blk.<il>.`) is a routed experts' weight
-/// (`*_exps.weight`): the one definition the index, the metadata checks and `synth` use.
-pub fn is_expert_weight(name: &str) -> bool {
-    name.ends_with("_exps.weight")
 }
 
 impl ExpertIndex {

@@ -17,7 +17,7 @@ mod weights;
 
 use std::path::{Path, PathBuf};
 
-use crate::stream::index::is_expert_weight;
+use crate::metadata::layout::is_expert_weight;
 pub use arch::SynthArch;
 use gguf_writer::{GgufWriter, TensorSpec, TensorType, Value, WriteError};
 pub use routing::Routing;
