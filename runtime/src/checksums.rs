@@ -23,6 +23,7 @@ use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::framed::{self, FramedError};
+use crate::stream::index::{DenseTensor, ExpertTensor};
 use crate::stream::ExpertIndex;
 
 const MAGIC: &[u8; 8] = b"SLUICEVS";
@@ -70,6 +71,23 @@ struct TensorSum {
 }
 
 impl TensorSum {
+    /// An expert tensor: a checksum per expert slice (the stride), not yet computed.
+    fn of_experts(t: &ExpertTensor) -> TensorSum {
+        let (name, shard, offset, size) = (t.name.clone(), t.shard as u32, t.offset, t.size);
+        TensorSum { name, shard, offset, size, slice: t.stride, sums: vec![0; t.n_expert as usize] }
+    }
+
+    /// Any other tensor: one checksum of it whole, not yet computed.
+    fn whole(d: &DenseTensor) -> TensorSum {
+        let (name, shard, offset, size) = (d.name.clone(), d.shard as u32, d.offset, d.size);
+        TensorSum { name, shard, offset, size, slice: size, sums: vec![0] }
+    }
+
+    /// Where it is and how it is cut: what must agree between the sidecar and the model.
+    fn place(&self) -> (&str, u32, u64, u64, u64, usize) {
+        (&self.name, self.shard, self.offset, self.size, self.slice, self.sums.len())
+    }
+
     /// The byte ranges (absolute in its file) that `sums` cover.
     fn ranges(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
         (0..self.sums.len() as u64).map(|i| {
@@ -177,57 +195,44 @@ pub fn sum_of_landed(r: &Reservation, from: u64, to: u64) -> Option<u64> {
 /// Every tensor of `index` (streamed, dense and never run) with the bytes per checksum: the
 /// expert stride for expert tensors, the whole tensor for the others; in file order.
 fn layout(index: &ExpertIndex) -> Vec<TensorSum> {
-    let whole = |name: &str, shard: usize, offset: u64, size: u64| TensorSum {
-        name: name.to_string(),
-        shard: shard as u32,
-        offset,
-        size,
-        slice: size,
-        sums: vec![0],
-    };
     let mut tensors: Vec<TensorSum> = index
         .experts
         .iter()
-        .map(|t| TensorSum {
-            name: t.name.clone(),
-            shard: t.shard as u32,
-            offset: t.offset,
-            size: t.size,
-            slice: t.stride,
-            sums: vec![0; t.n_expert as usize],
-        })
-        .chain(index.dense.iter().chain(&index.not_run).map(|d| whole(&d.name, d.shard, d.offset, d.size)))
+        .map(TensorSum::of_experts)
+        .chain(index.dense.iter().chain(&index.not_run).map(TensorSum::whole))
         .collect();
     tensors.sort_by_key(|t| (t.shard, t.offset));
     tensors
 }
 
-/// Each file's size and header checksum.
+/// The size of the file at `path` and the checksum of its first `header_len` bytes.
+fn shard_sum(path: &Path, header_len: u64, buf: &mut [u8]) -> Result<ShardSum, SumsError> {
+    let io = |source| SumsError::Io { path: path.into(), source };
+    let file = File::open(path).map_err(io)?;
+    let size = file.metadata().map_err(io)?.len();
+    Ok(ShardSum { size, header_len, header: hash_file_range(&file, 0, header_len, buf).map_err(io)? })
+}
+
+/// Each file's size and header checksum, its header being the bytes before its tensor data.
 fn shard_sums(index: &ExpertIndex) -> Result<Vec<ShardSum>, SumsError> {
     let mut buf = vec![0u8; CHUNK];
     index
         .shards
         .iter()
         .map(|path| {
-            let io = |source| SumsError::Io { path: path.clone(), source };
             let header_len = ggml_sys::GgufFile::open(path)
-                .map_err(|e| io(io::Error::new(io::ErrorKind::InvalidData, e.to_string())))?
+                .map_err(|e| SumsError::Io {
+                    path: path.clone(),
+                    source: io::Error::new(io::ErrorKind::InvalidData, e.to_string()),
+                })?
                 .data_offset();
-            let file = File::open(path).map_err(io)?;
-            let size = file.metadata().map_err(io)?.len();
-            Ok(ShardSum { size, header_len, header: hash_file_range(&file, 0, header_len, &mut buf).map_err(io)? })
+            shard_sum(path, header_len, &mut buf)
         })
         .collect()
 }
 
-/// Computes every tensor's checksums from the files, calling `each` with each tensor's name
-/// and the checksums that differ from `expected`'s (when given) as it goes.
-fn compute(
-    index: &ExpertIndex,
-    tensors: &mut [TensorSum],
-    mut each: impl FnMut(&TensorSum, &[usize]),
-    expected: bool,
-) -> Result<u64, SumsError> {
+/// Computes every tensor's checksums from the files. Returns the bytes read.
+fn compute(index: &ExpertIndex, tensors: &mut [TensorSum]) -> Result<u64, SumsError> {
     let files = index
         .shards
         .iter()
@@ -238,20 +243,14 @@ fn compute(
     for t in tensors.iter_mut() {
         let path = &index.shards[t.shard as usize];
         let file = &files[t.shard as usize];
-        let io = |source| SumsError::Io { path: path.clone(), source };
-        let mut differ = Vec::new();
         let ranges: Vec<(u64, u64)> = t.ranges().collect();
         for (i, (from, to)) in ranges.into_iter().enumerate() {
-            let sum = hash_file_range(file, from, to - from, &mut buf).map_err(|e| {
-                io(io::Error::new(e.kind(), format!("reading tensor {} at offset {from}: {e}", t.name)))
+            t.sums[i] = hash_file_range(file, from, to - from, &mut buf).map_err(|e| SumsError::Io {
+                path: path.clone(),
+                source: io::Error::new(e.kind(), format!("reading tensor {} at offset {from}: {e}", t.name)),
             })?;
             bytes += to - from;
-            if expected && t.sums[i] != sum {
-                differ.push(i);
-            }
-            t.sums[i] = sum;
         }
-        each(t, &differ);
         drop_from_cache(file, t.offset, t.size);
     }
     Ok(bytes)
@@ -270,7 +269,7 @@ pub fn write(model: &Path) -> Result<Report, SumsError> {
     let index = ExpertIndex::open(model)?;
     let shards = shard_sums(&index)?;
     let mut tensors = layout(&index);
-    let bytes = compute(&index, &mut tensors, |_, _| {}, false)?;
+    let bytes = compute(&index, &mut tensors)?;
     let sums = tensors.iter().map(|t| t.sums.len() as u64).sum();
     let file = SumsFile { version: VERSION, shards, tensors };
     let sidecar = sidecar_of(model);
@@ -287,38 +286,22 @@ pub fn check(model: &Path) -> Result<Report, SumsError> {
         Err(SumsError::Header { path, .. }) => report.mismatches.push(format!("the header of {}", path.display())),
         other => other?,
     }
-    let mut tensors = file.tensors.clone();
-    if tensors != layout_with(&index, &file.tensors) {
+    let mut now = layout(&index);
+    if now.len() != file.tensors.len() || now.iter().zip(&file.tensors).any(|(t, r)| t.place() != r.place()) {
         return Err(foreign(&sidecar, "a model with other tensors"));
     }
-    report.bytes = compute(
-        &index,
-        &mut tensors,
-        |t, differ| {
-            report.sums += t.sums.len() as u64;
-            for &i in differ {
-                report.mismatches.push(if t.sums.len() > 1 {
-                    format!("expert {i} of tensor {}", t.name)
-                } else {
-                    format!("tensor {}", t.name)
-                });
-            }
-        },
-        true,
-    )?;
-    Ok(report)
-}
-
-/// `index`'s layout with `recorded`'s checksums: equal to `recorded` when the sidecar describes
-/// this model's tensors.
-fn layout_with(index: &ExpertIndex, recorded: &[TensorSum]) -> Vec<TensorSum> {
-    let mut now = layout(index);
-    for (t, r) in now.iter_mut().zip(recorded) {
-        if t.sums.len() == r.sums.len() {
-            t.sums.clone_from(&r.sums);
+    report.bytes = compute(&index, &mut now)?;
+    for (t, r) in now.iter().zip(&file.tensors) {
+        report.sums += t.sums.len() as u64;
+        for (i, _) in t.sums.iter().zip(&r.sums).enumerate().filter(|(_, (a, b))| a != b) {
+            report.mismatches.push(if t.sums.len() > 1 {
+                format!("expert {i} of tensor {}", t.name)
+            } else {
+                format!("tensor {}", t.name)
+            });
         }
     }
-    now
+    Ok(report)
 }
 
 fn foreign(sidecar: &Path, what: &str) -> SumsError {
@@ -351,15 +334,16 @@ fn check_shards(index: &ExpertIndex, file: &SumsFile, sidecar: &Path) -> Result<
         ));
     }
     let mut buf = vec![0u8; CHUNK];
-    for (path, s) in index.shards.iter().zip(&file.shards) {
-        let io = |source| SumsError::Io { path: path.clone(), source };
-        let f = File::open(path).map_err(io)?;
-        let size = f.metadata().map_err(io)?.len();
-        if size != s.size {
-            return Err(foreign(sidecar, &format!("a {} of {} bytes (it has {size})", path.display(), s.size)));
+    for (path, recorded) in index.shards.iter().zip(&file.shards) {
+        let now = shard_sum(path, recorded.header_len, &mut buf)?;
+        if now.size != recorded.size {
+            return Err(foreign(
+                sidecar,
+                &format!("a {} of {} bytes (it has {})", path.display(), recorded.size, now.size),
+            ));
         }
-        if hash_file_range(&f, 0, s.header_len, &mut buf).map_err(io)? != s.header {
-            return Err(SumsError::Header { path: path.clone(), len: s.header_len });
+        if now.header != recorded.header {
+            return Err(SumsError::Header { path: path.clone(), len: recorded.header_len });
         }
     }
     Ok(())
@@ -382,25 +366,13 @@ impl ReadSums {
         let (file, sidecar) = load_sidecar(model)?;
         check_shards(index, &file, &sidecar)?;
         let by_name: HashMap<&str, &TensorSum> = file.tensors.iter().map(|t| (t.name.as_str(), t)).collect();
-        let find = |name: &str, shard: usize, offset: u64, size: u64, slice: u64, n: usize| {
-            by_name
-                .get(name)
-                .filter(|t| {
-                    (t.shard as usize, t.offset, t.size, t.slice, t.sums.len()) == (shard, offset, size, slice, n)
-                })
-                .map(|t| t.sums.clone())
-                .ok_or_else(|| foreign(&sidecar, &format!("a model whose tensor {name} is elsewhere or another size")))
+        let find = |want: TensorSum| {
+            by_name.get(want.name.as_str()).filter(|r| r.place() == want.place()).map(|r| r.sums.clone()).ok_or_else(
+                || foreign(&sidecar, &format!("a model whose tensor {} is elsewhere or another size", want.name)),
+            )
         };
-        let experts = index
-            .experts
-            .iter()
-            .map(|t| find(&t.name, t.shard, t.offset, t.size, t.stride, t.n_expert as usize))
-            .collect::<Result<_, _>>()?;
-        let dense = index
-            .dense
-            .iter()
-            .map(|d| find(&d.name, d.shard, d.offset, d.size, d.size, 1).map(|s| s[0]))
-            .collect::<Result<_, _>>()?;
+        let experts = index.experts.iter().map(|t| find(TensorSum::of_experts(t))).collect::<Result<_, _>>()?;
+        let dense = index.dense.iter().map(|d| find(TensorSum::whole(d)).map(|s| s[0])).collect::<Result<_, _>>()?;
         Ok(ReadSums { experts, dense })
     }
 

@@ -26,7 +26,7 @@ pub struct TuningArgs {
     /// Read experts through the page cache instead of O_DIRECT.
     #[arg(long)]
     pub no_direct_io: bool,
-    /// Check every expert and dense read against the checksums `sluice verify MODEL` wrote
+    /// Check every expert and dense read against the checksums `sluice verify --model MODEL` wrote
     /// beside the model (default: the profile's storage.verify): damaged bytes from failing
     /// storage are an error naming the expert, never wrong tokens. With `sluice bench
     /// --budget-mb`: adds verified rows.

@@ -7,6 +7,7 @@ use clap::Args;
 
 use sluice::checksums;
 use sluice::generate;
+use sluice::telemetry::mib;
 
 /// `sluice verify` arguments.
 #[derive(Args)]
@@ -25,7 +26,6 @@ pub fn run_verify(a: &VerifyArgs) -> Result<()> {
     generate::check_model_file(&a.model)?;
     let sidecar = checksums::sidecar_of(&a.model);
     let t0 = std::time::Instant::now();
-    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
     if !a.check {
         let report = checksums::write(&a.model)?;
         outln!(
