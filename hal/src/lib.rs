@@ -13,3 +13,4 @@ pub mod probe;
 pub mod root;
 pub mod storage;
 pub mod thermal;
+pub mod usage;

@@ -1,7 +1,7 @@
 //! Text generation over a loaded model: tokenize, prefill, decode (greedy or sampled), timing.
 
 use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use std::collections::HashSet;
@@ -16,14 +16,9 @@ const MAX_BATCH: u32 = 512;
 /// What can go wrong before or during generation.
 #[derive(Debug, thiserror::Error)]
 pub enum GenerateError {
-    /// The model path does not exist or cannot be read.
-    #[error("model file {path}: {reason}")]
-    ModelFile {
-        /// The path given.
-        path: PathBuf,
-        /// Why it cannot be used, and what to do.
-        reason: String,
-    },
+    /// The model file cannot be used.
+    #[error(transparent)]
+    ModelFile(#[from] crate::metadata::ModelFileError),
     /// The prompt is empty.
     #[error("the prompt is empty: pass some text with --prompt")]
     EmptyPrompt,
@@ -48,9 +43,6 @@ pub enum GenerateError {
     /// llama.cpp reported an error.
     #[error(transparent)]
     Llama(ggml_sys::Error),
-    /// The streaming engine failed during a decode.
-    #[error(transparent)]
-    Stream(#[from] crate::stream::StreamError),
 }
 
 impl GenerateError {
@@ -138,24 +130,16 @@ pub struct DecodeEvent {
     pub wall: Duration,
 }
 
-/// Called after every decode; an error stops the generation.
-pub type DecodeObserver<'a> = dyn FnMut(DecodeEvent) -> Result<(), GenerateError> + 'a;
+/// Called after every decode; an error stops the generation. `E` is the error of the layer that
+/// observes (the streaming engine's carries a generation error, so its failures end the
+/// generation with its own error).
+pub type DecodeObserver<'a, E = GenerateError> = dyn FnMut(DecodeEvent) -> Result<(), E> + 'a;
 
-/// Checks that `path` is an existing regular file holding a model llama.cpp can load without
-/// aborting (see [`crate::metadata`]), with an error that says what is wrong.
-pub fn check_model_file(path: &Path) -> Result<(), GenerateError> {
-    let meta = std::fs::metadata(path).map_err(|e| GenerateError::ModelFile {
-        path: path.into(),
-        reason: match e.kind() {
-            std::io::ErrorKind::NotFound => "no such file (check the path, or create one with `sluice synth`)".into(),
-            _ => e.to_string(),
-        },
-    })?;
-    if !meta.is_file() {
-        return Err(GenerateError::ModelFile { path: path.into(), reason: "is not a regular file".into() });
-    }
-    crate::metadata::check_file(path)
-}
+/// An error a generation may end with: a generation error, or an observer's error that can
+/// carry one.
+pub trait DecodeError: From<GenerateError> + From<ggml_sys::Error> {}
+
+impl<E: From<GenerateError> + From<ggml_sys::Error>> DecodeError for E {}
 
 /// Opens a model: checks the file first (existence, GGUF header, every tensor inside the file)
 /// so bad input gets a precise error, then loads it through llama.cpp.
@@ -165,21 +149,21 @@ pub fn load_model(path: &Path) -> Result<Model, GenerateError> {
 
 /// [`load_model`] with explicit llama.cpp model parameters.
 pub fn load_model_with(path: &Path, params: &ModelParams) -> Result<Model, GenerateError> {
-    check_model_file(path)?;
+    crate::metadata::check_model_file(path)?;
     Ok(Model::load(path, params)?)
 }
 
 /// The context positions a run of `prompt` plus `n_predict` tokens needs, from a metadata-only
 /// load of `path` (its vocabulary; no weight is read).
 pub fn prompt_positions(path: &Path, prompt: &str, n_predict: u32) -> Result<u32, GenerateError> {
-    check_model_file(path)?;
+    crate::metadata::check_model_file(path)?;
     let model = Model::load(path, &ModelParams { metadata_only: true, ..Default::default() })?;
     Ok((Session::prepare(&model, prompt, n_predict)?.len() + n_predict as usize) as u32)
 }
 
 /// The model's training context length, from a metadata-only load of `path`.
 pub fn context_length(path: &Path) -> Result<u32, GenerateError> {
-    check_model_file(path)?;
+    crate::metadata::check_model_file(path)?;
     Ok(Model::load(path, &ModelParams { metadata_only: true, ..Default::default() })?.n_ctx_train())
 }
 
@@ -300,7 +284,7 @@ impl<'m> Session<'m> {
         Ok(result?)
     }
 
-    fn timed_decode(&mut self, prefill: bool, observer: &mut DecodeObserver<'_>) -> Result<(), GenerateError> {
+    fn timed_decode<E: DecodeError>(&mut self, prefill: bool, observer: &mut DecodeObserver<'_, E>) -> Result<(), E> {
         let t = Instant::now();
         let result = self.ctx.decode(&self.batch);
         let event = DecodeEvent { n_tokens: self.batch.len(), prefill, wall: t.elapsed() };
@@ -346,14 +330,14 @@ impl<'m> Session<'m> {
     /// each token, its bytes and its logits as it is chosen and may end the generation early
     /// ([`ControlFlow::Break`], e.g. at a stop sequence); `observer` runs after every decode.
     /// Starts from an empty context every time.
-    pub fn generate_with(
+    pub fn generate_with<E: DecodeError>(
         &mut self,
         prompt: &[Token],
         n_predict: u32,
         sampler: &mut Sampler,
         mut on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
-        observer: &mut DecodeObserver<'_>,
-    ) -> Result<Generation, GenerateError> {
+        observer: &mut DecodeObserver<'_, E>,
+    ) -> Result<Generation, E> {
         self.ctx.clear_memory();
         sampler.inner.accept_prompt(prompt)?;
         let t0 = Instant::now();
@@ -429,7 +413,7 @@ impl<'m> Session<'m> {
 
     /// Decodes `prompt` into the (empty) context in batches, the last token's logits kept;
     /// returns the next position.
-    fn prefill(&mut self, prompt: &[Token], observer: &mut DecodeObserver<'_>) -> Result<i32, GenerateError> {
+    fn prefill<E: DecodeError>(&mut self, prompt: &[Token], observer: &mut DecodeObserver<'_, E>) -> Result<i32, E> {
         let n_batch = self.batch_capacity();
         let mut pos = 0i32;
         for chunk in prompt.chunks(n_batch) {
@@ -448,13 +432,13 @@ impl<'m> Session<'m> {
     /// `on_logits(i, logits)` the model's next-token logits before `continuation[i]`: what the
     /// model predicts at each step of a given text (to compare two configurations on the same
     /// text). Starts from an empty context.
-    pub fn score_continuation(
+    pub fn score_continuation<E: DecodeError>(
         &mut self,
         prompt: &[Token],
         continuation: &[Token],
         mut on_logits: impl FnMut(usize, &[f32]),
-        observer: &mut DecodeObserver<'_>,
-    ) -> Result<(), GenerateError> {
+        observer: &mut DecodeObserver<'_, E>,
+    ) -> Result<(), E> {
         self.ctx.clear_memory();
         let start = self.prefill(prompt, observer)?;
         for (i, (&t, pos)) in continuation.iter().zip(start..).enumerate() {

@@ -1,20 +1,22 @@
 //! sluice: runs Mixture-of-Experts language models bigger than a board's RAM.
 //!
-//! This crate is the runtime behind the `sluice` binary: synthetic model generation
-//! ([`synth`]), text generation ([`generate`]), the streaming engine ([`stream`]), board
-//! profiles ([`board`]), the memory ledger ([`budget`]), the HTTP service ([`serve`]), several
-//! boards serving one model over RPC ([`scaleout`]), terminal-safe output ([`text`]), checksums
-//! for storage that rots ([`checksums`]), the small state files ([`framed`]) and the
-//! out-of-the-box demo ([`demo`]). llama.cpp is reached only through `ggml-sys`.
+//! This crate is the runtime behind the `sluice` binary. Its modules are layered (each uses only
+//! the layers below it; `docs/architecture.md` draws them): foundations ([`text`], [`units`],
+//! [`framed`], [`lossy`]); the model file ([`metadata`]); generation over llama.cpp
+//! ([`generate`]); the streaming engine ([`stream`], its verified reads included); the board
+//! ([`board`]), the memory ledger ([`budget`]) and several boards over RPC ([`scaleout`]); the
+//! one door for a streamed run ([`launch`]) and the reports ([`telemetry`]); the front ends (the
+//! HTTP service [`serve`], the benchmark [`bench`]); and the synthetic models ([`synth`],
+//! [`demo`]). llama.cpp is reached only through `ggml-sys`.
 #![forbid(unsafe_code)]
 
 pub mod bench;
 pub mod board;
 pub mod budget;
-pub mod checksums;
 pub mod demo;
 pub mod framed;
 pub mod generate;
+pub mod launch;
 pub mod lossy;
 pub mod metadata;
 pub mod scaleout;
@@ -23,3 +25,4 @@ pub mod stream;
 pub mod synth;
 pub mod telemetry;
 pub mod text;
+pub mod units;

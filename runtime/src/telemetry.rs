@@ -4,154 +4,25 @@
 use std::io::Write;
 use std::time::Duration;
 
-use crate::generate::DecodeEvent;
-use crate::stream::{CacheCounters, DecodeStats};
+use crate::stream::TokenRow;
+use crate::units::mib;
 
-/// Process resource usage at one instant.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Usage {
-    /// Major page faults so far.
-    pub major_faults: u64,
-    /// Resident anonymous memory, bytes.
-    pub rss_anon: u64,
-    /// Resident file-backed memory, bytes.
-    pub rss_file: u64,
-    /// The highest resident size so far (`VmHWM`), bytes.
-    pub rss_peak: u64,
-}
-
-impl Usage {
-    /// Reads the current usage (zeros where the kernel does not say).
-    pub fn sample() -> Usage {
-        let major_faults = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF)
-            .map(|u| u.major_page_faults().max(0) as u64)
-            .unwrap_or(0);
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let kb = |key: &str| sluice_hal::memory::meminfo_field(&status, key).unwrap_or(0);
-        Usage { major_faults, rss_anon: kb("RssAnon:"), rss_file: kb("RssFile:"), rss_peak: kb("VmHWM:") }
-    }
-}
-
-/// Measures one phase (opening a model): its wall time and the bytes this process read from
-/// storage meanwhile (`read_bytes` of `/proc/self/io`).
-#[derive(Debug, Clone, Copy)]
-pub struct PhaseMeter {
-    start: std::time::Instant,
-    read_before: Option<u64>,
-}
-
-impl PhaseMeter {
-    /// Starts measuring now.
-    pub fn start() -> PhaseMeter {
-        PhaseMeter { start: std::time::Instant::now(), read_before: sluice_hal::storage::process_read_bytes() }
-    }
-
-    /// Wall time and storage bytes read since [`PhaseMeter::start`] (`None` where the kernel
-    /// does not report `read_bytes`).
-    pub fn finish(&self) -> (Duration, Option<u64>) {
-        let read = self.read_before.and_then(|b| Some(sluice_hal::storage::process_read_bytes()?.saturating_sub(b)));
-        (self.start.elapsed(), read)
-    }
-}
-
-/// One decode's telemetry.
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct TokenRow {
-    /// Decode number.
-    pub index: usize,
-    /// Whether it was a prompt batch.
-    pub prefill: bool,
-    /// Tokens in the batch.
-    pub n_tokens: usize,
-    /// Wall time.
-    pub wall: Duration,
-    /// Time waiting for expert reads (serial), or submitting and collecting them (overlap).
-    pub io_wait: Duration,
-    /// Overlap: time compute threads were blocked waiting for an expert, averaged over them.
-    pub stall: Duration,
-    /// Routed products the streamed-experts kernel computed.
-    pub kernel_nodes: u64,
-    /// Expert bytes read.
-    pub bytes_read: u64,
-    /// Distinct routed experts summed over layers.
-    pub experts_routed: u64,
-    /// Cache hits.
-    pub hits: u64,
-    /// Cache misses.
-    pub misses: u64,
-    /// Chosen experts replaced by cached ones (lossy `--substitute`).
-    pub substituted: u64,
-    /// Routed experts read in waves and given back once computed (a prompt batch beyond the
-    /// cache and its staging).
-    pub passed: u64,
-    /// Cumulative hit rate.
-    pub hit_rate: f64,
-    /// Major faults during the decode.
-    pub major_faults: u64,
-    /// RSS (anonymous) after the decode.
-    pub rss_anon: u64,
-    /// RSS (file-backed) after the decode.
-    pub rss_file: u64,
-}
-
-impl TokenRow {
-    /// Builds a row from a decode's event, its streaming stats, and usage before and after.
-    pub fn new(
-        index: usize,
-        event: DecodeEvent,
-        stats: DecodeStats,
-        before: &Usage,
-        after: &Usage,
-        cache: CacheCounters,
-    ) -> TokenRow {
-        TokenRow {
-            index,
-            prefill: event.prefill,
-            n_tokens: event.n_tokens,
-            wall: event.wall,
-            io_wait: stats.io_wait,
-            stall: stats.stall,
-            kernel_nodes: stats.kernel_nodes,
-            bytes_read: stats.bytes_read,
-            experts_routed: stats.experts_routed,
-            hits: stats.hits,
-            misses: stats.misses,
-            substituted: stats.substituted,
-            passed: stats.passed,
-            hit_rate: cache.hit_rate(),
-            major_faults: after.major_faults.saturating_sub(before.major_faults),
-            rss_anon: after.rss_anon,
-            rss_file: after.rss_file,
-        }
-    }
-
-    /// Compute time: wall minus I/O wait and stall.
-    pub fn compute(&self) -> Duration {
-        self.wall.saturating_sub(self.io_wait + self.stall)
-    }
-
-    /// A live one-line status.
-    pub fn progress_line(&self) -> String {
-        format!(
-            "token {:>4}  {:>7.1} ms  io {:>6.1} ms  stall {:>6.1} ms  read {:>7.2} MiB  hit {:>5.1}%  rss {:>7.1} MiB",
-            self.index,
-            ms(self.wall),
-            ms(self.io_wait),
-            ms(self.stall),
-            mib(self.bytes_read),
-            100.0 * self.hit_rate,
-            mib(self.rss_anon + self.rss_file)
-        )
-    }
+/// A decode's live one-line status.
+pub fn progress_line(row: &TokenRow) -> String {
+    format!(
+        "token {:>4}  {:>7.1} ms  io {:>6.1} ms  stall {:>6.1} ms  read {:>7.2} MiB  hit {:>5.1}%  rss {:>7.1} MiB",
+        row.index,
+        ms(row.wall),
+        ms(row.io_wait),
+        ms(row.stall),
+        mib(row.bytes_read),
+        100.0 * row.hit_rate,
+        mib(row.rss_anon + row.rss_file)
+    )
 }
 
 fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
-}
-
-/// Bytes as MiB.
-pub fn mib(b: u64) -> f64 {
-    b as f64 / (1u64 << 20) as f64
 }
 
 /// Totals over the generated tokens (prompt batches excluded).
@@ -358,10 +229,5 @@ mod tests {
         assert_eq!(records.len(), 2);
         assert!(records.iter().all(|r| r.len() == CSV_HEADER.len()));
         assert_eq!(&records[1][1], "1", "the prompt batch row");
-    }
-
-    #[test]
-    fn usage_reads_this_process() {
-        assert!(Usage::sample().rss_anon + Usage::sample().rss_file > 0);
     }
 }

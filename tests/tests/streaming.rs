@@ -8,7 +8,8 @@ use std::time::Duration;
 use ggml_sys::GgufFile;
 use sluice::generate::GenerateError;
 use sluice::stream::{
-    load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamConfig, StreamedSession, READ_BOUND,
+    load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamConfig, StreamError, StreamedSession,
+    READ_BOUND,
 };
 use sluice_tests::{gate_fixtures, resident_reference, stream_config, stream_generate, streamed, Fixture};
 
@@ -234,7 +235,10 @@ fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
         let err = session.generate(&tokens, N, |_, _| {}, |_| {}).expect_err("a stuck read must not hang the decode");
         if let Some(c) = canceller {
             c.join().unwrap();
-            assert!(matches!(err, GenerateError::Cancelled), "overlap {overlap}: a cancel ends it: {err}");
+            assert!(
+                matches!(err, StreamError::Generate(GenerateError::Cancelled)),
+                "overlap {overlap}: a cancel ends it: {err}"
+            );
         } else {
             let msg = err.to_string();
             assert!(msg.contains("not read within 1.0 s") && msg.contains("of layer"), "overlap {overlap}: {msg}");

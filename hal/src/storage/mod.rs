@@ -10,6 +10,11 @@ use std::path::Path;
 
 use crate::root::SysRoot;
 
+/// How long a batch of reads (a model's header, a layer's experts, or a compute thread's wait
+/// for one expert) may take before it fails naming what it read: a device that stopped
+/// answering.
+pub const READ_BOUND: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// The kind of storage a file lives on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Medium {

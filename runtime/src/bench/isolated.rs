@@ -7,7 +7,6 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
@@ -17,12 +16,13 @@ use sluice_hal::storage::{measure_direct_read, ReadThroughput, StorageProbe};
 
 use super::boards::LoopbackWorker;
 use super::{drop_cached, run_resident, run_streamed, BenchError, BenchRow};
-use crate::board::ResolvedBoard;
-use crate::budget::{self, PlanRequest};
-use crate::generate::{GenerateError, GenerateParams, NGRAM_DRAFT_MAX};
+use crate::board::resolve::Sourced;
+use crate::board::{ComputeService, Draft, Overlap, ResolvedBoard};
+use crate::generate::{GenerateParams, NGRAM_DRAFT_MAX};
+use crate::launch::{Cache, Launch, LaunchError, Loaded, Positions};
 use crate::lossy::Lossy;
-use crate::stream::{DensePolicy, ExpertIndex, StreamConfig};
-use crate::telemetry::Usage;
+use crate::stream::{DensePolicy, ExpertIndex};
+use sluice_hal::usage::Usage;
 
 /// What one child runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize, Deserialize)]
@@ -157,37 +157,8 @@ pub fn run_child(
     lossy: &Lossy,
     rpc: &[String],
 ) -> Result<ChildOutput, BenchError> {
-    let index = ExpertIndex::open(model).map_err(|e| GenerateError::from(crate::stream::StreamError::from(e)))?;
+    let index = ExpertIndex::open(model).map_err(LaunchError::from)?;
     let params = GenerateParams { n_predict, threads: board.threads(), draft: None };
-    let config = StreamConfig {
-        cache_bytes: 0,
-        force_cache: false,
-        lanes: board.lanes(),
-        dense: DensePolicy::Anon,
-        trace_routes: false,
-        gpu_layers: 0,
-        overlap: None,
-        overlap_prompt_only: false,
-        lossy: crate::lossy::Lossy::default(),
-        rpc: None,
-        verify: false,
-    };
-    let (index, config, boards) = if kind == ChildKind::StreamedAutoBoards {
-        let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
-        let (split, head) = crate::scaleout::prepare(rpc, model, index, positions, config.gpu_layers > 0)?;
-        let Some(split) = split else {
-            return Err(BenchError::Child {
-                kind: format!("{kind:?}"),
-                status: "no workers".into(),
-                stderr: "give --rpc".into(),
-            });
-        };
-        log::info!("{}", split.describe());
-        (head, StreamConfig { rpc: Some(split.rpc()), ..config }, split.shares.len() + 1)
-    } else {
-        (index, config, 1)
-    };
-    let index = Arc::new(index);
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
         ChildKind::ReadSweep => return Ok(ChildOutput::Sweep(read_sweep(model, &index)?)),
@@ -196,75 +167,102 @@ pub fn run_child(
             let params = GenerateParams { draft: Some(NGRAM_DRAFT_MAX), ..params };
             run_resident(model, &index.shards, prompt, &params)?
         }
-        ChildKind::StreamedNoCache
-        | ChildKind::StreamedNoCacheOverlap
-        | ChildKind::StreamedNoCacheVerified
-        | ChildKind::StreamedNoCacheOverlapVerified
-        | ChildKind::StreamedAuto
-        | ChildKind::StreamedAutoOverlap
-        | ChildKind::StreamedAutoOverlapPrompt
-        | ChildKind::StreamedAutoDraft
-        | ChildKind::StreamedAutoFewerExperts
-        | ChildKind::StreamedAutoSubstitute
-        | ChildKind::StreamedAutoBoards => {
-            let verify = matches!(kind, ChildKind::StreamedNoCacheVerified | ChildKind::StreamedNoCacheOverlapVerified);
-            let auto = !verify && !matches!(kind, ChildKind::StreamedNoCache | ChildKind::StreamedNoCacheOverlap);
-            let lossy = match kind {
-                ChildKind::StreamedAutoFewerExperts => Lossy { experts_used: lossy.experts_used, substitute: None },
-                ChildKind::StreamedAutoSubstitute => Lossy { experts_used: None, substitute: lossy.substitute },
-                _ => Lossy::default(),
-            };
-            let draft = kind == ChildKind::StreamedAutoDraft;
-            let params = GenerateParams { draft: draft.then_some(NGRAM_DRAFT_MAX), ..params.clone() };
-            let prompt_only = kind == ChildKind::StreamedAutoOverlapPrompt;
-            let overlap = prompt_only
-                || matches!(
-                    kind,
-                    ChildKind::StreamedNoCacheOverlap
-                        | ChildKind::StreamedNoCacheOverlapVerified
-                        | ChildKind::StreamedAutoOverlap
-                );
-            let positions = crate::generate::prompt_positions(model, prompt, n_predict)?;
-            let ledger = budget::plan_within_budget(&PlanRequest {
-                model,
-                index: &index,
-                positions,
-                dense: config.dense,
-                cache_bytes: if auto { None } else { Some(0) },
-                budget: board.budget.clone(),
-                gpu: config.gpu_layers > 0,
-                rpc: config.rpc.as_ref(),
-            })?;
-            let config = StreamConfig {
-                cache_bytes: ledger.cache_bytes(),
-                overlap: overlap.then_some(crate::stream::READ_BOUND),
-                overlap_prompt_only: prompt_only,
-                lossy,
-                verify,
-                ..config
-            };
-            let label = format!(
-                "streamed, {}, {}{}{}{}{}",
-                if auto { "auto cache" } else { "no cache" },
-                match (overlap, prompt_only) {
-                    (true, true) => "overlapped prompt",
-                    (true, false) => "overlap",
-                    (false, _) => "serial",
-                },
-                if draft { ", ngram draft" } else { "" },
-                if verify { ", verified" } else { "" },
-                lossy_label(&lossy, index.n_expert_used),
-                if boards > 1 { format!(", {boards} boards") } else { String::new() }
-            );
-            let mut row = run_streamed(model, &index, &config, label, prompt, &params)?;
-            if !lossy.is_exact() {
-                row.lossy_quality = Some(super::lossy_quality(model, &index, &config, prompt, &params)?);
+        _ => {
+            let row = StreamedRow::of(kind, lossy);
+            if kind == ChildKind::StreamedAutoBoards && rpc.is_empty() {
+                return Err(BenchError::Child {
+                    kind: format!("{kind:?}"),
+                    status: "no workers".into(),
+                    stderr: "give --rpc".into(),
+                });
             }
-            row
+            let launch = row.launch(model, prompt, n_predict, board, rpc);
+            let mut out = run_streamed(&launch, &index.shards, n_predict, |loaded| row.label(loaded))?;
+            if !row.lossy.is_exact() {
+                out.lossy_quality = Some(super::lossy_quality(&launch, n_predict)?);
+            }
+            out
         }
     };
     row.peak_rss = Usage::sample().rss_peak;
     Ok(ChildOutput::Row(Box::new(row)))
+}
+
+/// How a streamed kind runs.
+#[derive(Debug, Clone, Copy)]
+struct StreamedRow {
+    kind: ChildKind,
+    /// The automatic cache (else none).
+    auto: bool,
+    overlap: Overlap,
+    draft: bool,
+    verify: bool,
+    lossy: Lossy,
+}
+
+impl StreamedRow {
+    /// The settings of streamed `kind`; a lossy kind takes its mode's setting from `lossy`.
+    fn of(kind: ChildKind, lossy: &Lossy) -> StreamedRow {
+        use ChildKind::*;
+        let verify = matches!(kind, StreamedNoCacheVerified | StreamedNoCacheOverlapVerified);
+        StreamedRow {
+            kind,
+            auto: !verify && !matches!(kind, StreamedNoCache | StreamedNoCacheOverlap),
+            overlap: match kind {
+                StreamedAutoOverlapPrompt => Overlap::Prompt,
+                StreamedNoCacheOverlap | StreamedNoCacheOverlapVerified | StreamedAutoOverlap => Overlap::On,
+                _ => Overlap::Off,
+            },
+            draft: kind == StreamedAutoDraft,
+            verify,
+            lossy: match kind {
+                StreamedAutoFewerExperts => Lossy { experts_used: lossy.experts_used, substitute: None },
+                StreamedAutoSubstitute => Lossy { experts_used: None, substitute: lossy.substitute },
+                _ => Lossy::default(),
+            },
+        }
+    }
+
+    /// The run: `board` with this row's overlap, drafting and verification, on the CPU service
+    /// with dense weights in anonymous memory; split over `rpc` for the several-board kind.
+    fn launch(&self, model: &Path, prompt: &str, n_predict: u32, board: &ResolvedBoard, rpc: &[String]) -> Launch {
+        let source = format!("bench row {:?}", self.kind);
+        let mut board = board.clone();
+        board.overlap = Sourced { value: self.overlap, source: source.clone() };
+        board.draft = Sourced { value: if self.draft { Draft::Ngram } else { Draft::Off }, source };
+        board.verify = self.verify;
+        board.compute = ComputeService::Cpu;
+        Launch {
+            model: model.to_path_buf(),
+            board,
+            positions: Positions::Prompt { text: prompt.to_string(), n_predict },
+            cache: if self.auto { Cache::Auto } else { Cache::Fixed(0) },
+            force_cache: false,
+            dense: DensePolicy::Anon,
+            lossy: self.lossy,
+            rpc: if self.kind == ChildKind::StreamedAutoBoards { rpc.to_vec() } else { Vec::new() },
+        }
+    }
+
+    /// The row's label (the boards counted from the split `loaded` made).
+    fn label(&self, loaded: &Loaded) -> String {
+        format!(
+            "streamed, {}, {}{}{}{}{}",
+            if self.auto { "auto cache" } else { "no cache" },
+            match self.overlap {
+                Overlap::Prompt => "overlapped prompt",
+                Overlap::On => "overlap",
+                Overlap::Off => "serial",
+            },
+            if self.draft { ", ngram draft" } else { "" },
+            if self.verify { ", verified" } else { "" },
+            lossy_label(&self.lossy, loaded.index.n_expert_used),
+            match &loaded.split {
+                Some(split) => format!(", {} boards", split.shares.len() + 1),
+                None => String::new(),
+            }
+        )
+    }
 }
 
 /// A lossy row's label suffix (empty for an exact row).
@@ -451,7 +449,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
                 if !workers.is_empty() {
                     let peaks: Vec<String> = workers
                         .iter()
-                        .map(|w| format!("{:.0}", crate::telemetry::mib(w.cgroup.peak().unwrap_or(0))))
+                        .map(|w| format!("{:.0}", crate::units::mib(w.cgroup.peak().unwrap_or(0))))
                         .collect();
                     row.label.push_str(&format!(" (workers' peak {} MiB)", peaks.join(", ")));
                 }

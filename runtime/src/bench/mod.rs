@@ -14,24 +14,25 @@ pub use chart::svg_bar_chart;
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
+use sluice_hal::usage::{PhaseMeter, Usage};
+
+use crate::board::ResolvedBoard;
 use crate::generate::{self, GenerateError, GenerateParams, Session};
-use crate::stream::{ExpertIndex, StreamConfig, StreamedSession};
-use crate::telemetry::{mib, PhaseMeter, Summary, Usage};
+use crate::launch::{Cache, Launch, LaunchError, Loaded, Positions};
+use crate::stream::{DensePolicy, ExpertIndex};
+use crate::telemetry::Summary;
+use crate::units::mib;
 
 /// What can stop a benchmark.
 #[derive(Debug, thiserror::Error)]
 pub enum BenchError {
-    /// The several-board rows could not split the model.
+    /// A streamed row could not start or run (index, split, load, plan, session).
     #[error(transparent)]
-    Scale(#[from] crate::scaleout::ScaleError),
-    /// Loading or generating failed.
+    Launch(#[from] LaunchError),
+    /// The resident row could not load or generate.
     #[error(transparent)]
     Generate(#[from] GenerateError),
-    /// The plan did not fit the budget.
-    #[error(transparent)]
-    Budget(#[from] crate::budget::BudgetError),
     /// No memory cgroup could be made.
     #[error("{0}; `sluice bench --budget-mb` runs each configuration in a memory cgroup and needs root")]
     Cgroup(#[from] sluice_hal::cgroup::CgroupError),
@@ -94,9 +95,9 @@ pub struct BenchRow {
     pub tokens: Vec<ggml_sys::Token>,
 }
 
-/// The share of `g`'s drafted tokens that were accepted, when it drafted.
-fn draft_accept(params: &GenerateParams, g: &generate::Generation) -> Option<f64> {
-    params.draft.map(|_| if g.drafted == 0 { 0.0 } else { f64::from(g.accepted) / f64::from(g.drafted) })
+/// The share of `g`'s drafted tokens that were accepted, when it drafted (`draft`).
+fn draft_accept(draft: Option<usize>, g: &generate::Generation) -> Option<f64> {
+    draft.map(|_| if g.drafted == 0 { 0.0 } else { f64::from(g.accepted) / f64::from(g.drafted) })
 }
 
 /// What to run.
@@ -108,14 +109,33 @@ pub struct BenchPlan {
     pub prompt: String,
     /// Tokens to generate per configuration.
     pub n_predict: u32,
-    /// Compute threads.
-    pub threads: ggml_sys::Threads,
+    /// The board every row runs on (threads, lanes, overlap, verify, drafting).
+    pub board: ResolvedBoard,
     /// Expert cache sizes as percentages of all expert bytes.
     pub cache_percents: Vec<u32>,
-    /// The streaming configuration (its cache size is replaced per row).
-    pub stream: StreamConfig,
-    /// N-gram drafting for every row: the most tokens drafted per decode.
-    pub draft: Option<usize>,
+}
+
+impl BenchPlan {
+    /// Whether a row with a cache of `cache_bytes` fits the board's budget (a plan's total
+    /// only grows with its cache, so the largest row decides).
+    pub fn fits(&self, cache_bytes: u64) -> Result<(), LaunchError> {
+        self.launch(cache_bytes).plan()?.ledger?;
+        Ok(())
+    }
+
+    /// The streamed run of this plan's prompt with a fixed cache of `cache_bytes`.
+    fn launch(&self, cache_bytes: u64) -> Launch {
+        Launch {
+            model: self.model.clone(),
+            board: self.board.clone(),
+            positions: Positions::Prompt { text: self.prompt.clone(), n_predict: self.n_predict },
+            cache: Cache::Fixed(cache_bytes),
+            force_cache: true,
+            dense: DensePolicy::Anon,
+            lossy: crate::lossy::Lossy::default(),
+            rpc: Vec::new(),
+        }
+    }
 }
 
 /// `base` repeated (space-separated) and cut to `n` tokens of `model`'s tokenizer (its BOS
@@ -125,7 +145,7 @@ pub fn prompt_of_tokens(model: &Path, base: &str, n: usize) -> Result<String, Ge
     if base.trim().is_empty() {
         return Err(GenerateError::EmptyPrompt);
     }
-    generate::check_model_file(model)?;
+    crate::metadata::check_model_file(model)?;
     let m = ggml_sys::Model::load(model, &ggml_sys::ModelParams { metadata_only: true, ..Default::default() })?;
     let count = |text: &str| m.tokenize(text, true).map(|t| t.len());
     let mut text = base.to_string();
@@ -199,84 +219,69 @@ pub(crate) fn run_resident(
         open_read,
         ttft_s: open_s + g.prefill.as_secs_f64(),
         prefill_read,
-        draft_accept: draft_accept(params, &g),
+        draft_accept: draft_accept(params.draft, &g),
         lossy_quality: None,
         tokens: g.tokens,
     })
 }
 
-/// Runs one streamed configuration.
+/// Runs one streamed configuration: `launch` from a cold page cache (its `files` dropped), its
+/// prompt's `n_predict` tokens, labelled by `label` once loaded.
 pub(crate) fn run_streamed(
-    path: &Path,
-    index: &Arc<ExpertIndex>,
-    config: &StreamConfig,
-    label: String,
-    prompt: &str,
-    params: &GenerateParams,
-) -> Result<BenchRow, GenerateError> {
-    drop_cached(&index.shards);
-    let meter = PhaseMeter::start();
-    let model = crate::stream::load_configured(path, index, config)?;
-    let tokens = Session::prepare(&model, prompt, params.n_predict)?;
-    let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
-    let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, &params.threads)?;
-    let (open_wall, open_read) = meter.finish();
-    let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
-    session.set_draft(params.draft);
-    let (g, rows) = session.generate(&tokens, params.n_predict, |_, _| {}, |_| {})?;
+    launch: &Launch,
+    files: &[PathBuf],
+    n_predict: u32,
+    label: impl FnOnce(&Loaded) -> String,
+) -> Result<BenchRow, LaunchError> {
+    drop_cached(files);
+    let loaded = launch.load(&mut |_| {})?;
+    let (mut session, open) = loaded.open()?;
+    let open_s = open.wall.as_secs_f64();
+    let (g, rows) = session.generate(&loaded.prompt, n_predict, |_, _| {}, |_| {})?;
     let s = Summary::of_generation(&rows, &g);
     Ok(BenchRow {
-        label,
-        cache_bytes: Some(config.cache_bytes),
+        label: label(&loaded),
+        cache_bytes: Some(loaded.config.cache_bytes),
         tokens_per_s: s.tokens_per_s(),
         mib_per_token: s.mib_per_token(),
         hit_rate: Some(s.hit_rate),
         major_faults: s.major_faults,
         peak_rss: s.peak_rss,
         read_mib_s: s.read_mib_per_s(),
-        stall_ms: config.overlap.map(|_| s.stall_ms_per_token()),
+        stall_ms: loaded.config.overlap.map(|_| s.stall_ms_per_token()),
         cgroup_peak: None,
         limit_hits: None,
         open_s,
-        open_read,
+        open_read: open.read.unwrap_or(0),
         ttft_s: open_s + g.prefill.as_secs_f64(),
         prefill_read: rows.iter().filter(|r| r.prefill).map(|r| r.bytes_read).sum(),
-        draft_accept: draft_accept(params, &g),
+        draft_accept: draft_accept(launch.board.draft_max(), &g),
         lossy_quality: None,
         tokens: g.tokens,
     })
 }
 
-/// What `config`'s lossy modes cost in quality on `prompt`: an exact streamed run generates
-/// greedily (keeping each step's logits), then a run with `config` is fed the same tokens, and
-/// its next-token distributions are compared step by step.
-pub(crate) fn lossy_quality(
-    path: &Path,
-    index: &Arc<ExpertIndex>,
-    config: &StreamConfig,
-    prompt: &str,
-    params: &GenerateParams,
-) -> Result<crate::lossy::Agreement, GenerateError> {
-    let exact_config = StreamConfig { lossy: crate::lossy::Lossy::default(), ..config.clone() };
-    let (prompt_tokens, tokens, logits) = {
-        let model = crate::stream::load_configured(path, index, &exact_config)?;
-        let prompt_tokens = Session::prepare(&model, prompt, params.n_predict)?;
-        let n_ctx = (prompt_tokens.len() + params.n_predict as usize) as u32;
-        let mut session = StreamedSession::open(&model, Arc::clone(index), &exact_config, n_ctx, &params.threads)?;
-        let mut sampler = generate::Sampler::greedy(&model)?;
+/// What `launch`'s lossy modes cost in quality on its prompt: an exact streamed run generates
+/// `n_predict` tokens greedily (keeping each step's logits), then a run with the lossy modes is
+/// fed the same tokens, and its next-token distributions are compared step by step.
+pub(crate) fn lossy_quality(launch: &Launch, n_predict: u32) -> Result<crate::lossy::Agreement, LaunchError> {
+    let exact = Launch { lossy: crate::lossy::Lossy::default(), ..launch.clone() };
+    let (prompt, tokens, logits) = {
+        let loaded = exact.load(&mut |_| {})?;
+        let (mut session, _) = loaded.open()?;
+        let mut sampler = generate::Sampler::greedy(&loaded.model)?;
         let mut logits = Vec::new();
         let keep = |c: &generate::Chosen<'_>| {
             logits.push(c.logits.to_vec());
             std::ops::ControlFlow::Continue(())
         };
-        let (g, _) = session.generate_with(&prompt_tokens, params.n_predict, &mut sampler, keep, |_| {})?;
-        (prompt_tokens, g.tokens, logits)
+        let (g, _) = session.generate_with(&loaded.prompt, n_predict, &mut sampler, keep, |_| {})?;
+        (loaded.prompt.clone(), g.tokens, logits)
     };
-    let model = crate::stream::load_configured(path, index, config)?;
-    let n_ctx = (prompt_tokens.len() + params.n_predict as usize) as u32;
-    let mut session = StreamedSession::open(&model, Arc::clone(index), config, n_ctx, &params.threads)?;
+    let loaded = launch.load(&mut |_| {})?;
+    let (mut session, _) = loaded.open()?;
     let mut meter = crate::lossy::AgreementMeter::default();
-    session.score_continuation(&prompt_tokens, &tokens, |i, l| {
+    session.score_continuation(&prompt, &tokens, |i, l| {
         if let Some(exact) = logits.get(i) {
             meter.add(exact, l);
         }
@@ -285,20 +290,20 @@ pub(crate) fn lossy_quality(
 }
 
 /// Runs every configuration of `plan`, the resident reference first.
-pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, GenerateError> {
-    let index = Arc::new(ExpertIndex::open(&plan.model).map_err(crate::stream::StreamError::from)?);
-    let params = GenerateParams { n_predict: plan.n_predict, threads: plan.threads.clone(), draft: plan.draft };
+pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, BenchError> {
+    let index = ExpertIndex::open(&plan.model).map_err(LaunchError::from)?;
+    let params =
+        GenerateParams { n_predict: plan.n_predict, threads: plan.board.threads(), draft: plan.board.draft_max() };
     let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params)?];
     let all = index.all_expert_window_bytes();
     for &pct in &plan.cache_percents {
-        let cache_bytes = all * u64::from(pct) / 100;
-        let config = StreamConfig { cache_bytes, force_cache: true, ..plan.stream.clone() };
         let label = format!(
             "streamed cache {pct}%{}{}",
-            if plan.draft.is_some() { ", ngram draft" } else { "" },
-            if config.verify { ", verified" } else { "" }
+            if params.draft.is_some() { ", ngram draft" } else { "" },
+            if plan.board.verify { ", verified" } else { "" }
         );
-        rows.push(run_streamed(&plan.model, &index, &config, label, &plan.prompt, &params)?);
+        let launch = plan.launch(all * u64::from(pct) / 100);
+        rows.push(run_streamed(&launch, &index.shards, plan.n_predict, |_| label)?);
     }
     Ok(rows)
 }

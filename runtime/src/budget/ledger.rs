@@ -4,7 +4,7 @@ use std::fmt::Write as _;
 
 use serde::Serialize;
 
-use crate::telemetry::mib;
+use crate::units::mib;
 
 /// What a ledger line accounts for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]

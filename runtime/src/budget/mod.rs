@@ -58,4 +58,12 @@ impl BudgetError {
             BudgetError::Llama(_) | BudgetError::Kernel(_) | BudgetError::ContextTooLong { .. } => None,
         }
     }
+
+    /// The RPC worker that could not be reached while sizing the context, if that is the error.
+    pub fn lost_worker(&self) -> Option<&str> {
+        match self {
+            BudgetError::Llama(e) => e.lost_worker(),
+            _ => None,
+        }
+    }
 }

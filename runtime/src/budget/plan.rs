@@ -10,7 +10,8 @@ use ggml_sys::{Context, Model, ModelParams, Threads};
 use crate::board::resolve::Sourced;
 use crate::generate::context_params;
 use crate::stream::{kernel, DensePolicy, ExpertIndex};
-use crate::telemetry::{mib, Usage};
+use crate::units::mib;
+use sluice_hal::usage::Usage;
 
 use super::ledger::{ExpertLayout, Item, Ledger, LedgerLine};
 use super::BudgetError;

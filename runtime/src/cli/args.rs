@@ -6,8 +6,8 @@ use std::path::{Path, PathBuf};
 use anyhow::Result;
 use clap::Args;
 
-use sluice::board::{self, BoardChoice, ComputeService, Overlap, Overrides, ResolvedBoard};
-use sluice::stream::{DensePolicy, StreamConfig};
+use sluice::board::{self, BoardChoice, Overlap, Overrides, ResolvedBoard};
+use sluice::stream::DensePolicy;
 use sluice_hal::root::SysRoot;
 
 /// Values that override the board profile.
@@ -152,32 +152,5 @@ impl RpcArgs {
             self.rpc_key_file.as_deref().or(key_file).map(sluice::scaleout::link::LinkKey::from_file).transpose()?;
         sluice::scaleout::link::configure_head(key);
         Ok(())
-    }
-}
-
-/// A streaming configuration on `board`: its lanes and compute service.
-pub fn stream_config(board: &ResolvedBoard, cache_bytes: u64, force_cache: bool, dense: DensePolicy) -> StreamConfig {
-    let gpu_layers = match board.compute {
-        ComputeService::Cpu => 0,
-        ComputeService::Cuda { n_gpu_layers } => n_gpu_layers,
-    };
-    let dense = if gpu_layers > 0 && dense == DensePolicy::Anon {
-        log::info!("cuda service: dense weights are loaded by llama.cpp (--dense mmap)");
-        DensePolicy::Mmap
-    } else {
-        dense
-    };
-    StreamConfig {
-        cache_bytes,
-        force_cache,
-        lanes: board.lanes(),
-        dense,
-        trace_routes: false,
-        gpu_layers,
-        overlap: (board.overlap.value != Overlap::Off).then_some(sluice::stream::READ_BOUND),
-        overlap_prompt_only: board.overlap.value == Overlap::Prompt,
-        lossy: sluice::lossy::Lossy::default(),
-        rpc: None,
-        verify: board.verify,
     }
 }

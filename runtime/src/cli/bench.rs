@@ -10,9 +10,8 @@ use clap::Args;
 use sluice::bench::isolated::{self, ChildKind, DiskThrottle, IsolatedPlan};
 use sluice::bench::throttle::{StorageClass, StorageSpeed};
 use sluice::board::BoardChoice;
-use sluice::budget::{self, PlanRequest};
 use sluice::generate;
-use sluice::stream::{DensePolicy, ExpertIndex};
+use sluice::stream::ExpertIndex;
 
 use super::args::{self, LossyArgs, RpcArgs, TuningArgs};
 
@@ -100,12 +99,12 @@ fn model_mib(model: &std::path::Path) -> Result<f64> {
 
 /// Runs `sluice bench`.
 pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
-    generate::check_model_file(&a.model)?;
+    sluice::metadata::check_model_file(&a.model)?;
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     if board.verify {
         // The sidecar is there and matches before any row runs (the in-process rows all
         // verify; a --budget-mb run adds verified rows).
-        sluice::checksums::ReadSums::load(&ExpertIndex::open(&a.model)?)?;
+        sluice::stream::checksums::ReadSums::load(&ExpertIndex::open(&a.model)?)?;
     }
     let prompt = match a.prompt_tokens {
         Some(n) => sluice::bench::prompt_of_tokens(&a.model, &a.prompt, n as usize)
@@ -121,35 +120,24 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     }
     // Every streamed configuration must fit the board's budget, like a run. A plan's total
     // only grows with its cache, so the largest cache decides.
-    if let Some(&pct) = a.cache_percents.iter().max() {
-        let index = ExpertIndex::open(&a.model)?;
-        budget::plan_within_budget(&PlanRequest {
-            model: &a.model,
-            index: &index,
-            positions: prompt_tokens + a.n_predict,
-            dense: DensePolicy::Anon,
-            cache_bytes: Some(index.all_expert_window_bytes() * u64::from(pct) / 100),
-            budget: board.budget.clone(),
-            gpu: board.compute.offloads(),
-            rpc: None,
-        })
-        .with_context(|| format!("the streamed configuration with a {pct}% cache does not fit"))?;
-    }
     let plan = sluice::bench::BenchPlan {
         model: a.model.clone(),
         prompt,
         n_predict: a.n_predict,
-        threads: board.threads(),
+        board: board.clone(),
         cache_percents: a.cache_percents.clone(),
-        stream: args::stream_config(&board, 0, true, DensePolicy::Anon),
-        draft: board.draft_max(),
     };
+    if let Some(&pct) = a.cache_percents.iter().max() {
+        let all = ExpertIndex::open(&a.model)?.all_expert_window_bytes();
+        plan.fits(all * u64::from(pct) / 100)
+            .with_context(|| format!("the streamed configuration with a {pct}% cache does not fit"))?;
+    }
     noteln!(
         "bench: {} ({:.1} MiB), a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads on CPUs {}, {} lanes, reads of {} KiB (board {})",
         a.model.display(),
         model_mib(&a.model)?,
         a.n_predict,
-        plan.threads.count,
+        board.threads.value,
         sluice_hal::cpulist::format(&board.compute_cores),
         board.lanes.value,
         board.read_bytes.value >> 10,

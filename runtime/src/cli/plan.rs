@@ -6,10 +6,9 @@ use anyhow::Result;
 use clap::Args;
 
 use sluice::board::BoardChoice;
-use sluice::budget::{self, PlanRequest};
-use sluice::generate;
-use sluice::scaleout;
-use sluice::stream::{DensePolicy, ExpertIndex};
+use sluice::launch::{Cache, Launch, Planned, Positions};
+use sluice::lossy::Lossy;
+use sluice::stream::DensePolicy;
 
 use super::args::{self, RpcArgs, TuningArgs};
 
@@ -41,23 +40,20 @@ pub struct PlanArgs {
 /// not). With `--rpc`, the split between this board and the workers first, then this board's
 /// ledger (as JSON: `{"split": ..., "ledger": ...}`).
 pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
-    generate::check_model_file(&a.model)?;
+    sluice::metadata::check_model_file(&a.model)?;
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     a.rpc.configure_link(&a.rpc.rpc, None)?;
-    let (split, index) =
-        scaleout::prepare(&a.rpc.rpc, &a.model, ExpertIndex::open(&a.model)?, a.ctx, board.compute.offloads())?;
-    let rpc = split.as_ref().map(scaleout::Split::rpc);
-    let req = PlanRequest {
-        model: &a.model,
-        index: &index,
-        positions: a.ctx,
+    let launch = Launch {
+        model: a.model.clone(),
+        board,
+        positions: Positions::Fixed(a.ctx),
+        cache: Cache::from_mib(a.cache_mb),
+        force_cache: false,
         dense: a.dense,
-        cache_bytes: a.cache_mb.map(|m| m.saturating_mul(1 << 20)),
-        budget: board.budget.clone(),
-        gpu: board.compute.offloads(),
-        rpc: rpc.as_ref(),
+        lossy: Lossy::default(),
+        rpc: a.rpc.rpc.clone(),
     };
-    let result = budget::plan_within_budget(&req);
+    let Planned { split, ledger: result, .. } = launch.plan()?;
     let ledger = match &result {
         Ok(l) => Some(l),
         Err(e) => e.ledger(),

@@ -1,17 +1,16 @@
 //! `sluice run` and `sluice demo`: generate text, streamed (default) or resident.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::board::{BoardChoice, ComputeService, ResolvedBoard};
-use sluice::budget::{self, PlanRequest};
-use sluice::generate::{self, GenerateParams, Generation, Session};
-use sluice::scaleout;
-use sluice::stream::{self, DensePolicy, ExpertIndex, StreamedSession};
-use sluice::telemetry::{self, mib, Summary};
+use sluice::generate::{self, GenerateParams, Generation};
+use sluice::launch::{Cache, Launch, Positions};
+use sluice::stream::DensePolicy;
+use sluice::telemetry::{self, Summary};
+use sluice::units::mib;
 use sluice::{demo, text::DisplayText};
 
 use super::args::{self, RpcArgs, StreamArgs, TuningArgs};
@@ -74,13 +73,13 @@ fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GeneratePa
 /// Runs `sluice run`.
 pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     if a.list_archs {
-        out!("{}", stream::verified::table());
+        out!("{}", sluice::metadata::verified::table());
         return Ok(());
     }
     let (Some(model_path), Some(prompt)) = (&a.model, &a.prompt) else {
         anyhow::bail!("--model and --prompt are required");
     };
-    generate::check_model_file(model_path)?;
+    sluice::metadata::check_model_file(model_path)?;
     let board = args::board(choice, Some(model_path), &a.tuning)?;
     let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };
     if a.stream.resident {
@@ -117,56 +116,33 @@ fn run_streamed(
         .as_ref()
         .map(|p| std::fs::File::create(p).with_context(|| format!("--csv {}: cannot create it", p.display())))
         .transpose()?;
-    let mut index = ExpertIndex::open(model_path)?;
-    let mut config = args::stream_config(board, 0, args.force_cache, args.dense);
-    config.lossy = args.lossy.lossy();
-    if !rpc.rpc.is_empty() {
-        rpc.configure_link(&rpc.rpc, None)?;
-        let positions = generate::prompt_positions(model_path, prompt, params.n_predict)?;
-        let (split, head) = scaleout::prepare(&rpc.rpc, model_path, index, positions, config.gpu_layers > 0)?;
-        index = head;
-        if let Some(split) = split {
-            note!("{}", split.describe());
-            config.rpc = Some(split.rpc());
-        }
+    rpc.configure_link(&rpc.rpc, None)?;
+    let launch = Launch {
+        model: model_path.to_path_buf(),
+        board: board.clone(),
+        positions: Positions::Prompt { text: prompt.to_string(), n_predict: params.n_predict },
+        cache: Cache::from_mib(args.cache_mb),
+        force_cache: args.force_cache,
+        dense: args.dense,
+        lossy: args.lossy.lossy(),
+        rpc: rpc.rpc.clone(),
+    };
+    let loaded = launch.load(&mut |step| log::debug!("{step}"))?;
+    if let Some(split) = &loaded.split {
+        note!("{}", split.describe());
     }
-    let index = Arc::new(index);
-    let meter = telemetry::PhaseMeter::start();
-    // Every tensor is lazy here: loading reads the metadata and the vocabulary, no weight.
-    let model = stream::load_configured(model_path, &index, &config)?;
-    let tokens = Session::prepare(&model, prompt, params.n_predict)?;
-    let n_ctx = (tokens.len() + params.n_predict as usize) as u32;
-    let ledger = budget::plan_within_budget(&PlanRequest {
-        model: model_path,
-        index: &index,
-        positions: n_ctx,
-        dense: config.dense,
-        cache_bytes: args.cache_mb.map(|m| m.saturating_mul(1 << 20)),
-        budget: board.budget.clone(),
-        gpu: config.gpu_layers > 0,
-        rpc: config.rpc.as_ref(),
-    })?;
-    log::info!("{}", ledger.describe());
-    config.cache_bytes = ledger.cache_bytes();
-    let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &params.threads)?;
-    session.set_draft(params.draft);
-    let (open_wall, open_read) = meter.finish();
-    log::info!(
-        "streaming {} experts/layer over {} layers; cache {} MiB",
-        index.n_expert,
-        index.n_layer,
-        config.cache_bytes >> 20
-    );
+    let (mut session, open) = loaded.open()?;
+    let (index, config, ledger) = (&loaded.index, &loaded.config, &loaded.ledger);
     let mut display = DisplayText::default();
     let mut out = TextOut::new()?;
     let progress = args.progress;
     let (generation, rows) = session.generate(
-        &tokens,
+        &loaded.prompt,
         params.n_predict,
         |_, bytes| out.write(&display.push(bytes)),
         |row| {
             if progress {
-                note!("\r{}", row.progress_line());
+                note!("\r{}", telemetry::progress_line(row));
             }
         },
     )?;
@@ -181,10 +157,10 @@ fn run_streamed(
     drop(streamer);
     noteln!(
         "open: {:.3} s, {} read from storage ({:.1} MiB of dense weights by sluice's reader); first token after {:.3} s",
-        open_wall.as_secs_f64(),
-        open_read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64)),
+        open.wall.as_secs_f64(),
+        open.read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64)),
         session.dense_bytes_read as f64 / (1 << 20) as f64,
-        (open_wall + generation.prefill).as_secs_f64()
+        (open.wall + generation.prefill).as_secs_f64()
     );
     noteln!(
         "prompt: {} tokens in {:.3} s; generated {} tokens{}",
@@ -204,7 +180,7 @@ fn run_streamed(
             summary.substituted
         );
     }
-    let usage = telemetry::Usage::sample();
+    let usage = sluice_hal::usage::Usage::sample();
     noteln!(
         "memory: peak RSS {:.1} MiB (now anon {:.1} + file {:.1} MiB), ledger total {:.1} MiB, budget {:.1} MiB ({})",
         mib(usage.rss_peak),
@@ -216,7 +192,7 @@ fn run_streamed(
     );
     noteln!(
         "cache: budget {:.1} MiB, {:.1} MiB resident at the end (the last layer's experts included), {} evictions, {} re-reads; reads {}",
-        config.cache_bytes.min(index.all_expert_window_bytes()) as f64 / (1 << 20) as f64,
+        mib(loaded.cache_bytes()),
         cache_used as f64 / (1 << 20) as f64,
         counters.evictions,
         counters.rereads,

@@ -8,10 +8,10 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::board::{self, BoardChoice};
-use sluice::generate;
+use sluice::launch::{Cache, Launch, Positions};
 use sluice::serve::access::{Access, KeySources};
 use sluice::serve::config::{self, ServeFile};
-use sluice::serve::engine::EngineConfig;
+use sluice::serve::engine::{EngineConfig, DEFAULT_CTX};
 use sluice::serve::http::HttpLimits;
 use sluice::serve::unit::{self, UnitRequest, UnitRole};
 use sluice::serve::{self, ServeConfig};
@@ -157,7 +157,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         if a.cors_origins.is_empty() { file.cors_origins.clone().unwrap_or_default() } else { a.cors_origins.clone() };
     let api_key_file = a.api_key_file.clone().or(file.api_key_file.clone());
 
-    generate::check_model_file(&model)?;
+    sluice::metadata::check_model_file(&model)?;
     let board = args::board(&board_choice, Some(&model), &a.tuning)?;
     let state_dir = a.state_dir.clone().or_else(|| std::env::var_os("STATE_DIRECTORY").map(PathBuf::from));
     if let Some(dir) = &state_dir {
@@ -168,19 +168,18 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         name.strip_suffix(".gguf").unwrap_or(&name).to_string()
     });
     let engine = EngineConfig {
-        model: model.clone(),
-        stream: sluice::stream::StreamConfig {
+        launch: Launch {
+            model: model.clone(),
+            board,
+            positions: ctx.map_or(Positions::ModelCapped(DEFAULT_CTX), Positions::Fixed),
+            cache: Cache::from_mib(cache_mb),
+            force_cache: a.force_cache,
+            dense: a.dense,
             lossy: a.lossy.lossy(),
-            ..args::stream_config(&board, 0, a.force_cache, a.dense)
+            rpc,
         },
-        cache_bytes: cache_mb.map(|m| m.saturating_mul(1 << 20)),
-        threads: board.threads(),
-        budget: board.budget.clone(),
-        ctx,
         state_dir: state_dir.clone(),
         save_every: Duration::from_secs(a.save_secs),
-        draft: board.draft_max(),
-        rpc,
     };
     let keys = KeySources {
         key: a.api_key.clone(),

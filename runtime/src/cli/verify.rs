@@ -5,9 +5,8 @@ use std::path::PathBuf;
 use anyhow::Result;
 use clap::Args;
 
-use sluice::checksums;
-use sluice::generate;
-use sluice::telemetry::mib;
+use sluice::stream::checksums;
+use sluice::units::mib;
 
 /// `sluice verify` arguments.
 #[derive(Args)]
@@ -23,7 +22,7 @@ pub struct VerifyArgs {
 
 /// Runs `sluice verify`.
 pub fn run_verify(a: &VerifyArgs) -> Result<()> {
-    generate::check_model_file(&a.model)?;
+    sluice::metadata::check_model_file(&a.model)?;
     let sidecar = checksums::sidecar_of(&a.model);
     let t0 = std::time::Instant::now();
     if !a.check {

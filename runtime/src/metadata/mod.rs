@@ -8,13 +8,12 @@ mod attention;
 mod experts;
 pub mod layout;
 mod tensors;
+pub mod verified;
 mod vocab;
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use ggml_sys::GgufFile;
-
-use crate::generate::GenerateError;
 
 /// llama.cpp's most layers (`LLAMA_MAX_LAYERS`).
 pub const MAX_LAYERS: u64 = 512;
@@ -87,7 +86,7 @@ impl Meta<'_> {
 
     /// Whether this is one of the architectures whose graph builders sluice's gates verify.
     fn is_verified(&self) -> bool {
-        crate::stream::verified::is_verified(&self.arch)
+        verified::is_verified(&self.arch)
     }
 }
 
@@ -151,11 +150,48 @@ fn shown(values: &[i64]) -> String {
     }
 }
 
-/// Opens the header of `path` and checks it (see [`check`]), and the tensor tables of the
-/// other files of a split model, within the read bound: a header on storage that stopped
-/// answering is an error, not a wait without end (the reading thread is left behind).
-pub fn check_file(path: &Path) -> Result<(), GenerateError> {
-    let bound = crate::stream::READ_BOUND;
+/// Why a model file cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelFileError {
+    /// The file is missing, unreadable, or malformed where llama.cpp would abort.
+    #[error("model file {path}: {reason}")]
+    Unusable {
+        /// The file at fault (for a split model, the shard).
+        path: PathBuf,
+        /// Why it cannot be used, and what to do.
+        reason: String,
+    },
+    /// ggml could not read the file's header (the error names the file).
+    #[error(transparent)]
+    Gguf(#[from] ggml_sys::Error),
+}
+
+impl ModelFileError {
+    fn new(path: &Path, reason: impl Into<String>) -> ModelFileError {
+        ModelFileError::Unusable { path: path.into(), reason: reason.into() }
+    }
+}
+
+/// Checks that `path` is an existing regular file holding a model llama.cpp can load without
+/// aborting: its header (see [`check`]), and the tensor tables of the other files of a split
+/// model, within the read bound: a header on storage that stopped answering is an error, not a
+/// wait without end (the reading thread is left behind).
+pub fn check_model_file(path: &Path) -> Result<(), ModelFileError> {
+    let meta = std::fs::metadata(path).map_err(|e| {
+        ModelFileError::new(
+            path,
+            match e.kind() {
+                std::io::ErrorKind::NotFound => {
+                    "no such file (check the path, or create one with `sluice synth`)".into()
+                }
+                _ => e.to_string(),
+            },
+        )
+    })?;
+    if !meta.is_file() {
+        return Err(ModelFileError::new(path, "is not a regular file"));
+    }
+    let bound = sluice_hal::storage::READ_BOUND;
     let (done, result) = std::sync::mpsc::channel();
     let owned = path.to_path_buf();
     std::thread::Builder::new()
@@ -163,26 +199,22 @@ pub fn check_file(path: &Path) -> Result<(), GenerateError> {
         .spawn(move || {
             let _ = done.send(check_file_now(&owned));
         })
-        .map_err(|e| GenerateError::ModelFile { path: path.into(), reason: format!("cannot start a reader: {e}") })?;
+        .map_err(|e| ModelFileError::new(path, format!("cannot start a reader: {e}")))?;
     result.recv_timeout(bound).unwrap_or_else(|_| {
-        Err(GenerateError::ModelFile {
-            path: path.into(),
-            reason: format!(
-                "reading its header did not finish within {} s: the storage stopped answering",
-                bound.as_secs()
-            ),
-        })
+        Err(ModelFileError::new(
+            path,
+            format!("reading its header did not finish within {} s: the storage stopped answering", bound.as_secs()),
+        ))
     })
 }
 
-/// [`check_file`] on this thread, however long the reads take.
-fn check_file_now(path: &Path) -> Result<(), GenerateError> {
-    let malformed = |path: &Path, reason: String| GenerateError::ModelFile { path: path.into(), reason };
+/// The header checks of [`check_model_file`] on this thread, however long the reads take.
+fn check_file_now(path: &Path) -> Result<(), ModelFileError> {
     let gguf = GgufFile::open(path)?;
-    check(&gguf).map_err(|e| malformed(path, e.to_string()))?;
-    let shards = crate::stream::index::shard_paths(path, &gguf).map_err(|e| malformed(path, e))?;
+    check(&gguf).map_err(|e| ModelFileError::new(path, e.to_string()))?;
+    let shards = layout::shard_paths(path, &gguf).map_err(|e| ModelFileError::new(path, e))?;
     for shard in &shards[1..] {
-        tensors::check(&GgufFile::open(shard)?).map_err(|e| malformed(shard, e.to_string()))?;
+        tensors::check(&GgufFile::open(shard)?).map_err(|e| ModelFileError::new(shard, e.to_string()))?;
     }
     Ok(())
 }

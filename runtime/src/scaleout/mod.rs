@@ -126,24 +126,6 @@ pub fn prepare(
     Ok((Some(split), index))
 }
 
-/// The RPC worker an error is about, when it is one that cannot be reached or was lost.
-pub fn lost_worker(e: &anyhow::Error) -> Option<String> {
-    let of_ggml = |e: &ggml_sys::Error| e.lost_worker().map(String::from);
-    if let Some(e) = e.downcast_ref::<ggml_sys::Error>() {
-        return of_ggml(e);
-    }
-    if let Some(e) = e.downcast_ref::<crate::generate::GenerateError>() {
-        return e.lost_worker().map(String::from);
-    }
-    if let Some(crate::budget::BudgetError::Llama(e)) = e.downcast_ref::<crate::budget::BudgetError>() {
-        return of_ggml(e);
-    }
-    match e.downcast_ref::<ScaleError>()? {
-        ScaleError::Worker(e) | ScaleError::Budget(crate::budget::BudgetError::Llama(e)) => of_ggml(e),
-        _ => None,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

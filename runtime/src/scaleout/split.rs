@@ -11,7 +11,7 @@ use serde::Serialize;
 use super::{ScaleError, Worker};
 use crate::budget::measure_context;
 use crate::stream::ExpertIndex;
-use crate::telemetry::mib;
+use crate::units::mib;
 
 /// One worker's share of the model.
 #[derive(Debug, Clone, Serialize)]

@@ -14,7 +14,8 @@ use super::link::{Admission, LinkKey};
 use crate::board::resolve::Sourced;
 use crate::budget::OVERHEAD_BYTES;
 use crate::serve::notify;
-use crate::telemetry::{mib, Usage};
+use crate::units::mib;
+use sluice_hal::usage::Usage;
 
 /// How a worker serves.
 #[derive(Debug, Clone)]

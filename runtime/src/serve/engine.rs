@@ -20,11 +20,9 @@ use super::logprobs::TokenLogprob;
 use super::metrics::GenerationCounts;
 use super::prompt::{TokenizeError, Tokenizer};
 use super::Shared;
-use crate::board::resolve::Sourced;
-use crate::budget::{self, PlanRequest};
 use crate::generate::GenerateError;
-use crate::scaleout;
-use crate::stream::{self, ExpertIndex, StreamConfig, StreamedSession};
+use crate::launch::{Launch, LaunchError};
+use crate::stream::{ExpertIndex, StreamError, StreamedSession};
 
 /// Context length when `--ctx` is not given (or the model's, if shorter).
 pub const DEFAULT_CTX: u32 = 4096;
@@ -38,27 +36,13 @@ pub(super) const IDLE_BEAT: Duration = Duration::from_millis(250);
 /// What the engine serves, and how.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// The model's first file.
-    pub model: PathBuf,
-    /// Streaming settings (the cache size is set from the memory plan).
-    pub stream: StreamConfig,
-    /// A fixed expert cache in bytes; `None`: what the budget leaves.
-    pub cache_bytes: Option<u64>,
-    /// Compute threads.
-    pub threads: ggml_sys::Threads,
-    /// The memory budget.
-    pub budget: Sourced<u64>,
-    /// Context positions shared by prompt and completion; `None`: [`DEFAULT_CTX`] or the
-    /// model's own length if shorter.
-    pub ctx: Option<u32>,
+    /// The streamed run: model, board, context positions (`--ctx`, else [`DEFAULT_CTX`] or the
+    /// model's own length if shorter), cache, dense policy, lossy modes, RPC workers.
+    pub launch: Launch,
     /// Where the heat map is kept; `None`: no warm restarts.
     pub state_dir: Option<PathBuf>,
     /// How often the heat map is saved while serving.
     pub save_every: Duration,
-    /// N-gram drafting: the most tokens drafted per decode (`None`: off).
-    pub draft: Option<usize>,
-    /// RPC workers holding the model's last layers (`--rpc`); empty: this board alone.
-    pub rpc: Vec<String>,
 }
 
 /// Why a generation ended.
@@ -224,6 +208,17 @@ pub struct Job {
 /// How often a degraded server tries to reach its lost worker.
 const WORKER_RETRY: Duration = Duration::from_secs(1);
 
+/// Why the engine could not serve the model.
+#[derive(Debug, thiserror::Error)]
+enum LoadFailure {
+    /// The streamed run could not start.
+    #[error(transparent)]
+    Launch(#[from] LaunchError),
+    /// The model's chat templates could not be parsed.
+    #[error(transparent)]
+    Templates(anyhow::Error),
+}
+
 /// How serving the loaded model ended.
 enum Served {
     /// Every sender is gone.
@@ -241,10 +236,11 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     loop {
         let served = match serve_loaded(&cfg, shared, &jobs) {
             Ok(s) => s,
-            Err(e) => match scaleout::lost_worker(&e) {
-                Some(endpoint) if served_once => Served::WorkerLost(endpoint),
-                _ => return Err(e),
+            Err(LoadFailure::Launch(e)) => match e.lost_worker() {
+                Some(endpoint) if served_once => Served::WorkerLost(endpoint.to_string()),
+                _ => return Err(e.into()),
             },
+            Err(LoadFailure::Templates(e)) => return Err(e),
         };
         served_once = true;
         match served {
@@ -291,64 +287,25 @@ fn wait_for_worker(endpoint: &str, shared: &Shared, jobs: &Receiver<Job>) -> boo
 }
 
 /// Loads the model and serves `jobs` with it until every sender is gone or a worker is lost.
-fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Result<Served> {
-    shared.loading_step("indexing the model's experts");
-    let mut index = ExpertIndex::open(&cfg.model)?;
-    let mut config = cfg.stream.clone();
-    // A --ctx beyond the model's own length is refused by the plan (BudgetError::ContextTooLong).
-    let context = |n_ctx_train: u32| cfg.ctx.unwrap_or(n_ctx_train.min(DEFAULT_CTX));
-    if !cfg.rpc.is_empty() {
-        shared.loading_step("connecting to the RPC workers and splitting the model");
-        // The split is sized before the model loads: the context length from a metadata-only
-        // load, when --ctx does not give the context.
-        let n_ctx = match cfg.ctx {
-            Some(n) => n,
-            None => context(crate::generate::context_length(&cfg.model)?),
-        };
-        let (split, head) = scaleout::prepare(&cfg.rpc, &cfg.model, index, n_ctx, config.gpu_layers > 0)?;
-        index = head;
-        if let Some(split) = split {
-            log::info!("{}", split.describe());
-            config.rpc = Some(split.rpc());
-        }
-    }
-    let index = Arc::new(index);
-    shared.loading_step("loading the model's metadata and vocabulary");
-    let model = Arc::new(stream::load_configured(&cfg.model, &index, &config)?);
-    if !config.lossy.is_exact() {
-        log::warn!("{}", config.lossy.describe(index.n_expert_used));
-    }
-    let n_ctx = context(model.n_ctx_train());
+fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Result<Served, LoadFailure> {
+    let loaded = cfg.launch.load(&mut |step| shared.loading_step(step))?;
+    let (model, index, n_ctx) = (&loaded.model, &loaded.index, loaded.n_ctx);
     shared.set_prompt_bound(PromptBound { n_ctx, max_token_bytes: model.max_token_bytes() });
-    shared.loading_step("planning memory");
-    let ledger = budget::plan_within_budget(&PlanRequest {
-        model: &cfg.model,
-        index: &index,
-        positions: n_ctx,
-        dense: config.dense,
-        cache_bytes: cfg.cache_bytes,
-        budget: cfg.budget.clone(),
-        gpu: config.gpu_layers > 0,
-        rpc: config.rpc.as_ref(),
-    })?;
-    log::info!("{}", ledger.describe());
-    shared.metrics.set_ledger(&ledger);
-    shared.metrics.set_lossy(&config.lossy);
-    config.cache_bytes = ledger.cache_bytes();
+    shared.metrics.set_ledger(&loaded.ledger);
+    shared.metrics.set_lossy(&loaded.config.lossy);
     shared.loading_step("reading dense weights and warming up");
-    let mut session = StreamedSession::open(&model, Arc::clone(&index), &config, n_ctx, &cfg.threads)?;
-    session.set_draft(cfg.draft);
-    let identity = ModelIdentity::of(&index);
+    let (session, _) = loaded.open()?;
+    let identity = ModelIdentity::of(index);
     let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
-    let tokenizer = Tokenizer::start(Arc::clone(&model))?;
+    let tokenizer = Tokenizer::start(Arc::clone(model)).map_err(LoadFailure::Templates)?;
     let mut engine = Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false, lost: None };
-    engine.warm_start(&index);
+    engine.warm_start(index);
     engine.publish_heat();
     shared.set_ready(&format!(
         "ready: {} ({} positions, expert cache {} MiB of {} MiB)",
-        cfg.model.display(),
+        cfg.launch.model.display(),
         n_ctx,
-        config.cache_bytes.min(index.all_expert_window_bytes()) >> 20,
+        loaded.cache_bytes() >> 20,
         index.all_expert_window_bytes() >> 20
     ));
     let mut last_save = Instant::now();
@@ -564,12 +521,12 @@ impl Engine<'_, '_> {
                     message,
                 });
             }
-            Err(GenerateError::Cancelled) => {
+            Err(e) if e.is_cancelled() => {
                 self.shared.metrics.cancelled();
                 log::info!("generation cancelled after its client went away or the server began stopping");
                 let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the generation was cancelled")));
             }
-            Err(GenerateError::Llama(e @ ggml_sys::Error::GrammarTooSlow { .. })) => {
+            Err(StreamError::Generate(GenerateError::Llama(e @ ggml_sys::Error::GrammarTooSlow { .. }))) => {
                 log::warn!("a request's grammar was too costly: {e}");
                 let _ = events.send(Event::Failed(ApiError::invalid(e.to_string(), Some(answer.grammar_param()))));
             }

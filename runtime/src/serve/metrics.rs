@@ -10,7 +10,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use serde_json::{json, Value};
 
 use crate::budget::Ledger;
-use crate::telemetry::{TokenRow, Usage};
+use crate::stream::TokenRow;
+use sluice_hal::usage::Usage;
 
 /// What one finished (or cancelled) generation did.
 #[derive(Debug, Clone, Copy, Default)]

@@ -44,7 +44,7 @@ use super::index::ExpertIndex;
 use super::io::{IoLanes, ReadJob, ReadStats, SliceCheck};
 use super::kernel::{self, ExpertSource};
 use super::StreamError;
-use crate::checksums::ReadSums;
+use crate::stream::checksums::ReadSums;
 
 /// The smallest batch ggml's scheduler may move from the CPU to a GPU (its `op_offload` of
 /// products over weights in host memory): such a batch's products may not run in the kernel.

@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 
 use ggml_sys::{GgmlType, GgufFile};
 
-use super::verified;
-use crate::metadata::layout::{is_expert_layout, is_expert_weight, parse_block};
+use crate::metadata::layout::{is_expert_layout, is_expert_weight, parse_block, shard_paths};
+use crate::metadata::verified;
 
 /// A stacked expert tensor (`ne[2]` experts) of one layer.
 #[derive(Debug, Clone, PartialEq)]
@@ -109,38 +109,6 @@ pub struct ExpertIndex {
     by_layer: Vec<Vec<usize>>,
     by_name: HashMap<String, usize>,
     dense_by_name: HashMap<String, usize>,
-}
-
-/// The most shards llama.cpp's loader reads (`split.count` is a u16 there).
-const MAX_SHARDS: u64 = u16::MAX as u64;
-
-/// The shard files of the model whose first file is `first`, each found on disk in turn (the
-/// first one missing is named); the error says what is wrong with the split.
-pub fn shard_paths(first: &Path, g: &GgufFile) -> Result<Vec<PathBuf>, String> {
-    let count = g.get_u64("split.count").unwrap_or(1);
-    if count <= 1 {
-        return Ok(vec![first.to_path_buf()]);
-    }
-    if count > MAX_SHARDS {
-        return Err(format!("split.count is {count}; llama.cpp reads at most {MAX_SHARDS} files"));
-    }
-    let s = first.to_string_lossy();
-    let suffix = format!("-00001-of-{count:05}.gguf");
-    let prefix = s.strip_suffix(&suffix).ok_or_else(|| {
-        format!("split.count is {count} but the file name does not end in {suffix}; pass the first file of the split")
-    })?;
-    let mut shards = vec![first.to_path_buf()];
-    for i in 2..=count {
-        let shard = PathBuf::from(format!("{prefix}-{i:05}-of-{count:05}.gguf"));
-        if !shard.is_file() {
-            return Err(format!(
-                "split.count is {count}, but shard {i} ({}) is not there; copy every file of the split beside the first",
-                shard.display()
-            ));
-        }
-        shards.push(shard);
-    }
-    Ok(shards)
 }
 
 /// The experts used per token in each of the first `n_layer` of `blocks` layers: one value for

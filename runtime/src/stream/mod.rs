@@ -7,11 +7,12 @@
 //! [`cache`]'s byte budget.
 
 pub mod cache;
+pub mod checksums;
 pub mod engine;
 pub mod index;
 pub mod io;
 pub mod kernel;
-pub mod verified;
+pub mod record;
 
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -19,12 +20,13 @@ use std::time::Duration;
 
 use ggml_sys::{Model, Token};
 
-use crate::generate::{to_end, Chosen, DecodeEvent, GenerateError, Generation, Sampler, Session};
-use crate::telemetry::{TokenRow, Usage};
+use crate::generate::{to_end, Chosen, DecodeEvent, DecodeObserver, GenerateError, Generation, Sampler, Session};
 pub use cache::CacheCounters;
 pub use engine::{DecodeStats, RouteRecord, Streamer};
 pub use index::{ExpertIndex, IndexError};
 pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, SliceCheck, READ_BOUND};
+pub use record::TokenRow;
+use sluice_hal::usage::Usage;
 
 /// Errors of the streaming engine.
 #[derive(Debug, thiserror::Error)]
@@ -70,7 +72,7 @@ pub enum StreamError {
     Read(#[from] ReadFailure),
     /// `--verify`: the checksums could not be loaded, or the model's headers do not match them.
     #[error(transparent)]
-    Sums(#[from] crate::checksums::SumsError),
+    Sums(#[from] crate::stream::checksums::SumsError),
     /// The lanes could not be started.
     #[error("cannot start the I/O lanes: {0}")]
     Lanes(std::io::Error),
@@ -104,6 +106,35 @@ pub enum StreamError {
         /// Experts per token (the most over the layers).
         k: u32,
     },
+    /// Loading, tokenizing or decoding failed, or the generation was cancelled.
+    #[error(transparent)]
+    Generate(#[from] GenerateError),
+}
+
+impl From<ggml_sys::Error> for StreamError {
+    fn from(e: ggml_sys::Error) -> Self {
+        StreamError::Generate(e.into())
+    }
+}
+
+impl StreamError {
+    /// The RPC worker whose loss ended the run, if that is what ended it.
+    pub fn lost_worker(&self) -> Option<&str> {
+        match self {
+            StreamError::Generate(e) => e.lost_worker(),
+            _ => None,
+        }
+    }
+
+    /// Whether the run was cancelled (its abort flag set, or a read it waited for given up for
+    /// it) rather than failed.
+    pub fn is_cancelled(&self) -> bool {
+        match self {
+            StreamError::Generate(e) => matches!(e, GenerateError::Cancelled),
+            StreamError::Read(f) => f.cause.kind() == std::io::ErrorKind::Interrupted,
+            _ => false,
+        }
+    }
 }
 
 /// Where dense (non-expert) weights live.
@@ -143,7 +174,7 @@ pub struct StreamConfig {
     /// board's layers ([`ExpertIndex::keep_layers_below`]).
     pub rpc: Option<ggml_sys::RpcSplit>,
     /// Check every expert and dense read against the model's checksum sidecar
-    /// ([`crate::checksums`], `storage.verify`).
+    /// ([`crate::stream::checksums`], `storage.verify`).
     pub verify: bool,
 }
 
@@ -247,8 +278,8 @@ pub fn check_cache_budget(index: &ExpertIndex, budget: u64, force: bool) -> Resu
 /// The checksums every read of `index`'s model is checked against (`--verify`); the model's
 /// headers are checked now. With dense `mmap` llama.cpp's mapping reads the dense weights,
 /// unchecked: said once.
-fn open_sums(index: &ExpertIndex, dense: DensePolicy) -> Result<crate::checksums::ReadSums, StreamError> {
-    let sums = crate::checksums::ReadSums::load(index)?;
+fn open_sums(index: &ExpertIndex, dense: DensePolicy) -> Result<crate::stream::checksums::ReadSums, StreamError> {
+    let sums = crate::stream::checksums::ReadSums::load(index)?;
     if dense == DensePolicy::Mmap {
         log::warn!(
             "--verify checks the routed experts' reads; with dense mmap (the cuda service) llama.cpp's mapping reads the dense weights unchecked: `sluice verify --check --model MODEL` checks those"
@@ -279,7 +310,7 @@ impl<'m> StreamedSession<'m> {
         config: &StreamConfig,
         n_ctx: u32,
         threads: &ggml_sys::Threads,
-    ) -> Result<Self, GenerateError> {
+    ) -> Result<Self, StreamError> {
         let t0 = std::time::Instant::now();
         check_cache_budget(&index, config.cache_bytes, config.force_cache)?;
         if !index.verified {
@@ -342,7 +373,7 @@ impl<'m> StreamedSession<'m> {
         n_predict: u32,
         on_token: impl FnMut(Token, &[u8]),
         on_row: impl FnMut(&TokenRow),
-    ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
+    ) -> Result<(Generation, Vec<TokenRow>), StreamError> {
         let mut sampler = Sampler::greedy(self.session.model())?;
         self.generate_with(prompt, n_predict, &mut sampler, to_end(on_token), on_row)
     }
@@ -355,7 +386,7 @@ impl<'m> StreamedSession<'m> {
         sampler: &mut Sampler,
         on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
         on_row: impl FnMut(&TokenRow),
-    ) -> Result<(Generation, Vec<TokenRow>), GenerateError> {
+    ) -> Result<(Generation, Vec<TokenRow>), StreamError> {
         self.observed(on_row, |session, observer| session.generate_with(prompt, n_predict, sampler, on_token, observer))
     }
 
@@ -365,7 +396,7 @@ impl<'m> StreamedSession<'m> {
         prompt: &[Token],
         continuation: &[Token],
         on_logits: impl FnMut(usize, &[f32]),
-    ) -> Result<Vec<TokenRow>, GenerateError> {
+    ) -> Result<Vec<TokenRow>, StreamError> {
         let ((), rows) = self.observed(
             |_| {},
             |session, observer| session.score_continuation(prompt, continuation, on_logits, observer),
@@ -378,21 +409,17 @@ impl<'m> StreamedSession<'m> {
     fn observed<R>(
         &mut self,
         mut on_row: impl FnMut(&TokenRow),
-        decode: impl FnOnce(&mut Session<'m>, &mut crate::generate::DecodeObserver<'_>) -> Result<R, GenerateError>,
-    ) -> Result<(R, Vec<TokenRow>), GenerateError> {
+        decode: impl FnOnce(&mut Session<'m>, &mut DecodeObserver<'_, StreamError>) -> Result<R, StreamError>,
+    ) -> Result<(R, Vec<TokenRow>), StreamError> {
         let streamer = Arc::clone(&self.streamer);
         let mut rows = Vec::new();
         let mut usage = Usage::sample();
-        let mut observer = |event: DecodeEvent| -> Result<(), GenerateError> {
+        let mut observer = |event: DecodeEvent| -> Result<(), StreamError> {
             let mut s = lock(&streamer);
             s.end_decode();
             if let Some(e) = s.take_failure() {
-                return Err(match e {
-                    StreamError::Read(f) if f.cause.kind() == std::io::ErrorKind::Interrupted => {
-                        GenerateError::Cancelled
-                    }
-                    e => e.into(),
-                });
+                // A read given up for the abort flag: the generation was cancelled.
+                return Err(if e.is_cancelled() { GenerateError::Cancelled.into() } else { e });
             }
             let stats = s.take_stats();
             let now = Usage::sample();
@@ -413,7 +440,7 @@ impl<'m> StreamedSession<'m> {
     }
 
     /// Makes every later decode stop as soon as `flag` is set: the generation then ends with
-    /// [`GenerateError::Cancelled`] and the session stays usable.
+    /// [`GenerateError::Cancelled`] (in [`StreamError::Generate`]) and the session stays usable.
     /// A read the decode waits for is given up as soon as the flag is set, too.
     pub fn set_abort_flag(&mut self, flag: Option<Arc<std::sync::atomic::AtomicBool>>) {
         lock(&self.streamer).lanes().set_cancel_flag(flag.clone());

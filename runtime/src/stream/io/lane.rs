@@ -248,7 +248,7 @@ pub(super) fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batc
         Err(e) => return Err(io::Error::new(e.kind(), format!("the file changed since it was opened: {e}"))),
     }
     if let Some(check) = job.check {
-        let sum = crate::checksums::sum_of_landed(&job.target, check.from, check.to);
+        let sum = crate::stream::checksums::sum_of_landed(&job.target, check.from, check.to);
         if sum != Some(check.sum) {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,

@@ -69,7 +69,7 @@ pub struct ReadJob {
     pub check: Option<SliceCheck>,
 }
 
-/// The checksum a read's bytes must have ([`crate::checksums`]).
+/// The checksum a read's bytes must have ([`crate::stream::checksums`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SliceCheck {
     /// The tensor bytes `[from, to)` (relative to the tensor) the checksum covers.
@@ -154,9 +154,7 @@ pub struct LaneConfig {
     pub fault: Option<ReadFault>,
 }
 
-/// How long a batch of reads, or a compute thread's wait for one expert under overlap, may take
-/// before it fails naming the expert (a device that stopped answering).
-pub const READ_BOUND: Duration = Duration::from_secs(30);
+pub use sluice_hal::storage::READ_BOUND;
 
 impl IoLanes {
     /// Opens the lanes over `shards`. A lane that cannot start stops the ones already started.

@@ -1,0 +1,86 @@
+//! A streamed decode's record: what one `llama_decode` cost in time, reads, routing, cache and
+//! memory.
+
+use std::time::Duration;
+
+use sluice_hal::usage::Usage;
+
+use super::{CacheCounters, DecodeStats};
+use crate::generate::DecodeEvent;
+
+/// One decode's telemetry.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TokenRow {
+    /// Decode number.
+    pub index: usize,
+    /// Whether it was a prompt batch.
+    pub prefill: bool,
+    /// Tokens in the batch.
+    pub n_tokens: usize,
+    /// Wall time.
+    pub wall: Duration,
+    /// Time waiting for expert reads (serial), or submitting and collecting them (overlap).
+    pub io_wait: Duration,
+    /// Overlap: time compute threads were blocked waiting for an expert, averaged over them.
+    pub stall: Duration,
+    /// Routed products the streamed-experts kernel computed.
+    pub kernel_nodes: u64,
+    /// Expert bytes read.
+    pub bytes_read: u64,
+    /// Distinct routed experts summed over layers.
+    pub experts_routed: u64,
+    /// Cache hits.
+    pub hits: u64,
+    /// Cache misses.
+    pub misses: u64,
+    /// Chosen experts replaced by cached ones (lossy `--substitute`).
+    pub substituted: u64,
+    /// Routed experts read in waves and given back once computed (a prompt batch beyond the
+    /// cache and its staging).
+    pub passed: u64,
+    /// Cumulative hit rate.
+    pub hit_rate: f64,
+    /// Major faults during the decode.
+    pub major_faults: u64,
+    /// RSS (anonymous) after the decode.
+    pub rss_anon: u64,
+    /// RSS (file-backed) after the decode.
+    pub rss_file: u64,
+}
+
+impl TokenRow {
+    /// Builds a row from a decode's event, its streaming stats, and usage before and after.
+    pub fn new(
+        index: usize,
+        event: DecodeEvent,
+        stats: DecodeStats,
+        before: &Usage,
+        after: &Usage,
+        cache: CacheCounters,
+    ) -> TokenRow {
+        TokenRow {
+            index,
+            prefill: event.prefill,
+            n_tokens: event.n_tokens,
+            wall: event.wall,
+            io_wait: stats.io_wait,
+            stall: stats.stall,
+            kernel_nodes: stats.kernel_nodes,
+            bytes_read: stats.bytes_read,
+            experts_routed: stats.experts_routed,
+            hits: stats.hits,
+            misses: stats.misses,
+            substituted: stats.substituted,
+            passed: stats.passed,
+            hit_rate: cache.hit_rate(),
+            major_faults: after.major_faults.saturating_sub(before.major_faults),
+            rss_anon: after.rss_anon,
+            rss_file: after.rss_file,
+        }
+    }
+
+    /// Compute time: wall minus I/O wait and stall.
+    pub fn compute(&self) -> Duration {
+        self.wall.saturating_sub(self.io_wait + self.stall)
+    }
+}
