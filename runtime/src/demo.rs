@@ -31,17 +31,6 @@ pub fn demo_spec() -> SynthSpec {
 /// The prompt the demo runs.
 pub const DEMO_PROMPT: &str = "The board reads each expert from storage when a token needs it.";
 
-/// Where sluice keeps its caches (generated models; a worker's tensor cache in `rpc/`):
-/// `$SLUICE_CACHE_DIR`, else `$XDG_CACHE_HOME/sluice`, else `$HOME/.cache/sluice`, else a
-/// `sluice-cache` directory under the system temp directory.
-pub fn cache_dir() -> PathBuf {
-    let env = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty()).map(PathBuf::from);
-    env("SLUICE_CACHE_DIR")
-        .or_else(|| env("XDG_CACHE_HOME").map(|p| p.join("sluice")))
-        .or_else(|| env("HOME").map(|p| p.join(".cache").join("sluice")))
-        .unwrap_or_else(|| std::env::temp_dir().join("sluice-cache"))
-}
-
 /// The demo model's path in `dir`; the name encodes the spec, so a changed spec regenerates.
 pub fn demo_model_path(dir: &Path) -> PathBuf {
     let s = demo_spec();

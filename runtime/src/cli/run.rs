@@ -225,7 +225,7 @@ fn run_streamed(
 
 /// Runs `sluice demo`.
 pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
-    let dir = demo::cache_dir();
+    let dir = sluice::dirs::cache_dir();
     let (path, created) = demo::ensure_demo_model(&dir, sluice_hal::cpu::default_threads())?;
     let board = args::board(choice, Some(&path), &a.tuning)?;
     let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);

@@ -13,9 +13,9 @@ use sluice::serve::access::{Access, KeySources};
 use sluice::serve::config::{self, ServeFile};
 use sluice::serve::engine::{EngineConfig, DEFAULT_CTX};
 use sluice::serve::http::HttpLimits;
-use sluice::serve::unit::{self, UnitRequest, UnitRole};
 use sluice::serve::{self, ServeConfig};
 use sluice::stream::DensePolicy;
+use sluice::systemd::unit::{self, UnitRequest, UnitRole};
 use sluice_hal::root::SysRoot;
 
 use super::args::{self, LossyArgs, RpcArgs, TuningArgs};

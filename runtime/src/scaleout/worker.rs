@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use super::link::{Admission, LinkKey};
 use crate::board::resolve::Sourced;
 use crate::budget::OVERHEAD_BYTES;
-use crate::serve::notify;
+use crate::systemd::notify;
 use crate::units::mib;
 use sluice_hal::usage::Usage;
 
@@ -76,12 +76,12 @@ fn own_memory() -> u64 {
 }
 
 /// The tensor cache directory when `--cache-dir` is not given: systemd's `$CACHE_DIRECTORY`
-/// (`CacheDirectory=`), else `rpc` in sluice's cache directory ([`crate::demo::cache_dir`]).
+/// (`CacheDirectory=`), else `rpc` in sluice's cache directory ([`crate::dirs::cache_dir`]).
 pub fn default_cache_dir() -> PathBuf {
     match std::env::var_os("CACHE_DIRECTORY") {
         // systemd lists several directories separated by ':' when the unit names several.
         Some(d) => PathBuf::from(d.to_string_lossy().split(':').next().unwrap_or_default()),
-        None => crate::demo::cache_dir().join("rpc"),
+        None => crate::dirs::cache_dir().join("rpc"),
     }
 }
 

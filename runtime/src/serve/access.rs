@@ -12,10 +12,9 @@ use std::path::{Path, PathBuf};
 use hyper::header::HeaderValue;
 use subtle::ConstantTimeEq as _;
 
-use super::api::ApiError;
+use super::error::ApiError;
 
-/// The name of the key file in the credentials and state directories.
-pub const KEY_FILE: &str = "api-key";
+use crate::systemd::KEY_FILE;
 
 /// Why the access settings cannot be used.
 #[derive(Debug, thiserror::Error)]

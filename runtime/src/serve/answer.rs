@@ -6,9 +6,9 @@ use std::sync::atomic::Ordering;
 
 use ggml_sys::{GrammarKind, Model, ParsedMessage, SamplerParams};
 
-use super::api::ApiError;
 use super::chat::{MessageDelta, MessageStream};
-use super::engine::{Event, Piece};
+use super::error::ApiError;
+use super::job::{Event, Piece};
 use super::logprobs::TokenLogprob;
 use super::prompt::ChatSetup;
 use super::text::ResponseText;

@@ -1,4 +1,4 @@
-//! The OpenAI-compatible request bodies, their checks, and error bodies.
+//! The OpenAI-compatible request bodies and their checks.
 
 use ggml_sys::{ChatInputs, SamplerParams};
 use serde::de::IgnoredAny;
@@ -6,54 +6,8 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::chat::{chat_inputs, ChatFields};
+use super::error::ApiError;
 use super::limits::{MAX_LOGIT_BIAS, MAX_STOP_BYTES};
-
-/// An HTTP error with an OpenAI-style body: `{"error": {"message", "type", "param", "code"}}`.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    /// HTTP status.
-    pub status: u16,
-    /// What went wrong and what to do.
-    pub message: String,
-    /// `invalid_request_error`, `not_found_error`, `server_error`, ...
-    pub kind: &'static str,
-    /// The request field at fault, if one is.
-    pub param: Option<String>,
-    /// A machine-readable code (`context_length_exceeded`, `model_not_found`, ...).
-    pub code: Option<&'static str>,
-}
-
-impl ApiError {
-    /// A 400 `invalid_request_error` about `param`.
-    pub fn invalid(message: impl Into<String>, param: Option<&str>) -> ApiError {
-        ApiError {
-            status: 400,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: param.map(str::to_string),
-            code: None,
-        }
-    }
-
-    /// An error of another status and type.
-    pub fn new(status: u16, kind: &'static str, message: impl Into<String>) -> ApiError {
-        ApiError { status, message: message.into(), kind, param: None, code: None }
-    }
-
-    /// The same error with `code`.
-    pub fn with_code(mut self, code: &'static str) -> ApiError {
-        self.code = Some(code);
-        self
-    }
-
-    /// The JSON body.
-    pub fn body(&self) -> String {
-        serde_json::json!({
-            "error": { "message": self.message, "type": self.kind, "param": self.param, "code": self.code }
-        })
-        .to_string()
-    }
-}
 
 /// A prompt: a string, or an array holding one string.
 #[derive(Debug, Deserialize)]

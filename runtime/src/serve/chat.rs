@@ -9,7 +9,7 @@
 use ggml_sys::{ChatInputs, ChatParser, ParsedMessage, ToolChoice};
 use serde_json::{json, Map, Value};
 
-use super::api::ApiError;
+use super::error::ApiError;
 use super::limits::{self, MAX_TOOLS};
 
 /// Roles a message may have.

@@ -20,7 +20,7 @@
 
 use serde_json::Value;
 
-use super::api::ApiError;
+use super::error::ApiError;
 
 /// Object properties in one schema, all objects together (OpenAI's limit).
 pub const MAX_PROPERTIES: usize = 5_000;

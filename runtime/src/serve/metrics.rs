@@ -236,8 +236,8 @@ impl Metrics {
             r.iter().map(|((e, s), c)| (format!("{{endpoint=\"{e}\",status=\"{s}\"}}"), *c as f64)).collect()
         };
         metric("requests_total", "counter", "HTTP requests answered, by endpoint and status.", &requests);
-        let state_samples: Vec<(String, f64)> = crate::serve::State::ALL
-            .map(crate::serve::State::as_str)
+        let state_samples: Vec<(String, f64)> = crate::serve::state::State::ALL
+            .map(crate::serve::state::State::as_str)
             .iter()
             .map(|s| (format!("{{state=\"{s}\"}}"), if *s == state { 1.0 } else { 0.0 }))
             .collect();
@@ -350,8 +350,8 @@ mod tests {
     #[test]
     fn every_state_has_its_sample_and_the_current_one_is_1() {
         let text = Metrics::default().render("degraded", 0);
-        for s in crate::serve::State::ALL {
-            let v = if s == crate::serve::State::Degraded { 1 } else { 0 };
+        for s in crate::serve::state::State::ALL {
+            let v = if s == crate::serve::state::State::Degraded { 1 } else { 0 };
             assert!(text.contains(&format!("sluice_state{{state=\"{}\"}} {v}\n", s.as_str())), "{text}");
         }
     }

@@ -10,9 +10,9 @@ use std::time::Instant;
 use anyhow::Result;
 use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, Model, Token};
 
-use super::api::{ApiError, PromptInput};
-use super::engine::IDLE_BEAT;
-use super::Shared;
+use super::api::PromptInput;
+use super::error::ApiError;
+use super::shared::{Shared, IDLE_BEAT};
 
 /// A prompt ready to generate from.
 pub(super) struct Prepared {

@@ -13,7 +13,7 @@ use hyper::body::{Body as HttpBody, Frame, SizeHint};
 
 use super::conn::RequestGuard;
 use super::reply::{Kind, Reply};
-use crate::serve::engine::{Event, EventReceiver, Piece};
+use crate::serve::job::{Event, EventReceiver, Piece};
 
 /// A response body.
 pub struct Body {

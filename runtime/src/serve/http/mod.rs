@@ -34,8 +34,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
-use super::api::ApiError;
-use super::Shared;
+use super::error::ApiError;
+use super::shared::Shared;
 use conn::Registry;
 use transport::Transport;
 

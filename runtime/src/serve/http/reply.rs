@@ -3,7 +3,7 @@
 use ggml_sys::ParsedMessage;
 use serde_json::{json, Value};
 
-use crate::serve::engine::{Finish, Piece};
+use crate::serve::job::{Finish, Piece};
 use crate::serve::logprobs::{self, TokenLogprob};
 
 /// Which generation endpoint.

@@ -18,9 +18,10 @@ use super::conn::ConnState;
 use super::reply::{Gathered, Kind, Reply};
 use super::transport::peer_gone;
 use super::Front;
-use crate::serve::api::{self, ApiError, GenerationRequest};
-use crate::serve::engine::{event_channel, Event, EventReceiver, Job, Piece};
-use crate::serve::State;
+use crate::serve::api::{self, GenerationRequest};
+use crate::serve::error::ApiError;
+use crate::serve::job::{event_channel, Event, EventReceiver, Job, Piece};
+use crate::serve::state::State;
 
 const ENDPOINTS: [&str; 7] =
     ["/", "/status", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"];
@@ -139,7 +140,7 @@ async fn route(
 /// draining, or when a ready engine has made no progress for [`ENGINE_STALLED`] (one step it
 /// cannot leave, such as a read stuck on storage). The body says which, whether a generation
 /// runs, and how many wait.
-fn health(shared: &crate::serve::Shared) -> Response<Body> {
+fn health(shared: &crate::serve::shared::Shared) -> Response<Body> {
     let state = shared.state();
     let silent = shared.engine_silent();
     let stalled = state == State::Ready && silent >= ENGINE_STALLED;
@@ -169,7 +170,7 @@ fn health(shared: &crate::serve::Shared) -> Response<Body> {
 const ENGINE_STALLED: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The served model, as OpenAI's model object.
-fn model_json(shared: &crate::serve::Shared) -> serde_json::Value {
+fn model_json(shared: &crate::serve::shared::Shared) -> serde_json::Value {
     json!({ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "sluice" })
 }
 

@@ -15,7 +15,7 @@ use tokio::io::{AsyncRead, AsyncWrite, Interest, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::conn::ConnState;
-use crate::serve::api::ApiError;
+use crate::serve::error::ApiError;
 
 /// The stream as tokio's `AsyncRead`/`AsyncWrite` over a shared `TcpStream`.
 pub struct Transport {

@@ -5,7 +5,7 @@ use std::fmt::Write as _;
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 
-use super::access::KEY_FILE;
+use super::KEY_FILE;
 
 use crate::board::profile::ServiceName;
 use crate::board::SelectedBoard;

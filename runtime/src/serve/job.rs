@@ -1,0 +1,202 @@
+//! The engine's contract with the HTTP front: a queued [`Job`], and the [`Event`]s it answers
+//! with over a channel whose unread bytes are bounded.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use ggml_sys::ParsedMessage;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+
+use super::api::GenerationRequest;
+use super::chat::MessageDelta;
+use super::error::ApiError;
+use super::logprobs::TokenLogprob;
+
+/// Why a generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    /// An end-of-generation token or a stop sequence.
+    Stop,
+    /// `max_tokens` reached.
+    Length,
+    /// The answer calls tools.
+    ToolCalls,
+}
+
+impl Finish {
+    /// OpenAI's `finish_reason`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Finish::Stop => "stop",
+            Finish::Length => "length",
+            Finish::ToolCalls => "tool_calls",
+        }
+    }
+}
+
+/// Output that is final.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    /// Completion text.
+    Text(String),
+    /// What a chat answer gained.
+    Delta(MessageDelta),
+}
+
+/// What the engine tells the request's handler, in order: `Started`, any `Output`, then `Done`;
+/// or `Failed` at any point.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// The prompt fits and generation begins.
+    Started {
+        /// Prompt tokens.
+        prompt_tokens: usize,
+    },
+    /// Output that is final, and the log probabilities of the tokens behind it (when asked).
+    Output {
+        /// The text or message delta.
+        piece: Piece,
+        /// Chosen tokens not reported before.
+        logprobs: Vec<TokenLogprob>,
+    },
+    /// The generation ended.
+    Done {
+        /// Why.
+        finish: Finish,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+        /// Generated tokens.
+        completion_tokens: usize,
+        /// A chat's whole answer, parsed.
+        message: Option<ParsedMessage>,
+    },
+    /// The request failed.
+    Failed(ApiError),
+}
+
+impl Event {
+    /// About how many bytes the event holds until its client reads it.
+    fn weight(&self) -> usize {
+        const OVERHEAD: usize = 64;
+        match self {
+            Event::Output { piece, logprobs } => {
+                let text = match piece {
+                    Piece::Text(t) => t.len(),
+                    Piece::Delta(d) => {
+                        d.content.len()
+                            + d.reasoning.len()
+                            + d.tool_calls.iter().map(|c| c.arguments.len() + OVERHEAD).sum::<usize>()
+                    }
+                };
+                OVERHEAD + text + logprobs.iter().map(TokenLogprob::weight).sum::<usize>()
+            }
+            _ => OVERHEAD,
+        }
+    }
+}
+
+/// The most output a client may leave unread before its generation is cancelled: the events
+/// wait in memory until the connection takes them, so a client that stops reading must not make
+/// the server keep a whole answer for it.
+pub const MAX_UNREAD_BYTES: usize = 1 << 20;
+
+/// Why an event was not sent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unsent {
+    /// The request's handler is gone (its client left).
+    Gone,
+    /// The client left more than [`MAX_UNREAD_BYTES`] unread.
+    Unread,
+}
+
+/// Where a job's events go: a channel whose unread bytes are counted.
+#[derive(Debug)]
+pub struct EventSender {
+    tx: UnboundedSender<Event>,
+    unread: Arc<AtomicUsize>,
+}
+
+/// The request handler's end of a job's events.
+#[derive(Debug)]
+pub struct EventReceiver {
+    rx: UnboundedReceiver<Event>,
+    unread: Arc<AtomicUsize>,
+}
+
+/// A job's event channel.
+pub fn event_channel() -> (EventSender, EventReceiver) {
+    let (tx, rx) = unbounded_channel();
+    let unread = Arc::new(AtomicUsize::new(0));
+    (EventSender { tx, unread: Arc::clone(&unread) }, EventReceiver { rx, unread })
+}
+
+impl EventSender {
+    /// Sends `event`, unless the handler is gone or its client has left too much unread.
+    pub fn send(&self, event: Event) -> Result<(), Unsent> {
+        let weight = event.weight();
+        if self.unread.load(Ordering::Relaxed) + weight > MAX_UNREAD_BYTES {
+            return Err(Unsent::Unread);
+        }
+        self.unread.fetch_add(weight, Ordering::Relaxed);
+        self.tx.send(event).map_err(|_| Unsent::Gone)
+    }
+}
+
+impl EventReceiver {
+    /// The next event; `None` when the engine dropped the job.
+    pub async fn recv(&mut self) -> Option<Event> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// Polls for the next event.
+    pub fn poll_recv(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Event>> {
+        self.rx.poll_recv(cx).map(|e| {
+            // Every event was counted before it was sent, so this never goes below zero.
+            if let Some(e) = &e {
+                self.unread.fetch_sub(e.weight(), Ordering::Relaxed);
+            }
+            e
+        })
+    }
+}
+
+/// A queued generation request.
+#[derive(Debug)]
+pub struct Job {
+    /// What to generate.
+    pub request: GenerationRequest,
+    /// Where the events go.
+    pub events: EventSender,
+    /// Set when the client goes away (or the server stops): the generation ends at the next
+    /// graph node.
+    pub cancel: Arc<AtomicBool>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_client_that_leaves_its_answer_unread_is_cut_off_at_the_bound() {
+        let (tx, mut rx) = event_channel();
+        let piece = || Event::Output { piece: Piece::Text("x".repeat(1000)), logprobs: Vec::new() };
+        let mut sent = 0;
+        let why = loop {
+            match tx.send(piece()) {
+                Ok(()) => sent += 1,
+                Err(why) => break why,
+            }
+            assert!(sent < 10_000, "never bounded");
+        };
+        assert_eq!(why, Unsent::Unread);
+        assert!(sent * 1000 <= MAX_UNREAD_BYTES && (sent + 2) * 1064 > MAX_UNREAD_BYTES, "{sent} events");
+        // What the client reads makes room again.
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        assert!(matches!(rx.poll_recv(&mut cx), std::task::Poll::Ready(Some(Event::Output { .. }))));
+        assert_eq!(tx.send(piece()), Ok(()));
+        let (tx, rx) = event_channel();
+        drop(rx);
+        assert_eq!(tx.send(Event::Started { prompt_tokens: 1 }), Err(Unsent::Gone));
+    }
+}

@@ -1,0 +1,236 @@
+//! The state the HTTP front, the engine and the watchdog share: the server's life cycle, the
+//! heartbeats, the queue and the request being generated, the prompt bound and the counters.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use super::access::Access;
+use super::api::PromptBound;
+use super::job::Job;
+use super::metrics::Metrics;
+use super::state::State;
+use crate::systemd::notify;
+
+/// How long the engine waits for a request before it reports that it is alive.
+pub(super) const IDLE_BEAT: Duration = Duration::from_millis(250);
+/// How long one loading step may take before systemd's start timeout applies again
+/// (`EXTEND_TIMEOUT_USEC`).
+const LOAD_STEP_ALLOWANCE: Duration = Duration::from_secs(300);
+
+/// State shared by the HTTP front, the engine and the watchdog.
+pub struct Shared {
+    state: AtomicU8,
+    started: Instant,
+    heartbeat_ms: AtomicU64,
+    acceptor_ms: AtomicU64,
+    prompt_bound: Mutex<PromptBound>,
+    queue: Mutex<Option<SyncSender<Job>>>,
+    queued: AtomicUsize,
+    current: Mutex<Option<Arc<AtomicBool>>>,
+    cancelling: AtomicBool,
+    next_id: AtomicU64,
+    /// Why the server is degraded (with [`State::Degraded`]).
+    degraded: Mutex<String>,
+    /// Counters for `/metrics`.
+    pub metrics: Metrics,
+    /// The model name.
+    pub model_id: String,
+    /// Unix time the server started (`created` of the model in `/v1/models`).
+    pub created: u64,
+    /// API key and CORS.
+    pub access: Access,
+}
+
+impl Shared {
+    pub(super) fn new(model_id: String, access: Access, queue: SyncSender<Job>) -> Shared {
+        Shared {
+            state: AtomicU8::new(State::Loading as u8),
+            started: Instant::now(),
+            heartbeat_ms: AtomicU64::new(0),
+            acceptor_ms: AtomicU64::new(0),
+            prompt_bound: Mutex::new(PromptBound::default()),
+            queue: Mutex::new(Some(queue)),
+            queued: AtomicUsize::new(0),
+            current: Mutex::new(None),
+            cancelling: AtomicBool::new(false),
+            next_id: AtomicU64::new(0),
+            degraded: Mutex::new(String::new()),
+            metrics: Metrics::default(),
+            model_id,
+            created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
+            access,
+        }
+    }
+
+    pub(super) fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// The HTTP acceptor is alive.
+    pub fn acceptor_beat(&self) {
+        self.acceptor_ms.store(self.now_ms(), Ordering::SeqCst);
+    }
+
+    /// The bound a prompt's size must keep (set once the model is loaded).
+    pub fn prompt_bound(&self) -> PromptBound {
+        *self.prompt_bound.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Sets the prompt bound of the loaded model.
+    pub fn set_prompt_bound(&self, bound: PromptBound) {
+        *self.prompt_bound.lock().unwrap_or_else(|e| e.into_inner()) = bound;
+    }
+
+    /// The current state.
+    pub fn state(&self) -> State {
+        match self.state.load(Ordering::SeqCst) {
+            0 => State::Loading,
+            1 => State::Ready,
+            3 => State::Degraded,
+            _ => State::Draining,
+        }
+    }
+
+    /// Reports a loading step (log, systemd status, more start time) and beats.
+    pub fn loading_step(&self, what: &str) {
+        log::info!("{what}");
+        notify::loading(&format!("loading: {what}"), LOAD_STEP_ALLOWANCE);
+        self.beat();
+    }
+
+    /// Marks the server ready (unless it is already draining) and tells systemd.
+    pub fn set_ready(&self, status: &str) {
+        if self
+            .state
+            .compare_exchange(State::Loading as u8, State::Ready as u8, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+        {
+            log::info!("{status}");
+            notify::ready(status);
+        }
+        self.beat();
+    }
+
+    /// Marks a ready (or reloading) server degraded (a worker is gone), with the reason
+    /// `/health` gives. A draining server stays draining.
+    pub fn set_degraded(&self, why: &str) {
+        *self.degraded.lock().unwrap_or_else(|e| e.into_inner()) = why.to_string();
+        let serving = |s: u8| (s == State::Ready as u8 || s == State::Loading as u8).then_some(State::Degraded as u8);
+        if self.state.fetch_update(Ordering::SeqCst, Ordering::SeqCst, serving).is_ok() {
+            log::warn!("degraded: {why}");
+            notify::status(&format!("degraded: {why}"));
+        }
+        self.beat();
+    }
+
+    /// Why the server is degraded.
+    pub fn degraded_reason(&self) -> String {
+        self.degraded.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// A degraded server loads its model again: loading until [`Shared::set_ready`].
+    pub fn set_reloading(&self, why: &str) {
+        let _ = self.state.compare_exchange(
+            State::Degraded as u8,
+            State::Loading as u8,
+            Ordering::SeqCst,
+            Ordering::SeqCst,
+        );
+        self.loading_step(why);
+    }
+
+    /// The engine is alive and making progress.
+    pub fn beat(&self) {
+        self.heartbeat_ms.store(self.now_ms(), Ordering::SeqCst);
+    }
+
+    /// How long since the engine last made progress.
+    pub fn engine_silent(&self) -> Duration {
+        Duration::from_millis(self.now_ms().saturating_sub(self.heartbeat_ms.load(Ordering::SeqCst)))
+    }
+
+    /// Whether a generation is running.
+    pub fn engine_busy(&self) -> bool {
+        self.current.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
+    /// How long since the engine last made progress, and since the acceptor last ran: the
+    /// older of the two.
+    /// How long ago the engine and the HTTP acceptor last beat, ms.
+    pub(super) fn beat_ages_ms(&self) -> (u64, u64) {
+        let now = self.now_ms();
+        (
+            now.saturating_sub(self.heartbeat_ms.load(Ordering::SeqCst)),
+            now.saturating_sub(self.acceptor_ms.load(Ordering::SeqCst)),
+        )
+    }
+
+    /// Starts draining: new requests get 503 and the queue takes no more jobs.
+    pub(super) fn start_draining(&self) {
+        self.state.store(State::Draining as u8, Ordering::SeqCst);
+        self.queue.lock().unwrap_or_else(|e| e.into_inner()).take();
+    }
+
+    pub(super) fn since_beat(&self) -> Duration {
+        let oldest = self.heartbeat_ms.load(Ordering::SeqCst).min(self.acceptor_ms.load(Ordering::SeqCst));
+        Duration::from_millis(self.now_ms().saturating_sub(oldest))
+    }
+
+    /// Queues `job`: `Err` with the reason when the queue is full or closed.
+    pub(super) fn enqueue(&self, job: Job) -> Result<(), &'static str> {
+        let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
+        let Some(tx) = queue.as_ref() else { return Err("the server is shutting down") };
+        self.queued.fetch_add(1, Ordering::SeqCst);
+        match tx.try_send(job) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.queued.fetch_sub(1, Ordering::SeqCst);
+                Err(match e {
+                    TrySendError::Full(_) => "the server is busy: the request queue is full; retry later",
+                    TrySendError::Disconnected(_) => "the server is shutting down",
+                })
+            }
+        }
+    }
+
+    /// A request left the queue for the engine.
+    pub fn dequeued(&self) {
+        self.queued.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Requests waiting in the queue.
+    pub fn queued(&self) -> usize {
+        self.queued.load(Ordering::SeqCst)
+    }
+
+    /// The running generation's cancel flag.
+    pub fn set_current(&self, flag: Option<Arc<AtomicBool>>) {
+        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        if self.cancelling.load(Ordering::SeqCst) {
+            if let Some(f) = &flag {
+                f.store(true, Ordering::SeqCst);
+            }
+        }
+        *current = flag;
+    }
+
+    /// Whether the drain bound has passed: everything still queued or running is cancelled.
+    pub fn cancelling(&self) -> bool {
+        self.cancelling.load(Ordering::SeqCst)
+    }
+
+    pub(super) fn cancel_everything(&self) {
+        let current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        self.cancelling.store(true, Ordering::SeqCst);
+        if let Some(f) = current.as_ref() {
+            f.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// A new response id.
+    pub(super) fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+}
