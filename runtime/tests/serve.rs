@@ -34,7 +34,7 @@ fn serve_answers_openai_requests_notifies_systemd_and_stops_cleanly() {
         "READY=1 must follow the load: {notes:?}"
     );
     assert!(notes[..ready_at].iter().any(|n| n.starts_with("EXTEND_TIMEOUT_USEC=")), "{notes:?}");
-    assert!(server.log().contains("INFO  sluice::serve] ready"), "{}", server.log());
+    assert!(server.log().contains("INFO  sluice::serve::shared] ready"), "{}", server.log());
 
     let health = server.request("GET", "/health", None);
     assert_eq!((health.status, health.json()["status"].as_str()), (200, Some("ready")));

@@ -12,6 +12,7 @@ use sluice::bench::throttle::{StorageClass, StorageSpeed};
 use sluice::board::BoardChoice;
 use sluice::generate;
 use sluice::stream::ExpertIndex;
+use sluice::units::mib;
 
 use super::args::{self, LossyArgs, RpcArgs, TuningArgs};
 
@@ -94,7 +95,7 @@ pub struct BenchChildArgs {
 
 fn model_mib(model: &std::path::Path) -> Result<f64> {
     let size: u64 = ExpertIndex::open(model)?.shards.iter().map(|f| std::fs::metadata(f).map_or(0, |m| m.len())).sum();
-    Ok(size as f64 / (1 << 20) as f64)
+    Ok(mib(size))
 }
 
 /// Runs `sluice bench`.

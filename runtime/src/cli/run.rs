@@ -158,8 +158,8 @@ fn run_streamed(
     noteln!(
         "open: {:.3} s, {} read from storage ({:.1} MiB of dense weights by sluice's reader); first token after {:.3} s",
         open.wall.as_secs_f64(),
-        open.read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", b as f64 / (1 << 20) as f64)),
-        session.dense_bytes_read as f64 / (1 << 20) as f64,
+        open.read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", mib(b))),
+        mib(session.dense_bytes_read),
         (open.wall + generation.prefill).as_secs_f64()
     );
     noteln!(
@@ -193,7 +193,7 @@ fn run_streamed(
     noteln!(
         "cache: budget {:.1} MiB, {:.1} MiB resident at the end (the last layer's experts included), {} evictions, {} re-reads; reads {}",
         mib(loaded.cache_bytes()),
-        cache_used as f64 / (1 << 20) as f64,
+        mib(cache_used),
         counters.evictions,
         counters.rereads,
         if direct { "O_DIRECT" } else { "buffered" }
@@ -233,7 +233,7 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         "sluice demo: {} synthetic MoE model at {} ({:.1} MiB{})",
         demo::demo_spec().arch.name(),
         path.display(),
-        size as f64 / (1 << 20) as f64,
+        mib(size),
         if created { ", generated just now" } else { ", from the cache" }
     );
     noteln!(

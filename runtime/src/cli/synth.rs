@@ -6,6 +6,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::synth::{self, OutputType, Routing, SynthArch, SynthSpec};
+use sluice::units::mib;
 
 /// `--routing`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -157,8 +158,8 @@ pub fn run_synth(a: &SynthArgs) -> Result<()> {
     noteln!(
         "wrote {} file(s), {:.1} MiB ({:.1} MiB of routed experts): {}, {} layers, {} experts (top-{}), expert FFN {}, {:?}",
         out.files.len(),
-        out.total_bytes as f64 / (1 << 20) as f64,
-        out.expert_bytes as f64 / (1 << 20) as f64,
+        mib(out.total_bytes),
+        mib(out.expert_bytes),
         spec.arch.name(),
         spec.layers,
         spec.experts,

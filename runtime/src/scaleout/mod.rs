@@ -13,6 +13,8 @@ pub mod worker;
 
 use ggml_sys::RpcDevice;
 
+use crate::units::mib;
+
 pub use split::{plan_split, Share, Split};
 
 /// Why scale-out cannot go ahead.
@@ -92,11 +94,7 @@ pub fn connect(endpoints: &[String]) -> Result<Vec<Worker>, ScaleError> {
         .map(|e| {
             let device = RpcDevice::connect(e)?;
             let (free, total) = device.memory()?;
-            log::info!(
-                "RPC worker {e}: {:.1} MiB free of {:.1} MiB",
-                free as f64 / (1 << 20) as f64,
-                total as f64 / (1 << 20) as f64
-            );
+            log::info!("RPC worker {e}: {:.1} MiB free of {:.1} MiB", mib(free), mib(total));
             Ok(Worker { device, free, total })
         })
         .collect()

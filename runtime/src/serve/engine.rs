@@ -20,6 +20,7 @@ use super::shared::{Shared, IDLE_BEAT};
 use crate::generate::GenerateError;
 use crate::launch::{Launch, LaunchError};
 use crate::stream::{ExpertIndex, StreamError, StreamedSession};
+use crate::units::mib;
 
 /// Context length when `--ctx` is not given (or the model's, if shorter).
 pub const DEFAULT_CTX: u32 = 4096;
@@ -201,7 +202,7 @@ impl Engine<'_, '_> {
                 log::info!(
                     "warm start: {} experts ({:.1} MiB) read from the heat map at {}",
                     p.experts,
-                    p.bytes as f64 / (1 << 20) as f64,
+                    mib(p.bytes),
                     path.display()
                 );
                 self.shared.metrics.warm_start(p.bytes);
