@@ -8,8 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use ggml_sys::ChatTemplates;
-use sluice::serve::api::{chat_request, PromptInput};
-use sluice::serve::chat::MessageStream;
+use sluice::serve::api::chat_request;
+use sluice::serve::deltas::MessageStream;
+use sluice::serve::job::PromptInput;
 
 /// Each template with the text of its model's BOS and EOS tokens.
 const TEMPLATES: [(&str, &str, &str); 6] = [
@@ -125,7 +126,7 @@ fn recorded_answers_parse_into_content_reasoning_and_tool_calls_whole_and_stream
             let (mut content, mut reasoning) = (String::new(), String::new());
             let mut streamed: Vec<(String, String)> = Vec::new();
             let mut call_deltas = 0;
-            let mut add = |d: sluice::serve::chat::MessageDelta| {
+            let mut add = |d: sluice::serve::deltas::MessageDelta| {
                 content.push_str(&d.content);
                 reasoning.push_str(&d.reasoning);
                 for c in d.tool_calls {

@@ -41,6 +41,14 @@ pub fn describe_probe(p: &HardwareProbe) -> String {
             k.max_freq_khz.map_or("unknown".into(), |f| format!("{} MHz", f / 1000))
         );
     }
+    describe_memory(&mut o, p);
+    describe_storage(&mut o, p);
+    describe_thermal(&mut o, p);
+    o
+}
+
+/// The probe's memory section.
+fn describe_memory(o: &mut String, p: &HardwareProbe) {
     let _ = writeln!(o, "memory");
     let _ =
         writeln!(o, "  MemTotal: {}  MemAvailable: {}", opt(p.memory.total.map(mib)), opt(p.memory.available.map(mib)));
@@ -59,6 +67,10 @@ pub fn describe_probe(p: &HardwareProbe) -> String {
             let _ = writeln!(o, "  cgroup: none found");
         }
     }
+}
+
+/// The probe's storage section: the model's device, its block sizes and direct-I/O alignment.
+fn describe_storage(o: &mut String, p: &HardwareProbe) {
     let _ = writeln!(o, "storage");
     match &p.storage {
         Some(s) if s.disk.is_some() => {
@@ -91,6 +103,10 @@ pub fn describe_probe(p: &HardwareProbe) -> String {
             let _ = writeln!(o, "  device: none (not on a block device: tmpfs, overlay or network)");
         }
     }
+}
+
+/// The probe's thermal section.
+fn describe_thermal(o: &mut String, p: &HardwareProbe) {
     let _ = writeln!(o, "thermal");
     if p.thermal.zones.is_empty() {
         let _ = writeln!(o, "  zones: none");
@@ -102,7 +118,6 @@ pub fn describe_probe(p: &HardwareProbe) -> String {
         let c = t.conditions();
         let _ = writeln!(o, "  throttled: {:#x} ({})", t.0, if c.is_empty() { "none".into() } else { c.join(", ") });
     }
-    o
 }
 
 /// The values a run takes from the resolved profile.

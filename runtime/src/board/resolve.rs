@@ -7,7 +7,7 @@ use sluice_hal::storage::Medium;
 
 use ggml_sys::SchedPriority;
 
-use super::profile::{Draft, Overlap, ServiceName};
+use super::profile::{BoardProfile, Draft, Overlap, ServiceName};
 use super::select::SelectedBoard;
 use super::BoardError;
 
@@ -145,23 +145,90 @@ pub fn resolve(
     allowed: Option<&[usize]>,
     caps: BuildCaps,
 ) -> Result<ResolvedBoard, BoardError> {
-    let gpu = caps.gpu;
     let p = &selected.profile;
-    let origin = selected.origin.clone();
+    let origin = selected.origin.as_str();
     let mut notes = Vec::new();
     let usable: Vec<usize> =
         probe.cpu.online.iter().copied().filter(|c| allowed.is_none_or(|a| a.contains(c))).collect();
-    let cores = |field: &str, list: &Option<Vec<usize>>, notes: &mut Vec<String>| -> Result<Vec<usize>, BoardError> {
-        let Some(list) = list else { return Ok(usable.clone()) };
-        if let Some(&core) = list.iter().find(|c| !probe.cpu.possible.contains(c)) {
+    let cpus = Cpus { probe, origin, usable: &usable };
+    let (compute_cores, io_cores) = cpus.core_sets(p, &mut notes)?;
+    let threads = thread_count(overrides.threads, &usable, &compute_cores, &mut notes);
+    let (read_bytes, lanes) = reads(p, probe, overrides, &mut notes);
+    let budget = memory_budget(p, probe, origin)?;
+    let overlap = overlap(p, overrides, caps, origin)?;
+    let (compute_cores, threads) =
+        cores_for_overlap(&overlap, overrides, compute_cores, &io_cores, threads, &mut notes);
+    let draft = match (overrides.draft, p.compute.draft) {
+        (Some(d), _) => sourced(d, "--draft"),
+        (None, Some(d)) => sourced(d, "profile compute.draft"),
+        (None, None) => sourced(Draft::Off, "default: off, measured slower streamed (docs/benchmarks.md)"),
+    };
+    let (compute, compute_via) = compute_service(p, caps, origin, &mut notes)?;
+    Ok(ResolvedBoard {
+        compute_via,
+        compute_cores,
+        io_cores,
+        threads,
+        priority: p.cpu.priority,
+        poll: p.cpu.poll,
+        strict_cpu: p.cpu.strict_cpu,
+        read_bytes,
+        lanes,
+        direct_io: p.storage.direct_io && !overrides.no_direct_io,
+        verify: p.storage.verify || overrides.verify,
+        overlap,
+        draft,
+        budget,
+        compute,
+        notes,
+        selected,
+    })
+}
+
+/// The CPUs a profile's core lists may name: those this process may use.
+struct Cpus<'a> {
+    probe: &'a HardwareProbe,
+    origin: &'a str,
+    usable: &'a [usize],
+}
+
+impl Cpus<'_> {
+    /// The compute cores and the I/O lanes' cores: the profile's lists (all usable CPUs when
+    /// it gives none; the I/O lanes share the compute cores when it names no I/O cores, or the
+    /// last compute core when none of its I/O cores is usable).
+    fn core_sets(&self, p: &BoardProfile, notes: &mut Vec<String>) -> Result<(Vec<usize>, Vec<usize>), BoardError> {
+        let compute_cores = self.cores("cpu.compute_cores", &p.cpu.compute_cores, notes)?;
+        let Some(&last) = compute_cores.last() else {
+            return Err(BoardError::NoUsableCore {
+                origin: self.origin.to_string(),
+                field: "cpu.compute_cores".into(),
+                usable: cpulist::format(self.usable),
+            });
+        };
+        let mut io_cores = match &p.cpu.io_cores {
+            Some(_) => self.cores("cpu.io_cores", &p.cpu.io_cores, notes)?,
+            None => compute_cores.clone(),
+        };
+        if io_cores.is_empty() {
+            notes.push(format!("cpu.io_cores: none usable; the I/O lanes share compute core {last}"));
+            io_cores = vec![last];
+        }
+        Ok((compute_cores, io_cores))
+    }
+
+    /// The usable CPUs of `list` (profile field `field`): a CPU the machine cannot have is an
+    /// error, one offline or outside the affinity a note.
+    fn cores(&self, field: &str, list: &Option<Vec<usize>>, notes: &mut Vec<String>) -> Result<Vec<usize>, BoardError> {
+        let Some(list) = list else { return Ok(self.usable.to_vec()) };
+        if let Some(&core) = list.iter().find(|c| !self.probe.cpu.possible.contains(c)) {
             return Err(BoardError::NoSuchCore {
-                origin: origin.clone(),
+                origin: self.origin.to_string(),
                 field: field.into(),
                 core,
-                possible: cpulist::format(&probe.cpu.possible),
+                possible: cpulist::format(&self.probe.cpu.possible),
             });
         }
-        let (kept, dropped): (Vec<usize>, Vec<usize>) = list.iter().partition(|c| usable.contains(c));
+        let (kept, dropped): (Vec<usize>, Vec<usize>) = list.iter().partition(|c| self.usable.contains(c));
         if !dropped.is_empty() {
             notes.push(format!(
                 "{field}: CPU {} offline or outside this process's affinity (power mode, taskset or CPUAffinity); using {}",
@@ -170,38 +237,39 @@ pub fn resolve(
             ));
         }
         Ok(kept)
-    };
-    let compute_cores = cores("cpu.compute_cores", &p.cpu.compute_cores, &mut notes)?;
-    if compute_cores.is_empty() {
-        return Err(BoardError::NoUsableCore {
-            origin,
-            field: "cpu.compute_cores".into(),
-            usable: cpulist::format(&usable),
-        });
     }
-    let mut io_cores = match &p.cpu.io_cores {
-        Some(_) => cores("cpu.io_cores", &p.cpu.io_cores, &mut notes)?,
-        None => compute_cores.clone(),
-    };
-    if io_cores.is_empty() {
-        let last = *compute_cores.last().expect("non-empty");
-        notes.push(format!("cpu.io_cores: none usable; the I/O lanes share compute core {last}"));
-        io_cores = vec![last];
-    }
-    let threads = match overrides.threads {
+}
+
+/// Compute threads: `--threads` (at most the usable CPUs), else one per compute core.
+fn thread_count(
+    asked: Option<u32>,
+    usable: &[usize],
+    compute_cores: &[usize],
+    notes: &mut Vec<String>,
+) -> Sourced<u32> {
+    match asked {
         Some(t) if t as usize > usable.len() => {
             notes.push(format!(
                 "--threads {t}: more than the {} CPUs this process may use ({}); using {} (ggml's threads spin at every barrier, so threads beyond the CPUs stall the others)",
                 usable.len(),
-                cpulist::format(&usable),
+                cpulist::format(usable),
                 usable.len()
             ));
             sourced(usable.len() as u32, "--threads, capped to the usable CPUs")
         }
         Some(t) => sourced(t, "--threads"),
         None => sourced(compute_cores.len() as u32, "one per compute core"),
-    };
+    }
+}
 
+/// The read size (a multiple of the device's direct-I/O alignment) and the lanes, from the
+/// flags, the profile or the storage the model is on.
+fn reads(
+    p: &BoardProfile,
+    probe: &HardwareProbe,
+    overrides: &Overrides,
+    notes: &mut Vec<String>,
+) -> (Sourced<u64>, Sourced<u32>) {
     let storage = probe.storage.as_ref();
     let medium = storage.map_or(Medium::Other, |s| s.medium);
     if let Some(expected) = p.storage.medium {
@@ -234,13 +302,18 @@ pub fn resolve(
         (None, Some(l)) => sourced(l, "profile storage.lanes"),
         (None, None) => sourced(medium_lanes, format!("chosen for {} storage", medium.name())),
     };
+    (read_bytes, lanes)
+}
 
+/// The most sluice may hold: the profile's budget (at most the RAM) or the RAM less the
+/// reserve, lowered to the memory cgroup's limit and to what is available.
+fn memory_budget(p: &BoardProfile, probe: &HardwareProbe, origin: &str) -> Result<Sourced<u64>, BoardError> {
     let mib = |b: u64| b >> 20;
     let total = probe.memory.total.ok_or_else(|| BoardError::NoMemInfo { root: probe.root.dir().into() })?;
     let reserve = p.memory.reserve_mib << 20;
     let mut budget = match p.memory.budget_mib {
         Some(b) if b << 20 > total => {
-            return Err(BoardError::BudgetOverRam { origin, budget_mib: b, ram_mib: mib(total) });
+            return Err(BoardError::BudgetOverRam { origin: origin.to_string(), budget_mib: b, ram_mib: mib(total) });
         }
         Some(b) => sourced(b << 20, "profile memory.budget_mib"),
         None => sourced(
@@ -248,12 +321,9 @@ pub fn resolve(
             format!("MemTotal {} MiB − memory.reserve_mib {}", mib(total), p.memory.reserve_mib),
         ),
     };
-    if let Some(limit) = probe.memory.cgroup.as_ref().and_then(|c| c.limit) {
-        if limit < budget.value {
-            budget = sourced(
-                limit,
-                format!("memory cgroup limit ({:?})", probe.memory.cgroup.as_ref().map(|c| c.version).expect("some")),
-            );
+    if let Some(cgroup) = probe.memory.cgroup.as_ref() {
+        if let Some(limit) = cgroup.limit.filter(|&l| l < budget.value) {
+            budget = sourced(limit, format!("memory cgroup limit ({:?})", cgroup.version));
         }
     }
     if let Some(avail) = probe.memory.available {
@@ -261,7 +331,17 @@ pub fn resolve(
             budget = sourced(avail, "MemAvailable");
         }
     }
+    Ok(budget)
+}
 
+/// When expert reads overlap expert compute: the flags, the profile, else prompt batches
+/// (serial without the CPU extension service, which overlap needs).
+fn overlap(
+    p: &BoardProfile,
+    overrides: &Overrides,
+    caps: BuildCaps,
+    origin: &str,
+) -> Result<Sourced<Overlap>, BoardError> {
     let overlap = match (overrides.overlap, p.storage.overlap) {
         (Some(v), _) => sourced(
             v,
@@ -278,42 +358,56 @@ pub fn resolve(
         (None, None) => sourced(Overlap::Off, "default without ggml_ext_cpu_parallel_v1: serial"),
     };
     if overlap.value != Overlap::Off && !caps.cpu_parallel {
-        return Err(BoardError::NoOverlap { origin, asked_by: overlap.source });
+        return Err(BoardError::NoOverlap { origin: origin.to_string(), asked_by: overlap.source });
     }
-    // Overlapped decodes: the lanes read while the compute threads run, so no core does both.
-    // Prompt-only overlap keeps every compute core (the lanes mostly sleep in the kernel).
-    let (compute_cores, threads) = if overlap.value == Overlap::On && overrides.threads.is_none() {
-        let own: Vec<usize> = compute_cores.iter().copied().filter(|c| !io_cores.contains(c)).collect();
-        if own.is_empty() || own.len() == compute_cores.len() {
-            (compute_cores, threads)
-        } else {
-            notes.push(format!(
-                "overlap: the I/O lanes' cores {} compute no more (compute on {})",
-                cpulist::format(&io_cores),
-                cpulist::format(&own)
-            ));
-            let threads = sourced(own.len() as u32, "one per compute core not reading (overlap)");
-            (own, threads)
-        }
-    } else {
-        (compute_cores, threads)
-    };
+    Ok(overlap)
+}
 
-    let draft = match (overrides.draft, p.compute.draft) {
-        (Some(d), _) => sourced(d, "--draft"),
-        (None, Some(d)) => sourced(d, "profile compute.draft"),
-        (None, None) => sourced(Draft::Off, "default: off, measured slower streamed (docs/benchmarks.md)"),
-    };
-    let compute = match (p.compute.service, gpu) {
+/// Overlapped decodes: the lanes read while the compute threads run, so no core does both
+/// (unless `--threads` says otherwise). Prompt-only overlap keeps every compute core (the lanes
+/// mostly sleep in the kernel).
+fn cores_for_overlap(
+    overlap: &Sourced<Overlap>,
+    overrides: &Overrides,
+    compute_cores: Vec<usize>,
+    io_cores: &[usize],
+    threads: Sourced<u32>,
+    notes: &mut Vec<String>,
+) -> (Vec<usize>, Sourced<u32>) {
+    if overlap.value != Overlap::On || overrides.threads.is_some() {
+        return (compute_cores, threads);
+    }
+    let own: Vec<usize> = compute_cores.iter().copied().filter(|c| !io_cores.contains(c)).collect();
+    if own.is_empty() || own.len() == compute_cores.len() {
+        return (compute_cores, threads);
+    }
+    notes.push(format!(
+        "overlap: the I/O lanes' cores {} compute no more (compute on {})",
+        cpulist::format(io_cores),
+        cpulist::format(&own)
+    ));
+    let threads = sourced(own.len() as u32, "one per compute core not reading (overlap)");
+    (own, threads)
+}
+
+/// The compute service the profile names, if this build has it (the cpu service instead when
+/// the profile allows that fallback), and how extension work reaches it.
+fn compute_service(
+    p: &BoardProfile,
+    caps: BuildCaps,
+    origin: &str,
+    notes: &mut Vec<String>,
+) -> Result<(ComputeService, String), BoardError> {
+    let compute = match (p.compute.service, caps.gpu) {
         (ServiceName::Cpu, _) => ComputeService::Cpu,
         (ServiceName::Cuda, true) => ComputeService::Cuda { n_gpu_layers: p.compute.n_gpu_layers },
         (ServiceName::Cuda, false) if p.compute.cpu_fallback => {
             notes.push("compute.service = \"cuda\" but this build has no CUDA (or its driver finds no GPU): running on the cpu service (compute.cpu_fallback); a `--features cuda` build on the board runs it on the GPU".into());
             ComputeService::Cpu
         }
-        (ServiceName::Cuda, false) => return Err(BoardError::NoCuda { origin }),
+        (ServiceName::Cuda, false) => return Err(BoardError::NoCuda { origin: origin.to_string() }),
     };
-    let compute_via = match (compute, caps.cuda_ordinal) {
+    let via = match (compute, caps.cuda_ordinal) {
         (ComputeService::Cpu, _) if caps.cpu_parallel => {
             "ggml_ext_cpu_parallel_v1 on the compute cores' thread pool".to_string()
         }
@@ -324,27 +418,9 @@ pub fn resolve(
         (ComputeService::Cuda { .. }, Some(ordinal)) => {
             format!("CUDA device {ordinal} (ggml_ext_cuda_device_v1), its stream lent by ggml_ext_cuda_context_v1")
         }
-        (ComputeService::Cuda { .. }, None) => return Err(BoardError::NoCudaService { origin }),
+        (ComputeService::Cuda { .. }, None) => return Err(BoardError::NoCudaService { origin: origin.to_string() }),
     };
-    Ok(ResolvedBoard {
-        compute_via,
-        compute_cores,
-        io_cores,
-        threads,
-        priority: p.cpu.priority,
-        poll: p.cpu.poll,
-        strict_cpu: p.cpu.strict_cpu,
-        read_bytes,
-        lanes,
-        direct_io: p.storage.direct_io && !overrides.no_direct_io,
-        verify: p.storage.verify || overrides.verify,
-        overlap,
-        draft,
-        budget,
-        compute,
-        notes,
-        selected,
-    })
+    Ok((compute, via))
 }
 
 impl ResolvedBoard {

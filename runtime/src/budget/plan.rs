@@ -93,57 +93,11 @@ pub fn measure_context(
 pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger {
     let index = req.index;
     let params = context_params(req.positions, &Threads::unpinned(1));
-    let dense = match req.dense {
-        DensePolicy::Anon => LedgerLine {
-            item: Item::DenseWeights,
-            bytes: index.dense_window_bytes(),
-            basis: format!("{} tensors read once into anonymous memory (page-aligned windows)", index.dense.len()),
-            held: true,
-        },
-        DensePolicy::Mmap => LedgerLine {
-            item: Item::DenseWeights,
-            bytes: index.dense_bytes(),
-            basis: format!("{} tensors in llama.cpp's file mapping (--dense mmap)", index.dense.len()),
-            held: false,
-        },
-    };
+    let dense = dense_line(req);
     let dense_held = if dense.held { dense.bytes } else { 0 };
     let overhead = baseline + OVERHEAD_BYTES;
     let fixed = dense_held + sizes.kv + sizes.compute + overhead;
-    let all = index.all_expert_window_bytes();
-    let max_window = index.max_expert_window_bytes();
-    let in_flight = u64::from(index.n_expert.min(params.n_batch.saturating_mul(index.n_expert_used)));
-    let working = in_flight * max_window;
-    // A batch's experts beyond the cache pass through in waves of one token's layer demand,
-    // where the kernel computes every product of a prompt batch.
-    let waves = !req.gpu && index.experts.iter().all(|t| kernel::computes(t.ty, i64::from(params.n_batch)));
-    let wave = if waves { index.layer_token_demand() } else { u64::MAX };
-    let room = req.budget.value.saturating_sub(fixed);
-    let (cache, cache_basis) = match req.cache_bytes {
-        Some(c) => (c.min(all), format!("--cache-mb {}", c >> 20)),
-        None if room >= working || !waves => {
-            (room.min(all), "automatic: what the budget leaves, at most all experts".to_string())
-        }
-        None => (
-            room.saturating_sub(wave).min(all),
-            "automatic: what the budget leaves beside the staging, at most all experts".to_string(),
-        ),
-    };
-    let staging = working.saturating_sub(cache).min(wave);
-    let staging_basis = if staging < working.saturating_sub(cache) {
-        format!(
-            "a batch's routed experts beyond the cache pass through in waves of one token's largest layer ({:.2} MiB; a whole layer is {in_flight} × {:.2} MiB in a batch of {})",
-            mib(wave),
-            mib(max_window),
-            params.n_batch
-        )
-    } else {
-        format!(
-            "a layer's routed experts beyond the cache while it computes ({in_flight} × {:.2} MiB in a batch of {})",
-            mib(max_window),
-            params.n_batch
-        )
-    };
+    let (cache, staging) = cache_and_staging(req, req.budget.value.saturating_sub(fixed), params.n_batch);
     let lines = vec![
         dense,
         LedgerLine {
@@ -158,8 +112,8 @@ pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger 
             basis: format!("llama.cpp's graph reservation for batches of {}", params.n_batch),
             held: true,
         },
-        LedgerLine { item: Item::IoStaging, bytes: staging, basis: staging_basis, held: true },
-        LedgerLine { item: Item::ExpertCache, bytes: cache, basis: cache_basis, held: true },
+        staging,
+        cache,
         LedgerLine {
             item: Item::RuntimeOverhead,
             bytes: overhead,
@@ -182,10 +136,69 @@ pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger 
         budget_source: req.budget.source.clone(),
         cache_auto: req.cache_bytes.is_none(),
         one_token_min: index.one_token_demand(),
-        all_experts: all,
+        all_experts: index.all_expert_window_bytes(),
         total,
         experts: expert_layout(index),
     }
+}
+
+/// Where the dense weights live and what of them is held.
+fn dense_line(req: &PlanRequest) -> LedgerLine {
+    let index = req.index;
+    match req.dense {
+        DensePolicy::Anon => LedgerLine {
+            item: Item::DenseWeights,
+            bytes: index.dense_window_bytes(),
+            basis: format!("{} tensors read once into anonymous memory (page-aligned windows)", index.dense.len()),
+            held: true,
+        },
+        DensePolicy::Mmap => LedgerLine {
+            item: Item::DenseWeights,
+            bytes: index.dense_bytes(),
+            basis: format!("{} tensors in llama.cpp's file mapping (--dense mmap)", index.dense.len()),
+            held: false,
+        },
+    }
+}
+
+/// The expert cache (fixed, or what `room` leaves) and the I/O staging beside it: a layer's
+/// routed experts beyond the cache while it computes, or, where the kernel computes every
+/// product of a prompt batch of `n_batch`, waves of one token's layer demand.
+fn cache_and_staging(req: &PlanRequest, room: u64, n_batch: u32) -> (LedgerLine, LedgerLine) {
+    let index = req.index;
+    let all = index.all_expert_window_bytes();
+    let max_window = index.max_expert_window_bytes();
+    let in_flight = u64::from(index.n_expert.min(n_batch.saturating_mul(index.n_expert_used)));
+    let working = in_flight * max_window;
+    let waves = !req.gpu && index.experts.iter().all(|t| kernel::computes(t.ty, i64::from(n_batch)));
+    let wave = if waves { index.layer_token_demand() } else { u64::MAX };
+    let (cache, cache_basis) = match req.cache_bytes {
+        Some(c) => (c.min(all), format!("--cache-mb {}", c >> 20)),
+        None if room >= working || !waves => {
+            (room.min(all), "automatic: what the budget leaves, at most all experts".to_string())
+        }
+        None => (
+            room.saturating_sub(wave).min(all),
+            "automatic: what the budget leaves beside the staging, at most all experts".to_string(),
+        ),
+    };
+    let staging = working.saturating_sub(cache).min(wave);
+    let staging_basis = if staging < working.saturating_sub(cache) {
+        format!(
+            "a batch's routed experts beyond the cache pass through in waves of one token's largest layer ({:.2} MiB; a whole layer is {in_flight} × {:.2} MiB in a batch of {n_batch})",
+            mib(wave),
+            mib(max_window),
+        )
+    } else {
+        format!(
+            "a layer's routed experts beyond the cache while it computes ({in_flight} × {:.2} MiB in a batch of {n_batch})",
+            mib(max_window),
+        )
+    };
+    (
+        LedgerLine { item: Item::ExpertCache, bytes: cache, basis: cache_basis, held: true },
+        LedgerLine { item: Item::IoStaging, bytes: staging, basis: staging_basis, held: true },
+    )
 }
 
 /// `index`'s expert layout, for the plan.

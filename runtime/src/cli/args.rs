@@ -7,6 +7,7 @@ use anyhow::Result;
 use clap::Args;
 
 use sluice::board::{self, BoardChoice, Overlap, Overrides, ResolvedBoard};
+use sluice::launch::{Cache, Launch, Positions};
 use sluice::stream::DensePolicy;
 use sluice_hal::root::SysRoot;
 
@@ -125,6 +126,23 @@ pub struct StreamArgs {
     pub progress: bool,
     #[command(flatten)]
     pub lossy: LossyArgs,
+}
+
+impl StreamArgs {
+    /// The streamed run of `model` on `board` these arguments ask for, over the RPC workers
+    /// `rpc` lists.
+    pub fn launch(&self, model: &Path, positions: Positions, board: &ResolvedBoard, rpc: &[String]) -> Launch {
+        Launch {
+            model: model.to_path_buf(),
+            board: board.clone(),
+            positions,
+            cache: Cache::from_mib(self.cache_mb),
+            force_cache: self.force_cache,
+            dense: self.dense,
+            lossy: self.lossy.lossy(),
+            rpc: rpc.to_vec(),
+        }
+    }
 }
 
 /// Several boards serving one model.

@@ -7,11 +7,12 @@ use clap::Args;
 
 use sluice::board::{BoardChoice, ComputeService, ResolvedBoard};
 use sluice::generate::{self, GenerateParams, Generation};
-use sluice::launch::{Cache, Launch, Positions};
-use sluice::stream::DensePolicy;
+use sluice::launch::{Cost, Loaded, Positions};
+use sluice::stream::{CacheCounters, DensePolicy, TokenRow};
 use sluice::telemetry::{self, Summary};
 use sluice::units::mib;
 use sluice::{demo, text::DisplayText};
+use sluice_hal::usage::Usage;
 
 use super::args::{self, RpcArgs, StreamArgs, TuningArgs};
 use super::TextOut;
@@ -117,22 +118,13 @@ fn run_streamed(
         .map(|p| std::fs::File::create(p).with_context(|| format!("--csv {}: cannot create it", p.display())))
         .transpose()?;
     rpc.configure_link(&rpc.rpc, None)?;
-    let launch = Launch {
-        model: model_path.to_path_buf(),
-        board: board.clone(),
-        positions: Positions::Prompt { text: prompt.to_string(), n_predict: params.n_predict },
-        cache: Cache::from_mib(args.cache_mb),
-        force_cache: args.force_cache,
-        dense: args.dense,
-        lossy: args.lossy.lossy(),
-        rpc: rpc.rpc.clone(),
-    };
+    let positions = Positions::Prompt { text: prompt.to_string(), n_predict: params.n_predict };
+    let launch = args.launch(model_path, positions, board, &rpc.rpc);
     let loaded = launch.load(&mut |step| log::debug!("{step}"))?;
     if let Some(split) = &loaded.split {
         note!("{}", split.describe());
     }
     let (mut session, open) = loaded.open()?;
-    let (index, config, ledger) = (&loaded.index, &loaded.config, &loaded.ledger);
     let mut display = DisplayText::default();
     let mut out = TextOut::new()?;
     let progress = args.progress;
@@ -150,60 +142,25 @@ fn run_streamed(
     if progress {
         noteln!();
     }
-    let summary = Summary::of_generation(&rows, &generation);
     let streamer = session.streamer();
-    let direct = (0..index.shards.len()).all(|s| streamer.lanes().is_direct(s));
-    let (cache_used, counters) = (streamer.cache_used(), streamer.cache_counters());
+    let end = RunEnd {
+        direct: (0..loaded.index.shards.len()).all(|s| streamer.lanes().is_direct(s)),
+        cache_used: streamer.cache_used(),
+        counters: streamer.cache_counters(),
+        dense_bytes_read: session.dense_bytes_read,
+        open,
+        generation,
+    };
     drop(streamer);
-    noteln!(
-        "open: {:.3} s, {} read from storage ({:.1} MiB of dense weights by sluice's reader); first token after {:.3} s",
-        open.wall.as_secs_f64(),
-        open.read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", mib(b))),
-        mib(session.dense_bytes_read),
-        (open.wall + generation.prefill).as_secs_f64()
-    );
-    noteln!(
-        "prompt: {} tokens in {:.3} s; generated {} tokens{}",
-        generation.prompt_tokens.len(),
-        generation.prefill.as_secs_f64(),
-        generation.tokens.len(),
-        if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
-    );
-    if params.draft.is_some() {
-        noteln!("draft: {} of {} drafted tokens accepted", generation.accepted, generation.drafted);
-    }
-    noteln!("{}", summary.describe());
-    if !config.lossy.is_exact() {
-        noteln!(
-            "{}; {} chosen experts substituted by cached ones",
-            config.lossy.describe(index.n_expert_used),
-            summary.substituted
-        );
-    }
-    let usage = sluice_hal::usage::Usage::sample();
-    noteln!(
-        "memory: peak RSS {:.1} MiB (now anon {:.1} + file {:.1} MiB), ledger total {:.1} MiB, budget {:.1} MiB ({})",
-        mib(usage.rss_peak),
-        mib(usage.rss_anon),
-        mib(usage.rss_file),
-        mib(ledger.total),
-        mib(ledger.budget),
-        ledger.budget_source
-    );
-    noteln!(
-        "cache: budget {:.1} MiB, {:.1} MiB resident at the end (the last layer's experts included), {} evictions, {} re-reads; reads {}",
-        mib(loaded.cache_bytes()),
-        mib(cache_used),
-        counters.evictions,
-        counters.rereads,
-        if direct { "O_DIRECT" } else { "buffered" }
-    );
+    let usage = report(&loaded, &end, &rows, params.draft.is_some());
     if let (Some(path), Some(mut f)) = (&args.csv, csv) {
+        let ledger = &loaded.ledger;
+        let config = &loaded.config;
         let preamble = vec![
             ("model".to_string(), model_path.display().to_string()),
             ("cache_bytes".to_string(), config.cache_bytes.to_string()),
             ("io_lanes".to_string(), config.lanes.lanes.to_string()),
-            ("direct_io".to_string(), direct.to_string()),
+            ("direct_io".to_string(), end.direct.to_string()),
             ("dense".to_string(), format!("{:?}", config.dense).to_lowercase()),
             ("read_bytes_max".to_string(), config.lanes.max_request.to_string()),
             ("threads".to_string(), params.threads.count.to_string()),
@@ -221,6 +178,69 @@ fn run_streamed(
             .with_context(|| format!("writing --csv {}", path.display()))?;
     }
     Ok(())
+}
+
+/// How a streamed run ended: what it generated and what the streamer saw.
+struct RunEnd {
+    generation: Generation,
+    open: Cost,
+    dense_bytes_read: u64,
+    /// Every file was read with `O_DIRECT`.
+    direct: bool,
+    cache_used: u64,
+    counters: CacheCounters,
+}
+
+/// Prints the run's summary: open, prompt, drafting, decode telemetry, lossy modes, memory and
+/// cache; returns the memory usage it printed.
+fn report(loaded: &Loaded, end: &RunEnd, rows: &[TokenRow], draft: bool) -> Usage {
+    let (g, open, ledger) = (&end.generation, &end.open, &loaded.ledger);
+    noteln!(
+        "open: {:.3} s, {} read from storage ({:.1} MiB of dense weights by sluice's reader); first token after {:.3} s",
+        open.wall.as_secs_f64(),
+        open.read.map_or("? MiB".to_string(), |b| format!("{:.1} MiB", mib(b))),
+        mib(end.dense_bytes_read),
+        (open.wall + g.prefill).as_secs_f64()
+    );
+    noteln!(
+        "prompt: {} tokens in {:.3} s; generated {} tokens{}",
+        g.prompt_tokens.len(),
+        g.prefill.as_secs_f64(),
+        g.tokens.len(),
+        if g.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
+    );
+    if draft {
+        noteln!("draft: {} of {} drafted tokens accepted", g.accepted, g.drafted);
+    }
+    let summary = Summary::of_generation(rows, g);
+    noteln!("{}", summary.describe());
+    let lossy = &loaded.config.lossy;
+    if !lossy.is_exact() {
+        noteln!(
+            "{}; {} chosen experts substituted by cached ones",
+            lossy.describe(loaded.index.n_expert_used),
+            summary.substituted
+        );
+    }
+    let usage = Usage::sample();
+    noteln!(
+        "memory: peak RSS {:.1} MiB (now anon {:.1} + file {:.1} MiB), ledger total {:.1} MiB, budget {:.1} MiB ({})",
+        mib(usage.rss_peak),
+        mib(usage.rss_anon),
+        mib(usage.rss_file),
+        mib(ledger.total),
+        mib(ledger.budget),
+        ledger.budget_source
+    );
+    noteln!(
+        "cache: budget {:.1} MiB, {:.1} MiB resident at the end (the last layer's experts included), {} evictions, {} re-reads; reads {}",
+        mib(loaded.cache_bytes()),
+        mib(end.cache_used),
+        end.counters.evictions,
+        end.counters.rereads,
+        if end.direct { "O_DIRECT" } else { "buffered" }
+    );
+    usage
 }
 
 /// Runs `sluice demo`.

@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 
 use ggml_sys::{GrammarKind, Model, ParsedMessage, SamplerParams};
 
-use super::chat::{MessageDelta, MessageStream};
+use super::deltas::{MessageDelta, MessageStream};
 use super::error::ApiError;
 use super::job::{Event, Piece};
 use super::logprobs::TokenLogprob;

@@ -2,7 +2,7 @@
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,14 +10,14 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 
 use super::answer::Answer;
-use super::api::{GenerationRequest, PromptBound};
 use super::error::ApiError;
 use super::heat::{self, ModelIdentity};
-use super::job::{Event, Finish, Job, Unsent, MAX_UNREAD_BYTES};
+use super::job::{Event, EventSender, Finish, Job, Unsent, MAX_UNREAD_BYTES};
+use super::job::{GenerationRequest, PromptBound};
 use super::metrics::GenerationCounts;
 use super::prompt::{TokenizeError, Tokenizer};
 use super::shared::{Shared, IDLE_BEAT};
-use crate::generate::GenerateError;
+use crate::generate::{GenerateError, Generation, Sampler};
 use crate::launch::{Launch, LaunchError};
 use crate::stream::{ExpertIndex, StreamError, StreamedSession};
 use crate::units::mib;
@@ -235,11 +235,7 @@ impl Engine<'_, '_> {
 
     /// Runs one request, sending its events.
     fn handle(&mut self, job: Job) {
-        let Job {
-            request: GenerationRequest { prompt, max_tokens: asked, sampling, stop, logprobs, .. },
-            events,
-            cancel,
-        } = job;
+        let Job { request, events, cancel } = job;
         self.shared.dequeued();
         if cancel.load(Ordering::Relaxed) {
             self.shared.metrics.cancelled();
@@ -249,40 +245,9 @@ impl Engine<'_, '_> {
             let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
             return;
         }
-        let prompt = match self.tokenizer.tokenize(prompt, self.shared, &cancel) {
-            Ok(p) => p,
-            Err(TokenizeError::Invalid(e)) => {
-                let _ = events.send(Event::Failed(e));
-                return;
-            }
-            Err(TokenizeError::Interrupted) => {
-                self.shared.metrics.cancelled();
-                log::info!("a prompt's tokenization was abandoned: its client went away or the server is stopping");
-                let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the generation was cancelled")));
-                return;
-            }
-        };
-        let tokens = &prompt.tokens;
-        let room = (self.n_ctx as usize).saturating_sub(tokens.len());
-        let max_tokens = asked.map_or(room, |m| m as usize);
-        if max_tokens == 0 || tokens.len() + max_tokens > self.n_ctx as usize {
-            let param = if asked.is_some() { "max_tokens" } else { "messages" };
-            let e = ApiError::invalid(
-                format!(
-                    "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
-                    self.n_ctx,
-                    tokens.len() + max_tokens.max(1),
-                    tokens.len(),
-                    max_tokens.max(1)
-                ),
-                Some(param),
-            )
-            .with_code("context_length_exceeded");
-            let _ = events.send(Event::Failed(e));
-            return;
-        }
-        let (mut sampler, mut answer) = match Answer::new(self.session.model(), sampling, stop, prompt.chat) {
-            Ok(o) => o,
+        let logprobs = request.logprobs;
+        let (tokens, max_tokens, mut sampler, mut answer) = match self.admit(request, &cancel) {
+            Ok(admitted) => admitted,
             Err(e) => {
                 let _ = events.send(Event::Failed(e));
                 return;
@@ -295,8 +260,8 @@ impl Engine<'_, '_> {
         let shared = self.shared;
         let model = self.session.model();
         let result = self.session.generate_with(
-            tokens,
-            max_tokens as u32,
+            &tokens,
+            max_tokens,
             &mut sampler,
             |chosen| {
                 let event = answer.take(model, chosen, logprobs);
@@ -328,45 +293,99 @@ impl Engine<'_, '_> {
         self.heat_dirty = true;
         self.publish_heat();
         match result {
-            Ok((g, _)) => {
-                let (last, message) = answer.finish();
-                if let Some(e) = last {
-                    let _ = events.send(e);
-                }
-                self.shared.metrics.generation(GenerationCounts {
-                    prompt_tokens: tokens.len() as u64,
-                    completion_tokens: g.tokens.len() as u64,
-                    decode: g.decode,
-                    decoded: u64::from(g.decoded),
-                });
-                if cancel.load(Ordering::Relaxed) {
-                    self.shared.metrics.cancelled();
-                    return;
-                }
-                let finish = if !(answer.stopped() || g.stopped_at_eog) {
-                    Finish::Length
-                } else if message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()) {
-                    Finish::ToolCalls
-                } else {
-                    Finish::Stop
-                };
-                let _ = events.send(Event::Done {
-                    finish,
-                    prompt_tokens: tokens.len(),
-                    completion_tokens: g.tokens.len(),
-                    message,
-                });
+            Ok((g, _)) => self.finish(&events, &cancel, tokens.len(), &g, answer),
+            Err(e) => self.fail(&events, e, answer.grammar_param()),
+        }
+    }
+
+    /// The request's prompt tokenized and checked against the context, with its sampler and
+    /// answer; else the error for its client (an abandoned tokenization counts as cancelled).
+    fn admit(
+        &mut self,
+        request: GenerationRequest,
+        cancel: &AtomicBool,
+    ) -> Result<(Vec<ggml_sys::Token>, u32, Sampler, Answer), ApiError> {
+        let GenerationRequest { prompt, max_tokens: asked, sampling, stop, .. } = request;
+        let prompt = match self.tokenizer.tokenize(prompt, self.shared, cancel) {
+            Ok(p) => p,
+            Err(TokenizeError::Invalid(e)) => return Err(e),
+            Err(TokenizeError::Interrupted) => {
+                self.shared.metrics.cancelled();
+                log::info!("a prompt's tokenization was abandoned: its client went away or the server is stopping");
+                return Err(ApiError::new(503, "server_error", "the generation was cancelled"));
             }
-            Err(e) if e.is_cancelled() => {
+        };
+        let tokens = prompt.tokens;
+        let room = (self.n_ctx as usize).saturating_sub(tokens.len());
+        let max_tokens = asked.map_or(room, |m| m as usize);
+        if max_tokens == 0 || tokens.len() + max_tokens > self.n_ctx as usize {
+            let param = if asked.is_some() { "max_tokens" } else { "messages" };
+            return Err(ApiError::invalid(
+                    format!(
+                        "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
+                        self.n_ctx,
+                        tokens.len() + max_tokens.max(1),
+                        tokens.len(),
+                        max_tokens.max(1)
+                    ),
+                    Some(param),
+                )
+                .with_code("context_length_exceeded"));
+        }
+        let (sampler, answer) = Answer::new(self.session.model(), sampling, stop, prompt.chat)?;
+        Ok((tokens, max_tokens as u32, sampler, answer))
+    }
+
+    /// Sends the end of a generation that ran: its last output and `Done` with why it ended
+    /// (nothing more when its client cancelled it).
+    fn finish(
+        &self,
+        events: &EventSender,
+        cancel: &AtomicBool,
+        prompt_tokens: usize,
+        g: &Generation,
+        mut answer: Answer,
+    ) {
+        let (last, message) = answer.finish();
+        let stopped = answer.stopped();
+        if let Some(e) = last {
+            let _ = events.send(e);
+        }
+        self.shared.metrics.generation(GenerationCounts {
+            prompt_tokens: prompt_tokens as u64,
+            completion_tokens: g.tokens.len() as u64,
+            decode: g.decode,
+            decoded: u64::from(g.decoded),
+        });
+        if cancel.load(Ordering::Relaxed) {
+            self.shared.metrics.cancelled();
+            return;
+        }
+        let finish = if !(stopped || g.stopped_at_eog) {
+            Finish::Length
+        } else if message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()) {
+            Finish::ToolCalls
+        } else {
+            Finish::Stop
+        };
+        let _ = events.send(Event::Done { finish, prompt_tokens, completion_tokens: g.tokens.len(), message });
+    }
+
+    /// Sends why a generation failed: cancelled (503), a grammar too costly for the request
+    /// field `grammar_param` (400), a lost RPC worker (503, and the model is loaded again), or
+    /// anything else (500).
+    fn fail(&mut self, events: &EventSender, e: StreamError, grammar_param: &'static str) {
+        let failure = match e {
+            e if e.is_cancelled() => {
                 self.shared.metrics.cancelled();
                 log::info!("generation cancelled after its client went away or the server began stopping");
-                let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the generation was cancelled")));
+                ApiError::new(503, "server_error", "the generation was cancelled")
             }
-            Err(StreamError::Generate(GenerateError::Llama(e @ ggml_sys::Error::GrammarTooSlow { .. }))) => {
+            StreamError::Generate(GenerateError::Llama(e @ ggml_sys::Error::GrammarTooSlow { .. })) => {
                 log::warn!("a request's grammar was too costly: {e}");
-                let _ = events.send(Event::Failed(ApiError::invalid(e.to_string(), Some(answer.grammar_param()))));
+                ApiError::invalid(e.to_string(), Some(grammar_param))
             }
-            Err(e) => {
+            e => {
                 log::error!("generation failed: {e}");
                 let code = match e.lost_worker() {
                     Some(endpoint) => {
@@ -375,9 +394,9 @@ impl Engine<'_, '_> {
                     }
                     None => 500,
                 };
-                let _ =
-                    events.send(Event::Failed(ApiError::new(code, "server_error", format!("generation failed: {e}"))));
+                ApiError::new(code, "server_error", format!("generation failed: {e}"))
             }
-        }
+        };
+        let _ = events.send(Event::Failed(failure));
     }
 }

@@ -1,16 +1,86 @@
-//! The engine's contract with the HTTP front: a queued [`Job`], and the [`Event`]s it answers
-//! with over a channel whose unread bytes are bounded.
+//! The engine's contract with the HTTP front: a checked [`GenerationRequest`] (within the
+//! [`PromptBound`]) queued as a [`Job`], and the [`Event`]s it answers with over a channel whose
+//! unread bytes are bounded.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use ggml_sys::ParsedMessage;
+use ggml_sys::{ChatInputs, ParsedMessage, SamplerParams};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
-use super::api::GenerationRequest;
-use super::chat::MessageDelta;
+use super::deltas::MessageDelta;
 use super::error::ApiError;
 use super::logprobs::TokenLogprob;
+
+/// What a generation request asks for, checked.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// The prompt.
+    pub prompt: PromptInput,
+    /// Tokens to generate at most; `None`: what the context leaves.
+    pub max_tokens: Option<u32>,
+    /// How tokens are chosen (a chat's grammar is added when its template is applied).
+    pub sampling: SamplerParams,
+    /// Stop sequences.
+    pub stop: Vec<String>,
+    /// Server-sent events.
+    pub stream: bool,
+    /// Whether a streamed response ends with a usage chunk.
+    pub include_usage: bool,
+    /// Log probabilities of the chosen tokens, with this many alternatives each.
+    pub logprobs: Option<usize>,
+}
+
+/// The prompt of a request.
+#[derive(Debug, Clone)]
+pub enum PromptInput {
+    /// Completion text, tokenized as is (with BOS).
+    Text(String),
+    /// Chat messages and options, for the model's template.
+    Chat(Box<ChatInputs>),
+}
+
+/// The most bytes of text a prompt can have and still fit the context: every token stands for
+/// at most `max_token_bytes` bytes, so a longer text needs more than `n_ctx` tokens. A prompt
+/// over it is refused before it is tokenized (tokenizing megabytes takes long).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PromptBound {
+    /// Context positions; 0 until the model is loaded (no bound).
+    pub n_ctx: u32,
+    /// The longest text any token stands for, in bytes.
+    pub max_token_bytes: usize,
+}
+
+impl PromptBound {
+    /// The bound in bytes, if known.
+    pub fn bytes(&self) -> Option<usize> {
+        (self.n_ctx > 0).then(|| (self.n_ctx as usize).saturating_mul(self.max_token_bytes.max(1)))
+    }
+
+    /// 400 `context_length_exceeded` when `request`'s prompt text is over the bound.
+    pub fn check(&self, request: &GenerationRequest) -> Result<(), ApiError> {
+        let Some(limit) = self.bytes() else { return Ok(()) };
+        let (bytes, param) = match &request.prompt {
+            PromptInput::Text(t) => (t.len(), "prompt"),
+            // Tools and schemas are rendered into the prompt or its grammar: they count too.
+            PromptInput::Chat(c) => {
+                let text = |v: &Option<serde_json::Value>| v.as_ref().map_or(0, |v| v.to_string().len());
+                (c.messages.to_string().len() + text(&c.tools) + text(&c.json_schema), "messages")
+            }
+        };
+        if bytes <= limit {
+            return Ok(());
+        }
+        Err(ApiError::invalid(
+            format!(
+                "This model's maximum context length is {} tokens. However, your prompt of {bytes} bytes needs more than that (no token of this model stands for more than {} bytes). Please reduce the prompt.",
+                self.n_ctx, self.max_token_bytes
+            ),
+            Some(param),
+        )
+        .with_code("context_length_exceeded"))
+    }
+}
 
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

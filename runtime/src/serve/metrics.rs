@@ -222,15 +222,17 @@ impl Metrics {
     /// The Prometheus text exposition (format 0.0.4), with the server `state` and `queued`
     /// requests.
     pub fn render(&self, state: &str, queued: usize) -> String {
-        let mut out = String::new();
-        let mut metric = |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| {
-            let _ = writeln!(out, "# HELP sluice_{name} {help}\n# TYPE sluice_{name} {kind}");
-            for (labels, v) in samples {
-                let _ = writeln!(out, "sluice_{name}{labels} {v}");
-            }
-        };
-        let n = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64;
-        let one = |v: f64| vec![(String::new(), v)];
+        let mut out = Exposition(String::new());
+        self.render_front(&mut out, state, queued);
+        self.render_decode(&mut out);
+        self.render_memory(&mut out);
+        out.0
+    }
+
+    /// The HTTP front's counters, the server's state and its queue.
+    fn render_front(&self, out: &mut Exposition, state: &str, queued: usize) {
+        let mut metric =
+            |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| out.metric(name, kind, help, samples);
         let requests: Vec<(String, f64)> = {
             let r = self.requests.lock().unwrap_or_else(|e| e.into_inner());
             r.iter().map(|((e, s), c)| (format!("{{endpoint=\"{e}\",status=\"{s}\"}}"), *c as f64)).collect()
@@ -257,6 +259,12 @@ impl Metrics {
             &one(n(&self.accept_errors)),
         );
         metric("queued_requests", "gauge", "Generation requests waiting for the engine.", &one(queued as f64));
+    }
+
+    /// Tokens, decode speed, the expert cache and the lossy modes.
+    fn render_decode(&self, out: &mut Exposition) {
+        let mut metric =
+            |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| out.metric(name, kind, help, samples);
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", &one(n(&self.prompt_tokens)));
         metric("completion_tokens_total", "counter", "Tokens generated.", &one(n(&self.completion_tokens)));
         metric(
@@ -307,16 +315,22 @@ impl Metrics {
             "Chosen experts replaced by cached ones (LOSSY --substitute).",
             &one(n(&self.substituted)),
         );
+    }
+
+    /// The warm start, the memory plan and the process's memory.
+    fn render_memory(&self, out: &mut Exposition) {
+        let mut metric =
+            |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| out.metric(name, kind, help, samples);
+        let ledger: Vec<(String, f64)> = {
+            let l = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
+            l.iter().map(|(item, b)| (format!("{{item=\"{item}\"}}"), *b as f64)).collect()
+        };
         metric(
             "warm_start_bytes",
             "gauge",
             "Expert bytes read at start from the saved heat map.",
             &one(n(&self.warm_bytes)),
         );
-        let ledger: Vec<(String, f64)> = {
-            let l = self.ledger.lock().unwrap_or_else(|e| e.into_inner());
-            l.iter().map(|(item, b)| (format!("{{item=\"{item}\"}}"), *b as f64)).collect()
-        };
         metric("ledger_bytes", "gauge", "The memory plan, by item.", &ledger);
         metric("budget_bytes", "gauge", "The memory budget the plan fits.", &one(n(&self.budget)));
         let usage = Usage::sample();
@@ -327,8 +341,30 @@ impl Metrics {
             &one((usage.rss_anon + usage.rss_file) as f64),
         );
         metric("resident_memory_peak_bytes", "gauge", "Peak resident set size (VmHWM).", &one(usage.rss_peak as f64));
-        out
     }
+}
+
+/// A Prometheus text exposition being written.
+struct Exposition(String);
+
+impl Exposition {
+    /// One metric: its help, its type and its samples (labels, value).
+    fn metric(&mut self, name: &str, kind: &str, help: &str, samples: &[(String, f64)]) {
+        let _ = writeln!(self.0, "# HELP sluice_{name} {help}\n# TYPE sluice_{name} {kind}");
+        for (labels, v) in samples {
+            let _ = writeln!(self.0, "sluice_{name}{labels} {v}");
+        }
+    }
+}
+
+/// A counter's value.
+fn n(a: &AtomicU64) -> f64 {
+    a.load(Ordering::Relaxed) as f64
+}
+
+/// One unlabelled sample.
+fn one(v: f64) -> Vec<(String, f64)> {
+    vec![(String::new(), v)]
 }
 
 #[cfg(test)]

@@ -17,6 +17,7 @@ mod answer;
 pub mod api;
 pub mod chat;
 pub mod config;
+pub mod deltas;
 pub mod engine;
 pub mod error;
 pub mod heat;

@@ -10,8 +10,8 @@ use std::time::Instant;
 use anyhow::Result;
 use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, Model, Token};
 
-use super::api::PromptInput;
 use super::error::ApiError;
+use super::job::PromptInput;
 use super::shared::{Shared, IDLE_BEAT};
 
 /// A prompt ready to generate from.

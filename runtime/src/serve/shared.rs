@@ -7,8 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::access::Access;
-use super::api::PromptBound;
 use super::job::Job;
+use super::job::PromptBound;
 use super::metrics::Metrics;
 use super::state::State;
 use crate::systemd::notify;

@@ -124,31 +124,23 @@ fn used_per_layer(g: &GgufFile, key: &str, n_layer: u32, blocks: u64) -> Result<
     per_layer.iter().map(|&v| u32::try_from(v).map_err(|_| format!("{key} holds {v}"))).collect()
 }
 
-impl ExpertIndex {
-    /// Reads the headers of `path` (and the other files of a split model).
-    pub fn open(path: &Path) -> Result<ExpertIndex, IndexError> {
-        let first = GgufFile::open(path)?;
-        let meta_err = |what: String| IndexError::Metadata { path: path.into(), what };
-        let arch = first.architecture().ok_or_else(|| meta_err("general.architecture is missing".into()))?;
-        let key = |k: &str| format!("{arch}.{k}");
-        let blocks =
-            first.get_u64(&key("block_count")).ok_or_else(|| meta_err(format!("{} is missing", key("block_count"))))?;
-        let nextn_layers = first.get_u64(&key("nextn_predict_layers")).unwrap_or(0).min(blocks);
-        let n_layer = u32::try_from(blocks - nextn_layers)
-            .map_err(|_| meta_err(format!("{} is {blocks}, too many layers", key("block_count"))))?;
-        let n_expert = first.get_u64(&key("expert_count")).unwrap_or(0);
-        if n_expert <= 1 {
-            return Err(IndexError::NoExperts { path: path.into(), arch });
-        }
-        let n_expert = u32::try_from(n_expert)
-            .map_err(|_| meta_err(format!("{} is {n_expert}, too many experts", key("expert_count"))))?;
-        let used_per_layer = used_per_layer(&first, &key("expert_used_count"), n_layer, blocks).map_err(meta_err)?;
-        let shards = shard_paths(path, &first).map_err(meta_err)?;
+/// A model's tensors by kind.
+struct Tensors {
+    experts: Vec<ExpertTensor>,
+    dense: Vec<DenseTensor>,
+    not_run: Vec<DenseTensor>,
+}
+
+impl Tensors {
+    /// The tensors of every file of `shards` (the first one's header already open as `first`):
+    /// routed experts (of `n_expert` experts) in the `n_layer` layers that run, the layers'
+    /// other tensors and the model's (dense), and those of the layers that do not run (NextN).
+    fn of(first: &GgufFile, shards: &[PathBuf], n_layer: u32, n_expert: u32) -> Result<Tensors, IndexError> {
         let (mut experts, mut dense, mut not_run) = (Vec::new(), Vec::new(), Vec::new());
         for (shard, shard_path) in shards.iter().enumerate() {
             let opened;
             let g = if shard == 0 {
-                &first
+                first
             } else {
                 opened = GgufFile::open(shard_path)?;
                 &opened
@@ -173,6 +165,31 @@ impl ExpertIndex {
                 }
             }
         }
+        Ok(Tensors { experts, dense, not_run })
+    }
+}
+
+impl ExpertIndex {
+    /// Reads the headers of `path` (and the other files of a split model).
+    pub fn open(path: &Path) -> Result<ExpertIndex, IndexError> {
+        let first = GgufFile::open(path)?;
+        let meta_err = |what: String| IndexError::Metadata { path: path.into(), what };
+        let arch = first.architecture().ok_or_else(|| meta_err("general.architecture is missing".into()))?;
+        let key = |k: &str| format!("{arch}.{k}");
+        let blocks =
+            first.get_u64(&key("block_count")).ok_or_else(|| meta_err(format!("{} is missing", key("block_count"))))?;
+        let nextn_layers = first.get_u64(&key("nextn_predict_layers")).unwrap_or(0).min(blocks);
+        let n_layer = u32::try_from(blocks - nextn_layers)
+            .map_err(|_| meta_err(format!("{} is {blocks}, too many layers", key("block_count"))))?;
+        let n_expert = first.get_u64(&key("expert_count")).unwrap_or(0);
+        if n_expert <= 1 {
+            return Err(IndexError::NoExperts { path: path.into(), arch });
+        }
+        let n_expert = u32::try_from(n_expert)
+            .map_err(|_| meta_err(format!("{} is {n_expert}, too many experts", key("expert_count"))))?;
+        let used_per_layer = used_per_layer(&first, &key("expert_used_count"), n_layer, blocks).map_err(meta_err)?;
+        let shards = shard_paths(path, &first).map_err(meta_err)?;
+        let Tensors { experts, dense, not_run } = Tensors::of(&first, &shards, n_layer, n_expert)?;
         if experts.is_empty() {
             return Err(IndexError::NoExperts { path: path.into(), arch });
         }

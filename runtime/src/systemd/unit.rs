@@ -141,6 +141,27 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
     );
     let _ = writeln!(out, "[Service]");
     let _ = writeln!(out, "ExecStart=");
+    let _ = writeln!(out, "ExecStart={}", exec_start(req, command, board_arg));
+    write_affinity(&mut out, req);
+    let (mib, why) = memory_max(req)?;
+    let _ = writeln!(out, "# The memory budget: {why}. sluice plans its memory within this cgroup limit.");
+    let _ = writeln!(out, "MemoryMax={mib}M");
+    let _ = writeln!(out, "MemorySwapMax=0");
+    match &req.role {
+        UnitRole::Serve { model, api_key_file, rpc } => write_serve_access(&mut out, req, model, *api_key_file, rpc),
+        UnitRole::Worker { head } => {
+            let _ = writeln!(
+                out,
+                "# Only the head at {head} may connect: ggml's RPC has no authentication. Keep the link private."
+            );
+            let _ = writeln!(out, "IPAddressAllow={head}");
+        }
+    }
+    Ok(out)
+}
+
+/// The service's command line, each argument quoted for `ExecStart=`.
+fn exec_start(req: &UnitRequest<'_>, command: &str, board_arg: String) -> String {
     let mut args = vec![req.exe.display().to_string(), "-v".into(), command.into()];
     if let UnitRole::Serve { model, rpc, .. } = &req.role {
         args.extend(["--model".into(), model.display().to_string()]);
@@ -154,8 +175,13 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
         // The worker itself admits the head alone too (beside IPAddressAllow=).
         args.extend(["--allow".into(), head.to_string()]);
     }
-    let _ = writeln!(out, "ExecStart={}", args.iter().map(|a| exec_arg(a)).collect::<Vec<_>>().join(" "));
-    // A worker computes only; the head's I/O lanes need their cores too.
+    args.iter().map(|a| exec_arg(a)).collect::<Vec<_>>().join(" ")
+}
+
+/// `CPUAffinity=` of the profile's cores: a worker computes only; the head's I/O lanes need
+/// their cores too.
+fn write_affinity(out: &mut String, req: &UnitRequest<'_>) {
+    let p = &req.board.profile;
     let io_cores = match req.role {
         UnitRole::Serve { .. } => p.cpu.io_cores.iter().flatten().copied().collect(),
         UnitRole::Worker { .. } => Vec::new(),
@@ -163,30 +189,28 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
     let mut cores: Vec<usize> = p.cpu.compute_cores.iter().flatten().copied().chain(io_cores).collect();
     cores.sort_unstable();
     cores.dedup();
-    if !cores.is_empty() {
-        let list = sluice_hal::cpulist::format(&cores);
-        let which = match req.role {
-            UnitRole::Serve { .. } => "compute and I/O cores (cpu.compute_cores, cpu.io_cores)",
-            UnitRole::Worker { .. } => "compute cores (cpu.compute_cores)",
-        };
-        let _ = writeln!(out, "# The profile's {which}.");
-        let _ = writeln!(out, "CPUAffinity={}", list.replace(',', " "));
+    if cores.is_empty() {
+        return;
     }
-    let (mib, why) = memory_max(req)?;
-    let _ = writeln!(out, "# The memory budget: {why}. sluice plans its memory within this cgroup limit.");
-    let _ = writeln!(out, "MemoryMax={mib}M");
-    let _ = writeln!(out, "MemorySwapMax=0");
-    let (model, api_key_file, rpc) = match &req.role {
-        UnitRole::Serve { model, api_key_file, rpc } => (*model, *api_key_file, rpc),
-        UnitRole::Worker { head } => {
-            let _ = writeln!(
-                out,
-                "# Only the head at {head} may connect: ggml's RPC has no authentication. Keep the link private."
-            );
-            let _ = writeln!(out, "IPAddressAllow={head}");
-            return Ok(out);
-        }
+    let list = sluice_hal::cpulist::format(&cores);
+    let which = match req.role {
+        UnitRole::Serve { .. } => "compute and I/O cores (cpu.compute_cores, cpu.io_cores)",
+        UnitRole::Worker { .. } => "compute cores (cpu.compute_cores)",
     };
+    let _ = writeln!(out, "# The profile's {which}.");
+    let _ = writeln!(out, "CPUAffinity={}", list.replace(',', " "));
+}
+
+/// What the serving head reads and who reaches it: the model's directory read-only, the API
+/// key credential, other hosts when it listens beyond loopback, the RPC workers, and the GPU's
+/// devices for the cuda service.
+fn write_serve_access(
+    out: &mut String,
+    req: &UnitRequest<'_>,
+    model: &Path,
+    api_key_file: Option<&Path>,
+    rpc: &[(String, IpAddr)],
+) {
     let model_dir = model.parent().unwrap_or(Path::new("/"));
     let _ = writeln!(out, "# The model (and the other files of a split model) is only read.");
     let _ = writeln!(out, "ReadOnlyPaths={}", exec_arg(&model_dir.display().to_string()));
@@ -214,7 +238,7 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
         let _ = writeln!(out, "# The RPC workers (--rpc) this board connects to.");
         let _ = writeln!(out, "IPAddressAllow={}", ips.join(" "));
     }
-    if p.compute.service == ServiceName::Cuda {
+    if req.board.profile.compute.service == ServiceName::Cuda {
         let _ = writeln!(
             out,
             "# compute.service = \"cuda\": the Jetson GPU's device nodes, through the video and render groups"
@@ -231,7 +255,6 @@ pub fn drop_in(req: &UnitRequest<'_>) -> Result<String, UnitError> {
             let _ = writeln!(out, "DeviceAllow={dev} rw");
         }
     }
-    Ok(out)
 }
 
 fn home_or_tmp(dir: &Path) -> bool {

@@ -18,9 +18,9 @@ use super::conn::ConnState;
 use super::reply::{Gathered, Kind, Reply};
 use super::transport::peer_gone;
 use super::Front;
-use crate::serve::api::{self, GenerationRequest};
+use crate::serve::api;
 use crate::serve::error::ApiError;
-use crate::serve::job::{event_channel, Event, EventReceiver, Job, Piece};
+use crate::serve::job::{event_channel, Event, EventReceiver, GenerationRequest, Job, Piece};
 use crate::serve::state::State;
 
 const ENDPOINTS: [&str; 7] =

@@ -171,32 +171,7 @@ pub(super) fn has_room(q: &Queue) -> bool {
 pub(super) fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batch: u64) -> io::Result<(u64, bool)> {
     let n = shared.reads.fetch_add(1, Ordering::Relaxed) + 1;
     if let Some(fault) = shared.fault.filter(|f| f.at == n) {
-        match fault.kind {
-            FaultKind::Eio => return Err(io::Error::from_raw_os_error(libc::EIO)),
-            FaultKind::Panic => panic!("injected fault at read {n}"),
-            FaultKind::Hang => {
-                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-                while !q.shutdown {
-                    q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
-                }
-                return Err(io::Error::from_raw_os_error(libc::EIO));
-            }
-            FaultKind::Late => {
-                let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
-                while !q.shutdown && q.batch == batch {
-                    q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
-                }
-                drop(q);
-                let released = Instant::now() + Duration::from_secs(10);
-                while job.target.resident_bytes() > 0 && Instant::now() < released {
-                    std::thread::sleep(Duration::from_millis(5));
-                }
-                // The chunk that was with the device lands.
-                let len = job.len.min(shared.max_request);
-                let _ = job.target.read_window(files[job.shard].buffered.as_fd(), job.start, len);
-                return Err(abandoned_error());
-            }
-        }
+        return Err(inject(shared, files, job, batch, fault.kind, n));
     }
     let shard = &shared.shards[job.shard];
     let f = &files[job.shard];
@@ -238,7 +213,14 @@ pub(super) fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batc
             Err(e) => return Err(e),
         }
     }
-    // After the read: a change during it is caught too.
+    check_landed(shared, job)?;
+    Ok((done as u64, use_direct))
+}
+
+/// After a job's read: the file must still be the one the lanes opened (a change during the
+/// read is caught too), and with `--verify` the bytes that landed must match their checksum.
+fn check_landed(shared: &Shared, job: &ReadJob) -> io::Result<()> {
+    let shard = &shared.shards[job.shard];
     let now = std::fs::metadata(&shard.path).map(|m| FileIdentity::of(&m));
     match now.as_ref().map(|now| shard.identity.change(now)) {
         Ok(None) => {}
@@ -260,5 +242,40 @@ pub(super) fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batc
             ));
         }
     }
-    Ok((done as u64, use_direct))
+    Ok(())
+}
+
+/// A test's injected fault at read `n` instead of the job's read: an error, a panic, a read
+/// that never returns until shutdown, or one that lands after its batch was abandoned.
+fn inject(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batch: u64, kind: FaultKind, n: u64) -> io::Error {
+    match kind {
+        FaultKind::Eio => io::Error::from_raw_os_error(libc::EIO),
+        FaultKind::Panic => panic!("injected fault at read {n}"),
+        FaultKind::Hang => {
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            while !q.shutdown {
+                q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+            io::Error::from_raw_os_error(libc::EIO)
+        }
+        FaultKind::Late => {
+            let mut q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
+            while !q.shutdown && q.batch == batch {
+                q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
+            }
+            drop(q);
+            let released = Instant::now() + Duration::from_secs(10);
+            while job.target.resident_bytes() > 0 && Instant::now() < released {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            // Late by more than the failed decode takes to unwind, even on a loaded machine: the
+            // engine has given up on the batch by then, as a device that answers long after its
+            // bound does.
+            std::thread::sleep(Duration::from_millis(500));
+            // The chunk that was with the device lands.
+            let len = job.len.min(shared.max_request);
+            let _ = job.target.read_window(files[job.shard].buffered.as_fd(), job.start, len);
+            abandoned_error()
+        }
+    }
 }

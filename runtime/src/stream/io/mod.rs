@@ -126,8 +126,9 @@ pub enum FaultKind {
     /// Never returns (until the lanes shut down): a stuck device.
     Hang,
     /// Lands only after its batch was given up (a bound passed or a cancel) and the engine has
-    /// released its tensor's memory (polled with `mincore`, at most 10 s): a read that was
-    /// already with the device then, writing into memory the engine has released.
+    /// released its tensor's memory (polled with `mincore`, at most 10 s), half a second later:
+    /// a read that was already with the device then, writing into memory the engine has
+    /// released after the failed decode has returned.
     Late,
 }
 

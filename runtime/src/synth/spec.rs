@@ -1,0 +1,259 @@
+//! What a synthetic model is: its output type and its parameters, checked against each other.
+
+use super::gguf_writer::TensorType;
+use super::routing::{self, Routing};
+use super::{arch, invalid, reuse, SynthArch, SynthError};
+
+/// The element type of the weights in the output file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum OutputType {
+    /// 32-bit floats everywhere.
+    F32,
+    /// 16-bit floats for matrices, f32 for norms.
+    F16,
+    /// 8-bit blocks of 32 (`llama_model_quantize`).
+    #[value(name = "q8_0")]
+    Q8_0,
+    /// The 4-bit k-quant mix (`llama_model_quantize`).
+    #[value(name = "q4_k_m")]
+    Q4KM,
+    /// 6-bit k-quants (`llama_model_quantize`).
+    #[value(name = "q6_k")]
+    Q6K,
+    /// MXFP4 routed experts, Q8_0 for the other matrices, as gpt-oss ships
+    /// (`llama_model_quantize`).
+    #[value(name = "mxfp4_moe")]
+    Mxfp4Moe,
+    /// bfloat16 matrices, f32 for norms (`llama_model_quantize` from f16).
+    #[value(name = "bf16")]
+    Bf16,
+}
+
+impl OutputType {
+    /// The quantization that produces this type, if it is a quantized one.
+    pub(super) fn quant(self) -> Option<ggml_sys::QuantType> {
+        match self {
+            OutputType::F32 | OutputType::F16 => None,
+            OutputType::Q8_0 => Some(ggml_sys::QuantType::Q8_0),
+            OutputType::Q4KM => Some(ggml_sys::QuantType::Q4KM),
+            OutputType::Q6K => Some(ggml_sys::QuantType::Q6K),
+            OutputType::Mxfp4Moe => Some(ggml_sys::QuantType::Mxfp4Moe),
+            OutputType::Bf16 => Some(ggml_sys::QuantType::Bf16),
+        }
+    }
+
+    /// Rows must be a multiple of this many elements for the type's blocks.
+    pub fn block_width(self) -> u32 {
+        match self {
+            OutputType::F32 | OutputType::F16 | OutputType::Bf16 => 1,
+            OutputType::Q8_0 | OutputType::Mxfp4Moe => 32,
+            OutputType::Q4KM | OutputType::Q6K => 256,
+        }
+    }
+
+    /// Approximate bytes per weight of a matrix (for `--size`).
+    pub fn bytes_per_weight(self) -> f64 {
+        match self {
+            OutputType::F32 => 4.0,
+            OutputType::F16 | OutputType::Bf16 => 2.0,
+            OutputType::Q8_0 => 34.0 / 32.0,
+            // Q4_K (144 B / 256) for most matrices, Q6_K (210 B / 256) for some down projections.
+            OutputType::Q4KM => 0.62,
+            OutputType::Q6K => 210.0 / 256.0,
+            // MXFP4 (17 B / 32) for the experts, which are most of a MoE model.
+            OutputType::Mxfp4Moe => 17.0 / 32.0,
+        }
+    }
+
+    /// The type matrices are written in before any quantization.
+    pub(super) fn matrix_type(self) -> TensorType {
+        if self == OutputType::F32 {
+            TensorType::F32
+        } else {
+            TensorType::F16
+        }
+    }
+
+    /// llama.cpp's `general.file_type` for the directly written types.
+    pub(super) fn file_type(self) -> u32 {
+        if self == OutputType::F32 {
+            0
+        } else {
+            1
+        }
+    }
+}
+
+/// Everything that determines a synthetic model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SynthSpec {
+    /// The architecture (tensor layout and metadata).
+    pub arch: SynthArch,
+    /// Routed experts' gate and up projections in one tensor (`ffn_gate_up_exps`; deepseek2).
+    pub fused_gate_up: bool,
+    /// Transformer layers (deepseek2 adds a NextN block after them).
+    pub layers: u32,
+    /// Embedding width.
+    pub embd: u32,
+    /// Attention heads.
+    pub heads: u32,
+    /// Key/value heads (grouped-query attention).
+    pub kv_heads: u32,
+    /// Routed experts per layer.
+    pub experts: u32,
+    /// Experts each token is routed to.
+    pub experts_used: u32,
+    /// Hidden width of each expert's feed-forward network.
+    pub expert_ff: u32,
+    /// Training context length recorded in the file.
+    pub ctx_len: u32,
+    /// Random seed.
+    pub seed: u64,
+    /// Output weight type.
+    pub out_type: OutputType,
+    /// Tensor data alignment in bytes (`general.alignment`).
+    pub alignment: u64,
+    /// Split into files of at most this many tensors (the first file holds only metadata).
+    pub split_max_tensors: Option<u32>,
+    /// A chat template stored as `tokenizer.chat_template` (llama.cpp recognises templates by
+    /// their text, or by a name such as `chatml`).
+    pub chat_template: Option<String>,
+    /// How the router spreads tokens over experts.
+    pub routing: Routing,
+    /// Token-to-token reuse (skewed gpt-oss routing only): how many times more often consecutive
+    /// tokens share their first-choice expert than independent tokens ([`reuse`]); `None`
+    /// leaves the attention random.
+    pub reuse: Option<f64>,
+    /// A thousand common English words in the vocabulary besides the byte tokens (the demo
+    /// model: random weights then print words).
+    pub words: bool,
+}
+
+impl Default for SynthSpec {
+    fn default() -> Self {
+        SynthSpec {
+            arch: SynthArch::Qwen3moe,
+            fused_gate_up: false,
+            layers: 2,
+            embd: 256,
+            heads: 4,
+            kv_heads: 2,
+            experts: 8,
+            experts_used: 2,
+            expert_ff: 256,
+            ctx_len: 4096,
+            seed: 42,
+            out_type: OutputType::F16,
+            alignment: 32,
+            split_max_tensors: None,
+            chat_template: None,
+            routing: Routing::Uniform,
+            reuse: None,
+            words: false,
+        }
+    }
+}
+
+impl SynthSpec {
+    /// Dimension of each attention head.
+    pub fn head_dim(&self) -> u32 {
+        self.embd / self.heads.max(1)
+    }
+
+    /// Checks the parameters against each other and against the output type's block width.
+    pub fn validate(&self) -> Result<(), SynthError> {
+        let nonzero = [
+            ("layers", self.layers),
+            ("embd", self.embd),
+            ("heads", self.heads),
+            ("kv-heads", self.kv_heads),
+            ("experts", self.experts),
+            ("experts-used", self.experts_used),
+            ("expert-ff", self.expert_ff),
+            ("ctx", self.ctx_len),
+        ];
+        for (field, v) in nonzero {
+            if v == 0 {
+                return Err(invalid(field, "must be at least 1"));
+            }
+        }
+        if self.embd % self.heads != 0 || self.head_dim() % 2 != 0 {
+            return Err(invalid(
+                "heads",
+                format!("--embd {} must split into {} heads of an even width", self.embd, self.heads),
+            ));
+        }
+        if self.heads % self.kv_heads != 0 {
+            return Err(invalid("kv-heads", format!("{} does not divide --heads {}", self.kv_heads, self.heads)));
+        }
+        if self.experts_used > self.experts {
+            return Err(invalid(
+                "experts-used",
+                format!("{} is more than --experts {}", self.experts_used, self.experts),
+            ));
+        }
+        let w = self.out_type.block_width();
+        for (field, v) in [("embd", self.embd), ("expert-ff", self.expert_ff)] {
+            if v % w != 0 {
+                return Err(invalid(
+                    field,
+                    format!("{v} is not a multiple of {w}, the block width of {:?}", self.out_type),
+                ));
+            }
+        }
+        if self.alignment < 8 || !self.alignment.is_power_of_two() {
+            return Err(invalid("alignment", format!("{} is not a power of two of at least 8", self.alignment)));
+        }
+        arch::validate(self).map_err(|(field, reason)| invalid(field, reason))?;
+        self.validate_routing()?;
+        if self.split_max_tensors == Some(0) {
+            return Err(invalid("split-max-tensors", "must be at least 1"));
+        }
+        if self.split_max_tensors.is_some() && self.out_type.quant().is_some() {
+            return Err(invalid(
+                "split-max-tensors",
+                "split output is written directly and supports --type f32 or f16 only; quantize first, or drop the split",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Checks skewed routing (its architecture, spread and calibration) and token-to-token
+    /// reuse (which needs skewed routing).
+    fn validate_routing(&self) -> Result<(), SynthError> {
+        if let Routing::Skewed(sigma) = self.routing {
+            if self.arch != SynthArch::GptOss {
+                return Err(invalid(
+                    "routing",
+                    format!(
+                        "skewed routing is written as a router bias, which {} has not; use --arch gpt-oss",
+                        self.arch.name()
+                    ),
+                ));
+            }
+            if !(sigma.is_finite() && sigma >= 0.0) {
+                return Err(invalid("skew", format!("{sigma} is not a spread of at least 0")));
+            }
+            routing::routed_chances(self.experts, self.experts_used, sigma)
+                .map_err(|e| invalid("skew", e.to_string()))?;
+        }
+        if let Some(r) = self.reuse {
+            if !matches!(self.routing, Routing::Skewed(_)) {
+                return Err(invalid(
+                    "reuse",
+                    "token-to-token reuse is calibrated with skewed routing: add --routing skewed",
+                ));
+            }
+            if !(r.is_finite() && (1.0..=reuse::MAX_REUSE).contains(&r)) {
+                return Err(invalid(
+                    "reuse",
+                    format!(
+                        "{r} is not between 1 (no reuse) and {} times the repeats of independent tokens",
+                        reuse::MAX_REUSE
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+}
