@@ -11,11 +11,10 @@ use std::process::Command;
 use serde::{Deserialize, Serialize};
 
 use sluice_hal::cgroup::{MemoryCgroup, ReadThrottle};
-use sluice_hal::root::SysRoot;
-use sluice_hal::storage::{measure_direct_read, ReadThroughput, StorageProbe};
 
 use super::boards::LoopbackWorker;
-use super::{drop_cached, run_resident, run_streamed, BenchError, BenchRow};
+use super::storage::{ceiling, read_sweep, Ceiling, SweepPoint};
+use super::{run_resident, run_streamed, BenchError, BenchRow};
 use crate::board::resolve::Sourced;
 use crate::board::{ComputeService, Draft, Overlap, ResolvedBoard};
 use crate::generate::{GenerateParams, NGRAM_DRAFT_MAX};
@@ -95,41 +94,6 @@ pub fn kinds(draft: bool, verify: bool, lossy: &Lossy, sweep: bool, boards: &[u3
     kinds
 }
 
-/// The lane counts of the read sweep.
-pub const SWEEP_LANES: [u32; 3] = [1, 2, 4];
-/// The request sizes of the read sweep, bytes.
-pub const SWEEP_REQUESTS: [u64; 4] = [128 << 10, 512 << 10, 1 << 20, 4 << 20];
-/// How much of the file each point of the sweep reads (the whole file when smaller).
-const SWEEP_LIMIT: u64 = 192 << 20;
-
-/// One point of the read sweep.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct SweepPoint {
-    /// Parallel readers.
-    pub lanes: u32,
-    /// Request size, bytes.
-    pub request: u64,
-    /// Throughput, MiB/s.
-    pub mib_s: f64,
-}
-
-/// The storage ceiling measured on the model file.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
-pub struct Ceiling {
-    /// One reader, requests of one expert slice: the reference for the streamer's reads.
-    pub single_mib_s: f64,
-    /// Its request size, bytes.
-    pub single_request: u64,
-    /// The profile's lanes and read size.
-    pub lanes_mib_s: f64,
-    /// Lanes.
-    pub lanes: u32,
-    /// Their request size, bytes.
-    pub lanes_request: u64,
-    /// Whether the reads bypassed the page cache.
-    pub direct: bool,
-}
-
 /// What a child reports.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum ChildOutput {
@@ -140,9 +104,6 @@ pub enum ChildOutput {
     /// The read sweep.
     Sweep(Vec<SweepPoint>),
 }
-
-/// The most of the file the ceiling reads (the whole file when smaller).
-const CEILING_LIMIT: u64 = 4 << 30;
 
 /// Child side: runs `kind` on `model` (the process has joined its cgroup, and `board` was
 /// resolved after that, so its budget is the cgroup's limit); a lossy kind takes its mode's
@@ -272,83 +233,6 @@ fn lossy_label(lossy: &Lossy, model_used: u32) -> String {
         (None, Some(n)) => format!(", LOSSY substitute from {n} ranks"),
         (None, None) => String::new(),
     }
-}
-
-/// Reads the model's first file with one reader at the largest expert slice's size, then with
-/// the profile's lanes and read size.
-fn ceiling(model: &Path, index: &ExpertIndex, board: &ResolvedBoard) -> Result<Ceiling, BenchError> {
-    let page = ggml_sys::page_size();
-    let slice = index.experts.iter().map(|t| t.stride.div_ceil(page) * page).max().unwrap_or(page);
-    let single = cold_read(model, index, slice, 1, CEILING_LIMIT)?;
-    let lanes = cold_read(model, index, board.read_bytes.value, board.lanes.value, CEILING_LIMIT)?;
-    Ok(Ceiling {
-        single_mib_s: single.mib_per_s(),
-        single_request: slice,
-        lanes_mib_s: lanes.mib_per_s(),
-        lanes: board.lanes.value,
-        lanes_request: board.read_bytes.value,
-        direct: single.direct && lanes.direct,
-    })
-}
-
-/// Reads the model's first file at every point of [`SWEEP_LANES`] × [`SWEEP_REQUESTS`], each
-/// from a cold page cache.
-fn read_sweep(model: &Path, index: &ExpertIndex) -> Result<Vec<SweepPoint>, BenchError> {
-    let mut points = Vec::new();
-    for lanes in SWEEP_LANES {
-        for request in SWEEP_REQUESTS {
-            let t = cold_read(model, index, request, lanes, SWEEP_LIMIT)?;
-            points.push(SweepPoint { lanes, request, mib_s: t.mib_per_s() });
-        }
-    }
-    Ok(points)
-}
-
-/// Drops the model from the page cache, then reads up to `limit` bytes of its first file with
-/// O_DIRECT in `request`-byte requests from `lanes` readers.
-fn cold_read(
-    model: &Path,
-    index: &ExpertIndex,
-    request: u64,
-    lanes: u32,
-    limit: u64,
-) -> Result<ReadThroughput, BenchError> {
-    let align = StorageProbe::for_file(&SysRoot::default(), model).map_or(4096, |s| s.direct_alignment()) as usize;
-    drop_cached(&index.shards);
-    measure_direct_read(model, request as usize, lanes as usize, align, limit)
-        .map_err(|e| BenchError::Io(format!("reading {}", model.display()), e))
-}
-
-/// The read sweep as a table: a row per lane count, a column per request size, MiB/s.
-pub fn sweep_table(points: &[SweepPoint]) -> String {
-    let mut out = String::from("lanes");
-    for r in SWEEP_REQUESTS {
-        out.push_str(&format!("  {:>9}", format!("{} KiB", r >> 10)));
-    }
-    out.push('\n');
-    for lanes in SWEEP_LANES {
-        out.push_str(&format!("{lanes:>5}"));
-        for r in SWEEP_REQUESTS {
-            let cell = points
-                .iter()
-                .find(|p| p.lanes == lanes && p.request == r)
-                .map_or("-".into(), |p| format!("{:.1}", p.mib_s));
-            out.push_str(&format!("  {cell:>9}"));
-        }
-        out.push('\n');
-    }
-    out
-}
-
-/// The read sweep as CSV (`lanes,request_kib,mib_s`).
-pub fn sweep_csv(points: &[SweepPoint]) -> String {
-    let mut w = csv::Writer::from_writer(Vec::new());
-    let _ = w.write_record(["lanes", "request_kib", "mib_s"]);
-    for p in points {
-        // Writing into memory cannot fail.
-        let _ = w.write_record([p.lanes.to_string(), (p.request >> 10).to_string(), format!("{:.2}", p.mib_s)]);
-    }
-    w.into_inner().map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default()
 }
 
 /// How the parent starts children.

@@ -197,24 +197,10 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         board.read_bytes.value >> 10,
         board.selected.id
     );
-    let mut child_args: Vec<OsString> = vec![
-        "--model".into(),
-        model.clone().into(),
-        "--prompt".into(),
-        prompt.into(),
-        "-n".into(),
-        a.n_predict.to_string().into(),
-    ];
-    child_args.extend(tuning_args(&a.tuning));
-    for (flag, v) in [("--experts-used", a.lossy.experts_used), ("--substitute", a.lossy.substitute)] {
-        if let Some(v) = v {
-            child_args.extend([flag.into(), v.to_string().into()]);
-        }
-    }
     let plan = IsolatedPlan {
         exe: std::env::current_exe().context("locating the sluice binary")?,
         global_args: vec!["--board".into(), choice.to_string().into()],
-        child_args,
+        child_args: child_args(a, &model, prompt),
         budget: budget_mb << 20,
         throttle: throttle.map(|(_, t)| t),
         draft: board.draft_max().is_some(),
@@ -238,9 +224,12 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     );
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     if !report.sweep.is_empty() {
-        outln!("read sweep (O_DIRECT from a cold cache), MiB/s:\n{}", isolated::sweep_table(&report.sweep));
+        outln!(
+            "read sweep (O_DIRECT from a cold cache), MiB/s:\n{}",
+            sluice::bench::storage::sweep_table(&report.sweep)
+        );
         let path = a.out.join("read-sweep.csv");
-        std::fs::write(&path, isolated::sweep_csv(&report.sweep))
+        std::fs::write(&path, sluice::bench::storage::sweep_csv(&report.sweep))
             .with_context(|| format!("writing {}", path.display()))?;
     }
     let csv = a.out.join("bench.csv");
@@ -258,6 +247,26 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         anyhow::bail!("an exact streamed configuration generated different tokens from the resident run");
     }
     Ok(())
+}
+
+/// The arguments every child gets: the model, the prompt, the tokens, the tuning flags and the
+/// lossy settings.
+fn child_args(a: &BenchArgs, model: &std::path::Path, prompt: &str) -> Vec<OsString> {
+    let mut child_args: Vec<OsString> = vec![
+        "--model".into(),
+        model.into(),
+        "--prompt".into(),
+        prompt.into(),
+        "-n".into(),
+        a.n_predict.to_string().into(),
+    ];
+    child_args.extend(tuning_args(&a.tuning));
+    for (flag, v) in [("--experts-used", a.lossy.experts_used), ("--substitute", a.lossy.substitute)] {
+        if let Some(v) = v {
+            child_args.extend([flag.into(), v.to_string().into()]);
+        }
+    }
+    child_args
 }
 
 /// The speed `speed` resolves to and the read limit it puts on the disk holding `model`.

@@ -37,6 +37,7 @@ use super::capture::Bound;
 use super::index::ExpertIndex;
 use super::io::{IoLanes, ReadFailure, ReadJob, ReadStats};
 use super::kernel::{self, ExpertSource};
+use super::record::DecodeStats;
 use super::residency::Residency;
 use super::routing::{RouteRecord, Routing};
 use super::StreamError;
@@ -44,35 +45,6 @@ use super::StreamError;
 /// The smallest batch ggml's scheduler may move from the CPU to a GPU (its `op_offload` of
 /// products over weights in host memory): such a batch's products may not run in the kernel.
 const GPU_OFFLOAD_BATCH: i64 = 32;
-
-/// Streaming work done since the last [`Streamer::take_stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct DecodeStats {
-    /// Time spent waiting for expert reads at the top-k node (serial), or submitting and
-    /// collecting them (overlap).
-    pub io_wait: Duration,
-    /// Time compute threads spent blocked in the kernel waiting for an expert's slices,
-    /// averaged over the threads (overlap).
-    pub stall: Duration,
-    /// Routed products (`MUL_MAT_ID` nodes) the extension kernel computed.
-    pub kernel_nodes: u64,
-    /// Expert bytes read.
-    pub bytes_read: u64,
-    /// Of which through `O_DIRECT`.
-    pub direct_bytes: u64,
-    /// Distinct routed experts, summed over layers.
-    pub experts_routed: u64,
-    /// Cache hits among them.
-    pub hits: u64,
-    /// Cache misses among them.
-    pub misses: u64,
-    /// Experts evicted.
-    pub evictions: u64,
-    /// Chosen experts replaced by a cached one (lossy `--substitute`).
-    pub substituted: u64,
-    /// Routed experts read in waves and given back once computed (not kept by the cache).
-    pub passed: u64,
-}
 
 /// Overlap settings: the bound of a batch's collection, and whether only prompt batches
 /// overlap.

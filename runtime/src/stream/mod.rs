@@ -21,11 +21,11 @@ pub mod session;
 
 use crate::generate::GenerateError;
 pub use cache::CacheCounters;
-pub use engine::{DecodeStats, Streamer};
+pub use engine::Streamer;
 pub use index::{ExpertIndex, IndexError};
 pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, SliceCheck, READ_BOUND};
 pub use load::{lazy_pattern, load_configured, load_streamed_model, DensePolicy, StreamConfig};
-pub use record::TokenRow;
+pub use record::{DecodeStats, TokenRow};
 pub use routing::RouteRecord;
 pub use session::{check_cache_budget, StreamedSession};
 

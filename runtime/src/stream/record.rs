@@ -1,12 +1,41 @@
-//! A streamed decode's record: what one `llama_decode` cost in time, reads, routing, cache and
-//! memory.
+//! A streamed decode's record: the streaming work the engine counted ([`DecodeStats`]), and
+//! what one `llama_decode` cost in time, reads, routing, cache and memory ([`TokenRow`]).
 
 use std::time::Duration;
 
 use sluice_hal::usage::Usage;
 
-use super::{CacheCounters, DecodeStats};
+use super::CacheCounters;
 use crate::generate::DecodeEvent;
+
+/// Streaming work done since the last [`super::Streamer::take_stats`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct DecodeStats {
+    /// Time spent waiting for expert reads at the top-k node (serial), or submitting and
+    /// collecting them (overlap).
+    pub io_wait: Duration,
+    /// Time compute threads spent blocked in the kernel waiting for an expert's slices,
+    /// averaged over the threads (overlap).
+    pub stall: Duration,
+    /// Routed products (`MUL_MAT_ID` nodes) the extension kernel computed.
+    pub kernel_nodes: u64,
+    /// Expert bytes read.
+    pub bytes_read: u64,
+    /// Of which through `O_DIRECT`.
+    pub direct_bytes: u64,
+    /// Distinct routed experts, summed over layers.
+    pub experts_routed: u64,
+    /// Cache hits among them.
+    pub hits: u64,
+    /// Cache misses among them.
+    pub misses: u64,
+    /// Experts evicted.
+    pub evictions: u64,
+    /// Chosen experts replaced by a cached one (lossy `--substitute`).
+    pub substituted: u64,
+    /// Routed experts read in waves and given back once computed (not kept by the cache).
+    pub passed: u64,
+}
 
 /// One decode's telemetry.
 #[derive(Debug, Clone, Default, PartialEq)]

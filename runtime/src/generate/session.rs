@@ -1,123 +1,14 @@
-//! Text generation over a loaded model: tokenize, prefill, decode (greedy or sampled), timing.
+//! A generation session: a model and a context sized for one prompt and its continuation,
+//! decoding the prompt in batches and then one token (with its drafts) at a time, each decode
+//! reported to an observer.
 
 use std::ops::ControlFlow;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
-use std::collections::HashSet;
+use ggml_sys::{Batch, Context, EvalCallback, Model, NgramDraft, Threads, Token};
 
-use ggml_sys::{
-    Batch, Context, ContextParams, EvalCallback, Model, ModelParams, NgramDraft, SamplerParams, Threads, Token,
-};
-
-/// Largest number of prompt tokens decoded in one batch.
-const MAX_BATCH: u32 = 512;
-
-/// What can go wrong before or during generation.
-#[derive(Debug, thiserror::Error)]
-pub enum GenerateError {
-    /// The model file cannot be used.
-    #[error(transparent)]
-    ModelFile(#[from] crate::metadata::ModelFileError),
-    /// The prompt is empty.
-    #[error("the prompt is empty: pass some text with --prompt")]
-    EmptyPrompt,
-    /// The prompt and the requested tokens do not fit the model's context.
-    #[error("the prompt ({prompt} tokens) plus -n {n_predict} needs {need} positions, more than the model's context length {n_ctx_train}; shorten the prompt or lower -n")]
-    ContextTooSmall {
-        /// Prompt tokens.
-        prompt: usize,
-        /// Tokens requested.
-        n_predict: u32,
-        /// Positions needed.
-        need: usize,
-        /// The model's context length.
-        n_ctx_train: u32,
-    },
-    /// The caller stopped the generation (its abort flag was set).
-    #[error("generation cancelled")]
-    Cancelled,
-    /// A lossy setting the model cannot take.
-    #[error(transparent)]
-    Lossy(crate::lossy::LossyError),
-    /// llama.cpp reported an error.
-    #[error(transparent)]
-    Llama(ggml_sys::Error),
-}
-
-impl GenerateError {
-    /// The RPC worker whose loss ended the generation, if that is what ended it.
-    pub fn lost_worker(&self) -> Option<&str> {
-        match self {
-            GenerateError::Llama(e) => e.lost_worker(),
-            _ => None,
-        }
-    }
-}
-
-impl From<ggml_sys::Error> for GenerateError {
-    fn from(e: ggml_sys::Error) -> Self {
-        match e {
-            ggml_sys::Error::Aborted => GenerateError::Cancelled,
-            e => GenerateError::Llama(e),
-        }
-    }
-}
-
-/// Chooses tokens with llama.cpp's sampler ([`SamplerParams`]: greedy, or penalties, top-k,
-/// top-p, min-p, temperature and a seeded draw, under an optional grammar), and renders them
-/// as text.
-pub struct Sampler {
-    inner: ggml_sys::Sampler,
-    /// Special tokens whose text is kept in the output (a chat format's markers).
-    shown: HashSet<Token>,
-}
-
-impl Sampler {
-    /// A sampler over `model`'s vocabulary. A grammar llama.cpp cannot parse is an error.
-    pub fn new(model: &Model, params: &SamplerParams) -> Result<Sampler, GenerateError> {
-        Ok(Sampler { inner: ggml_sys::Sampler::new(model, params)?, shown: HashSet::new() })
-    }
-
-    /// The highest logit every time (lowest id on ties): the same text as a resident run.
-    pub fn greedy(model: &Model) -> Result<Sampler, GenerateError> {
-        Sampler::new(model, &SamplerParams::greedy())
-    }
-
-    /// Bounds each token's grammar work: cancelled with `cancel`, and an error past `bound`
-    /// ([`ggml_sys::Sampler::set_guard`]).
-    pub fn set_guard(&mut self, cancel: std::sync::Arc<std::sync::atomic::AtomicBool>, bound: std::time::Duration) {
-        self.inner.set_guard(cancel, bound);
-    }
-
-    /// Keeps the text of these special tokens in the output (they are dropped otherwise).
-    pub fn show_special(&mut self, tokens: impl IntoIterator<Item = Token>) {
-        self.shown.extend(tokens);
-    }
-
-    fn piece(&self, model: &Model, token: Token) -> Vec<u8> {
-        model.token_piece_with(token, self.shown.contains(&token))
-    }
-}
-
-/// A token as it is chosen.
-#[derive(Debug, Clone, Copy)]
-pub struct Chosen<'a> {
-    /// The token.
-    pub token: Token,
-    /// Its text.
-    pub piece: &'a [u8],
-    /// The model's logits it was chosen from (before any sampling step).
-    pub logits: &'a [f32],
-}
-
-/// A token callback that never stops the generation, from one that only watches.
-pub fn to_end(mut on_token: impl FnMut(Token, &[u8])) -> impl FnMut(&Chosen<'_>) -> ControlFlow<()> {
-    move |c| {
-        on_token(c.token, c.piece);
-        ControlFlow::Continue(())
-    }
-}
+use super::sampler::{to_end, Chosen, Sampler};
+use super::{context_params, GenerateError, Generation, MAX_BATCH};
 
 /// One `llama_decode` call, as reported to a [`DecodeObserver`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -140,99 +31,6 @@ pub type DecodeObserver<'a, E = GenerateError> = dyn FnMut(DecodeEvent) -> Resul
 pub trait DecodeError: From<GenerateError> + From<ggml_sys::Error> {}
 
 impl<E: From<GenerateError> + From<ggml_sys::Error>> DecodeError for E {}
-
-/// Opens a model: checks the file first (existence, GGUF header, every tensor inside the file)
-/// so bad input gets a precise error, then loads it through llama.cpp.
-pub fn load_model(path: &Path) -> Result<Model, GenerateError> {
-    load_model_with(path, &ModelParams::default())
-}
-
-/// [`load_model`] with explicit llama.cpp model parameters.
-pub fn load_model_with(path: &Path, params: &ModelParams) -> Result<Model, GenerateError> {
-    crate::metadata::check_model_file(path)?;
-    Ok(Model::load(path, params)?)
-}
-
-/// The context positions a run of `prompt` plus `n_predict` tokens needs, from a metadata-only
-/// load of `path` (its vocabulary; no weight is read).
-pub fn prompt_positions(path: &Path, prompt: &str, n_predict: u32) -> Result<u32, GenerateError> {
-    crate::metadata::check_model_file(path)?;
-    let model = Model::load(path, &ModelParams { metadata_only: true, ..Default::default() })?;
-    Ok((Session::prepare(&model, prompt, n_predict)?.len() + n_predict as usize) as u32)
-}
-
-/// The model's training context length, from a metadata-only load of `path`.
-pub fn context_length(path: &Path) -> Result<u32, GenerateError> {
-    crate::metadata::check_model_file(path)?;
-    Ok(Model::load(path, &ModelParams { metadata_only: true, ..Default::default() })?.n_ctx_train())
-}
-
-/// Generation settings.
-#[derive(Debug, Clone)]
-pub struct GenerateParams {
-    /// Tokens to generate (at least 1).
-    pub n_predict: u32,
-    /// Compute threads: how many, on which cores.
-    pub threads: Threads,
-    /// N-gram drafting: the most tokens drafted per decode (`None`: off).
-    pub draft: Option<usize>,
-}
-
-/// The most tokens `--draft ngram` drafts per decode (llama.cpp's lookup decoding drafts fewer
-/// when its statistics are less sure).
-pub const NGRAM_DRAFT_MAX: usize = 8;
-
-/// The result of one generation.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Generation {
-    /// The prompt's tokens (with BOS).
-    pub prompt_tokens: Vec<Token>,
-    /// The generated tokens.
-    pub tokens: Vec<Token>,
-    /// The generated bytes.
-    pub bytes: Vec<u8>,
-    /// Whether generation stopped at an end-of-generation token before `n_predict`.
-    pub stopped_at_eog: bool,
-    /// Time to decode the prompt.
-    pub prefill: Duration,
-    /// Time spent decoding generated tokens.
-    pub decode: Duration,
-    /// Tokens the decodes after the prompt produced (every token but the first, which the
-    /// prompt's decode gives).
-    pub decoded: u32,
-    /// Tokens drafted from the context's n-grams.
-    pub drafted: u32,
-    /// Drafted tokens the model agreed with.
-    pub accepted: u32,
-}
-
-impl Generation {
-    /// Decode speed in tokens per second (0 when nothing was decoded).
-    pub fn decode_tokens_per_s(&self) -> f64 {
-        rate(self.decoded as usize, self.decode)
-    }
-
-    /// Prompt speed in tokens per second.
-    pub fn prefill_tokens_per_s(&self) -> f64 {
-        rate(self.prompt_tokens.len(), self.prefill)
-    }
-}
-
-fn rate(n: usize, d: Duration) -> f64 {
-    if d.is_zero() {
-        0.0
-    } else {
-        n as f64 / d.as_secs_f64()
-    }
-}
-
-/// The context a session creates for `positions` positions: the context rounded up to a
-/// multiple of 256, prompt batches of at most 512 tokens. `sluice plan` sizes the same shape.
-pub fn context_params(positions: u32, threads: &Threads) -> ContextParams {
-    let n_ctx = positions.div_ceil(256).max(1) * 256;
-    let n_batch = n_ctx.min(MAX_BATCH);
-    ContextParams { n_ctx, n_batch, n_ubatch: n_batch, threads: threads.clone() }
-}
 
 /// A model plus a context sized for one prompt and continuation.
 pub struct Session<'m> {
@@ -482,17 +280,4 @@ impl<'m> Session<'m> {
     fn batch_capacity(&self) -> usize {
         (self.ctx.n_ctx().min(MAX_BATCH)) as usize
     }
-}
-
-/// Resident generation in one call: tokenizes, sizes a context, and generates.
-pub fn generate(
-    model: &Model,
-    prompt: &str,
-    params: &GenerateParams,
-    on_token: impl FnMut(Token, &[u8]),
-) -> Result<Generation, GenerateError> {
-    let tokens = Session::prepare(model, prompt, params.n_predict)?;
-    let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
-    session.set_draft(params.draft);
-    session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }
