@@ -8,7 +8,7 @@
 //! load ([`Launch::load`]: metadata and vocabulary, no expert), the context's positions, the
 //! ledger; then [`Loaded::open`]: the warm-up capture and the dense read.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,7 +19,9 @@ use crate::budget::{self, BudgetError, Ledger, PlanRequest};
 use crate::generate::{self, GenerateError, Session};
 use crate::lossy::Lossy;
 use crate::scaleout::{self, ScaleError, Split};
-use crate::stream::{self, DensePolicy, ExpertIndex, IndexError, StreamConfig, StreamError, StreamedSession};
+use crate::stream::{
+    self, DensePolicy, ExpertIndex, IndexError, ModelLoad, StreamConfig, StreamError, StreamedSession,
+};
 use sluice_hal::usage::PhaseMeter;
 
 /// How many context positions the run holds.
@@ -259,8 +261,8 @@ impl Launch {
     }
 
     fn load_model(&self, index: &ExpertIndex, rpc: Option<&ggml_sys::RpcSplit>) -> Result<Model, GenerateError> {
-        let config = self.stream_config(0, rpc.cloned());
-        stream::load_configured(&self.model, index, &config)
+        let load = ModelLoad { dense: self.dense(), gpu_layers: self.gpu_layers(), rpc, lossy: self.lossy };
+        stream::load_configured(&self.model, index, &load)
     }
 
     fn plan_request<'a>(
@@ -337,11 +339,6 @@ impl Loaded {
     /// The expert cache the session keeps, at most all the experts' bytes.
     pub fn cache_bytes(&self) -> u64 {
         self.config.cache_bytes.min(self.index.all_expert_window_bytes())
-    }
-
-    /// The model's first file.
-    pub fn model_path(&self) -> &Path {
-        self.index.shards.first().map_or(Path::new(""), PathBuf::as_path)
     }
 }
 

@@ -47,7 +47,7 @@ enum Command {
     /// the model with it: for storage that rots, such as SD cards.
     Verify(cli::verify::VerifyArgs),
     /// Serve the model over HTTP (OpenAI-compatible), as a systemd notify service.
-    Serve(cli::serve::ServeArgs),
+    Serve(Box<cli::serve::ServeArgs>),
     /// Print the systemd drop-in (CPUAffinity, MemoryMax, ExecStart) for a board and model, or
     /// for an RPC worker board (--worker).
     Unit(cli::serve::UnitArgs),

@@ -10,7 +10,7 @@ use sluice_tests::{resident_reference, stream_config, streamed, Fixture};
 const N: u32 = 20;
 
 fn run(files: &[std::path::PathBuf], index: &Arc<ExpertIndex>, config: &StreamConfig) -> sluice_tests::StreamRun {
-    let model = load_configured(&files[0], index, config).unwrap();
+    let model = load_configured(&files[0], index, &config.model_load()).unwrap();
     streamed(&model, Arc::clone(index), config, N)
 }
 
@@ -44,7 +44,8 @@ fn fewer_experts_per_token_change_the_output_only_below_the_models_count() {
     assert_ne!(fewer.tokens, reference, "one expert instead of two changes the output");
     assert!(fewer.bytes_read < own.bytes_read, "{} vs {} bytes", fewer.bytes_read, own.bytes_read);
 
-    let Err(err) = load_configured(&files[0], &index, &with(Lossy { experts_used: Some(3), substitute: None }, 0))
+    let Err(err) =
+        load_configured(&files[0], &index, &with(Lossy { experts_used: Some(3), substitute: None }, 0).model_load())
     else {
         panic!("more experts than the model's is refused");
     };

@@ -2,6 +2,7 @@
 //! resolving it into the cores, reads, budget and compute service a run uses.
 
 mod builtin;
+mod caps;
 pub mod profile;
 mod report;
 pub mod resolve;
@@ -10,9 +11,10 @@ pub mod select;
 use std::path::PathBuf;
 
 pub use builtin::BUILTIN;
+pub use caps::BuildCaps;
 pub use profile::{BoardProfile, Draft, Overlap};
 pub use report::{describe_probe, describe_resolved, list_profiles};
-pub use resolve::{resolve, BuildCaps, ComputeService, Overrides, ResolvedBoard};
+pub use resolve::{resolve, ComputeService, Overrides, ResolvedBoard};
 pub use select::{select, BoardChoice, SelectedBoard};
 
 use sluice_hal::probe::HardwareProbe;

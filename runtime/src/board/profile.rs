@@ -2,7 +2,7 @@
 //! need no hardware. Every field is documented with its unit in `boards/README.md`.
 
 use ggml_sys::SchedPriority;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use sluice_hal::storage::Medium;
 
 use super::BoardError;
@@ -199,7 +199,7 @@ pub enum ServiceName {
 }
 
 /// `compute.draft`: how decodes draft tokens to verify in one batch.
-#[derive(Debug, Clone, Copy, Default, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, Deserialize, Serialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum Draft {
     /// One token per decode.

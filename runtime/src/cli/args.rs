@@ -3,8 +3,12 @@
 
 use std::path::{Path, PathBuf};
 
+use std::ffi::OsString;
+
 use anyhow::Result;
 use clap::Args;
+use serde::Serialize;
+use serde_json::Value;
 
 use sluice::board::{self, BoardChoice, Overlap, Overrides, ResolvedBoard};
 use sluice::launch::{Cache, Launch, Positions};
@@ -12,7 +16,7 @@ use sluice::stream::DensePolicy;
 use sluice_hal::root::SysRoot;
 
 /// Values that override the board profile.
-#[derive(Args, Clone, Default)]
+#[derive(Args, Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct TuningArgs {
     /// Compute threads (default: one per compute core of the board profile).
     #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
@@ -81,7 +85,7 @@ pub fn board(choice: &BoardChoice, model: Option<&Path>, tuning: &TuningArgs) ->
 }
 
 /// Opt-in lossy modes: the output then differs from the model's exact output. Off unless given.
-#[derive(Args, Clone, Default)]
+#[derive(Args, Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct LossyArgs {
     /// LOSSY: route each token to K experts instead of the model's count (fewer expert reads and
     /// products per token; the run summary, /metrics and `sluice bench` show the cost).
@@ -160,15 +164,93 @@ pub struct RpcArgs {
 }
 
 impl RpcArgs {
-    /// Sets up this process's link to the workers (time bounds, and the key from `key_file`,
-    /// or `--rpc-key-file` when given); a no-op without workers.
-    pub fn configure_link(&self, endpoints: &[String], key_file: Option<&std::path::Path>) -> anyhow::Result<()> {
-        if endpoints.is_empty() {
-            return Ok(());
+    /// Sets up this process's link to the workers (time bounds, and the key from
+    /// `--rpc-key-file`); a no-op without workers.
+    pub fn configure_link(&self) -> anyhow::Result<()> {
+        configure_link(&self.rpc, self.rpc_key_file.as_deref())
+    }
+}
+
+/// Sets up this process's link to the workers at `endpoints` (time bounds, and the key from
+/// `key_file`); a no-op without workers.
+pub fn configure_link(endpoints: &[String], key_file: Option<&Path>) -> anyhow::Result<()> {
+    if endpoints.is_empty() {
+        return Ok(());
+    }
+    let key = key_file.map(sluice::scaleout::link::LinkKey::from_file).transpose()?;
+    sluice::scaleout::link::configure_head(key);
+    Ok(())
+}
+
+/// An argument group's fields as the flags that set them, to pass the group on to a child
+/// process as given: `io_lanes: Some(2)` gives `--io-lanes 2`, `true` the bare flag, a list one
+/// flag per item; unset and false fields give none. The group's flags must be its fields' names
+/// (clap's default), which the tests check for each group passed on.
+pub fn flags_of<T: Serialize>(group: &T) -> Vec<OsString> {
+    let Ok(Value::Object(fields)) = serde_json::to_value(group) else { return Vec::new() };
+    let mut out = Vec::new();
+    for (name, value) in fields {
+        let flag = OsString::from(format!("--{}", name.replace('_', "-")));
+        let items = match value {
+            Value::Array(items) => items,
+            one => vec![one],
+        };
+        for item in items {
+            match item {
+                Value::Bool(true) => out.push(flag.clone()),
+                Value::String(s) => out.extend([flag.clone(), s.into()]),
+                Value::Number(n) => out.extend([flag.clone(), n.to_string().into()]),
+                Value::Bool(false) | Value::Null | Value::Array(_) | Value::Object(_) => {}
+            }
         }
-        let key =
-            self.rpc_key_file.as_deref().or(key_file).map(sluice::scaleout::link::LinkKey::from_file).transpose()?;
-        sluice::scaleout::link::configure_head(key);
-        Ok(())
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use sluice::board::Draft;
+
+    #[derive(Parser, Debug)]
+    struct Child {
+        #[command(flatten)]
+        tuning: TuningArgs,
+        #[command(flatten)]
+        lossy: LossyArgs,
+    }
+
+    fn passed_on(tuning: &TuningArgs, lossy: &LossyArgs) -> Child {
+        let mut args = vec![OsString::from("child")];
+        args.extend(flags_of(tuning));
+        args.extend(flags_of(lossy));
+        Child::try_parse_from(args).unwrap()
+    }
+
+    #[test]
+    fn the_tuning_and_lossy_flags_reach_a_child_as_given() {
+        let tuning = TuningArgs {
+            threads: Some(3),
+            io_lanes: Some(2),
+            read_kib: Some(512),
+            no_direct_io: true,
+            verify: true,
+            overlap: false,
+            overlap_prompt: true,
+            no_overlap: false,
+            draft: Some(Draft::Ngram),
+        };
+        let lossy = LossyArgs { experts_used: Some(2), substitute: Some(4) };
+        let child = passed_on(&tuning, &lossy);
+        assert_eq!((child.tuning, child.lossy), (tuning, lossy));
+        for overlap in [
+            TuningArgs { overlap: true, ..TuningArgs::default() },
+            TuningArgs { no_overlap: true, draft: Some(Draft::Off), ..TuningArgs::default() },
+            TuningArgs::default(),
+        ] {
+            assert_eq!(passed_on(&overlap, &LossyArgs::default()).tuning, overlap);
+        }
     }
 }

@@ -152,33 +152,6 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     Ok(())
 }
 
-/// The tuning flags as arguments for a child.
-fn tuning_args(t: &TuningArgs) -> Vec<OsString> {
-    let mut out: Vec<OsString> = Vec::new();
-    let mut push = |flag: &str, v: Option<String>| {
-        if let Some(v) = v {
-            out.push(flag.into());
-            out.push(v.into());
-        }
-    };
-    push("--threads", t.threads.map(|v| v.to_string()));
-    push("--io-lanes", t.io_lanes.map(|v| v.to_string()));
-    push("--read-kib", t.read_kib.map(|v| v.to_string()));
-    if t.no_direct_io {
-        out.push("--no-direct-io".into());
-    }
-    if t.overlap {
-        out.push("--overlap".into());
-    }
-    if t.overlap_prompt {
-        out.push("--overlap-prompt".into());
-    }
-    if t.no_overlap {
-        out.push("--no-overlap".into());
-    }
-    out
-}
-
 fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardChoice, budget_mb: u64) -> Result<()> {
     let model = std::fs::canonicalize(&a.model).with_context(|| format!("{}", a.model.display()))?;
     let board = args::board(choice, Some(&model), &a.tuning)?;
@@ -260,12 +233,8 @@ fn child_args(a: &BenchArgs, model: &std::path::Path, prompt: &str) -> Vec<OsStr
         "-n".into(),
         a.n_predict.to_string().into(),
     ];
-    child_args.extend(tuning_args(&a.tuning));
-    for (flag, v) in [("--experts-used", a.lossy.experts_used), ("--substitute", a.lossy.substitute)] {
-        if let Some(v) = v {
-            child_args.extend([flag.into(), v.to_string().into()]);
-        }
-    }
+    child_args.extend(args::flags_of(&a.tuning));
+    child_args.extend(args::flags_of(&a.lossy));
     child_args
 }
 
@@ -299,7 +268,7 @@ pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
         sluice_hal::cgroup::join(dir).with_context(|| format!("joining {}", dir.display()))?;
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
-    a.rpc.configure_link(&a.rpc.rpc, None)?;
+    a.rpc.configure_link()?;
     let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board, &a.lossy.lossy(), &a.rpc.rpc)?;
     outln!("{}", serde_json::to_string(&out)?);
     Ok(())

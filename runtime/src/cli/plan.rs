@@ -42,7 +42,7 @@ pub struct PlanArgs {
 pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
     sluice::metadata::check_model_file(&a.model)?;
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
-    a.rpc.configure_link(&a.rpc.rpc, None)?;
+    a.rpc.configure_link()?;
     let launch = Launch {
         model: a.model.clone(),
         board,

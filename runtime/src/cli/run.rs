@@ -117,7 +117,7 @@ fn run_streamed(
         .as_ref()
         .map(|p| std::fs::File::create(p).with_context(|| format!("--csv {}: cannot create it", p.display())))
         .transpose()?;
-    rpc.configure_link(&rpc.rpc, None)?;
+    rpc.configure_link()?;
     let positions = Positions::Prompt { text: prompt.to_string(), n_predict: params.n_predict };
     let launch = args.launch(model_path, positions, board, &rpc.rpc);
     let loaded = launch.load(&mut |step| log::debug!("{step}"))?;

@@ -10,7 +10,7 @@ use clap::Args;
 use sluice::board::{self, BoardChoice};
 use sluice::launch::{Cache, Launch, Positions};
 use sluice::serve::access::{Access, KeySources};
-use sluice::serve::config::{self, ServeFile};
+use sluice::serve::config::{self, ServeSettings};
 use sluice::serve::engine::{EngineConfig, DEFAULT_CTX};
 use sluice::serve::http::HttpLimits;
 use sluice::serve::{self, ServeConfig};
@@ -35,21 +35,6 @@ pub struct ServeArgs {
     /// Read no settings file, not even /etc/sluice/sluice.toml.
     #[arg(long)]
     no_config: bool,
-    /// The model: a .gguf file (for a split model, its first file). Required here or as
-    /// `model` in the settings file.
-    #[arg(short, long)]
-    model: Option<PathBuf>,
-    /// Address to serve HTTP on (default: 127.0.0.1:8080).
-    #[arg(long)]
-    listen: Option<SocketAddr>,
-    /// Context positions per request, prompt and completion together (default: 4096, or the
-    /// model's length if shorter).
-    #[arg(long, value_parser = clap::value_parser!(u32).range(16..))]
-    ctx: Option<u32>,
-    /// Generation requests that may wait while one runs; more are answered 503 with Retry-After
-    /// (default: 8).
-    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
-    queue: Option<u64>,
     /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
@@ -60,12 +45,6 @@ pub struct ServeArgs {
     /// Seconds between saves of the heat map while serving (it is saved at shutdown too).
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
     save_secs: u64,
-    /// The model name clients give (default: the file name without .gguf).
-    #[arg(long)]
-    model_id: Option<String>,
-    /// Expert cache size in MiB (default: what the memory budget leaves; 0: no cache).
-    #[arg(long)]
-    cache_mb: Option<u64>,
     /// Accept a cache smaller than one token's routed experts.
     #[arg(long)]
     force_cache: bool,
@@ -95,24 +74,15 @@ pub struct ServeArgs {
     /// `api-key`, which is read from $CREDENTIALS_DIRECTORY, else from the state directory).
     #[arg(long, env = "SLUICE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
-    /// Read the API key from this file.
-    #[arg(long, conflicts_with = "api_key")]
-    api_key_file: Option<PathBuf>,
-    /// With an API key, require it for /metrics too (/health stays open).
-    #[arg(long)]
-    metrics_need_key: bool,
-    /// Allow browser requests from this origin (CORS); repeat for several, `*` for any.
-    #[arg(long = "cors-origin", value_name = "ORIGIN")]
-    cors_origins: Vec<String>,
     #[command(flatten)]
     tuning: TuningArgs,
     #[command(flatten)]
-    rpc: RpcArgs,
+    settings: ServeSettings,
 }
 
 /// The settings file `serve` reads: `--config`, else the default one when it exists; none with
 /// `--no-config`.
-fn settings(a: &ServeArgs) -> Result<Option<(PathBuf, ServeFile)>> {
+fn settings(a: &ServeArgs) -> Result<Option<(PathBuf, ServeSettings)>> {
     let path = match &a.config {
         Some(p) => p.clone(),
         None if a.no_config => return Ok(None),
@@ -124,7 +94,7 @@ fn settings(a: &ServeArgs) -> Result<Option<(PathBuf, ServeFile)>> {
             p
         }
     };
-    let file = ServeFile::load(&path)?;
+    let file = ServeSettings::load(&path)?;
     log::info!("settings from {}", path.display());
     Ok(Some((path, file)))
 }
@@ -134,28 +104,25 @@ fn settings(a: &ServeArgs) -> Result<Option<(PathBuf, ServeFile)>> {
 pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     let (file_path, file) = match settings(a)? {
         Some((path, file)) => (Some(path), file),
-        None => (None, ServeFile::default()),
+        None => (None, ServeSettings::default()),
     };
-    let model = match (&a.model, &file_path) {
+    let set = a.settings.clone().over(file);
+    let model = match (&set.model, &file_path) {
         (Some(m), _) => m.clone(),
-        (None, Some(path)) => file.require_model(path)?.to_path_buf(),
+        (None, Some(path)) => set.require_model(path)?.to_path_buf(),
         (None, None) => anyhow::bail!(
             "no model: give --model FILE.gguf, or set model = \"/path/to/model.gguf\" in {} (or a file given with --config)",
             config::DEFAULT_PATH
         ),
     };
-    let board_choice = match (choice, &file.board) {
+    let board_choice = match (choice, &set.board) {
         (Some(c), _) => c.clone(),
         (None, Some(b)) => b.parse().unwrap_or_else(|never| match never {}),
         (None, None) => BoardChoice::Auto,
     };
-    let ctx = a.ctx.or(file.ctx);
-    let cache_mb = a.cache_mb.or(file.cache_mb);
-    let rpc = if a.rpc.rpc.is_empty() { file.rpc.clone().unwrap_or_default() } else { a.rpc.rpc.clone() };
-    a.rpc.configure_link(&rpc, file.rpc_key_file.as_deref())?;
-    let cors_origins =
-        if a.cors_origins.is_empty() { file.cors_origins.clone().unwrap_or_default() } else { a.cors_origins.clone() };
-    let api_key_file = a.api_key_file.clone().or(file.api_key_file.clone());
+    let rpc = set.rpc.clone().unwrap_or_default();
+    args::configure_link(&rpc, set.rpc_key_file.as_deref())?;
+    let cors_origins = set.cors_origins.clone().unwrap_or_default();
 
     sluice::metadata::check_model_file(&model)?;
     let board = args::board(&board_choice, Some(&model), &a.tuning)?;
@@ -163,7 +130,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     if let Some(dir) = &state_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("state directory {}", dir.display()))?;
     }
-    let model_id = a.model_id.clone().or(file.model_id.clone()).unwrap_or_else(|| {
+    let model_id = set.model_id.clone().unwrap_or_else(|| {
         let name = model.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
         name.strip_suffix(".gguf").unwrap_or(&name).to_string()
     });
@@ -171,8 +138,8 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         launch: Launch {
             model: model.clone(),
             board,
-            positions: ctx.map_or(Positions::ModelCapped(DEFAULT_CTX), Positions::Fixed),
-            cache: Cache::from_mib(cache_mb),
+            positions: set.ctx.map_or(Positions::ModelCapped(DEFAULT_CTX), Positions::Fixed),
+            cache: Cache::from_mib(set.cache_mb),
             force_cache: a.force_cache,
             dense: a.dense,
             lossy: a.lossy.lossy(),
@@ -183,11 +150,11 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     };
     let keys = KeySources {
         key: a.api_key.clone(),
-        file: api_key_file,
+        file: set.api_key_file.clone(),
         credentials_dir: std::env::var_os("CREDENTIALS_DIRECTORY").map(PathBuf::from),
         state_dir,
     };
-    let access = Access::new(&keys, a.metrics_need_key || file.metrics_need_key == Some(true), &cors_origins)?;
+    let access = Access::new(&keys, set.metrics_need_key == Some(true), &cors_origins)?;
     let limits = HttpLimits {
         max_connections: a.max_connections as usize,
         header_bytes: a.max_header_kib as usize * 1024,
@@ -197,8 +164,8 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     };
     serve::serve(ServeConfig {
         engine,
-        listen: a.listen.or(file.listen).unwrap_or(DEFAULT_LISTEN),
-        queue: a.queue.map_or(file.queue.unwrap_or(DEFAULT_QUEUE), |q| q as usize),
+        listen: set.listen.unwrap_or(DEFAULT_LISTEN),
+        queue: set.queue.map_or(DEFAULT_QUEUE, |q| q as usize),
         drain: Duration::from_secs(a.drain_secs),
         model_id,
         limits,

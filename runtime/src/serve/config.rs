@@ -11,36 +11,60 @@ use serde::{Deserialize, Serialize};
 /// Where `sluice serve` looks for its settings when `--config` is not given.
 pub const DEFAULT_PATH: &str = "/etc/sluice/sluice.toml";
 
-/// The keys of the settings file; every one is optional (the model must come from here or from
-/// `--model`).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+/// The settings a board owner sets once: each is a key of the settings file and (but `board`,
+/// which is the global `--board`) a flag of `sluice serve` of the same name, declared here
+/// once for both. A flag overrides its key ([`ServeSettings::over`]). Every one is optional (the
+/// model must come from the flags or the file).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
-pub struct ServeFile {
-    /// The model: a .gguf file (for a split model, its first file).
+pub struct ServeSettings {
+    /// The model: a .gguf file (for a split model, its first file). Required here or as
+    /// `model` in the settings file.
+    #[arg(short, long)]
     pub model: Option<PathBuf>,
-    /// The board profile: `auto`, a built-in id, or a profile file.
+    /// The board profile: `auto`, a built-in id, or a profile file (on the command line, the
+    /// global `--board`).
+    #[arg(skip)]
     pub board: Option<String>,
-    /// The HTTP address.
+    /// Address to serve HTTP on (default: 127.0.0.1:8080).
+    #[arg(long)]
     pub listen: Option<SocketAddr>,
-    /// Context positions per request.
+    /// Context positions per request, prompt and completion together (default: 4096, or the
+    /// model's length if shorter).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(MIN_CTX as i64..))]
     pub ctx: Option<u32>,
-    /// Expert cache size in MiB (0: no cache; absent: what the budget leaves).
+    /// Expert cache size in MiB (default: what the memory budget leaves; 0: no cache).
+    #[arg(long)]
     pub cache_mb: Option<u64>,
-    /// A file holding the API key.
+    /// Read the API key from this file.
+    #[arg(long, conflicts_with = "api_key")]
     pub api_key_file: Option<PathBuf>,
-    /// The model name clients give.
+    /// The model name clients give (default: the file name without .gguf).
+    #[arg(long)]
     pub model_id: Option<String>,
-    /// Generation requests that may wait while one runs.
-    pub queue: Option<usize>,
-    /// RPC workers, `host:port` in layer order.
+    /// Generation requests that may wait while one runs; more are answered 503 with Retry-After
+    /// (default: 8).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub queue: Option<u64>,
+    /// RPC workers (`sluice worker`) that hold the model's last layers resident, as
+    /// HOST:PORT,... in layer order (the last one holds the output layer too); this board keeps
+    /// the first layers and streams their experts. Use a private link only: the link is not
+    /// encrypted.
+    #[arg(long, value_name = "HOST:PORT,...")]
     pub rpc: Option<Vec<String>>,
-    /// The pre-shared key file the workers were started with.
+    /// The pre-shared key file the workers were started with (`sluice worker --key-file`).
+    #[arg(long, value_name = "FILE")]
     pub rpc_key_file: Option<PathBuf>,
-    /// With an API key, require it for `/metrics` too.
+    /// With an API key, require it for /metrics too (/health stays open).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub metrics_need_key: Option<bool>,
-    /// Browser origins allowed by CORS.
+    /// Allow browser requests from this origin (CORS); repeat for several, `*` for any.
+    #[arg(long = "cors-origin", value_name = "ORIGIN")]
     pub cors_origins: Option<Vec<String>>,
 }
+
+/// The fewest context positions `ctx` may give.
+const MIN_CTX: u32 = 16;
 
 /// Why the settings file cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -82,34 +106,30 @@ pub enum ConfigError {
 /// The largest settings file read (a commented one is a few KiB).
 const MAX_FILE_BYTES: u64 = 1 << 20;
 
-impl ServeFile {
+impl ServeSettings {
     /// Reads and checks the settings file at `path`.
-    pub fn load(path: &Path) -> Result<ServeFile, ConfigError> {
+    pub fn load(path: &Path) -> Result<ServeSettings, ConfigError> {
         let text = sluice_hal::file::read_regular_string(path, MAX_FILE_BYTES)
             .map_err(|source| ConfigError::Read { path: path.to_path_buf(), source })?;
-        ServeFile::parse(&text, path)
+        ServeSettings::parse(&text, path)
     }
 
     /// Parses and checks the text of the settings file `path`.
-    pub fn parse(text: &str, path: &Path) -> Result<ServeFile, ConfigError> {
+    pub fn parse(text: &str, path: &Path) -> Result<ServeSettings, ConfigError> {
         let table: toml::Table = toml::from_str(text).map_err(|e| ConfigError::Syntax {
             path: path.to_path_buf(),
             message: crate::text::toml_error(text, &e),
         })?;
-        let file: ServeFile = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+        let file: ServeSettings = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
             let path_in = e.path().to_string();
-            let message = crate::text::excerpt(e.into_inner().message(), crate::text::MAX_QUOTED);
-            // serde names an unknown key in its message, at the table that holds it.
-            let unknown = message.strip_prefix("unknown field `").and_then(|r| r.split('`').next());
-            let (key, message) = match unknown {
-                Some(k) => (
-                    k.to_string(),
-                    format!(
-                        "unknown key; the keys are {} (see the commented file the package installs)",
-                        KEYS.join(", ")
-                    ),
+            let message = e.into_inner().message().to_string();
+            // serde names an unknown key in its message, and the keys it expected.
+            let (key, message) = match unknown_key(&message) {
+                Some((k, keys)) => (
+                    crate::text::excerpt(&k, crate::text::MAX_QUOTED),
+                    format!("unknown key; the keys are {keys} (see the commented file the package installs)"),
                 ),
-                None => (path_in, message),
+                None => (path_in, crate::text::excerpt(&message, crate::text::MAX_QUOTED)),
             };
             ConfigError::Key { path: path.to_path_buf(), key, message }
         })?;
@@ -121,7 +141,7 @@ impl ServeFile {
         let bad = |key: &str, message: &str| {
             Err(ConfigError::Key { path: path.to_path_buf(), key: key.into(), message: message.into() })
         };
-        if self.ctx.is_some_and(|c| c < 16) {
+        if self.ctx.is_some_and(|c| c < MIN_CTX) {
             return bad("ctx", "at least 16 positions; remove the key for 4096 (or the model's length if shorter)");
         }
         if self.model.as_ref().is_some_and(|m| m.as_os_str().is_empty()) {
@@ -140,30 +160,42 @@ impl ServeFile {
     pub fn require_model(&self, path: &Path) -> Result<&Path, ConfigError> {
         self.model.as_deref().ok_or_else(|| ConfigError::NoModel { path: path.to_path_buf() })
     }
+
+    /// These settings (the flags), each over its key in `file` when given.
+    pub fn over(self, file: ServeSettings) -> ServeSettings {
+        // Every field named: a field added to the struct must be merged here too.
+        ServeSettings {
+            model: self.model.or(file.model),
+            board: self.board.or(file.board),
+            listen: self.listen.or(file.listen),
+            ctx: self.ctx.or(file.ctx),
+            cache_mb: self.cache_mb.or(file.cache_mb),
+            api_key_file: self.api_key_file.or(file.api_key_file),
+            model_id: self.model_id.or(file.model_id),
+            queue: self.queue.or(file.queue),
+            rpc: self.rpc.or(file.rpc),
+            rpc_key_file: self.rpc_key_file.or(file.rpc_key_file),
+            metrics_need_key: self.metrics_need_key.or(file.metrics_need_key),
+            cors_origins: self.cors_origins.or(file.cors_origins),
+        }
+    }
 }
 
-/// The keys, in the order the struct declares them.
-const KEYS: [&str; 12] = [
-    "model",
-    "board",
-    "listen",
-    "ctx",
-    "cache_mb",
-    "api_key_file",
-    "model_id",
-    "queue",
-    "rpc",
-    "rpc_key_file",
-    "metrics_need_key",
-    "cors_origins",
-];
+/// The key serde's message (`unknown field `x`, expected one of `a`, `b``) says is unknown,
+/// and the keys it expected, as a list.
+fn unknown_key(message: &str) -> Option<(String, String)> {
+    let rest = message.strip_prefix("unknown field `")?;
+    let (key, rest) = rest.split_once('`')?;
+    let expected = rest.split_once("expected one of ").map_or(rest, |(_, e)| e);
+    Some((key.to_string(), expected.replace('`', "")))
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn full() -> ServeFile {
-        ServeFile {
+    fn full() -> ServeSettings {
+        ServeSettings {
             model: Some("/srv/models/model.gguf".into()),
             board: Some("rpi5-8gb".into()),
             listen: Some("0.0.0.0:8080".parse().unwrap()),
@@ -179,20 +211,28 @@ mod tests {
         }
     }
 
-    fn parse(text: &str) -> Result<ServeFile, ConfigError> {
-        ServeFile::parse(text, Path::new("/etc/sluice/sluice.toml"))
+    fn parse(text: &str) -> Result<ServeSettings, ConfigError> {
+        ServeSettings::parse(text, Path::new("/etc/sluice/sluice.toml"))
+    }
+
+    /// The keys, as the message about an unknown key lists them.
+    fn keys() -> Vec<String> {
+        let e = parse("zzz = 1").unwrap_err().to_string();
+        let list = e.split_once("the keys are ").unwrap().1.split_once(" (see").unwrap().0;
+        list.split(", ").map(String::from).collect()
     }
 
     #[test]
     fn every_key_round_trips() {
         let f = full();
         let text = toml::to_string(&f).unwrap();
-        for key in KEYS {
+        assert_eq!(keys().len(), 12, "{:?}", keys());
+        for key in keys() {
             assert!(text.lines().any(|l| l.starts_with(&format!("{key} = "))), "{key} missing from:\n{text}");
         }
         assert_eq!(parse(&text).unwrap(), f);
-        assert_eq!(toml::to_string(&ServeFile::default()).unwrap(), "", "absent keys are left out");
-        assert_eq!(parse("").unwrap(), ServeFile::default());
+        assert_eq!(toml::to_string(&ServeSettings::default()).unwrap(), "", "absent keys are left out");
+        assert_eq!(parse("").unwrap(), ServeSettings::default());
     }
 
     #[test]
@@ -205,9 +245,18 @@ mod tests {
         // Each commented key, uncommented, is one the file takes.
         for line in text.lines().filter_map(|l| l.strip_prefix("#")) {
             let Some((key, _)) = line.trim().split_once(" = ") else { continue };
-            assert!(KEYS.contains(&key), "commented key {key} is not a key");
+            assert!(keys().iter().any(|k| k == key), "commented key {key} is not a key");
             parse(line.trim()).unwrap_or_else(|e| panic!("{line}: {e}"));
         }
+    }
+
+    #[test]
+    fn a_flag_overrides_its_key_and_a_key_fills_a_missing_flag() {
+        let flags = ServeSettings { ctx: Some(512), rpc: Some(vec!["a:1".into()]), ..ServeSettings::default() };
+        let merged = flags.over(full());
+        assert_eq!((merged.ctx, merged.rpc), (Some(512), Some(vec!["a:1".to_string()])));
+        assert_eq!(ServeSettings { ctx: full().ctx, rpc: full().rpc, ..merged }, full());
+        assert_eq!(ServeSettings::default().over(ServeSettings::default()), ServeSettings::default());
     }
 
     #[test]

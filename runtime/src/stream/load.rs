@@ -85,17 +85,38 @@ pub fn load_streamed_model(
     crate::generate::load_model_with(path, &streamed_params(index, dense, gpu_layers, None))
 }
 
-/// [`load_streamed_model`] as `config` says, its lossy `--experts-used` included (checked
+/// What a streamed load of the model needs to know: the part of a [`StreamConfig`] decided
+/// before the model is loaded (the cache size is not).
+#[derive(Debug, Clone, Copy)]
+pub struct ModelLoad<'a> {
+    /// Where the dense weights live.
+    pub dense: DensePolicy,
+    /// Layers offloaded to a GPU.
+    pub gpu_layers: u32,
+    /// The layers RPC workers hold.
+    pub rpc: Option<&'a ggml_sys::RpcSplit>,
+    /// Opt-in lossy modes (`--experts-used` changes the model's own count).
+    pub lossy: crate::lossy::Lossy,
+}
+
+impl StreamConfig {
+    /// How this configuration loads the model.
+    pub fn model_load(&self) -> ModelLoad<'_> {
+        ModelLoad { dense: self.dense, gpu_layers: self.gpu_layers, rpc: self.rpc.as_ref(), lossy: self.lossy }
+    }
+}
+
+/// [`load_streamed_model`] as `load` says, its lossy `--experts-used` included (checked
 /// against the model).
 pub fn load_configured(
     path: &std::path::Path,
     index: &ExpertIndex,
-    config: &StreamConfig,
+    load: &ModelLoad<'_>,
 ) -> Result<Model, GenerateError> {
-    config.lossy.check(index.n_expert_used).map_err(GenerateError::Lossy)?;
+    load.lossy.check(index.n_expert_used).map_err(GenerateError::Lossy)?;
     let params = ggml_sys::ModelParams {
-        int_overrides: config.lossy.model_overrides(&index.arch),
-        ..streamed_params(index, config.dense, config.gpu_layers, config.rpc.as_ref())
+        int_overrides: load.lossy.model_overrides(&index.arch),
+        ..streamed_params(index, load.dense, load.gpu_layers, load.rpc)
     };
     crate::generate::load_model_with(path, &params)
 }
