@@ -198,6 +198,9 @@ impl Launch {
     /// ledger decides the expert cache once, and a run that does not fit is refused here.
     /// `on_step` hears each step as it starts (the service's status page shows them).
     pub fn load(&self, on_step: &mut dyn FnMut(&str)) -> Result<Loaded, LaunchError> {
+        if self.dense != self.dense() {
+            log::info!("cuda service: dense weights are loaded by llama.cpp (--dense mmap)");
+        }
         on_step("indexing the model's experts");
         let (index, split) = if self.rpc.is_empty() {
             self.index_and_split(None)?
