@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use ggml_sys::{Model, Token};
 
-use crate::board::{ComputeService, Overlap, ResolvedBoard};
+use crate::board::{Overlap, ResolvedBoard};
 use crate::budget::{self, BudgetError, Ledger, PlanRequest};
 use crate::generate::{self, GenerateError, Session};
 use crate::lossy::Lossy;
@@ -287,10 +287,7 @@ impl Launch {
     }
 
     fn gpu_layers(&self) -> u32 {
-        match self.board.compute {
-            ComputeService::Cpu => 0,
-            ComputeService::Cuda { n_gpu_layers } => n_gpu_layers,
-        }
+        self.board.compute.gpu_layers()
     }
 
     /// The dense policy the run uses: the cuda service's dense weights are llama.cpp's.

@@ -118,10 +118,11 @@ pub struct BenchPlan {
 }
 
 impl BenchPlan {
-    /// Whether a row with a cache of `cache_bytes` fits the board's budget (a plan's total
-    /// only grows with its cache, so the largest row decides).
-    pub fn fits(&self, cache_bytes: u64) -> Result<(), LaunchError> {
-        self.launch(cache_bytes).plan()?.ledger?;
+    /// Whether a row with a cache of `cache_bytes` fits the board's budget, for a context of
+    /// `positions` (the prompt's tokens, counted by the caller, and `n_predict`); a plan's total
+    /// only grows with its cache, so the largest row decides.
+    pub fn fits(&self, cache_bytes: u64, positions: u32) -> Result<(), LaunchError> {
+        Launch { positions: Positions::Fixed(positions), ..self.launch(cache_bytes) }.plan()?.ledger?;
         Ok(())
     }
 

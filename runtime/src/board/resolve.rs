@@ -44,6 +44,14 @@ pub enum ComputeService {
 }
 
 impl ComputeService {
+    /// Layers offloaded to a GPU (0 on the cpu service).
+    pub fn gpu_layers(&self) -> u32 {
+        match self {
+            ComputeService::Cpu => 0,
+            ComputeService::Cuda { n_gpu_layers } => *n_gpu_layers,
+        }
+    }
+
     /// Whether layers are offloaded to a GPU.
     pub fn offloads(&self) -> bool {
         matches!(self, ComputeService::Cuda { n_gpu_layers } if *n_gpu_layers > 0)

@@ -130,7 +130,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     };
     if let Some(&pct) = a.cache_percents.iter().max() {
         let all = ExpertIndex::open(&a.model)?.all_expert_window_bytes();
-        plan.fits(all * u64::from(pct) / 100)
+        plan.fits(all * u64::from(pct) / 100, prompt_tokens + a.n_predict)
             .with_context(|| format!("the streamed configuration with a {pct}% cache does not fit"))?;
     }
     noteln!(

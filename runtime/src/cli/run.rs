@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, Result};
 use clap::Args;
 
-use sluice::board::{BoardChoice, ComputeService, ResolvedBoard};
+use sluice::board::{BoardChoice, ResolvedBoard};
 use sluice::generate::{self, GenerateParams, Generation};
 use sluice::launch::{Cost, Loaded, Positions};
 use sluice::stream::{CacheCounters, DensePolicy, TokenRow};
@@ -87,10 +87,7 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
         if board.verify {
             log::warn!("storage.verify checks streamed reads; --resident reads through llama.cpp's mapping, unchecked (`sluice verify --check --model MODEL` checks the whole model)");
         }
-        let gpu_layers = match board.compute {
-            ComputeService::Cpu => 0,
-            ComputeService::Cuda { n_gpu_layers } => n_gpu_layers.min(i32::MAX as u32) as i32,
-        };
+        let gpu_layers = board.compute.gpu_layers().min(i32::MAX as u32) as i32;
         let model = generate::load_model_with(
             model_path,
             &ggml_sys::ModelParams { n_gpu_layers: gpu_layers, ..Default::default() },

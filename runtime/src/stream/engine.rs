@@ -366,26 +366,27 @@ impl Streamer {
             return Ok(());
         }
         let t0 = Instant::now();
-        let result = match self.schedule(in_kernel, tokens) {
+        // A batch handed to the lanes is accounted when it is collected; a serial one now.
+        let landed = match self.schedule(in_kernel, tokens) {
             Schedule::Waves => {
                 self.source.lanes().submit_waves(&mut self.jobs, self.staging);
                 self.in_flight = true;
-                Ok(ReadStats::default())
+                None
             }
             Schedule::Overlapped => {
                 self.source.lanes().submit(&mut self.jobs);
                 self.in_flight = true;
-                Ok(ReadStats::default())
+                None
             }
             Schedule::Serial => {
                 // Nothing computes before the whole batch has landed, so the lanes take it in
                 // file order (the graph's use order only matters to an overlapped kernel).
                 self.jobs.sort_unstable_by_key(|j| (j.shard, j.start));
-                self.source.lanes().read_all(&mut self.jobs)
+                Some(self.source.lanes().read_all(&mut self.jobs))
             }
         };
         self.stats.io_wait += t0.elapsed();
-        self.account(result)
+        landed.map_or(Ok(()), |result| self.account(result))
     }
 
     /// Plans `layer`'s routed experts against the cache (evicted experts' memory given back)

@@ -3,7 +3,6 @@
 
 use std::ops::ControlFlow;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
-use std::time::Duration;
 
 use ggml_sys::{EvalPhase, Model, TensorView, Token};
 use sluice_hal::usage::Usage;
@@ -73,8 +72,6 @@ pub struct StreamedSession<'m> {
     streamer: Arc<Mutex<Streamer>>,
     /// Dense bytes read at open (dense `anon`).
     pub dense_bytes_read: u64,
-    /// Time the open (capture, rebind, dense read) took.
-    pub open_time: Duration,
 }
 
 impl<'m> StreamedSession<'m> {
@@ -88,7 +85,6 @@ impl<'m> StreamedSession<'m> {
         n_ctx: u32,
         threads: &ggml_sys::Threads,
     ) -> Result<Self, StreamError> {
-        let t0 = std::time::Instant::now();
         check_cache_budget(&index, config.cache_bytes, config.force_cache)?;
         if !index.verified {
             log::warn!(
@@ -124,7 +120,7 @@ impl<'m> StreamedSession<'m> {
         let streamer = Arc::new(Mutex::new(Streamer::new(index, source, bound, claims.taken(), sums, settings)));
         // Set once, before any decode that streams.
         let _ = stages.streamer.set(Arc::clone(&streamer));
-        Ok(StreamedSession { session, _claims: claims, streamer, dense_bytes_read, open_time: t0.elapsed() })
+        Ok(StreamedSession { session, _claims: claims, streamer, dense_bytes_read })
     }
 
     /// The streamer's state (counters, trace, budget).
