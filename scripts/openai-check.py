@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """The official `openai` client against a running `sluice serve`: completions and chat, plain
-and streamed, greedy, with an API key; the usage chunk, log probabilities, tool calls (plain,
-streamed, and a round trip with the tool's result) and a JSON schema answer. Streamed text must
-equal the plain text. The served model is a synthetic one with Qwen3's chat template. Usage:
+and streamed, greedy, with an API key; the usage chunk, log probabilities, tool calls (required
+and named, plain, streamed, and a round trip with the tool's result), a JSON schema answer and
+`parse` with a pydantic model; the Responses API (plain, streamed, a tool round trip over
+`previous_response_id`, `parse`). Streamed text must equal the plain text. The served model is a
+synthetic one with Qwen3's chat template; nothing pushes the calls but the grammar. Usage:
     openai-check.py BASE_URL API_KEY MODEL
 Prints one line per check and ends with 'openai-check: N passed, M failed'."""
 
@@ -72,8 +74,7 @@ check(
     len(content) == lp.usage.completion_tokens and all(t.top_logprobs[0].logprob == t.logprob for t in content),
 )
 
-# Tools. The weights are random: biases make it call (token 264 is <tool_call>, 13 a newline,
-# 261 <|im_end|> in the synthetic vocabulary); the chat template and its grammar write the call.
+# Tools: a required call is made whatever the random weights prefer.
 tools = [
     {
         "type": "function",
@@ -90,15 +91,7 @@ tools = [
     }
 ]
 ask = [{"role": "user", "content": "Weather in Paris?"}]
-call_once = dict(
-    tools=tools,
-    tool_choice="required",
-    max_tokens=200,
-    temperature=0,
-    frequency_penalty=2,
-    logit_bias={"264": 95, "13": 99, "261": 100},
-    extra_body={"chat_template_kwargs": {"enable_thinking": False}},
-)
+call_once = dict(tools=tools, tool_choice="required", max_tokens=200, temperature=0, reasoning_effort="none")
 called = client.chat.completions.create(model=model, messages=ask, **call_once)
 message = called.choices[0].message
 call = message.tool_calls[0] if message.tool_calls else None
@@ -153,6 +146,61 @@ try:
 except (ValueError, TypeError, KeyError) as e:
     ok = False
 check("json_schema", ok, repr(structured.choices[0].message.content))
+
+# A named function is the one called.
+clock = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]},
+    },
+}
+named = client.chat.completions.create(
+    model=model, messages=ask, tools=tools + [clock], max_tokens=200, temperature=1, seed=3, reasoning_effort="none",
+    tool_choice={"type": "function", "function": {"name": "get_time"}},
+)
+calls = named.choices[0].message.tool_calls or []
+check("named tool choice", [c.function.name for c in calls] == ["get_time"], repr(calls))
+
+# parse() with a pydantic model: the schema is enforced, the answer validates.
+try:
+    import pydantic
+
+    class Pet(pydantic.BaseModel):
+        name: str = pydantic.Field(max_length=16)
+        legs: int = pydantic.Field(ge=0, le=8)
+
+    parsed = client.chat.completions.parse(
+        model=model, messages=[{"role": "user", "content": "A pet"}], response_format=Pet, max_tokens=300,
+        temperature=1, seed=2, reasoning_effort="none",
+    )
+    choice = parsed.choices[0]
+    check("chat parse", choice.finish_reason != "stop" or isinstance(choice.message.parsed, Pet), repr(choice.message.content))
+except ImportError:
+    check("chat parse", False, "pydantic is missing")
+
+# The Responses API.
+r = client.responses.create(model=model, input="Hello", instructions="Be brief.", max_output_tokens=8, temperature=0)
+check("responses", r.status == "incomplete" and r.usage.output_tokens == 8, repr(r.output_text))
+events = list(
+    client.responses.create(model=model, input="Hello", instructions="Be brief.", max_output_tokens=8, temperature=0, stream=True)
+)
+text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+check("streamed responses equal the plain one", text == r.output_text and events[-1].type == "response.incomplete", repr(text))
+rtools = [{"type": "function", "name": "get_weather", "parameters": tools[0]["function"]["parameters"]}]
+first = client.responses.create(
+    model=model, input="Weather in Paris?", tools=rtools, tool_choice="required", max_output_tokens=200, reasoning={"effort": "none"}
+)
+fcalls = [o for o in first.output if o.type == "function_call"]
+check("responses tool call", len(fcalls) == 1 and fcalls[0].name == "get_weather", repr(first.output))
+if fcalls:
+    second = client.responses.create(
+        model=model, previous_response_id=first.id, tools=rtools, max_output_tokens=4,
+        input=[{"type": "function_call_output", "call_id": fcalls[0].call_id, "output": "sunny"}],
+    )
+    check("responses tool round trip", second.usage.input_tokens > first.usage.input_tokens, repr(second.usage))
+else:
+    check("responses tool round trip", False, "no call to answer")
 
 failed = checks.count(False)
 print(f"openai-check: {len(checks) - failed} passed, {failed} failed")

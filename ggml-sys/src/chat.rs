@@ -32,7 +32,6 @@ unsafe extern "C" {
     ) -> *mut RawTemplates;
     fn sluice_chat_templates_free(t: *mut RawTemplates);
     fn sluice_chat_set_work_limits(max_depth: usize, max_steps: u64, max_value: usize, max_ms: i64);
-    fn sluice_chat_templates_support_tool_calls(t: *const RawTemplates) -> bool;
     fn sluice_chat_templates_apply(
         t: *const RawTemplates,
         inputs_json: *const c_char,
@@ -127,13 +126,6 @@ impl ChatTemplates {
 
     fn wrap(raw: *mut RawTemplates) -> Result<ChatTemplates> {
         made("common_chat_templates_init", raw).map(|raw| ChatTemplates { raw })
-    }
-
-    /// Whether the template renders tool calls (a model that was taught to call tools).
-    pub fn supports_tool_calls(&self) -> bool {
-        // SAFETY: live templates.
-        let yes = unsafe { sluice_chat_templates_support_tool_calls(self.raw.as_ptr()) };
-        chat_caught("common_chat_templates_get_caps").is_ok() && yes
     }
 
     /// Renders `inputs` into a prompt, with the grammar, stops and parser its generation needs.
@@ -271,6 +263,9 @@ pub struct ChatPrompt {
     pub thinking_start_tag: String,
     /// The tags that close thinking.
     pub thinking_end_tags: Vec<String>,
+    /// Whether the template has no tool-call syntax of its own, so that tools were offered and
+    /// are parsed in the generic JSON form (`{"tool_calls": [...]}`).
+    pub generic_tools: bool,
 }
 
 /// Parses one generation's text into a message, as the template's family writes it.

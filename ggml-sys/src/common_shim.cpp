@@ -9,9 +9,11 @@
 // it in the per-thread record shim.cpp keeps (shim.h); the Rust side turns it into an error with
 // `caught`. What common would GGML_ASSERT on is checked here first.
 
+#include "chat-peg-parser.h"
 #include "chat.h"
 #include "common.h"
 #include "jinja/work.h"
+#include "json-schema-to-grammar.h"
 #include "llama.h"
 #include "ngram-cache.h"
 #include "sampling.h"
@@ -22,6 +24,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -52,6 +55,159 @@ void check_template_size(const char * source, const char * what) {
 
 std::vector<llama_token> tokenize_tag(const llama_vocab * vocab, const std::string & tag) {
     return common_tokenize(vocab, tag, /* add_special */ false, /* parse_special */ true);
+}
+
+// The object a generic tool call is written as, for templates that have no tool-call syntax of
+// their own (ChatML, or a template that never renders tool calls).
+const std::string GENERIC_CALLS_START = "{\"tool_calls\": ";
+
+// What a template without tool calls is told about the request's tools, in its system message.
+std::string generic_tools_instructions(const common_json & tools, bool required, bool parallel) {
+    std::string out = "You can call these tools (each one's arguments follow its JSON schema):\n";
+    for (const auto & tool : tools) {
+        out += tool.at("function").dump() + "\n";
+    }
+    out += required ? "You must call " : "To call ";
+    out += parallel ? "one or more of them" : "one of them";
+    out += required ? ": answer" : ", answer";
+    out += " with only a JSON object {\"tool_calls\": [{\"name\": \"<tool name>\", \"arguments\": {...}}]}";
+    out += parallel ? "." : " holding one call.";
+    out += " Tool results come back to you as {\"tool_response\": ...} messages.";
+    return out;
+}
+
+// The messages of a chat with tools, rewritten for a template without tool calls: the tools and
+// how to call them in the system message, an assistant's calls as the JSON it was asked to write,
+// and tool results as user messages (consecutive ones together, so user and assistant still take
+// turns for the templates that insist on it).
+common_json generic_tool_messages(const common_json & messages, const common_json & tools, bool required, bool parallel) {
+    common_json out = common_json::array();
+    const std::string instructions = generic_tools_instructions(tools, required, parallel);
+    const auto is_system = [](const common_json & m) {
+        const std::string role = m.value("role", std::string());
+        return role == "system" || role == "developer";
+    };
+    if (messages.empty() || !is_system(messages.at(static_cast<size_t>(0)))) {
+        out.push_back(common_json{ { "role", "system" }, { "content", instructions } });
+    }
+    for (size_t i = 0; i < messages.size(); ++i) {
+        const auto & m = messages.at(i);
+        const std::string role = m.value("role", std::string());
+        common_json msg = m;
+        if (i == 0 && is_system(m)) {
+            const std::string text = m.contains("content") && m.at("content").is_string() ? m.at("content").get<std::string>() : "";
+            msg["role"] = "system";
+            msg["content"] = text.empty() ? instructions : text + "\n\n" + instructions;
+        } else if (role == "assistant" && m.contains("tool_calls") && m.at("tool_calls").is_array()) {
+            common_json calls = common_json::array();
+            for (const auto & c : m.at("tool_calls")) {
+                const auto & f = c.at("function");
+                common_json args = f.at("arguments");
+                if (args.is_string()) {
+                    args = common_json::parse(args.get<std::string>());
+                }
+                calls.push_back({ { "name", f.at("name") }, { "arguments", args } });
+            }
+            const std::string text = m.contains("content") && m.at("content").is_string() ? m.at("content").get<std::string>() : "";
+            const std::string call_text = common_json{ { "tool_calls", calls } }.dump();
+            msg.erase("tool_calls");
+            msg["content"] = text.empty() ? call_text : text + "\n" + call_text;
+        } else if (role == "tool") {
+            common_json result = { { "tool_response", { { "tool_call_id", m.value("tool_call_id", std::string()) },
+                                                        { "content", m.value("content", common_json()) } } } };
+            if (!out.empty() && out.back().value("role", std::string()) == "user" && out.back().value("sluice_tool", false)) {
+                out.back()["content"] = out.back()["content"].get<std::string>() + "\n" + result.dump();
+                continue;
+            }
+            msg = { { "role", "user" }, { "content", result.dump() }, { "sluice_tool", true } };
+        }
+        out.push_back(msg);
+    }
+    for (size_t i = 0; i < out.size(); ++i) {
+        out[i].erase("sluice_tool");
+    }
+    return out;
+}
+
+// Whether the templates write tool calls of their own: their capabilities say so, or a handler
+// made a call grammar for a required call (LFM2's handler does for a template whose rendering
+// the capability probe cannot see calls in). A template that cannot render the request with
+// tools at all has none.
+bool has_tool_syntax(const common_chat_templates * tmpls, const common_chat_templates_inputs & inputs) {
+    const auto caps = common_chat_templates_get_caps(tmpls);
+    const auto native = caps.find("supports_tool_calls");
+    if (native != caps.end() && native->second) {
+        return true;
+    }
+    auto probe = inputs;
+    probe.tool_choice = COMMON_CHAT_TOOL_CHOICE_REQUIRED;
+    probe.json_schema.clear();
+    try {
+        return !common_chat_templates_apply(tmpls, probe).grammar.empty();
+    } catch (const std::exception &) {
+        return false;
+    }
+}
+
+// The optional thinking block of `params`' format, as its handler names the tags.
+common_peg_parser thinking_block(common_chat_peg_builder & p, const common_chat_params & params, bool extract) {
+    if (!extract || params.thinking_start_tag.empty() || params.thinking_end_tags.empty()) {
+        return p.eps();
+    }
+    const std::string start = string_strip(params.thinking_start_tag);
+    const std::string end   = string_strip(params.thinking_end_tags.front());
+    return p.optional(p.optspace(start) + p.reasoning(p.until(end)) + p.optspace(end));
+}
+
+// Replaces the parser and grammar of `params` with `body` after the generation prompt and the
+// optional thinking block; the grammar waits for `trigger` when it is not empty.
+void constrain(common_chat_params & params, const common_chat_templates_inputs & inputs,
+               const std::function<common_peg_parser(common_chat_peg_builder &)> & body, const std::string & trigger) {
+    const bool extract = inputs.reasoning_format != COMMON_REASONING_FORMAT_NONE;
+    const auto arena = build_chat_peg_parser([&](common_chat_peg_builder & p) {
+        const std::string start = string_strip(params.thinking_start_tag);
+        return p.prefix(params.generation_prompt, start) << (thinking_block(p, params, extract) + body(p) + p.end());
+    });
+    params.parser       = arena.save();
+    params.format       = COMMON_CHAT_FORMAT_PEG_NATIVE;
+    params.grammar_lazy = !trigger.empty();
+    params.grammar      = build_grammar([&](const common_grammar_builder & builder) {
+        arena.build_grammar(builder, params.grammar_lazy);
+    });
+    params.grammar_triggers.clear();
+    if (params.grammar_lazy) {
+        params.grammar_triggers.push_back({ COMMON_GRAMMAR_TRIGGER_TYPE_WORD, trigger });
+    }
+}
+
+// A response_format schema the template's handler made no grammar for: the answer is that JSON
+// (after the thinking block), as llama.cpp's own handlers write it.
+void constrain_to_schema(common_chat_params & params, const common_chat_templates_inputs & inputs) {
+    const auto schema = common_json::parse(inputs.json_schema);
+    constrain(params, inputs, [&](common_chat_peg_builder & p) {
+        return p.space() + p.content(p.schema(p.json(), "response-format-schema", schema)) + p.space();
+    }, "");
+}
+
+// Generic tool calls for a template without its own: the answer is {"tool_calls": [...]} (the
+// only answer when a call is required; otherwise the response_format's JSON or the call, or text
+// with the call, if any, after it).
+void constrain_to_generic_calls(common_chat_params & params, const common_chat_templates_inputs & inputs,
+                                const common_json & tools) {
+    const bool required = inputs.tool_choice == COMMON_CHAT_TOOL_CHOICE_REQUIRED;
+    const bool schema   = !inputs.json_schema.empty();
+    constrain(params, inputs, [&](common_chat_peg_builder & p) {
+        auto calls = p.standard_json_tools(GENERIC_CALLS_START, "}", tools, inputs.parallel_tool_calls, true, "name",
+                                           "arguments", /* array_wrapped */ true);
+        if (required) {
+            return p.space() + calls + p.space();
+        }
+        if (schema) {
+            const auto response = p.content(p.schema(p.json(), "response-format-schema", common_json::parse(inputs.json_schema)));
+            return p.space() + p.choice({ calls, response }) + p.space();
+        }
+        return p.optional(p.content(p.until(GENERIC_CALLS_START))) + p.optional(calls + p.space());
+    }, required || schema ? "" : GENERIC_CALLS_START);
 }
 
 }  // namespace
@@ -121,16 +277,6 @@ void sluice_chat_templates_free(struct sluice_chat_templates * t) {
     delete t;
 }
 
-// Whether the templates render tool calls (tool_use variant first, as common reads it).
-bool sluice_chat_templates_support_tool_calls(const struct sluice_chat_templates * t) {
-    try {
-        const auto caps = common_chat_templates_get_caps(t->tmpls.get());
-        const auto it = caps.find("supports_tool_calls");
-        return it != caps.end() && it->second;
-    }
-    SLUICE_CATCH(false)
-}
-
 // Applies the templates to `inputs_json`:
 //   {"messages": [OpenAI messages], "tools": [OpenAI tools]?, "tool_choice": "auto"|"none"|"required",
 //    "parallel_tool_calls": bool, "json_schema": {schema}?, "enable_thinking": bool,
@@ -139,18 +285,22 @@ bool sluice_chat_templates_support_tool_calls(const struct sluice_chat_templates
 // Returns the result as JSON (freed with sluice_string_free):
 //   {"prompt", "format", "grammar", "grammar_lazy", "grammar_triggers": [{"type", "value", "token"}],
 //    "preserved_tokens", "additional_stops", "generation_prompt", "thinking_start_tag",
-//    "thinking_end_tags"}
+//    "thinking_end_tags", "generic_tools": bool}
 // and the parser for the generation's text in *parser. NULL after an exception.
+//
+// Two things no answer goes without: tools on a template with no tool-call syntax are offered and
+// parsed in a generic JSON form ("generic_tools": true), and a json_schema the template's handler
+// made no grammar for is enforced by one built here (after the thinking block).
 char * sluice_chat_templates_apply(const struct sluice_chat_templates * t, const char * inputs_json,
                                    struct sluice_chat_parser ** parser) {
     try {
         const auto in = common_json::parse(inputs_json);
         common_chat_templates_inputs inputs;
+        inputs.tool_choice = common_chat_tool_choice_parse_oaicompat(in.value("tool_choice", std::string("auto")));
         inputs.messages = common_chat_msgs_parse_oaicompat(in.at("messages"));
         if (in.contains("tools")) {
             inputs.tools = common_chat_tools_parse_oaicompat(in.at("tools"));
         }
-        inputs.tool_choice = common_chat_tool_choice_parse_oaicompat(in.value("tool_choice", std::string("auto")));
         inputs.parallel_tool_calls = in.value("parallel_tool_calls", false);
         if (in.contains("json_schema")) {
             inputs.json_schema = in.at("json_schema").dump();
@@ -166,12 +316,25 @@ char * sluice_chat_templates_apply(const struct sluice_chat_templates * t, const
                 inputs.chat_template_kwargs[kv.key()] = kv.value().dump();
             }
         }
-        const common_chat_params params = common_chat_templates_apply(t->tmpls.get(), inputs);
+        const bool generic_tools = !inputs.tools.empty() && inputs.tool_choice != COMMON_CHAT_TOOL_CHOICE_NONE &&
+                                   !has_tool_syntax(t->tmpls.get(), inputs);
+        if (generic_tools) {
+            inputs.messages = common_chat_msgs_parse_oaicompat(generic_tool_messages(
+                in.at("messages"), in.at("tools"), inputs.tool_choice == COMMON_CHAT_TOOL_CHOICE_REQUIRED,
+                inputs.parallel_tool_calls));
+            inputs.tools.clear();
+        }
+        common_chat_params params = common_chat_templates_apply(t->tmpls.get(), inputs);
+        if (generic_tools) {
+            constrain_to_generic_calls(params, inputs, in.at("tools"));
+        } else if (!inputs.json_schema.empty() && params.grammar.empty()) {
+            constrain_to_schema(params, inputs);
+        }
 
         auto p = std::make_unique<sluice_chat_parser>();
         p->params = common_chat_parser_params(params);
         p->params.reasoning_format = inputs.reasoning_format;
-        p->params.parse_tool_calls = in.value("parse_tool_calls", !inputs.tools.empty());
+        p->params.parse_tool_calls = in.value("parse_tool_calls", !inputs.tools.empty() || generic_tools);
         if (!params.parser.empty()) {
             p->params.parser.load(params.parser);
         }
@@ -195,6 +358,7 @@ char * sluice_chat_templates_apply(const struct sluice_chat_templates * t, const
         out["generation_prompt"] = params.generation_prompt;
         out["thinking_start_tag"] = params.thinking_start_tag;
         out["thinking_end_tags"] = params.thinking_end_tags;
+        out["generic_tools"] = generic_tools;
         char * json = dup_string(out.dump());
         *parser = p.release();
         return json;
@@ -233,7 +397,8 @@ char * sluice_chat_parse(const struct sluice_chat_parser * p, const char * text,
 //   {"temperature", "top_k", "top_p", "min_p", "penalty_last_n", "penalty_repeat", "penalty_freq",
 //    "penalty_present", "seed", "logit_bias": [[token, bias]], "grammar", "grammar_kind": "user"|"output"|"tools", "grammar_lazy",
 //    "grammar_triggers": [{"type", "value", "token"}], "generation_prompt", "thinking_start_tag",
-//    "thinking_end_tags": [...]}
+//    "thinking_end_tags": [...], "thinking_budget": tokens?}
+// A thinking budget closes the thinking block (with the first end tag) once it has that many tokens.
 // A temperature of 0 chooses the highest logit (the lowest id on ties). NULL after an exception.
 struct sluice_sampler * sluice_sampler_init(const struct llama_model * model, const char * params_json) {
     try {
@@ -298,10 +463,12 @@ struct sluice_sampler * sluice_sampler_init(const struct llama_model * model, co
         }
         sp.generation_prompt = in.value("generation_prompt", std::string());
         // A lazy (tool-call) grammar must not wake inside a thinking block: common's reasoning
-        // budget sampler, unlimited, tracks the block as llama-server arranges it.
+        // budget sampler, unlimited unless the request sets a budget, tracks the block as
+        // llama-server arranges it.
         const std::string think_start = in.value("thinking_start_tag", std::string());
         const auto think_ends = in.value("thinking_end_tags", std::vector<std::string>());
-        if (sp.grammar_lazy && !think_start.empty() && !think_ends.empty()) {
+        sp.reasoning_budget_tokens = in.value("thinking_budget", -1);
+        if ((sp.grammar_lazy || sp.reasoning_budget_tokens >= 0) && !think_start.empty() && !think_ends.empty()) {
             sp.reasoning_budget_start = tokenize_tag(vocab, think_start);
             for (const auto & end : think_ends) {
                 sp.reasoning_budget_end.push_back(tokenize_tag(vocab, end));

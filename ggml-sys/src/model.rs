@@ -279,6 +279,13 @@ impl Model {
         &self.path
     }
 
+    /// Whether the model's memory can drop its last positions (rejected draft tokens): not for
+    /// recurrent or hybrid models, whose state cannot be rolled back.
+    pub fn memory_forgets_tail(&self) -> bool {
+        // SAFETY: live model.
+        unsafe { !sys::llama_model_is_recurrent(self.raw) && !sys::llama_model_is_hybrid(self.raw) }
+    }
+
     /// Number of transformer layers.
     pub fn n_layer(&self) -> u32 {
         // SAFETY: live model.

@@ -77,6 +77,9 @@ pub struct SamplerParams {
     pub thinking_start_tag: String,
     /// The tags that close thinking.
     pub thinking_end_tags: Vec<String>,
+    /// Tokens of thinking after which the first end tag closes the block (`None`: no bound).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thinking_budget: Option<u32>,
 }
 
 impl SamplerParams {
@@ -100,6 +103,7 @@ impl SamplerParams {
             generation_prompt: String::new(),
             thinking_start_tag: String::new(),
             thinking_end_tags: Vec::new(),
+            thinking_budget: None,
         }
     }
 

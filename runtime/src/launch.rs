@@ -82,6 +82,9 @@ pub struct Launch {
     pub lossy: Lossy,
     /// RPC workers holding the model's last layers (`--rpc`); empty: this board alone.
     pub rpc: Vec<String>,
+    /// Bytes the front end keeps beside the generation at most (`serve`: the responses kept for
+    /// `previous_response_id`), planned as a ledger line of its own; 0 for none.
+    pub kept_bytes: u64,
 }
 
 /// Why a streamed run could not start (or, from a session it opened, could not go on).
@@ -283,6 +286,7 @@ impl Launch {
             budget: self.board.budget.clone(),
             gpu: self.gpu_layers() > 0,
             rpc,
+            kept: self.kept_bytes,
         }
     }
 
@@ -326,7 +330,7 @@ impl Loaded {
         let (mut session, open) = Cost::measure(|| {
             StreamedSession::open(&self.model, Arc::clone(&self.index), &self.config, self.n_ctx, &self.threads)
         })?;
-        session.set_draft(self.draft);
+        session.set_draft(self.draft)?;
         log::info!(
             "streaming {} experts/layer over {} layers; cache {} MiB",
             self.index.n_expert,

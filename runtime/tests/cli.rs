@@ -5,7 +5,9 @@ use std::path::Path;
 use std::process::Output;
 
 mod common;
+mod fuzzing;
 use common::sluice_command;
+use fuzzing::{Gguf, Rng, Tensor, Value};
 
 /// Runs the built binary with `cache` as its model cache.
 fn sluice(args: &[&str], cache: &Path) -> Output {
@@ -207,6 +209,68 @@ fn ngram_drafting_prints_the_same_text_and_its_acceptance() {
     assert!(stderr(&drafted).contains("streamed decode: 23 tokens"), "{}", stderr(&drafted));
     let bad = sluice(&["run", "-m", &model, "--draft", "eagle"], dir.path());
     assert_clean_error(&bad, "eagle");
+}
+
+/// A small recurrent (Mamba) model with the synthetic vocabulary of `base`: llama.cpp's memory
+/// of it cannot drop positions.
+fn mamba_model(dir: &Path, base: &str) -> String {
+    let vocab = Gguf::parse(&std::fs::read(base).unwrap());
+    let n_vocab = vocab.tensors.iter().find(|t| t.name == "token_embd.weight").unwrap().dims[1];
+    let (embd, inner, state, rank, conv) = (64u64, 128u64, 16u64, 4u64, 4u64);
+    let mut g = Gguf { version: 3, kvs: Vec::new(), tensors: Vec::new() };
+    g.set("general.architecture", Value::string("mamba"));
+    for (key, v) in [
+        ("context_length", 512),
+        ("embedding_length", embd),
+        ("block_count", 2),
+        ("feed_forward_length", 0),
+        ("attention.head_count", 0),
+        ("ssm.conv_kernel", conv),
+        ("ssm.inner_size", inner),
+        ("ssm.state_size", state),
+        ("ssm.time_step_rank", rank),
+    ] {
+        g.set(&format!("mamba.{key}"), Value::u32(v as u32));
+    }
+    g.set("mamba.attention.layer_norm_rms_epsilon", Value::f32(1e-5));
+    g.kvs.extend(vocab.kvs.iter().filter(|(k, _)| k.starts_with("tokenizer.")).cloned());
+    let mut rng = Rng(7);
+    let mut tensor = |name: String, dims: Vec<u64>| {
+        let n: u64 = dims.iter().product();
+        let data = (0..n).flat_map(|_| ((rng.below(2000) as f32 - 1000.0) / 8000.0).to_le_bytes()).collect();
+        g.tensors.push(Tensor { name, at: 0, dims, ty: 0, data });
+    };
+    tensor("token_embd.weight".into(), vec![embd, n_vocab]);
+    tensor("output_norm.weight".into(), vec![embd]);
+    for l in 0..2 {
+        let b = format!("blk.{l}");
+        tensor(format!("{b}.attn_norm.weight"), vec![embd]);
+        tensor(format!("{b}.ssm_in.weight"), vec![embd, 2 * inner]);
+        tensor(format!("{b}.ssm_conv1d.weight"), vec![conv, inner]);
+        tensor(format!("{b}.ssm_conv1d.bias"), vec![inner]);
+        tensor(format!("{b}.ssm_x.weight"), vec![inner, rank + 2 * state]);
+        tensor(format!("{b}.ssm_dt.weight"), vec![rank, inner]);
+        tensor(format!("{b}.ssm_dt.bias"), vec![inner]);
+        tensor(format!("{b}.ssm_a"), vec![state, inner]);
+        tensor(format!("{b}.ssm_d"), vec![inner]);
+        tensor(format!("{b}.ssm_out.weight"), vec![inner, embd]);
+    }
+    let p = dir.join("mamba.gguf");
+    std::fs::write(&p, g.write()).unwrap();
+    p.to_str().unwrap().to_string()
+}
+
+#[test]
+fn drafting_is_refused_before_a_recurrent_model_generates() {
+    let dir = tempfile::tempdir().unwrap();
+    let base = small_model(dir.path());
+    let model = mamba_model(dir.path(), &base);
+    let args = ["run", "-m", &model, "-p", "Hello", "-n", "8", "--resident"];
+    let plain = sluice(&args, dir.path());
+    assert!(plain.status.success(), "the fixture runs: {}", stderr(&plain));
+    let drafted = sluice(&[&args[..], &["--draft", "ngram"]].concat(), dir.path());
+    assert_clean_error(&drafted, "cannot forget rejected draft tokens; turn drafting off (--draft off");
+    assert!(drafted.stdout.is_empty(), "nothing was generated: {}", String::from_utf8_lossy(&drafted.stdout));
 }
 
 #[test]

@@ -295,27 +295,11 @@ fn chat_prompts_use_the_models_own_template() {
 
 #[test]
 fn the_official_openai_client_parses_every_response() {
-    // `make test` puts the client in a virtual environment and names its Python here.
-    let python = std::env::var("SLUICE_OPENAI_PYTHON").unwrap_or_else(|_| "python3".into());
-    let has_client = std::process::Command::new(&python).args(["-c", "import openai"]).output();
-    if !has_client.is_ok_and(|o| o.status.success()) {
-        eprintln!("skipped: {python} cannot import openai (pip install openai, or set SLUICE_OPENAI_PYTHON)");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let model = synth_qwen3(dir.path());
-    let mut server =
-        Server::start_with_env(dir.path(), &model, &["--model-id", "m"], &[("SLUICE_API_KEY", "test-key")]);
-    server.wait_note("READY=1");
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/openai-check.py");
-    let o = std::process::Command::new(&python)
-        .args([script, &format!("http://{}/v1", server.addr), "test-key", "m"])
-        .output()
-        .unwrap();
-    let out = String::from_utf8_lossy(&o.stdout);
-    assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
-    assert!(out.contains("13 passed, 0 failed"), "{out}");
-    println!("{out}");
+    if let Some(out) = client_script(dir.path(), &model, "openai-check.py", "openai") {
+        assert!(out.contains("19 passed, 0 failed"), "{out}");
+    }
 }
 
 /// A bounded schema: every answer the grammar allows ends within a few dozen tokens.
@@ -381,14 +365,6 @@ fn tool_calls(message: &Value) -> Vec<(String, String, String)> {
         .unwrap_or_default()
 }
 
-/// Makes a random-weight model call a tool and stop, whatever its weights: `<tool_call>` (token
-/// 264 of the synthetic vocabulary: 3 specials, 256 bytes, `▁`, `<|im_start|>`, `<|im_end|>`,
-/// `<think>`, `</think>`, `<tool_call>`, `</tool_call>`) is the likeliest token until the
-/// frequency penalty lets a newline (13) start the call, which the grammar then writes;
-/// `<|im_end|>` (261), above both, ends the answer as soon as the grammar allows. The biases
-/// dwarf the weights' own preferences.
-const CALL_ONCE: &str = r#""logit_bias":{"264":95,"13":99,"261":100},"frequency_penalty":2"#;
-
 #[test]
 fn tool_calls_are_parsed_streamed_and_taken_back() {
     let dir = tempfile::tempdir().unwrap();
@@ -397,7 +373,7 @@ fn tool_calls_are_parsed_streamed_and_taken_back() {
     server.wait_note("READY=1");
     let ask = |stream: bool| {
         format!(
-            r#"{{"messages":[{{"role":"user","content":"Weather in Paris?"}}],"tools":[{WEATHER_TOOL}],"tool_choice":"required","max_tokens":200,"temperature":0,"stream":{stream},"reasoning_effort":"none",{CALL_ONCE}}}"#
+            r#"{{"messages":[{{"role":"user","content":"Weather in Paris?"}}],"tools":[{WEATHER_TOOL}],"tool_choice":"required","max_tokens":200,"temperature":0,"stream":{stream},"reasoning_effort":"none"}}"#
         )
     };
     let r = server.request("POST", "/v1/chat/completions", Some(&ask(false)));
@@ -452,18 +428,17 @@ fn tool_calls_are_parsed_streamed_and_taken_back() {
     assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 40, "{}", r.body);
     assert!(tool_calls(&v["choices"][0]["message"]).is_empty(), "tool_choice none: {}", r.body);
 
-    // A model without tool calls in its template refuses tools instead of ignoring them.
+    // A model whose template has no tool-call syntax (ChatML) calls in the generic JSON form.
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
     let plain = synth(dir.path());
     let mut server = Server::start(dir.path(), &plain, &[]);
     server.wait_note("READY=1");
-    assert_api_error(
-        &server.request("POST", "/v1/chat/completions", Some(&ask(false))),
-        400,
-        Some("tools"),
-        "no tool calls",
-    );
+    let r = server.request("POST", "/v1/chat/completions", Some(&ask(false)));
+    assert_eq!(r.status, 200, "{}", r.body);
+    let v = r.json();
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls", "{}", r.body);
+    assert_eq!(tool_calls(&v["choices"][0]["message"])[0].1, "get_weather", "{}", r.body);
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
 }

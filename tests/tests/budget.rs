@@ -97,6 +97,7 @@ fn the_ledger_adds_up_for_two_fixtures() {
             budget: budget(64),
             gpu: false,
             rpc: None,
+            kept: 0,
         };
         let l = budget::ledger(&req, &sizes, baseline);
         let fixed = dense + kv + sizes.compute + baseline + OVERHEAD_BYTES;
@@ -131,6 +132,12 @@ fn the_ledger_adds_up_for_two_fixtures() {
         assert_eq!(l.bytes(Item::ExpertCache), (working + wave) / 2 - wave);
         assert_eq!(l.total, tight.value);
         assert!(l.lines.iter().any(|x| x.basis.contains("waves")), "{}", l.describe());
+        // What serve keeps of its answers is a line of its own, taken from the cache.
+        let kept = 64 << 10;
+        let serving = budget::ledger(&PlanRequest { budget: tight.clone(), kept, ..req.clone() }, &sizes, baseline);
+        assert_eq!(serving.bytes(Item::KeptResponses), kept);
+        assert_eq!(serving.bytes(Item::ExpertCache), l.bytes(Item::ExpertCache) - kept);
+        assert_eq!(serving.total, tight.value);
         let gpu = budget::ledger(&PlanRequest { budget: tight.clone(), gpu: true, ..req.clone() }, &sizes, baseline);
         assert_eq!(gpu.bytes(Item::IoStaging) + gpu.bytes(Item::ExpertCache), working);
         assert!(!gpu.fits(), "{fixture:?}");
@@ -160,6 +167,7 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
         budget: budget(4096),
         gpu: false,
         rpc: None,
+        kept: 0,
     };
     let roomy = budget::plan_within_budget(&base).unwrap();
     assert!(

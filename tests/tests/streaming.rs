@@ -680,7 +680,7 @@ fn ngram_drafting_gives_the_greedy_tokens_resident_and_streamed() {
                 &ggml_sys::Threads::unpinned(2),
             )
             .unwrap();
-            session.set_draft(Some(sluice::generate::NGRAM_DRAFT_MAX));
+            session.set_draft(Some(sluice::generate::NGRAM_DRAFT_MAX)).unwrap();
             let (g, _) = session.generate(&prompt, N, |_, _| {}, |_| {}).unwrap();
             assert_eq!(g.tokens, reference, "{f:?}, {what}: streamed with drafting differs from plain greedy");
             (drafted, accepted) = (drafted + g.drafted, accepted + g.accepted);

@@ -202,6 +202,7 @@ impl StreamedRow {
             dense: DensePolicy::Anon,
             lossy: self.lossy,
             rpc: if self.kind == ChildKind::StreamedAutoBoards { rpc.to_vec() } else { Vec::new() },
+            kept_bytes: 0,
         }
     }
 

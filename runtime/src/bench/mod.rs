@@ -137,6 +137,7 @@ impl BenchPlan {
             dense: DensePolicy::Anon,
             lossy: crate::lossy::Lossy::default(),
             rpc: Vec::new(),
+            kept_bytes: 0,
         }
     }
 }
@@ -184,7 +185,7 @@ pub(crate) fn run_resident(
     let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
     let mut session = Session::new(&model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
-    session.set_draft(params.draft);
+    session.set_draft(params.draft)?;
     let mut peak_rss = 0u64;
     let mut faults = 0u64;
     let mut read = 0u64;

@@ -23,6 +23,8 @@ pub enum Item {
     ExpertCache,
     /// The process itself, llama.cpp's and the engine's own structures.
     RuntimeOverhead,
+    /// What `serve` keeps of its answers (the responses for `previous_response_id`).
+    KeptResponses,
 }
 
 impl Item {
@@ -35,6 +37,7 @@ impl Item {
             Item::IoStaging => "I/O staging",
             Item::ExpertCache => "expert cache",
             Item::RuntimeOverhead => "runtime overhead",
+            Item::KeptResponses => "kept responses",
         }
     }
 }

@@ -43,6 +43,9 @@ pub struct PlanRequest<'a> {
     /// The layers RPC workers hold (`sluice --rpc`): the ledger is then this board's share
     /// (`index` already keeps only its layers), the workers' shares are in the split.
     pub rpc: Option<&'a ggml_sys::RpcSplit>,
+    /// What the front end keeps at most beside the generation (`serve`'s kept responses); a
+    /// line of its own when not 0.
+    pub kept: u64,
 }
 
 /// llama.cpp's sizes for one context shape.
@@ -96,9 +99,9 @@ pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger 
     let dense = dense_line(req);
     let dense_held = if dense.held { dense.bytes } else { 0 };
     let overhead = baseline + OVERHEAD_BYTES;
-    let fixed = dense_held + sizes.kv + sizes.compute + overhead;
+    let fixed = dense_held + sizes.kv + sizes.compute + overhead + req.kept;
     let (cache, staging) = cache_and_staging(req, req.budget.value.saturating_sub(fixed), params.n_batch);
-    let lines = vec![
+    let mut lines = vec![
         dense,
         LedgerLine {
             item: Item::KvCache,
@@ -125,6 +128,10 @@ pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger 
             held: true,
         },
     ];
+    if req.kept > 0 {
+        let basis = "serve's responses kept for previous_response_id, at most".to_string();
+        lines.push(LedgerLine { item: Item::KeptResponses, bytes: req.kept, basis, held: true });
+    }
     let total = lines.iter().filter(|l| l.held).map(|l| l.bytes).sum();
     Ledger {
         model: req.model.display().to_string(),

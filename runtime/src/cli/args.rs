@@ -145,6 +145,7 @@ impl StreamArgs {
             dense: self.dense,
             lossy: self.lossy.lossy(),
             rpc: rpc.to_vec(),
+            kept_bytes: 0,
         }
     }
 }

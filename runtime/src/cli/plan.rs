@@ -52,6 +52,7 @@ pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
         dense: a.dense,
         lossy: Lossy::default(),
         rpc: a.rpc.rpc.clone(),
+        kept_bytes: 0,
     };
     let Planned { split, ledger: result, .. } = launch.plan()?;
     let ledger = match &result {

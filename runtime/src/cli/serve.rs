@@ -144,6 +144,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
             dense: a.dense,
             lossy: a.lossy.lossy(),
             rpc,
+            kept_bytes: sluice::serve::stored::MAX_BYTES as u64,
         },
         state_dir: state_dir.clone(),
         save_every: Duration::from_secs(a.save_secs),

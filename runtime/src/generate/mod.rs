@@ -41,6 +41,12 @@ pub enum GenerateError {
     /// A lossy setting the model cannot take.
     #[error(transparent)]
     Lossy(crate::lossy::LossyError),
+    /// Drafting was asked of a model whose memory cannot take rejected draft tokens back.
+    #[error(
+        "the model has recurrent layers, whose memory cannot forget rejected draft tokens; \
+         turn drafting off (--draft off, or draft = \"off\" in the board profile)"
+    )]
+    DraftUnsupported,
     /// llama.cpp reported an error.
     #[error(transparent)]
     Llama(ggml_sys::Error),
@@ -167,6 +173,6 @@ pub fn generate(
 ) -> Result<Generation, GenerateError> {
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
     let mut session = Session::new(model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
-    session.set_draft(params.draft);
+    session.set_draft(params.draft)?;
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }

@@ -113,9 +113,15 @@ impl<'m> Session<'m> {
 
     /// Drafts up to `max` tokens per decode from the context's n-grams (llama.cpp's lookup
     /// decoding) and verifies them in the same batch; `None` turns it off. Greedy output is the
-    /// same text either way.
-    pub fn set_draft(&mut self, max: Option<usize>) {
-        self.draft = max.filter(|&m| m > 0);
+    /// same text either way. A recurrent or hybrid model, whose memory cannot drop rejected
+    /// drafts, is refused here, before anything is generated.
+    pub fn set_draft(&mut self, max: Option<usize>) -> Result<(), GenerateError> {
+        let max = max.filter(|&m| m > 0);
+        if max.is_some() && !self.model.memory_forgets_tail() {
+            return Err(GenerateError::DraftUnsupported);
+        }
+        self.draft = max;
+        Ok(())
     }
 
     /// Makes every later decode of this session stop as soon as `flag` is set (between graph

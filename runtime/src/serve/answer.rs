@@ -97,6 +97,7 @@ impl Answer {
         let Some(m) = &mut self.message else {
             return (self.event(Piece::Text(rest)), None);
         };
+        log::trace!("the chat answer as generated: {:?}{rest:?}", m.text());
         let (delta, message) = match m.finish(&rest) {
             Ok((delta, message)) => (delta, message),
             Err(e) => {

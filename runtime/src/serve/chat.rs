@@ -148,6 +148,9 @@ fn check_message(i: usize, m: &Value) -> Result<(), ApiError> {
         return Err(ApiError::invalid(format!("Unrecognized request argument supplied: {param}"), Some(&param)));
     }
     let role = obj.get("role").and_then(Value::as_str).unwrap_or_default();
+    if let Some(calls) = obj.get("tool_calls") {
+        check_calls(&at(".tool_calls"), calls)?;
+    }
     if !ROLES.contains(&role) {
         let param = at(".role");
         return Err(ApiError::invalid(
@@ -194,6 +197,36 @@ fn check_message(i: usize, m: &Value) -> Result<(), ApiError> {
             ))
         }
     }
+}
+
+/// An assistant message's `tool_calls`: each names its function and gives its arguments as JSON
+/// (the template renders them, and a call cut off mid-arguments cannot be).
+fn check_calls(param: &str, calls: &Value) -> Result<(), ApiError> {
+    let Some(calls) = calls.as_array() else {
+        return Err(ApiError::invalid(format!("{param}: must be an array of tool calls"), Some(param)));
+    };
+    for (j, c) in calls.iter().enumerate() {
+        let at = format!("{param}[{j}].function");
+        if !c.pointer("/function/name").is_some_and(Value::is_string) {
+            return Err(ApiError::invalid(
+                format!("{at}.name: a tool call names its function"),
+                Some(&format!("{at}.name")),
+            ));
+        }
+        let arguments = match c.pointer("/function/arguments") {
+            Some(Value::String(s)) => serde_json::from_str::<Value>(s).map_err(|e| e.to_string()),
+            Some(v @ Value::Object(_)) => Ok(v.clone()),
+            _ => Err("missing".to_string()),
+        };
+        if let Err(e) = arguments {
+            let at = format!("{at}.arguments");
+            return Err(ApiError::invalid(
+                format!("{at}: the arguments must be a JSON object as text ({e}); a call cut off by max_tokens cannot be sent back"),
+                Some(&at),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn check_tool(i: usize, t: &Value) -> Result<(), ApiError> {
@@ -277,6 +310,11 @@ mod tests {
         assert_eq!(e.param.as_deref(), Some("messages[0].content[1]"));
         assert!(e.message.contains("text-only model"), "{}", e.message);
         assert_eq!(refused(fields(json!([]))).param.as_deref(), Some("messages"));
+        let cut = json!([{"role": "assistant", "content": null, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "w", "arguments": "{\"city\": \"Par"}}]}]);
+        let e = refused(fields(cut));
+        assert_eq!(e.param.as_deref(), Some("messages[0].tool_calls[0].function.arguments"));
+        assert!(e.message.contains("cut off by max_tokens"), "{}", e.message);
     }
 
     #[test]

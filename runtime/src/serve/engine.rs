@@ -235,7 +235,8 @@ impl Engine<'_, '_> {
 
     /// Runs one request, sending its events.
     fn handle(&mut self, job: Job) {
-        let Job { request, events, cancel } = job;
+        // The admission is held until the request ends.
+        let Job { request, events, cancel, admission: _admission } = job;
         self.shared.dequeued();
         if cancel.load(Ordering::Relaxed) {
             self.shared.metrics.cancelled();

@@ -38,6 +38,12 @@ impl ApiError {
         self
     }
 
+    /// The same error about `param`.
+    pub fn with_param(mut self, param: &str) -> ApiError {
+        self.param = Some(param.to_string());
+        self
+    }
+
     /// The JSON body.
     pub fn body(&self) -> String {
         serde_json::json!({

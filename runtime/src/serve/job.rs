@@ -240,6 +240,28 @@ pub struct Job {
     /// Set when the client goes away (or the server stops): the generation ends at the next
     /// graph node.
     pub cancel: Arc<AtomicBool>,
+    /// Its place among the requests the server admitted, given back when the job is dropped.
+    pub admission: Admission,
+}
+
+/// A request's place among those admitted (running or waiting): taken while fewer than the limit
+/// are held, given back on drop, however the job ends.
+#[derive(Debug)]
+pub struct Admission(Arc<AtomicUsize>);
+
+impl Admission {
+    /// A place, unless `limit` are held.
+    pub fn take(held: &Arc<AtomicUsize>, limit: usize) -> Option<Admission> {
+        held.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| (n < limit).then_some(n + 1))
+            .ok()
+            .map(|_| Admission(Arc::clone(held)))
+    }
+}
+
+impl Drop for Admission {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 #[cfg(test)]

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod prompt;
 pub mod shared;
 pub mod state;
+pub mod stored;
 pub mod text;
 
 use std::net::SocketAddr;
@@ -95,8 +96,9 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         .enable_time()
         .build()
         .context("cannot start the HTTP runtime")?;
-    let (tx, rx) = sync_channel::<Job>(cfg.queue);
-    let shared = Arc::new(Shared::new(cfg.model_id.clone(), cfg.access.clone(), tx));
+    // Room for a burst that finds the engine idle: one runs, `queue` wait.
+    let (tx, rx) = sync_channel::<Job>(cfg.queue + 1);
+    let shared = Arc::new(Shared::new(cfg.model_id.clone(), cfg.access.clone(), tx, cfg.queue));
     shared.acceptor_beat();
     let engine = {
         let shared = Arc::clone(&shared);
@@ -225,7 +227,7 @@ mod tests {
     #[test]
     fn the_watchdog_is_pinged_only_while_the_engine_and_the_acceptor_beat() {
         let (tx, _rx) = sync_channel(1);
-        let shared = Arc::new(Shared::new("m".into(), Access::default(), tx));
+        let shared = Arc::new(Shared::new("m".into(), Access::default(), tx, 1));
         let done = Arc::new(AtomicBool::new(false));
         let pings = Arc::new(AtomicUsize::new(0));
         let pinger = {

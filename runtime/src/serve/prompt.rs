@@ -92,12 +92,6 @@ fn prepare_chat(
     inputs: &ChatInputs,
     abandon: &AtomicBool,
 ) -> Result<Prepared, ApiError> {
-    if inputs.tools.is_some() && !templates.supports_tool_calls() {
-        return Err(ApiError::invalid(
-            "tools: this model's chat template has no tool calls (its model was not taught a tool-call format); leave tools out",
-            Some("tools"),
-        ));
-    }
     let (prompt, parser) = templates.apply(inputs).map_err(|e| {
         let text = e.to_string();
         let param =
@@ -105,6 +99,9 @@ fn prepare_chat(
         ApiError::invalid(format!("the model's chat template cannot take this request: {text}"), Some(param))
     })?;
     log::debug!("chat prompt rendered in llama.cpp's {} format", prompt.format);
+    if prompt.generic_tools {
+        log::debug!("the template has no tool-call syntax: tools offered as generic JSON calls");
+    }
     let tokens = tokenize(model, &prompt.prompt, abandon, "messages")?;
     let shown = prompt
         .preserved_tokens

@@ -7,10 +7,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::access::Access;
-use super::job::Job;
-use super::job::PromptBound;
+use super::job::{Admission, EventSender, GenerationRequest, Job, PromptBound};
 use super::metrics::Metrics;
 use super::state::State;
+use super::stored::StoredResponses;
 use crate::systemd::notify;
 
 /// How long the engine waits for a request before it reports that it is alive.
@@ -28,6 +28,12 @@ pub struct Shared {
     prompt_bound: Mutex<PromptBound>,
     queue: Mutex<Option<SyncSender<Job>>>,
     queued: AtomicUsize,
+    /// The responses kept for `previous_response_id`.
+    pub responses: Mutex<StoredResponses>,
+    /// Requests admitted and not finished (running or waiting), against `admit_limit`.
+    admitted: Arc<AtomicUsize>,
+    /// The one request that runs and the `--queue` that may wait beside it.
+    admit_limit: usize,
     current: Mutex<Option<Arc<AtomicBool>>>,
     cancelling: AtomicBool,
     next_id: AtomicU64,
@@ -44,7 +50,9 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub(super) fn new(model_id: String, access: Access, queue: SyncSender<Job>) -> Shared {
+    /// The state of a server whose engine takes jobs from `queue`, with `waiting` requests
+    /// allowed to wait while one runs.
+    pub(super) fn new(model_id: String, access: Access, queue: SyncSender<Job>, waiting: usize) -> Shared {
         Shared {
             state: AtomicU8::new(State::Loading as u8),
             started: Instant::now(),
@@ -53,6 +61,9 @@ impl Shared {
             prompt_bound: Mutex::new(PromptBound::default()),
             queue: Mutex::new(Some(queue)),
             queued: AtomicUsize::new(0),
+            responses: Mutex::new(StoredResponses::default()),
+            admitted: Arc::new(AtomicUsize::new(0)),
+            admit_limit: waiting + 1,
             current: Mutex::new(None),
             cancelling: AtomicBool::new(false),
             next_id: AtomicU64::new(0),
@@ -178,10 +189,21 @@ impl Shared {
         Duration::from_millis(self.now_ms().saturating_sub(oldest))
     }
 
-    /// Queues `job`: `Err` with the reason when the queue is full or closed.
-    pub(super) fn enqueue(&self, job: Job) -> Result<(), &'static str> {
+    /// Queues a request: `Err` with the reason when the queue is closed, or when one request
+    /// runs and `--queue` wait already (a burst that finds the engine idle: one of it runs, the
+    /// queue's worth waits).
+    pub(super) fn enqueue(
+        &self,
+        request: GenerationRequest,
+        events: EventSender,
+        cancel: Arc<AtomicBool>,
+    ) -> Result<(), &'static str> {
         let queue = self.queue.lock().unwrap_or_else(|e| e.into_inner());
         let Some(tx) = queue.as_ref() else { return Err("the server is shutting down") };
+        let Some(admission) = Admission::take(&self.admitted, self.admit_limit) else {
+            return Err("the server is busy: the request queue is full; retry later");
+        };
+        let job = Job { request, events, cancel, admission };
         self.queued.fetch_add(1, Ordering::SeqCst);
         match tx.try_send(job) {
             Ok(()) => Ok(()),

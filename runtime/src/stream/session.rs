@@ -202,8 +202,8 @@ impl<'m> StreamedSession<'m> {
     }
 
     /// Drafts up to `max` tokens per decode from the context's n-grams ([`Session::set_draft`]).
-    pub fn set_draft(&mut self, max: Option<usize>) {
-        self.session.set_draft(max);
+    pub fn set_draft(&mut self, max: Option<usize>) -> Result<(), StreamError> {
+        Ok(self.session.set_draft(max)?)
     }
 
     /// Makes every later decode stop as soon as `flag` is set: the generation then ends with

@@ -115,7 +115,7 @@ impl Table {
 /// layer permutes into its router bias; `None` draws the bias at random (uniform routing, or a
 /// table only sized).
 pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec, Init)> {
-    let (e, v) = (u64::from(spec.embd), vocab::n_vocab(spec.words));
+    let (e, v) = (u64::from(spec.embd), vocab::n_vocab(spec.words, spec.chat_template.as_deref()));
     let mut t = Table { out: Vec::new(), matrix: spec.out_type.matrix_type() };
     // Embedding rows of about unit variance.
     t.push("token_embd.weight".into(), vec![e, v], t.matrix, Init::Uniform { gain: 1.0, fan_in: 3 });

@@ -5,6 +5,9 @@
 //! renders back to the same text (no space prefix is added) and a chat ends at `<|im_end|>`.
 //! With words ([`super::SynthSpec::words`], the demo model), a thousand common English words
 //! follow as `▁word` tokens, so that random weights generate random words instead of bytes.
+//! With a chat template, the markers of the other chat formats that it uses come last, each one
+//! token as in the models that ship the template (gpt-oss's channels, DeepSeek's and Kimi's
+//! tool-call sections, MiniMax's turns, ...).
 
 use super::gguf_writer::Value;
 
@@ -29,14 +32,84 @@ const IM_END: u32 = 3 + 256 + 2;
 /// Number of tokens without words: three specials, 256 bytes and the chat tokens.
 const N_BASE: u64 = 3 + 256 + CHAT_TOKENS.len() as u64;
 
+/// The markers of the chat formats sluice's chat tests use, beyond [`CHAT_TOKENS`]: a template
+/// that contains one gets it as a token. (llama.cpp ends a generation at the ones it knows as
+/// end-of-turn tokens by their text: `<|return|>`, `<|call|>`, `<｜end▁of▁sentence｜>`.)
+const TEMPLATE_MARKERS: [&str; 52] = [
+    // Qwen3, Qwen3.5, GLM
+    "<tool_response>",
+    "</tool_response>",
+    // gpt-oss (harmony)
+    "<|start|>",
+    "<|end|>",
+    "<|message|>",
+    "<|channel|>",
+    "<|constrain|>",
+    "<|return|>",
+    "<|call|>",
+    // DeepSeek V3.1
+    "<｜begin▁of▁sentence｜>",
+    "<｜end▁of▁sentence｜>",
+    "<｜User｜>",
+    "<｜Assistant｜>",
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+    "<｜tool▁outputs▁begin｜>",
+    "<｜tool▁outputs▁end｜>",
+    "<｜tool▁output▁begin｜>",
+    "<｜tool▁output▁end｜>",
+    // GLM-4.5/4.6
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    // LFM2
+    "<|startoftext|>",
+    "<|tool_list_start|>",
+    "<|tool_list_end|>",
+    "<|tool_call_start|>",
+    "<|tool_call_end|>",
+    "<|tool_response_start|>",
+    "<|tool_response_end|>",
+    // Kimi K2
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_system|>",
+    "<|im_middle|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    // MiniMax M2
+    "]~!b[",
+    "]~b]",
+    "[e~[",
+    "<minimax:tool_call>",
+    "</minimax:tool_call>",
+];
+
+/// The markers `template` uses that get tokens of their own.
+fn template_markers(template: Option<&str>) -> impl Iterator<Item = &'static str> + '_ {
+    TEMPLATE_MARKERS.into_iter().filter(move |m| template.is_some_and(|t| t.contains(m)))
+}
+
 /// The common English words of the demo vocabulary (`words.txt`), most frequent first.
 fn words() -> impl Iterator<Item = &'static str> {
     include_str!("words.txt").lines().filter(|l| !l.is_empty() && !l.starts_with('#'))
 }
 
-/// Number of tokens, with or without the words.
-pub fn n_vocab(with_words: bool) -> u64 {
-    N_BASE + if with_words { words().count() as u64 } else { 0 }
+/// Number of tokens, with or without the words, with the markers of `template`.
+pub fn n_vocab(with_words: bool, template: Option<&str>) -> u64 {
+    N_BASE + if with_words { words().count() as u64 } else { 0 } + template_markers(template).count() as u64
 }
 
 // llama.cpp's token attributes (enum llama_token_type).
@@ -46,8 +119,9 @@ const TYPE_CONTROL: i32 = 3;
 const TYPE_USER_DEFINED: i32 = 4;
 const TYPE_BYTE: i32 = 6;
 
-/// The `tokenizer.ggml.*` metadata entries, with or without the words.
-pub fn metadata(with_words: bool) -> Vec<(String, Value)> {
+/// The `tokenizer.ggml.*` metadata entries, with or without the words, with the markers of
+/// `template`.
+pub fn metadata(with_words: bool, template: Option<&str>) -> Vec<(String, Value)> {
     let mut tokens = vec!["<unk>".to_string(), "<s>".to_string(), "</s>".to_string()];
     tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
     let mut types = vec![TYPE_UNKNOWN, TYPE_CONTROL, TYPE_CONTROL];
@@ -62,6 +136,11 @@ pub fn metadata(with_words: bool) -> Vec<(String, Value)> {
             types.push(TYPE_NORMAL);
             scores.push(-(rank as f32) / 1000.0);
         }
+    }
+    for marker in template_markers(template) {
+        tokens.push(marker.to_string());
+        types.push(TYPE_USER_DEFINED);
+        scores.push(0.0);
     }
     vec![
         ("tokenizer.ggml.model".into(), Value::Str("llama".into())),

@@ -308,3 +308,27 @@ pub fn assert_api_error(r: &Response, status: u16, param: Option<&str>, needle: 
     let msg = v["error"]["message"].as_str().unwrap();
     assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
 }
+
+/// Runs `scripts/SCRIPT BASE_URL KEY m` with the Python `make test` installs the client
+/// libraries into (`SLUICE_OPENAI_PYTHON`) against a server on `model` (with an API key, served
+/// as `m`), and returns what it printed, after checking that it succeeded; `None`, with a note,
+/// when that Python cannot import `modules`.
+pub fn client_script(dir: &Path, model: &Path, script: &str, modules: &str) -> Option<String> {
+    let python = std::env::var("SLUICE_OPENAI_PYTHON").unwrap_or_else(|_| "python3".into());
+    let has = Command::new(&python).args(["-c", &format!("import {modules}")]).output();
+    if !has.is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: {python} cannot import {modules} (make test installs them; or set SLUICE_OPENAI_PYTHON)");
+        return None;
+    }
+    let mut server = Server::start_with_env(dir, model, &["--model-id", "m"], &[("SLUICE_API_KEY", "test-key")]);
+    server.wait_note("READY=1");
+    let script = format!("{}/../scripts/{script}", env!("CARGO_MANIFEST_DIR"));
+    let o =
+        Command::new(&python).args([&script, &format!("http://{}/v1", server.addr), "test-key", "m"]).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+    println!("{out}");
+    Some(out)
+}

@@ -50,7 +50,8 @@ pub struct StreamOptions {
 
 /// The body of `POST /v1/completions` (`prompt`) and `POST /v1/chat/completions` (`messages`):
 /// the fields OpenAI defines that sluice honours or knowingly ignores. Any other field is a 400.
-#[derive(Debug, Deserialize)]
+/// (`/v1/responses` is translated into one.)
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct RequestBody {
     model: Option<String>,
@@ -79,6 +80,8 @@ pub struct RequestBody {
     response_format: Option<Value>,
     chat_template_kwargs: Option<Map<String, Value>>,
     reasoning_effort: Option<String>,
+    /// llama-server's bound on a thinking block's tokens (-1: none).
+    thinking_budget_tokens: Option<i64>,
     logit_bias: Option<Map<String, Value>>,
     // Known OpenAI fields that do not change what sluice generates: accepted, logged at debug.
     user: Option<IgnoredAny>,
@@ -273,6 +276,20 @@ fn random_seed() -> u32 {
     (t.as_nanos() as u64 ^ u64::from(std::process::id()).rotate_left(32)) as u32
 }
 
+/// `thinking_budget_tokens`: -1 (or absent) for no bound, else the most tokens a thinking block
+/// gets before its end tag is written for it.
+fn thinking_budget(v: Option<i64>) -> Result<Option<u32>, ApiError> {
+    match v {
+        None | Some(-1) => Ok(None),
+        Some(n) => u32::try_from(n).map(Some).map_err(|_| {
+            ApiError::invalid(
+                format!("thinking_budget_tokens: {n} is not -1 (no bound) or a number of tokens"),
+                Some("thinking_budget_tokens"),
+            )
+        }),
+    }
+}
+
 fn check_max_tokens(v: Option<u32>, param: &str) -> Result<Option<u32>, ApiError> {
     match v {
         Some(0) => Err(ApiError::invalid(format!("{param}: must be at least 1"), Some(param))),
@@ -293,6 +310,7 @@ pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest
         ("response_format", r.response_format.is_some()),
         ("chat_template_kwargs", r.chat_template_kwargs.is_some()),
         ("reasoning_effort", r.reasoning_effort.is_some()),
+        ("thinking_budget_tokens", r.thinking_budget_tokens.is_some()),
     ] {
         if sent {
             return Err(wrong_endpoint(field, "/v1/completions"));
@@ -344,7 +362,11 @@ pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest
 
 /// Parses and checks a `/v1/chat/completions` body for the model `served`.
 pub fn chat_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiError> {
-    let mut r: RequestBody = parse(body)?;
+    chat_from(parse(body)?, served)
+}
+
+/// Checks a chat request's fields and makes the generation request.
+fn chat_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiError> {
     if r.prompt.is_some() {
         return Err(wrong_endpoint("prompt", "/v1/chat/completions"));
     }
@@ -386,7 +408,10 @@ pub fn chat_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiE
         (None, v) => check_max_tokens(v, "max_tokens")?,
     };
     let (stream, include_usage) = r.streaming()?;
-    let (sampling, stop) = r.sampling_and_stop(served)?;
+    let (mut sampling, stop) = r.sampling_and_stop(served)?;
+    // Thinking turned off is held to, on templates that have no switch for it too: a thinking
+    // block the model opens anyway is closed at once.
+    sampling.thinking_budget = thinking_budget(r.thinking_budget_tokens)?.or((!inputs.enable_thinking).then_some(0));
     Ok(GenerationRequest {
         prompt: PromptInput::Chat(Box::new(inputs)),
         max_tokens,
@@ -397,6 +422,11 @@ pub fn chat_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiE
         logprobs,
     })
 }
+
+mod response_input;
+mod responses;
+
+pub use responses::{responses_request, ResponseSetup};
 
 #[cfg(test)]
 mod tests;

@@ -23,7 +23,13 @@ pub struct Body {
 
 enum Inner {
     Full(Option<Bytes>),
-    Events(Box<EventStream>),
+    Events(Box<dyn EventSource>),
+}
+
+/// Where a streamed body's server-sent events come from.
+pub trait EventSource: Send {
+    /// The next events to send; `None` when the stream is over.
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>>;
 }
 
 impl Body {
@@ -33,7 +39,7 @@ impl Body {
     }
 
     /// The events of a generation, as server-sent events.
-    pub fn events(stream: EventStream) -> Body {
+    pub fn events(stream: impl EventSource + 'static) -> Body {
         Body { inner: Inner::Events(Box::new(stream)), guard: None }
     }
 
@@ -103,7 +109,9 @@ impl EventStream {
     pub fn new(reply: Reply, events: EventReceiver, cancel: CancelOnDrop, gone: Gone) -> EventStream {
         EventStream { reply, events, gone, _cancel: cancel, started: false, ended: false, sent: 0 }
     }
+}
 
+impl EventSource for EventStream {
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
         if self.ended {
             return Poll::Ready(None);
@@ -114,13 +122,8 @@ impl EventStream {
                 return Poll::Ready(Some(event(&self.reply.role_chunk().to_string())));
             }
         }
-        if self.gone.as_mut().poll(cx).is_ready() {
-            log::info!("client went away mid-stream: cancelling its generation");
-            self.ended = true;
-            return Poll::Ready(None);
-        }
         loop {
-            let Some(e) = std::task::ready!(self.events.poll_recv(cx)) else {
+            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
                 self.ended = true;
                 return Poll::Ready(None);
             };
@@ -152,6 +155,16 @@ impl EventStream {
             return Poll::Ready(Some(out));
         }
     }
+}
+
+/// The next event of a streamed generation; `None` when it is over or its client went away (the
+/// stream then ends, and dropping it cancels the generation).
+pub fn poll_event(gone: &mut Gone, events: &mut EventReceiver, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+    if gone.as_mut().poll(cx).is_ready() {
+        log::info!("client went away mid-stream: cancelling its generation");
+        return Poll::Ready(None);
+    }
+    events.poll_recv(cx)
 }
 
 /// One server-sent event.

@@ -22,6 +22,8 @@
 mod body;
 pub mod conn;
 mod reply;
+mod response_items;
+mod responses;
 mod routes;
 mod transport;
 
@@ -219,7 +221,7 @@ impl Front {
     }
 
     /// What the requests share.
-    pub fn shared(&self) -> &Shared {
+    pub fn shared(&self) -> &Arc<Shared> {
         &self.shared
     }
 

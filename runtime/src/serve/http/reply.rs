@@ -147,7 +147,7 @@ fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 
 /// A chat answer as OpenAI's `message`: `content` (null when the answer only calls tools),
 /// `reasoning_content` when the model thought, `tool_calls` when it called tools.
-fn message_json(m: &ParsedMessage) -> Value {
+pub(super) fn message_json(m: &ParsedMessage) -> Value {
     let mut msg = json!({ "role": "assistant", "content": m.content });
     if m.content.is_empty() && !m.tool_calls.is_empty() {
         msg["content"] = Value::Null;

@@ -13,18 +13,19 @@ use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 use tokio::net::TcpStream;
 
-use super::body::{Body, CancelOnDrop, EventStream, Gone};
+use super::body::{Body, CancelOnDrop, EventSource, EventStream, Gone};
 use super::conn::ConnState;
 use super::reply::{Gathered, Kind, Reply};
 use super::transport::peer_gone;
 use super::Front;
 use crate::serve::api;
 use crate::serve::error::ApiError;
-use crate::serve::job::{event_channel, Event, EventReceiver, GenerationRequest, Job, Piece};
+use crate::serve::job::{event_channel, Event, EventReceiver, GenerationRequest, Piece};
+use crate::serve::shared::Shared;
 use crate::serve::state::State;
 
-const ENDPOINTS: [&str; 7] =
-    ["/", "/status", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions"];
+const ENDPOINTS: [&str; 8] =
+    ["/", "/status", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses"];
 
 /// The status page: one self-contained HTML file that draws `GET /status`.
 const STATUS_PAGE: &str = include_str!("../status.html");
@@ -111,18 +112,19 @@ async fn route(
             if id == shared.model_id {
                 json_response(200, model_json(shared).to_string())
             } else {
-                let mut e = ApiError::new(
+                let e = ApiError::new(
                     404,
                     "invalid_request_error",
                     format!("The model `{id}` does not exist: this server serves `{}`", shared.model_id),
                 )
-                .with_code("model_not_found");
-                e.param = Some("model".into());
+                .with_code("model_not_found")
+                .with_param("model");
                 error(&e)
             }
         }
         (&Method::POST, "/v1/completions") => generate(req, front, tcp, conn, Kind::Completion).await,
         (&Method::POST, "/v1/chat/completions") => generate(req, front, tcp, conn, Kind::Chat).await,
+        (&Method::POST, "/v1/responses") => super::responses::answer(req, front, tcp, conn).await,
         (m, _) if endpoint != "other" => {
             error(&ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}")))
         }
@@ -130,7 +132,7 @@ async fn route(
             404,
             "not_found_error",
             format!(
-                "no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /health, /metrics, /status, and the status page at /)"
+                "no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /health, /metrics, /status, and the status page at /)"
             ),
         )),
     }
@@ -174,7 +176,7 @@ fn model_json(shared: &crate::serve::shared::Shared) -> serde_json::Value {
     json!({ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "sluice" })
 }
 
-fn json_response(status: u16, body: String) -> Response<Body> {
+pub(super) fn json_response(status: u16, body: String) -> Response<Body> {
     let mut r = Response::new(Body::full(body));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
@@ -184,7 +186,7 @@ fn json_response(status: u16, body: String) -> Response<Body> {
 /// An error response. 503 says when to retry; 401 how to authenticate; a 4xx that may have
 /// left a request body unread closes the connection, so no unread byte is taken for the next
 /// request.
-fn error(e: &ApiError) -> Response<Body> {
+pub(super) fn error(e: &ApiError) -> Response<Body> {
     let mut r = json_response(e.status, e.body());
     let h = r.headers_mut();
     match e.status {
@@ -280,16 +282,22 @@ async fn read_body(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>)
 }
 
 /// A queued generation: its options, its events, and the flag that cancels it.
-struct Queued {
-    stream: bool,
-    include_usage: bool,
-    logprobs: bool,
-    events: EventReceiver,
-    cancel: CancelOnDrop,
+pub(super) struct Queued {
+    pub(super) stream: bool,
+    pub(super) include_usage: bool,
+    pub(super) logprobs: bool,
+    pub(super) events: EventReceiver,
+    pub(super) cancel: CancelOnDrop,
 }
 
-/// Checks, parses and queues a generation request.
-async fn enqueue(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>, kind: Kind) -> Result<Queued, ApiError> {
+/// Checks, parses (with `parse`, which returns what else the answer needs) and queues a
+/// generation request.
+pub(super) async fn enqueue<T>(
+    req: Request<Incoming>,
+    front: &Front,
+    conn: &Arc<ConnState>,
+    parse: impl FnOnce(&[u8], &Shared) -> Result<(GenerationRequest, T), ApiError>,
+) -> Result<(Queued, T), ApiError> {
     let shared = front.shared();
     match shared.state() {
         State::Ready => {}
@@ -300,19 +308,60 @@ async fn enqueue(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>, k
         }
     }
     let body = read_body(req, front, conn).await?;
-    let request: GenerationRequest = match kind {
-        Kind::Completion => api::completion_request(&body, &shared.model_id)?,
-        Kind::Chat => api::chat_request(&body, &shared.model_id)?,
-    };
+    let (request, more) = parse(&body, shared)?;
     drop(body);
     shared.prompt_bound().check(&request)?;
     let (stream, include_usage, logprobs) = (request.stream, request.include_usage, request.logprobs.is_some());
     let (tx, events) = event_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    shared
-        .enqueue(Job { request, events: tx, cancel: Arc::clone(&cancel) })
-        .map_err(|why| ApiError::new(503, "server_error", why))?;
-    Ok(Queued { stream, include_usage, logprobs, events, cancel: CancelOnDrop(cancel) })
+    shared.enqueue(request, tx, Arc::clone(&cancel)).map_err(|why| ApiError::new(503, "server_error", why))?;
+    Ok((Queued { stream, include_usage, logprobs, events, cancel: CancelOnDrop(cancel) }, more))
+}
+
+/// Waits for the engine to take a queued request: its prompt's tokens and the future that tells
+/// when the client on `tcp` leaves, or the response to send instead (a client that leaves
+/// meanwhile drops it).
+pub(super) async fn started(events: &mut EventReceiver, tcp: &Arc<TcpStream>) -> Result<(usize, Gone), Response<Body>> {
+    let mut gone = gone(tcp);
+    tokio::select! {
+        e = events.recv() => match e {
+            Some(Event::Started { prompt_tokens }) => Ok((prompt_tokens, gone)),
+            Some(Event::Failed(e)) => Err(error(&e)),
+            Some(other) => Err(error(&ApiError::new(500, "server_error", format!("unexpected engine event {other:?}")))),
+            None => Err(error(&ApiError::new(503, "server_error", "the server is shutting down"))),
+        },
+        () = &mut gone => {
+            log::info!("client went away while its request was queued: dropping it");
+            Err(error(&ApiError::new(499, "invalid_request_error", "client closed the request")))
+        }
+    }
+}
+
+/// The next event of a generation whose whole response is awaited, or the response to send when
+/// the client went away meanwhile (dropping the generation's cancel flag then cancels it).
+pub(super) async fn next_event(events: &mut EventReceiver, gone: &mut Gone) -> Result<Option<Event>, Response<Body>> {
+    tokio::select! {
+        e = events.recv() => Ok(e),
+        () = gone => {
+            log::info!("client went away mid-generation: cancelling it");
+            Err(error(&ApiError::new(499, "invalid_request_error", "client closed the request")))
+        }
+    }
+}
+
+/// A streamed answer: `source`'s server-sent events.
+pub(super) fn event_stream(source: impl EventSource + 'static) -> Response<Body> {
+    let mut r = Response::new(Body::events(source));
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
+}
+
+/// A future that completes when the client on `tcp` has gone away.
+fn gone(tcp: &Arc<TcpStream>) -> Gone {
+    let tcp = Arc::clone(tcp);
+    Box::pin(async move { peer_gone(&tcp).await })
 }
 
 /// A generation request, answered.
@@ -325,26 +374,21 @@ async fn generate(
 ) -> Response<Body> {
     let shared = front.shared();
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let Queued { stream, include_usage, logprobs, mut events, cancel } = match enqueue(req, front, conn, kind).await {
-        Ok(q) => q,
-        Err(e) => return error(&e),
+    let parse = |body: &[u8], shared: &Shared| {
+        let request = match kind {
+            Kind::Completion => api::completion_request(body, &shared.model_id)?,
+            Kind::Chat => api::chat_request(body, &shared.model_id)?,
+        };
+        Ok((request, ()))
     };
-    let mut gone: Gone = {
-        let tcp = Arc::clone(tcp);
-        Box::pin(async move { peer_gone(&tcp).await })
-    };
-    // Wait for the engine to take the request (a client that leaves meanwhile drops it).
-    let prompt_tokens = tokio::select! {
-        e = events.recv() => match e {
-            Some(Event::Started { prompt_tokens }) => prompt_tokens,
-            Some(Event::Failed(e)) => return error(&e),
-            Some(other) => return error(&ApiError::new(500, "server_error", format!("unexpected engine event {other:?}"))),
-            None => return error(&ApiError::new(503, "server_error", "the server is shutting down")),
-        },
-        () = &mut gone => {
-            log::info!("client went away while its request was queued: dropping it");
-            return error(&ApiError::new(499, "invalid_request_error", "client closed the request"));
-        }
+    let (Queued { stream, include_usage, logprobs, mut events, cancel }, ()) =
+        match enqueue(req, front, conn, parse).await {
+            Ok(q) => q,
+            Err(e) => return error(&e),
+        };
+    let (prompt_tokens, mut gone) = match started(&mut events, tcp).await {
+        Ok(s) => s,
+        Err(r) => return r,
     };
     let reply = Reply {
         kind,
@@ -355,21 +399,14 @@ async fn generate(
         include_usage,
     };
     if stream {
-        let mut r = Response::new(Body::events(EventStream::new(reply, events, cancel, gone)));
-        let h = r.headers_mut();
-        h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-        h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-        return r;
+        return event_stream(EventStream::new(reply, events, cancel, gone));
     }
     let _cancel = cancel;
     let mut out = Gathered::default();
     loop {
-        let e = tokio::select! {
-            e = events.recv() => e,
-            () = &mut gone => {
-                log::info!("client went away mid-generation: cancelling it");
-                return error(&ApiError::new(499, "invalid_request_error", "client closed the request"));
-            }
+        let e = match next_event(&mut events, &mut gone).await {
+            Ok(e) => e,
+            Err(r) => return r,
         };
         match e {
             Some(Event::Output { piece, logprobs }) => {

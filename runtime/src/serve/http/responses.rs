@@ -1,0 +1,165 @@
+//! `POST /v1/responses`, answered: the chat generation's events turned into the response object,
+//! whole or as its stream of typed server-sent events, and the conversation kept for a later
+//! `previous_response_id` (unless the request said `store: false`).
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use ggml_sys::ParsedMessage;
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use serde_json::Value;
+use tokio::net::TcpStream;
+
+use super::body::{poll_event, Body, CancelOnDrop, EventSource, Gone};
+use super::conn::ConnState;
+use super::reply::message_json;
+use super::response_items::ResponseBuilder;
+use super::routes::{enqueue, error, event_stream, json_response, next_event, started, Queued};
+use super::Front;
+use crate::serve::api;
+use crate::serve::error::ApiError;
+use crate::serve::job::{Event, EventReceiver, Piece};
+use crate::serve::shared::Shared;
+
+/// Answers a `/v1/responses` request.
+pub(super) async fn answer(
+    req: Request<Incoming>,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
+    let shared = Arc::clone(front.shared());
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let parse = |body: &[u8], shared: &Shared| {
+        let previous = |id: &str| shared.responses.lock().unwrap_or_else(|e| e.into_inner()).get(id);
+        api::responses_request(body, &shared.model_id, &previous)
+    };
+    let (Queued { stream, mut events, cancel, .. }, setup) = match enqueue(req, front, conn, parse).await {
+        Ok(q) => q,
+        Err(e) => return error(&e),
+    };
+    let (prompt_tokens, gone) = match started(&mut events, tcp).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let id = format!("resp_{created:x}{:04x}", shared.next_id());
+    let builder = ResponseBuilder::new(id, created, shared.model_id.clone(), setup);
+    let answer = Answering { builder, shared, prompt_tokens };
+    if stream {
+        return event_stream(ResponseStream { answer, events, gone, _cancel: cancel, opened: false, ended: false });
+    }
+    whole(answer, events, gone, cancel).await
+}
+
+/// The whole response, once the generation ends.
+async fn whole(
+    mut answer: Answering,
+    mut events: EventReceiver,
+    mut gone: Gone,
+    _cancel: CancelOnDrop,
+) -> Response<Body> {
+    loop {
+        let e = match next_event(&mut events, &mut gone).await {
+            Ok(e) => e,
+            Err(r) => return r,
+        };
+        match e {
+            Some(Event::Output { piece: Piece::Delta(d), .. }) => {
+                answer.builder.push(&d);
+            }
+            Some(Event::Done { finish, completion_tokens, message, .. }) => {
+                let (_, r) = answer.builder.finish(finish, answer.prompt_tokens, completion_tokens);
+                answer.keep(message);
+                return json_response(200, r.to_string());
+            }
+            Some(Event::Failed(e)) => return error(&e),
+            Some(Event::Output { .. } | Event::Started { .. }) => {}
+            None => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
+        }
+    }
+}
+
+/// A response being answered: its builder, and where its conversation is kept.
+struct Answering {
+    builder: ResponseBuilder,
+    shared: Arc<Shared>,
+    prompt_tokens: usize,
+}
+
+impl Answering {
+    /// Keeps the conversation (this request's and the answer) for `previous_response_id`; a
+    /// call cut off by `max_output_tokens` (its arguments not JSON yet) is not part of it.
+    fn keep(&self, message: Option<ParsedMessage>) {
+        let setup = self.builder.setup();
+        if !setup.store {
+            return;
+        }
+        let mut message = message.unwrap_or_default();
+        message.tool_calls.retain(|c| serde_json::from_str::<serde::de::IgnoredAny>(&c.arguments).is_ok());
+        let mut messages = setup.history.clone();
+        messages.push(message_json(&message));
+        let id = self.builder.id().to_string();
+        if !self.shared.responses.lock().unwrap_or_else(|e| e.into_inner()).put(id.clone(), messages) {
+            log::warn!("response {id} is not kept: its conversation is over the bound of kept responses");
+        }
+    }
+}
+
+/// A response streamed as typed server-sent events. It ends when the client goes away;
+/// dropping it cancels the generation.
+struct ResponseStream {
+    answer: Answering,
+    events: EventReceiver,
+    gone: Gone,
+    _cancel: CancelOnDrop,
+    opened: bool,
+    ended: bool,
+}
+
+impl EventSource for ResponseStream {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
+        if self.ended {
+            return Poll::Ready(None);
+        }
+        if !self.opened {
+            self.opened = true;
+            return Poll::Ready(Some(frames(&self.answer.builder.opening())));
+        }
+        loop {
+            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
+                self.ended = true;
+                return Poll::Ready(None);
+            };
+            let events = match e {
+                Event::Output { piece: Piece::Delta(d), .. } => self.answer.builder.push(&d),
+                Event::Done { finish, completion_tokens, message, .. } => {
+                    self.ended = true;
+                    let (events, _) = self.answer.builder.finish(finish, self.answer.prompt_tokens, completion_tokens);
+                    self.answer.keep(message);
+                    events
+                }
+                Event::Failed(e) => {
+                    self.ended = true;
+                    vec![self.answer.builder.failed(&e.message, e.code)]
+                }
+                Event::Output { .. } | Event::Started { .. } => continue,
+            };
+            if events.is_empty() {
+                continue;
+            }
+            return Poll::Ready(Some(frames(&events)));
+        }
+    }
+}
+
+/// Server-sent events, each named for its type.
+fn frames(events: &[Value]) -> Bytes {
+    let mut out = String::new();
+    for e in events {
+        out.push_str(&format!("event: {}\ndata: {e}\n\n", e["type"].as_str().unwrap_or("message")));
+    }
+    Bytes::from(out)
+}
