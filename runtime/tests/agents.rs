@@ -29,10 +29,11 @@ const TEMPLATES: [Option<&str>; 9] = [
     None,
 ];
 
-/// The templates a run covers: all of them natively, two families under an emulator.
+/// The templates a run covers: all of them natively, Qwen3's under an emulator (where a token
+/// costs fifty times as much; the grammar and sampler code is the same for every family).
 fn templates() -> Vec<Option<&'static str>> {
     if emulated() {
-        vec![TEMPLATES[0], TEMPLATES[8]]
+        vec![TEMPLATES[0]]
     } else {
         TEMPLATES.to_vec()
     }
@@ -108,7 +109,7 @@ fn answer_calls(body: &str, stream: bool) -> (Vec<(String, String)>, String) {
 
 #[test]
 fn a_required_or_named_call_is_always_made_first_on_every_template() {
-    let seeds = if emulated() { 2 } else { 20 };
+    let seeds = if emulated() { 1 } else { 20 };
     let tools = [weather(), clock()];
     let validators: Vec<_> = tools
         .iter()
@@ -174,7 +175,7 @@ fn pet_schema() -> Value {
 
 #[test]
 fn every_finished_structured_answer_follows_its_schema_on_every_template() {
-    let seeds = if emulated() { 3 } else { 40 };
+    let seeds = if emulated() { 2 } else { 40 };
     let schema = pet_schema();
     let validator = jsonschema::validator_for(&schema).unwrap();
     let dir = tempfile::tempdir().unwrap();
@@ -223,6 +224,10 @@ fn response_events(body: &str) -> Vec<(String, Value)> {
 
 #[test]
 fn the_responses_api_answers_streams_calls_and_continues_a_conversation() {
+    if emulated() {
+        eprintln!("skipped under an emulator: the Responses API is the chat path's, which the other tests sample");
+        return;
+    }
     let dir = tempfile::tempdir().unwrap();
     let model = synth_with(dir.path(), Some("Qwen-Qwen3-0.6B"));
     let mut server = Server::start(dir.path(), &model, &["--model-id", "m"]);
@@ -344,10 +349,6 @@ fn the_queue_admits_its_bound_beside_the_running_request() {
 
 #[test]
 fn the_agent_frameworks_get_their_calls_and_structured_answers() {
-    if emulated() {
-        eprintln!("skipped under an emulator: the frameworks test the HTTP API, which the native run covers");
-        return;
-    }
     let dir = tempfile::tempdir().unwrap();
     let model = synth_with(dir.path(), Some("Qwen-Qwen3-0.6B"));
     if let Some(out) = client_script(dir.path(), &model, "agent-clients.py", "openai, pydantic") {
