@@ -176,6 +176,10 @@ try:
     )
     choice = parsed.choices[0]
     check("chat parse", choice.finish_reason != "stop" or isinstance(choice.message.parsed, Pet), repr(choice.message.content))
+    rparsed = client.responses.parse(
+        model=model, input="A pet", text_format=Pet, max_output_tokens=300, temperature=1, reasoning={"effort": "none"}
+    )
+    check("responses parse", rparsed.status != "completed" or isinstance(rparsed.output_parsed, Pet), repr(rparsed.output_text))
 except ImportError:
     check("chat parse", False, "pydantic is missing")
 
