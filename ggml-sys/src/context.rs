@@ -36,8 +36,11 @@ struct CallbackCell<'m> {
 /// Context sizes and threads.
 #[derive(Debug, Clone)]
 pub struct ContextParams {
-    /// Context length in tokens.
+    /// Context length in tokens, over all sequences: each of the `n_seq` sequences holds
+    /// `n_ctx / n_seq` positions in a KV cache of its own.
     pub n_ctx: u32,
+    /// Sequences the context keeps apart (1 to [`MAX_SEQUENCES`]): the slots of a server.
+    pub n_seq: u32,
     /// Largest batch passed to one decode.
     pub n_batch: u32,
     /// Physical batch (ubatch) size.
@@ -45,6 +48,9 @@ pub struct ContextParams {
     /// Compute threads: how many, and where they run.
     pub threads: Threads,
 }
+
+/// The most sequences a context can keep (llama.cpp's `LLAMA_MAX_SEQ`).
+pub const MAX_SEQUENCES: u32 = 256;
 
 /// The bytes a context holds, as llama.cpp accounts them (vendor patch 0003), summed over every
 /// buffer type.
@@ -62,6 +68,8 @@ pub struct MemorySizes {
 pub struct Context<'m> {
     raw: *mut sys::llama_context,
     n_vocab: usize,
+    // Sequences kept apart (the context's n_seq_max).
+    n_seq: u32,
     // The thread pool attached to raw; dropped after raw is freed.
     _pool: Option<ThreadPool>,
     // The callback cell whose address llama.cpp holds as cb_eval_user_data (from
@@ -118,10 +126,14 @@ impl<'m> Context<'m> {
     pub fn new(model: &'m Model, params: &ContextParams, callback: Option<EvalCallback<'m>>) -> Result<Context<'m>> {
         // SAFETY: returns a plain struct of defaults.
         let mut p = unsafe { sys::llama_context_default_params() };
+        if params.n_seq == 0 || params.n_seq > MAX_SEQUENCES || params.n_ctx < params.n_seq {
+            return Err(Error::Sequences { n_seq: params.n_seq, n_ctx: params.n_ctx });
+        }
         p.n_ctx = params.n_ctx;
         p.n_batch = params.n_batch;
         p.n_ubatch = params.n_ubatch;
-        p.n_seq_max = 1;
+        p.n_seq_max = params.n_seq;
+        p.kv_unified = false;
         p.n_threads = params.threads.count.max(1) as i32;
         p.n_threads_batch = p.n_threads;
         p.no_perf = true;
@@ -166,7 +178,7 @@ impl<'m> Context<'m> {
             unsafe { sys::llama_attach_threadpool(raw, pool.raw(), pool.raw()) };
             Some(pool)
         };
-        Ok(Context { raw, n_vocab: model.n_vocab(), _pool: pool, callback, abort: None, model })
+        Ok(Context { raw, n_vocab: model.n_vocab(), n_seq: params.n_seq, _pool: pool, callback, abort: None, model })
     }
 
     /// The context length.
@@ -271,17 +283,90 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.raw), true) };
     }
 
-    /// Forgets the cached positions from `pos` on (rejected draft tokens); `Err` when the
-    /// model's memory cannot drop a tail (recurrent state).
-    pub fn forget_from(&mut self, pos: i32) -> Result<()> {
-        // SAFETY: live context; the memory handle belongs to it; sequence 0 is the only one used
-        // and p1 = -1 means "to the end".
-        let ok = unsafe { sys::llama_memory_seq_rm(sys::llama_get_memory(self.raw), 0, pos, -1) };
+    /// The sequences this context keeps apart.
+    pub fn n_seq(&self) -> u32 {
+        self.n_seq
+    }
+
+    /// Positions each sequence holds.
+    pub fn n_ctx_seq(&self) -> u32 {
+        self.n_ctx() / self.n_seq
+    }
+
+    /// `seq` as llama.cpp's id, when this context has it (llama.cpp asserts on others).
+    fn seq_id(&self, seq: u32) -> Result<sys::llama_seq_id> {
+        if seq < self.n_seq {
+            Ok(seq as sys::llama_seq_id)
+        } else {
+            Err(Error::NoSequence { seq, n_seq: self.n_seq })
+        }
+    }
+
+    /// Forgets sequence `seq`'s cached positions from `pos` on (rejected draft tokens, the
+    /// tail a new prompt does not share); `Err` when the model's memory cannot drop a tail
+    /// (recurrent state) or there is no such sequence.
+    pub fn forget_from(&mut self, seq: u32, pos: i32) -> Result<()> {
+        let id = self.seq_id(seq)?;
+        // SAFETY: live context; the memory handle belongs to it; id < n_seq_max (checked above,
+        // what llama.cpp asserts); p1 = -1 means "to the end".
+        let ok = unsafe { sys::llama_memory_seq_rm(sys::llama_get_memory(self.raw), id, pos.max(0), -1) };
         if ok {
             Ok(())
         } else {
             Err(Error::Decode { status: -1, meaning: "the model's memory cannot forget rejected draft tokens" })
         }
+    }
+
+    /// Forgets everything sequence `seq` holds (every memory can).
+    pub fn forget_sequence(&mut self, seq: u32) -> Result<()> {
+        let id = self.seq_id(seq)?;
+        // SAFETY: live context; id < n_seq_max; p0 = p1 = -1 is the whole sequence, which every
+        // memory type removes.
+        unsafe { sys::llama_memory_seq_rm(sys::llama_get_memory(self.raw), id, -1, -1) };
+        Ok(())
+    }
+
+    /// How many positions sequence `seq` holds (its last position + 1; 0 when empty).
+    pub fn positions_held(&self, seq: u32) -> Result<u32> {
+        let id = self.seq_id(seq)?;
+        // SAFETY: live context; the memory handle belongs to it; id < n_seq_max.
+        let max = unsafe { sys::llama_memory_seq_pos_max(sys::llama_get_memory(self.raw), id) };
+        Ok((max + 1).max(0) as u32)
+    }
+
+    /// Sequence `seq`'s state (its KV cells, or recurrent state), as llama.cpp serializes it.
+    pub fn sequence_state(&self, seq: u32) -> Result<Vec<u8>> {
+        let id = self.seq_id(seq)?;
+        // SAFETY: live context, valid id; llama.cpp catches its own exceptions in the state
+        // functions (0 on error) and asserts only on the id and on device states (not used).
+        let size = unsafe { sys::llama_state_seq_get_size(self.raw, id) };
+        if size == 0 {
+            return Err(Error::SequenceState("llama.cpp could not size the sequence's state"));
+        }
+        let mut bytes = vec![0u8; size];
+        // SAFETY: bytes has room for `size` bytes, the size llama.cpp just reported for this id.
+        let written = unsafe { sys::llama_state_seq_get_data(self.raw, bytes.as_mut_ptr(), size, id) };
+        if written != size {
+            return Err(Error::SequenceState("llama.cpp wrote a sequence state of another size than it said"));
+        }
+        Ok(bytes)
+    }
+
+    /// Puts back a state [`Context::sequence_state`] returned (from a context of the same
+    /// model and shape) into sequence `seq`, replacing what it held. On failure the sequence is
+    /// left empty. Only bytes this process or a checked file produced belong here: llama.cpp
+    /// trusts their positions.
+    pub fn set_sequence_state(&mut self, seq: u32, state: &[u8]) -> Result<()> {
+        let id = self.seq_id(seq)?;
+        // SAFETY: live context, valid id; `state` is readable for its length; llama.cpp reads
+        // within that length and reports a short or mismatched state (another stream count,
+        // layer count or cache type) by catching its own exception and returning 0.
+        let read = unsafe { sys::llama_state_seq_set_data(self.raw, state.as_ptr(), state.len(), id) };
+        if read == 0 {
+            self.forget_sequence(seq)?;
+            return Err(Error::SequenceState("llama.cpp refused the saved sequence state (another model or shape)"));
+        }
+        Ok(())
     }
 }
 

@@ -105,6 +105,27 @@ pub enum Error {
         /// The batch capacity.
         capacity: usize,
     },
+    /// A context was asked for a sequence count it cannot keep.
+    #[error(
+        "a context of {n_ctx} positions cannot keep {n_seq} sequences (1 to 256, each with at least one position)"
+    )]
+    Sequences {
+        /// Sequences asked for.
+        n_seq: u32,
+        /// Positions asked for.
+        n_ctx: u32,
+    },
+    /// A sequence the context does not keep.
+    #[error("sequence {seq} does not exist: the context keeps {n_seq}")]
+    NoSequence {
+        /// The sequence asked for.
+        seq: u32,
+        /// Sequences the context keeps.
+        n_seq: u32,
+    },
+    /// A sequence's state could not be read or put back.
+    #[error("sequence state: {0}")]
+    SequenceState(&'static str),
     /// Logits were asked for a position that produced none.
     #[error("no logits for batch position {0}")]
     NoLogits(i32),

@@ -32,7 +32,7 @@ pub use chat::{
     ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarTrigger, ParsedMessage, ReasoningFormat, ToolCall,
     ToolChoice,
 };
-pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes};
+pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes, MAX_SEQUENCES};
 pub use draft::NgramDraft;
 pub use error::Error;
 pub use gguf::{GgufFile, GgufTensor};

@@ -38,10 +38,16 @@ pub fn save<T: Serialize>(path: &Path, magic: &[u8; 8], value: &T) -> std::io::R
     let mut bytes = magic.to_vec();
     bytes.extend(postcard::to_allocvec(value).map_err(std::io::Error::other)?);
     bytes.extend(crc32fast::hash(&bytes).to_le_bytes());
+    write_atomically(path, &bytes)
+}
+
+/// Writes `bytes` to `path` so that a crash leaves the old file or the new one: a temporary file
+/// beside it, synced, renamed over it, and the directory synced.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = std::path::PathBuf::from(tmp);
-    let written = std::fs::File::create(&tmp).and_then(|mut f| f.write_all(&bytes).and_then(|()| f.sync_all()));
+    let written = std::fs::File::create(&tmp).and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()));
     if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);

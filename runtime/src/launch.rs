@@ -16,7 +16,7 @@ use ggml_sys::{Model, Token};
 
 use crate::board::{Overlap, ResolvedBoard};
 use crate::budget::{self, BudgetError, Ledger, PlanRequest};
-use crate::generate::{self, GenerateError, Session};
+use crate::generate::{self, ContextShape, GenerateError, Session};
 use crate::lossy::Lossy;
 use crate::scaleout::{self, ScaleError, Split};
 use crate::stream::{
@@ -70,8 +70,12 @@ pub struct Launch {
     pub model: PathBuf,
     /// The board it runs on: threads, lanes, budget, compute service, overlap, verify, draft.
     pub board: ResolvedBoard,
-    /// The context's positions.
+    /// The context's positions, per slot.
     pub positions: Positions,
+    /// Slots: conversations whose memory the context keeps apart (`serve --slots`; 1 elsewhere).
+    pub slots: u32,
+    /// The most prompt tokens one decode takes ([`generate::DEFAULT_BATCH`] unless asked).
+    pub batch: u32,
     /// The expert cache.
     pub cache: Cache,
     /// Accept a cache below one token's routed demand (`--force-cache`).
@@ -151,8 +155,8 @@ pub struct Loaded {
     pub config: StreamConfig,
     /// The memory plan.
     pub ledger: Ledger,
-    /// The context's positions.
-    pub n_ctx: u32,
+    /// The context's shape: its positions per slot, slots and prompt batch.
+    pub shape: ContextShape,
     /// The prompt's tokens, when the positions came from a prompt (else empty).
     pub prompt: Vec<Token>,
     /// The split over the RPC workers, when there are any.
@@ -193,7 +197,8 @@ impl Launch {
         let positions = self.positions_before_load()?;
         let (index, split) = self.index_and_split(Some(positions))?;
         let rpc = split.as_ref().map(Split::rpc);
-        let ledger = budget::plan_within_budget(&self.plan_request(&index, positions, rpc.as_ref()));
+        let shape = ContextShape { positions, slots: self.slots, batch: self.batch };
+        let ledger = budget::plan_within_budget(&self.plan_request(&index, shape, rpc.as_ref()));
         Ok(Planned { index, split, ledger })
     }
 
@@ -223,7 +228,8 @@ impl Launch {
             Positions::ModelCapped(cap) => (model.n_ctx_train().min(*cap), Vec::new()),
         };
         on_step("planning memory");
-        let ledger = budget::plan_within_budget(&self.plan_request(&index, n_ctx, rpc.as_ref()))?;
+        let shape = ContextShape { positions: n_ctx, slots: self.slots, batch: self.batch };
+        let ledger = budget::plan_within_budget(&self.plan_request(&index, shape, rpc.as_ref()))?;
         log::info!("{}", ledger.describe());
         let config = self.stream_config(ledger.cache_bytes(), rpc);
         if !config.lossy.is_exact() {
@@ -234,7 +240,7 @@ impl Launch {
             index: Arc::new(index),
             config,
             ledger,
-            n_ctx,
+            shape,
             prompt,
             split,
             threads: self.board.threads(),
@@ -259,7 +265,13 @@ impl Launch {
         let Some(positions) = positions.filter(|_| !self.rpc.is_empty()) else {
             return Ok((index, None));
         };
-        let (split, head) = scaleout::prepare(&self.rpc, &self.model, index, positions, self.gpu_layers() > 0)?;
+        let (split, head) = scaleout::prepare(
+            &self.rpc,
+            &self.model,
+            index,
+            ContextShape { positions, slots: self.slots, batch: self.batch },
+            self.gpu_layers() > 0,
+        )?;
         if let Some(split) = &split {
             log::info!("{}", split.describe());
         }
@@ -274,13 +286,13 @@ impl Launch {
     fn plan_request<'a>(
         &'a self,
         index: &'a ExpertIndex,
-        positions: u32,
+        shape: ContextShape,
         rpc: Option<&'a ggml_sys::RpcSplit>,
     ) -> PlanRequest<'a> {
         PlanRequest {
             model: &self.model,
             index,
-            positions,
+            shape,
             dense: self.dense(),
             cache_bytes: self.cache.bytes(),
             budget: self.board.budget.clone(),
@@ -328,7 +340,7 @@ impl Loaded {
     /// the open cost together (the planning not counted).
     pub fn open(&self) -> Result<(StreamedSession<'_>, Cost), LaunchError> {
         let (mut session, open) = Cost::measure(|| {
-            StreamedSession::open(&self.model, Arc::clone(&self.index), &self.config, self.n_ctx, &self.threads)
+            StreamedSession::open(&self.model, Arc::clone(&self.index), &self.config, self.shape, &self.threads)
         })?;
         session.set_draft(self.draft)?;
         log::info!(

@@ -225,7 +225,7 @@ pub fn streamed(
         model,
         index,
         config,
-        prompt_len as u32 + n_predict,
+        sluice::generate::ContextShape::one(prompt_len as u32 + n_predict),
         &ggml_sys::Threads::unpinned(2),
     )
     .expect("open streamed session");

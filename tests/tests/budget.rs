@@ -72,10 +72,19 @@ fn the_ledger_adds_up_for_two_fixtures() {
         let working = u64::from(spec.experts.min(512 * spec.experts_used)) * max_expert;
 
         // llama.cpp's metadata-only sizes equal those of a real, allocated context.
-        let sizes = budget::measure_context(&files[0], positions, Some(&index), None).unwrap();
+        let sizes =
+            budget::measure_context(&files[0], sluice::generate::ContextShape::one(positions), Some(&index), None)
+                .unwrap();
         assert_eq!(sizes.kv, kv, "{fixture:?}: KV cache");
         let model = load_model(&files[0]).unwrap();
-        let create = || Context::new(&model, &context_params(positions, &Threads::unpinned(1)), None).unwrap();
+        let create = || {
+            Context::new(
+                &model,
+                &context_params(sluice::generate::ContextShape::one(positions), &Threads::unpinned(1)),
+                None,
+            )
+            .unwrap()
+        };
         let (real, claim) = kernel::claiming(&index, create).unwrap();
         let real = real.memory_sizes();
         assert_eq!((real.context, real.compute), (sizes.kv, sizes.compute), "{fixture:?}: dry run vs real context");
@@ -83,7 +92,8 @@ fn the_ledger_adds_up_for_two_fixtures() {
         // the same context with ggml's own kernels is smaller by exactly what the kernel asked.
         assert_eq!(claim.found.len(), index.experts.len(), "{fixture:?}: the kernel took every expert tensor");
         assert!(claim.workspace > 0, "{fixture:?}");
-        let native = budget::measure_context(&files[0], positions, None, None).unwrap();
+        let native =
+            budget::measure_context(&files[0], sluice::generate::ContextShape::one(positions), None, None).unwrap();
         assert_eq!(native.compute + claim.workspace as u64, sizes.compute, "{fixture:?}: compute line");
         assert_eq!(create().memory_sizes().compute, native.compute, "{fixture:?}: a resident context");
 
@@ -91,7 +101,7 @@ fn the_ledger_adds_up_for_two_fixtures() {
         let req = PlanRequest {
             model: &files[0],
             index: &index,
-            positions,
+            shape: sluice::generate::ContextShape::one(positions),
             dense: DensePolicy::Anon,
             cache_bytes: None,
             budget: budget(64),
@@ -161,7 +171,7 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
     let base = PlanRequest {
         model: &path,
         index: &index,
-        positions: 256,
+        shape: sluice::generate::ContextShape::one(256),
         dense: DensePolicy::Anon,
         cache_bytes: None,
         budget: budget(4096),
@@ -177,13 +187,18 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
     let baseline = roomy.bytes(Item::RuntimeOverhead) - OVERHEAD_BYTES;
 
     // A context too big for the budget: the fix is a smaller context.
-    let sizes = |p| budget::measure_context(&path, p, Some(&index), None).unwrap();
+    let sizes = |p| budget::measure_context(&path, sluice::generate::ContextShape::one(p), Some(&index), None).unwrap();
     let no_cache = PlanRequest { cache_bytes: Some(0), ..base.clone() };
     let small = budget::ledger(&no_cache, &sizes(256), baseline).total;
-    let big = budget::ledger(&PlanRequest { positions: 4096, ..no_cache.clone() }, &sizes(4096), baseline).total;
+    let big = budget::ledger(
+        &PlanRequest { shape: sluice::generate::ContextShape::one(4096), ..no_cache.clone() },
+        &sizes(4096),
+        baseline,
+    )
+    .total;
     assert!(big > small + (8 << 20), "{small} {big}");
     let req = PlanRequest {
-        positions: 4096,
+        shape: sluice::generate::ContextShape::one(4096),
         budget: Sourced { value: (small + big) / 2, source: "test".into() },
         ..no_cache
     };
@@ -192,7 +207,11 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
     for needle in ["more than the budget", "KV cache", "total held", "fits with:", "a context of", "--ctx"] {
         assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
     }
-    let too_long = budget::plan_within_budget(&PlanRequest { positions: 100_000, ..base.clone() }).unwrap_err();
+    let too_long = budget::plan_within_budget(&PlanRequest {
+        shape: sluice::generate::ContextShape::one(100_000),
+        ..base.clone()
+    })
+    .unwrap_err();
     assert!(too_long.to_string().contains("more than the model's context length 4096"), "{too_long}");
 
     // A budget that leaves the automatic cache less than one token's routed demand.

@@ -86,7 +86,7 @@ fn a_streamed_open_reads_no_experts_and_a_resident_open_reads_them_all() {
             &model,
             Arc::clone(&index),
             &stream_config(0, 2, true, dense_policy),
-            prompt_len + 12,
+            sluice::generate::ContextShape::one(prompt_len + 12),
             &ggml_sys::Threads::unpinned(2),
         )
         .unwrap();

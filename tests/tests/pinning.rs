@@ -57,7 +57,14 @@ fn compute_threads_and_io_lanes_run_on_the_profile_cores() {
     let before: BTreeSet<u32> = tasks().into_keys().collect();
     let n = 6;
     let prompt_len = sluice::generate::Session::prepare(&model, PROMPT, n).unwrap().len() as u32;
-    let mut session = StreamedSession::open(&model, index, &config, prompt_len + n, &board.threads()).unwrap();
+    let mut session = StreamedSession::open(
+        &model,
+        index,
+        &config,
+        sluice::generate::ContextShape::one(prompt_len + n),
+        &board.threads(),
+    )
+    .unwrap();
     let mut seen = Vec::new();
     let tokens = model.tokenize(PROMPT, true).unwrap();
     session.generate(&tokens, n, |_, _| {}, |_| seen.push(tasks())).unwrap();

@@ -85,8 +85,13 @@ fn the_kernel_takes_streamed_experts_only_a_resident_model_keeps_the_native_kern
         }
         false
     });
-    let mut plain =
-        sluice::generate::Session::new(&resident, 64, &ggml_sys::Threads::unpinned(2), Some(callback)).unwrap();
+    let mut plain = sluice::generate::Session::new(
+        &resident,
+        sluice::generate::ContextShape::one(64),
+        &ggml_sys::Threads::unpinned(2),
+        Some(callback),
+    )
+    .unwrap();
     plain.warm_up(tokens[0]).unwrap();
     let seen = seen.lock().unwrap();
     assert_eq!(seen.len(), index.experts.len(), "one routed product per expert tensor: {seen:?}");
@@ -146,7 +151,7 @@ fn open_session<'m>(
         model,
         Arc::clone(index),
         config,
-        tokens.len() as u32 + N,
+        sluice::generate::ContextShape::one(tokens.len() as u32 + N),
         &ggml_sys::Threads::unpinned(2),
     )
     .unwrap();
@@ -400,9 +405,14 @@ fn a_warm_session_equals_cold_runs_and_survives_a_shrinking_budget() {
         let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
         let prompt_len = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap().len() as u32;
         let config = stream_config(UNBOUNDED, 2, true, DensePolicy::Anon);
-        let mut session =
-            StreamedSession::open(&model, Arc::clone(&index), &config, prompt_len + N, &ggml_sys::Threads::unpinned(2))
-                .unwrap();
+        let mut session = StreamedSession::open(
+            &model,
+            Arc::clone(&index),
+            &config,
+            sluice::generate::ContextShape::one(prompt_len + N),
+            &ggml_sys::Threads::unpinned(2),
+        )
+        .unwrap();
         let first = stream_generate(&mut session, &model, N);
         let second = stream_generate(&mut session, &model, N);
         assert_eq!(first.tokens, reference, "{f:?}: first generation");
@@ -468,7 +478,13 @@ fn each_layout_indexes_the_experts_llama_cpp_routes_and_lists_the_rest() {
 fn open_error(files: &[std::path::PathBuf], index: ExpertIndex) -> String {
     let model = load_streamed_model(&files[0], &index, DensePolicy::Mmap, 0).unwrap();
     let config = stream_config(0, 2, true, DensePolicy::Mmap);
-    let opened = StreamedSession::open(&model, Arc::new(index), &config, 64, &ggml_sys::Threads::unpinned(2));
+    let opened = StreamedSession::open(
+        &model,
+        Arc::new(index),
+        &config,
+        sluice::generate::ContextShape::one(64),
+        &ggml_sys::Threads::unpinned(2),
+    );
     match opened {
         Ok(_) => panic!("a session opened over an index the graph contradicts"),
         Err(e) => e.to_string(),
@@ -541,8 +557,13 @@ fn a_panicking_eval_callback_fails_the_decode_instead_of_half_computing_it() {
         }
         true
     });
-    let mut session =
-        sluice::generate::Session::new(&model, 64, &ggml_sys::Threads::unpinned(1), Some(callback)).unwrap();
+    let mut session = sluice::generate::Session::new(
+        &model,
+        sluice::generate::ContextShape::one(64),
+        &ggml_sys::Threads::unpinned(1),
+        Some(callback),
+    )
+    .unwrap();
     let err = session.warm_up(1).expect_err("the decode must fail");
     assert!(err.to_string().contains("eval callback panicked during the decode"), "{err}");
     // The next decode runs the callback again and succeeds.
@@ -676,7 +697,7 @@ fn ngram_drafting_gives_the_greedy_tokens_resident_and_streamed() {
                 &model,
                 Arc::clone(&index),
                 &config,
-                prompt.len() as u32 + N,
+                sluice::generate::ContextShape::one(prompt.len() as u32 + N),
                 &ggml_sys::Threads::unpinned(2),
             )
             .unwrap();

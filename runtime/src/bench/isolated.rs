@@ -197,6 +197,8 @@ impl StreamedRow {
             model: model.to_path_buf(),
             board,
             positions: Positions::Prompt { text: prompt.to_string(), n_predict },
+            slots: 1,
+            batch: crate::generate::DEFAULT_BATCH,
             cache: if self.auto { Cache::Auto } else { Cache::Fixed(0) },
             force_cache: false,
             dense: DensePolicy::Anon,

@@ -132,6 +132,8 @@ impl BenchPlan {
             model: self.model.clone(),
             board: self.board.clone(),
             positions: Positions::Prompt { text: self.prompt.clone(), n_predict: self.n_predict },
+            slots: 1,
+            batch: generate::DEFAULT_BATCH,
             cache: Cache::Fixed(cache_bytes),
             force_cache: true,
             dense: DensePolicy::Anon,
@@ -184,7 +186,12 @@ pub(crate) fn run_resident(
     let (open_wall, open_read) = meter.finish();
     let (open_s, open_read) = (open_wall.as_secs_f64(), open_read.unwrap_or(0));
     let tokens = Session::prepare(&model, prompt, params.n_predict)?;
-    let mut session = Session::new(&model, (tokens.len() + params.n_predict as usize) as u32, &params.threads, None)?;
+    let mut session = Session::new(
+        &model,
+        generate::ContextShape::one((tokens.len() + params.n_predict as usize) as u32),
+        &params.threads,
+        None,
+    )?;
     session.set_draft(params.draft)?;
     let mut peak_rss = 0u64;
     let mut faults = 0u64;
@@ -279,7 +286,8 @@ pub(crate) fn lossy_quality(launch: &Launch, n_predict: u32) -> Result<crate::lo
             logits.push(c.logits.to_vec());
             std::ops::ControlFlow::Continue(())
         };
-        let (g, _) = session.generate_with(&loaded.prompt, n_predict, &mut sampler, keep, |_| {})?;
+        let (g, _) =
+            session.generate_with(generate::SlotUse::FRESH, &loaded.prompt, n_predict, &mut sampler, keep, |_| {})?;
         (loaded.prompt.clone(), g.tokens, logits)
     };
     let loaded = launch.load(&mut |_| {})?;

@@ -8,7 +8,7 @@ use std::path::Path;
 use ggml_sys::{Context, Model, ModelParams, Threads};
 
 use crate::board::resolve::Sourced;
-use crate::generate::context_params;
+use crate::generate::{context_params, ContextShape};
 use crate::stream::{kernel, DensePolicy, ExpertIndex};
 use crate::units::mib;
 use sluice_hal::usage::Usage;
@@ -28,8 +28,9 @@ pub struct PlanRequest<'a> {
     pub model: &'a Path,
     /// Its expert index.
     pub index: &'a ExpertIndex,
-    /// Context positions needed (prompt plus tokens to generate, or `--ctx`).
-    pub positions: u32,
+    /// The context: positions needed per slot (prompt plus tokens to generate, or `--ctx`),
+    /// slots (`serve --slots`, each with positions of its own) and the prompt batch.
+    pub shape: ContextShape,
     /// Where the dense weights live.
     pub dense: DensePolicy,
     /// A fixed expert cache in bytes, or `None` for what the budget leaves.
@@ -62,22 +63,22 @@ pub struct ContextSizes {
     pub workers: Vec<ggml_sys::MemorySizes>,
 }
 
-/// Sizes a context of `positions` over `model` without loading a weight: a metadata-only model
+/// Sizes a context of `shape` over `model` without loading a weight: a metadata-only model
 /// and a context over it report what they would allocate. With `streamed` (the model's index),
 /// the context is the one a streamed session creates: its routed products run in the
 /// streamed-experts kernel, whose workspace then counts in the compute buffers. With `rpc`, the
 /// model is split as it says: the sizes are this board's, and each worker's are listed.
 pub fn measure_context(
     model: &Path,
-    positions: u32,
+    shape: ContextShape,
     streamed: Option<&ExpertIndex>,
     rpc: Option<&ggml_sys::RpcSplit>,
 ) -> Result<ContextSizes, BudgetError> {
     let m = Model::load(model, &ModelParams { metadata_only: true, rpc: rpc.cloned(), ..Default::default() })?;
-    if positions > m.n_ctx_train() {
-        return Err(BudgetError::ContextTooLong { positions, n_ctx_train: m.n_ctx_train() });
+    if shape.positions > m.n_ctx_train() {
+        return Err(BudgetError::ContextTooLong { positions: shape.positions, n_ctx_train: m.n_ctx_train() });
     }
-    let create = || Context::new(&m, &context_params(positions, &Threads::unpinned(1)), None);
+    let create = || Context::new(&m, &context_params(shape, &Threads::unpinned(1)), None);
     let ctx = match streamed {
         Some(index) => {
             crate::stream::kernel::claiming(index, create).map_err(|e| BudgetError::Kernel(e.to_string()))?.0
@@ -95,7 +96,7 @@ pub fn measure_context(
 /// before loading.
 pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger {
     let index = req.index;
-    let params = context_params(req.positions, &Threads::unpinned(1));
+    let params = context_params(req.shape, &Threads::unpinned(1));
     let dense = dense_line(req);
     let dense_held = if dense.held { dense.bytes } else { 0 };
     let overhead = baseline + OVERHEAD_BYTES;
@@ -106,7 +107,11 @@ pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger 
         LedgerLine {
             item: Item::KvCache,
             bytes: sizes.kv,
-            basis: format!("llama.cpp's KV cache for {} positions", params.n_ctx),
+            basis: if params.n_seq > 1 {
+                format!("llama.cpp's KV cache for {} slots of {} positions", params.n_seq, params.n_ctx / params.n_seq)
+            } else {
+                format!("llama.cpp's KV cache for {} positions", params.n_ctx)
+            },
             held: true,
         },
         LedgerLine {
@@ -237,7 +242,7 @@ fn resident_now() -> u64 {
 /// token's routed demand. The error shows the ledger and the smallest changes that fit.
 pub fn plan_within_budget(req: &PlanRequest) -> Result<Ledger, BudgetError> {
     let baseline = resident_now();
-    let sizes = measure_context(req.model, req.positions, Some(req.index), req.rpc)?;
+    let sizes = measure_context(req.model, req.shape, Some(req.index), req.rpc)?;
     let l = ledger(req, &sizes, baseline);
     if acceptable(&l) {
         return Ok(l);
@@ -292,10 +297,10 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: &ContextSizes, baseline: u64) -> 
         }
     }
     // A smaller context: halve until it fits.
-    let mut positions = req.positions / 2;
+    let mut positions = req.shape.positions / 2;
     while positions >= 256 {
-        let smaller = PlanRequest { positions, ..req.clone() };
-        let s = measure_context(req.model, positions, Some(req.index), req.rpc)?;
+        let smaller = PlanRequest { shape: ContextShape { positions, ..req.shape }, ..req.clone() };
+        let s = measure_context(req.model, smaller.shape, Some(req.index), req.rpc)?;
         if acceptable(&ledger(&smaller, &s, baseline)) {
             out.push(format!(
                 "a context of {positions} positions (--ctx {positions}, or a shorter prompt and fewer tokens)"
@@ -303,6 +308,17 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: &ContextSizes, baseline: u64) -> 
             break;
         }
         positions /= 2;
+    }
+    // Fewer slots: halve until it fits.
+    let mut slots = req.shape.slots / 2;
+    while slots >= 1 {
+        let fewer = PlanRequest { shape: ContextShape { slots, ..req.shape }, ..req.clone() };
+        let s = measure_context(req.model, fewer.shape, Some(req.index), req.rpc)?;
+        if acceptable(&ledger(&fewer, &s, baseline)) {
+            out.push(format!("{slots} slots (--slots {slots}, or slots = {slots} in the serve settings file)"));
+            break;
+        }
+        slots /= 2;
     }
     Ok(out)
 }

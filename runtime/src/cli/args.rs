@@ -140,6 +140,8 @@ impl StreamArgs {
             model: model.to_path_buf(),
             board: board.clone(),
             positions,
+            slots: 1,
+            batch: sluice::generate::DEFAULT_BATCH,
             cache: Cache::from_mib(self.cache_mb),
             force_cache: self.force_cache,
             dense: self.dense,

@@ -21,6 +21,12 @@ pub struct PlanArgs {
     /// Context positions to size the KV cache for.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     ctx: u32,
+    /// Slots to plan for (`sluice serve --slots`): each holds `--ctx` positions of KV cache.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=sluice::serve::config::MAX_SLOTS as i64))]
+    slots: u32,
+    /// The most prompt tokens one decode takes (`sluice serve --batch`).
+    #[arg(long, default_value_t = sluice::generate::DEFAULT_BATCH, value_parser = clap::value_parser!(u32).range(1..))]
+    batch: u32,
     /// A fixed expert cache in MiB (default: what the budget leaves).
     #[arg(long)]
     cache_mb: Option<u64>,
@@ -47,6 +53,8 @@ pub fn run_plan(a: &PlanArgs, choice: &BoardChoice) -> Result<()> {
         model: a.model.clone(),
         board,
         positions: Positions::Fixed(a.ctx),
+        slots: a.slots,
+        batch: a.batch,
         cache: Cache::from_mib(a.cache_mb),
         force_cache: false,
         dense: a.dense,

@@ -10,7 +10,7 @@ use clap::Args;
 use sluice::board::{self, BoardChoice};
 use sluice::launch::{Cache, Launch, Positions};
 use sluice::serve::access::{Access, KeySources};
-use sluice::serve::config::{self, ServeSettings};
+use sluice::serve::config::{self, ServeSettings, DEFAULT_SLOT_SAVE_MIB};
 use sluice::serve::engine::{EngineConfig, DEFAULT_CTX};
 use sluice::serve::http::HttpLimits;
 use sluice::serve::{self, ServeConfig};
@@ -38,11 +38,12 @@ pub struct ServeArgs {
     /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
     #[arg(long, default_value_t = 30)]
     drain_secs: u64,
-    /// Where the expert heat map is kept for warm restarts (default: $STATE_DIRECTORY, which
-    /// systemd's StateDirectory= sets; without either, no warm restarts).
+    /// Where the expert heat map and the saved slots are kept for warm restarts (default:
+    /// $STATE_DIRECTORY, which systemd's StateDirectory= sets; without either, no warm restarts).
     #[arg(long)]
     state_dir: Option<PathBuf>,
-    /// Seconds between saves of the heat map while serving (it is saved at shutdown too).
+    /// Seconds between saves of the heat map and the changed slots while serving (both are saved
+    /// at shutdown too, and the slots when the server is idle).
     #[arg(long, default_value_t = 300, value_parser = clap::value_parser!(u64).range(1..))]
     save_secs: u64,
     /// Accept a cache smaller than one token's routed experts.
@@ -139,6 +140,8 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
             model: model.clone(),
             board,
             positions: set.ctx.map_or(Positions::ModelCapped(DEFAULT_CTX), Positions::Fixed),
+            slots: set.slots.unwrap_or(1),
+            batch: set.batch.unwrap_or(sluice::generate::DEFAULT_BATCH),
             cache: Cache::from_mib(set.cache_mb),
             force_cache: a.force_cache,
             dense: a.dense,
@@ -148,6 +151,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         },
         state_dir: state_dir.clone(),
         save_every: Duration::from_secs(a.save_secs),
+        slot_save_bytes: set.slot_save_mib.unwrap_or(DEFAULT_SLOT_SAVE_MIB).saturating_mul(1 << 20),
     };
     let keys = KeySources {
         key: a.api_key.clone(),

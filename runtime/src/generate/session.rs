@@ -1,6 +1,7 @@
-//! A generation session: a model and a context sized for one prompt and its continuation,
-//! decoding the prompt in batches and then one token (with its drafts) at a time, each decode
-//! reported to an observer.
+//! A generation session: a model and a context of one or more slots (llama.cpp sequences, each
+//! with positions of its own), decoding a prompt in batches and then one token (with its drafts)
+//! at a time, each decode reported to an observer. A slot remembers the tokens its memory holds,
+//! so a prompt that starts the same way computes only what is new.
 
 use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
@@ -8,7 +9,7 @@ use std::time::{Duration, Instant};
 use ggml_sys::{Batch, Context, EvalCallback, Model, NgramDraft, Threads, Token};
 
 use super::sampler::{to_end, Chosen, Sampler};
-use super::{context_params, GenerateError, Generation, MAX_BATCH};
+use super::{context_params, ContextShape, GenerateError, Generation};
 
 /// One `llama_decode` call, as reported to a [`DecodeObserver`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -32,26 +33,118 @@ pub trait DecodeError: From<GenerateError> + From<ggml_sys::Error> {}
 
 impl<E: From<GenerateError> + From<ggml_sys::Error>> DecodeError for E {}
 
-/// A model plus a context sized for one prompt and continuation.
+/// Which slot a generation runs in, and whether it may keep what the slot holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotUse {
+    /// The slot (0 to the session's slots - 1).
+    pub slot: u32,
+    /// Keep the memory of the prompt's first tokens where the slot holds the same tokens;
+    /// `false` starts the slot empty.
+    pub reuse: bool,
+}
+
+impl SlotUse {
+    /// Slot 0, started empty: a one-shot generation.
+    pub const FRESH: SlotUse = SlotUse { slot: 0, reuse: false };
+}
+
+/// A model plus a context of one or more slots.
 pub struct Session<'m> {
     model: &'m Model,
     ctx: Context<'m>,
     batch: Batch,
     /// N-gram drafting: the most tokens drafted per decode (`None`: off).
     draft: Option<usize>,
+    /// Each slot's tokens, in the order of its positions: what its memory holds.
+    held: Vec<Vec<Token>>,
+    /// How many of each slot's first tokens were computed in whole prompt batches: the only ones
+    /// a later prompt may keep (see [`Session::reusable`]).
+    exact: Vec<usize>,
 }
 
 impl<'m> Session<'m> {
-    /// Creates a context with room for `n_ctx` positions, with an optional eval callback.
+    /// Creates a context of `shape`, with an optional eval callback.
     pub fn new(
         model: &'m Model,
-        n_ctx: u32,
+        shape: ContextShape,
         threads: &Threads,
         callback: Option<EvalCallback<'m>>,
     ) -> Result<Session<'m>, GenerateError> {
-        let params = context_params(n_ctx, threads);
+        let params = context_params(shape, threads);
         let ctx = Context::new(model, &params, callback)?;
-        Ok(Session { model, ctx, batch: Batch::new(params.n_batch as usize), draft: None })
+        let held = vec![Vec::new(); params.n_seq as usize];
+        let exact = vec![0; params.n_seq as usize];
+        Ok(Session { model, ctx, batch: Batch::new(params.n_batch as usize), draft: None, held, exact })
+    }
+
+    /// The tokens slot `slot`'s memory holds (empty for a slot that does not exist).
+    pub fn held(&self, slot: u32) -> &[Token] {
+        self.held.get(slot as usize).map_or(&[], Vec::as_slice)
+    }
+
+    /// How many slots the session has.
+    pub fn slots(&self) -> u32 {
+        self.held.len() as u32
+    }
+
+    /// How many of `prompt`'s first tokens a generation in `slot` would keep, so that its
+    /// tokens are those of the same prompt computed from an empty slot. llama.cpp computes a
+    /// token with kernels chosen by the size of its batch (and, for experts, by how many tokens
+    /// of the batch each expert takes), so a token's memory equals a computation from nothing
+    /// only where it was computed in the very batch that computation makes: a prompt is computed
+    /// in batches of `n_batch` from its start, and what a slot keeps is the prefix the prompt
+    /// shares with it in whole such batches (not the answer, decoded a token at a time; not the
+    /// prompt's last token, always computed for its logits). Nothing where the model's memory
+    /// cannot drop the rest of the slot (recurrent layers keep one state for the sequence).
+    pub fn reusable(&self, slot: u32, prompt: &[Token]) -> usize {
+        let held = self.held(slot);
+        let shared = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        let b = self.batch_capacity();
+        let keep = shared.min(self.exact(slot)).min(prompt.len().saturating_sub(1)) / b * b;
+        if keep < held.len() && !self.model.memory_forgets_tail() {
+            return 0;
+        }
+        keep
+    }
+
+    /// How many of slot `slot`'s tokens a later prompt may keep ([`Session::reusable`]).
+    pub fn exact(&self, slot: u32) -> usize {
+        self.exact.get(slot as usize).copied().unwrap_or(0)
+    }
+
+    /// Empties slot `slot`.
+    pub fn forget(&mut self, slot: u32) -> Result<(), GenerateError> {
+        self.ctx.forget_sequence(slot)?;
+        self.held[slot as usize].clear();
+        self.exact[slot as usize] = 0;
+        Ok(())
+    }
+
+    /// Slot `slot`'s memory as llama.cpp serializes it, with the tokens it holds.
+    pub fn save_slot(&self, slot: u32) -> Result<(Vec<Token>, Vec<u8>), GenerateError> {
+        let state = self.ctx.sequence_state(slot)?;
+        Ok((self.held(slot).to_vec(), state))
+    }
+
+    /// Puts a saved slot back into `slot`: `tokens` are what `state` holds, every one computed in
+    /// a batch ([`Session::save_slot`] of a slot whose [`Session::exact`] is all it holds). A
+    /// state llama.cpp refuses, or one whose positions are not `tokens`' count, leaves the slot
+    /// empty.
+    pub fn restore_slot(&mut self, slot: u32, tokens: &[Token], state: &[u8]) -> Result<(), GenerateError> {
+        if let Some(h) = self.held.get_mut(slot as usize) {
+            h.clear();
+        }
+        let held = self.ctx.set_sequence_state(slot, state).and_then(|()| self.ctx.positions_held(slot))?;
+        if held as usize != tokens.len() {
+            self.forget(slot)?;
+            return Err(ggml_sys::Error::SequenceState(
+                "the saved state holds another number of positions than tokens",
+            )
+            .into());
+        }
+        self.held[slot as usize] = tokens.to_vec();
+        self.exact[slot as usize] = tokens.len();
+        Ok(())
     }
 
     /// Tokenizes `prompt` and checks it fits with `n_predict` more tokens.
@@ -79,6 +172,8 @@ impl<'m> Session<'m> {
         self.batch.push(token, 0, true)?;
         let result = self.ctx.decode(&self.batch);
         self.ctx.clear_memory();
+        self.held.iter_mut().for_each(Vec::clear);
+        self.exact.iter_mut().for_each(|e| *e = 0);
         Ok(result?)
     }
 
@@ -103,7 +198,7 @@ impl<'m> Session<'m> {
         observer: &mut DecodeObserver<'_>,
     ) -> Result<Generation, GenerateError> {
         let mut sampler = Sampler::greedy(self.model)?;
-        self.generate_with(prompt, n_predict, &mut sampler, to_end(on_token), observer)
+        self.generate_with(SlotUse::FRESH, prompt, n_predict, &mut sampler, to_end(on_token), observer)
     }
 
     /// The model this session runs.
@@ -130,22 +225,68 @@ impl<'m> Session<'m> {
         self.ctx.set_abort_flag(flag);
     }
 
-    /// Generates up to `n_predict` tokens after `prompt`, chosen by `sampler`. `on_token` gets
-    /// each token, its bytes and its logits as it is chosen and may end the generation early
-    /// ([`ControlFlow::Break`], e.g. at a stop sequence); `observer` runs after every decode.
-    /// Starts from an empty context every time.
+    /// Generates up to `n_predict` tokens after `prompt` in the slot `at` names, chosen by
+    /// `sampler`. `on_token` gets each token, its bytes and its logits as it is chosen and may end
+    /// the generation early ([`ControlFlow::Break`], e.g. at a stop sequence); `observer` runs
+    /// after every decode. With `at.reuse`, the prompt's first tokens that the slot already holds
+    /// ([`Session::reusable`]) are not computed again; otherwise the slot starts empty. A
+    /// generation that fails leaves its slot empty.
     pub fn generate_with<E: DecodeError>(
         &mut self,
+        at: SlotUse,
+        prompt: &[Token],
+        n_predict: u32,
+        sampler: &mut Sampler,
+        on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
+        observer: &mut DecodeObserver<'_, E>,
+    ) -> Result<Generation, E> {
+        let result = self.generate_in(at, prompt, n_predict, sampler, on_token, observer);
+        if result.is_err() {
+            // What a failed or cancelled decode left in the slot is not known token by token.
+            self.forget(at.slot)?;
+        }
+        result
+    }
+
+    /// Keeps the slot's first `keep` tokens and forgets the rest.
+    fn keep_prefix(&mut self, slot: u32, keep: usize) -> Result<(), GenerateError> {
+        if keep == 0 {
+            return self.forget(slot);
+        }
+        self.ctx.forget_from(slot, keep as i32)?;
+        self.held[slot as usize].truncate(keep);
+        self.exact[slot as usize] = self.exact[slot as usize].min(keep);
+        Ok(())
+    }
+
+    /// Records that the last decode put `tokens` into `slot`'s memory; `whole` when they were a
+    /// whole prompt batch at a multiple of `n_batch` (what a later prompt may keep).
+    fn hold(&mut self, slot: u32, tokens: &[Token], whole: bool) {
+        let s = slot as usize;
+        if whole && self.exact[s] == self.held[s].len() {
+            self.exact[s] += tokens.len();
+        }
+        self.held[s].extend_from_slice(tokens);
+    }
+
+    fn generate_in<E: DecodeError>(
+        &mut self,
+        at: SlotUse,
         prompt: &[Token],
         n_predict: u32,
         sampler: &mut Sampler,
         mut on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
         observer: &mut DecodeObserver<'_, E>,
     ) -> Result<Generation, E> {
-        self.ctx.clear_memory();
+        if at.slot >= self.slots() {
+            return Err(GenerateError::from(ggml_sys::Error::NoSequence { seq: at.slot, n_seq: self.slots() }).into());
+        }
+        let reused = if at.reuse { self.reusable(at.slot, prompt) } else { 0 };
+        self.keep_prefix(at.slot, reused)?;
+        let slot = at.slot;
         sampler.inner.accept_prompt(prompt)?;
         let t0 = Instant::now();
-        let mut pos = self.prefill(prompt, observer)?;
+        let mut pos = self.prefill(slot, prompt, reused, observer)?;
         let prefill = t0.elapsed();
         let t1 = Instant::now();
         // The draft state and the most tokens a decode drafts.
@@ -161,6 +302,7 @@ impl<'m> Session<'m> {
         let mut next_at = -1;
         let mut out = Generation {
             prompt_tokens: prompt.to_vec(),
+            reused,
             tokens: Vec::new(),
             bytes: Vec::new(),
             stopped_at_eog: false,
@@ -183,11 +325,13 @@ impl<'m> Session<'m> {
                 None => Vec::new(),
             };
             self.batch.clear();
-            self.batch.push(next, pos, true)?;
+            self.batch.push_to(slot, next, pos, true)?;
             for (i, &t) in drafts.iter().enumerate() {
-                self.batch.push(t, pos + 1 + i as i32, true)?;
+                self.batch.push_to(slot, t, pos + 1 + i as i32, true)?;
             }
             self.timed_decode(false, observer)?;
+            let decoded: Vec<Token> = std::iter::once(next).chain(drafts.iter().copied()).collect();
+            self.hold(slot, &decoded, false);
             out.drafted += drafts.len() as u32;
             // The model's choice after `next`, then after each draft token it agreed with.
             let mut at = 0;
@@ -207,26 +351,40 @@ impl<'m> Session<'m> {
             out.decoded += 1;
             next_at = at as i32;
             if at < drafts.len() {
-                self.ctx.forget_from(pos + 1 + at as i32)?;
+                self.keep_prefix(slot, pos as usize + 1 + at)?;
             }
             pos += 1 + at as i32;
         }
         out.decode = t1.elapsed();
+        // What a later prompt cannot keep (the answer's one-token decodes) need not stay.
+        if self.model.memory_forgets_tail() {
+            self.keep_prefix(slot, self.exact[slot as usize])?;
+        }
         Ok(out)
     }
 
-    /// Decodes `prompt` into the (empty) context in batches, the last token's logits kept;
-    /// returns the next position.
-    fn prefill<E: DecodeError>(&mut self, prompt: &[Token], observer: &mut DecodeObserver<'_, E>) -> Result<i32, E> {
+    /// Decodes `prompt` from token `from` (a multiple of the batch size) on into `slot` (which
+    /// holds the tokens before it) in batches, the last token's logits kept; returns the next
+    /// position.
+    fn prefill<E: DecodeError>(
+        &mut self,
+        slot: u32,
+        prompt: &[Token],
+        from: usize,
+        observer: &mut DecodeObserver<'_, E>,
+    ) -> Result<i32, E> {
         let n_batch = self.batch_capacity();
-        let mut pos = 0i32;
-        for chunk in prompt.chunks(n_batch) {
+        let mut pos = from as i32;
+        // `from` is a multiple of n_batch (what a slot keeps is whole batches), so the batches are
+        // those of a computation from nothing.
+        for chunk in prompt[from..].chunks(n_batch) {
             self.batch.clear();
             for (i, &t) in chunk.iter().enumerate() {
                 let last = pos as usize + i + 1 == prompt.len();
-                self.batch.push(t, pos + i as i32, last)?;
+                self.batch.push_to(slot, t, pos + i as i32, last)?;
             }
             self.timed_decode(true, observer)?;
+            self.hold(slot, chunk, chunk.len() == n_batch && pos as usize % n_batch == 0);
             pos += chunk.len() as i32;
         }
         Ok(pos)
@@ -235,7 +393,7 @@ impl<'m> Session<'m> {
     /// Teacher forcing: decodes `prompt`, then `continuation` one token at a time, and passes
     /// `on_logits(i, logits)` the model's next-token logits before `continuation[i]`: what the
     /// model predicts at each step of a given text (to compare two configurations on the same
-    /// text). Starts from an empty context.
+    /// text). Runs in slot 0, started empty.
     pub fn score_continuation<E: DecodeError>(
         &mut self,
         prompt: &[Token],
@@ -243,8 +401,8 @@ impl<'m> Session<'m> {
         mut on_logits: impl FnMut(usize, &[f32]),
         observer: &mut DecodeObserver<'_, E>,
     ) -> Result<(), E> {
-        self.ctx.clear_memory();
-        let start = self.prefill(prompt, observer)?;
+        self.forget(0)?;
+        let start = self.prefill(0, prompt, 0, observer)?;
         for (i, (&t, pos)) in continuation.iter().zip(start..).enumerate() {
             on_logits(i, self.ctx.logits(-1)?);
             if i + 1 == continuation.len() {
@@ -253,6 +411,7 @@ impl<'m> Session<'m> {
             self.batch.clear();
             self.batch.push(t, pos, true)?;
             self.timed_decode(false, observer)?;
+            self.hold(0, &[t], false);
         }
         Ok(())
     }
@@ -284,6 +443,6 @@ impl<'m> Session<'m> {
     }
 
     fn batch_capacity(&self) -> usize {
-        (self.ctx.n_ctx().min(MAX_BATCH)) as usize
+        self.batch.capacity()
     }
 }

@@ -100,7 +100,7 @@ pub fn connect(endpoints: &[String]) -> Result<Vec<Worker>, ScaleError> {
         .collect()
 }
 
-/// Scale-out for a run of `positions` positions over `model`, when `endpoints` (`--rpc`) lists
+/// Scale-out for a run of context `shape` over `model`, when `endpoints` (`--rpc`) lists
 /// workers: connects to them, splits the model, and narrows `index` to this board's layers; the
 /// caller loads with [`Split::rpc`]. A head whose compute service offloads layers to its GPU
 /// (`gpu`) is refused before any worker is asked. Without workers: no split, `index` unchanged.
@@ -108,7 +108,7 @@ pub fn prepare(
     endpoints: &[String],
     model: &std::path::Path,
     index: crate::stream::ExpertIndex,
-    positions: u32,
+    shape: crate::generate::ContextShape,
     gpu: bool,
 ) -> Result<(Option<Split>, crate::stream::ExpertIndex), ScaleError> {
     let endpoints = parse_endpoints(endpoints)?;
@@ -119,7 +119,7 @@ pub fn prepare(
         return Err(ScaleError::WithGpu);
     }
     let workers = connect(&endpoints)?;
-    let split = plan_split(model, &index, positions, &workers)?;
+    let split = plan_split(model, &index, shape, &workers)?;
     let index = index.keep_layers_below(split.first_remote);
     Ok((Some(split), index))
 }

@@ -135,15 +135,20 @@ fn balanced(free: &[u64], cost: impl Fn(u32) -> u64, fixed: &[u64], n_layer: u32
     counts
 }
 
-/// Splits `index`'s model between this board and `workers` for a context of `positions`. The
+/// Splits `index`'s model between this board and `workers` for a context of `shape`. The
 /// head keeps at least the layers up to its first MoE layer (which it streams); the workers take
 /// the rest from the end, the output layer on the last one: as many whole layers as fit in what
 /// they report free, spread over them in proportion to it. The split is checked against llama.cpp's sizes of a metadata-only load
 /// split that way, and layers move toward the head until every worker's share fits.
-pub fn plan_split(model: &Path, index: &ExpertIndex, positions: u32, workers: &[Worker]) -> Result<Split, ScaleError> {
+pub fn plan_split(
+    model: &Path,
+    index: &ExpertIndex,
+    shape: crate::generate::ContextShape,
+    workers: &[Worker],
+) -> Result<Split, ScaleError> {
     let n_layer = index.n_layer;
     let (layer_bytes, output_bytes) = index.layer_weight_bytes();
-    let single = measure_context(model, positions, None, None)?;
+    let single = measure_context(model, shape, None, None)?;
     let kv_per_layer = single.kv.div_ceil(u64::from(n_layer.max(1)));
     let cost = |l: u32| layer_bytes[l as usize] + kv_per_layer;
     let free: Vec<u64> = workers.iter().map(|w| w.free).collect();
@@ -164,7 +169,7 @@ pub fn plan_split(model: &Path, index: &ExpertIndex, positions: u32, workers: &[
     let devices: Vec<RpcDevice> = workers.iter().map(|w| w.device.clone()).collect();
     loop {
         let rpc = RpcSplit { devices: devices.clone(), layers: counts.clone() };
-        let sizes = measure_context(model, positions, None, Some(&rpc))?;
+        let sizes = measure_context(model, shape, None, Some(&rpc))?;
         let held = |m: &MemorySizes| m.model + m.context + m.compute;
         match (0..workers.len()).find(|&j| held(&sizes.workers[j]) > free[j]) {
             None => return Ok(split(n_layer, &counts, workers, &sizes.workers, devices)),

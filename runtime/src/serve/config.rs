@@ -33,6 +33,21 @@ pub struct ServeSettings {
     /// model's length if shorter).
     #[arg(long, value_parser = clap::value_parser!(u32).range(MIN_CTX as i64..))]
     pub ctx: Option<u32>,
+    /// Slots: conversations whose prompt memory (KV cache) is kept between requests, each with
+    /// `ctx` positions of its own; a request goes to the slot that holds the longest prefix of
+    /// its prompt and computes only the rest (default: 1).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_SLOTS as i64))]
+    pub slots: Option<u32>,
+    /// The most prompt tokens one decode takes (default: 512). A prompt's memory is kept for a
+    /// later request in whole batches (see the docs on slots): a smaller batch keeps more of a
+    /// short conversation; a larger one reads the experts fewer times for a long prompt.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH as i64))]
+    pub batch: Option<u32>,
+    /// The most disk, in MiB, the slots saved in the state directory may take (for restarts
+    /// and conversations that left their slot; the oldest go first; 0: none are saved; default:
+    /// 1024).
+    #[arg(long)]
+    pub slot_save_mib: Option<u64>,
     /// Expert cache size in MiB (default: what the memory budget leaves; 0: no cache).
     #[arg(long)]
     pub cache_mb: Option<u64>,
@@ -65,6 +80,12 @@ pub struct ServeSettings {
 
 /// The fewest context positions `ctx` may give.
 const MIN_CTX: u32 = 16;
+/// The most slots `slots` may give.
+pub const MAX_SLOTS: u32 = 64;
+/// The largest prompt batch `batch` may give.
+pub const MAX_BATCH: u32 = 8192;
+/// The disk the saved slots may take when `slot_save_mib` is not given, MiB.
+pub const DEFAULT_SLOT_SAVE_MIB: u64 = 1024;
 
 /// Why the settings file cannot be used.
 #[derive(Debug, thiserror::Error)]
@@ -150,6 +171,12 @@ impl ServeSettings {
         if self.board.as_ref().is_some_and(String::is_empty) {
             return bad("board", "empty; give auto, a built-in id (`sluice boards`) or a profile file");
         }
+        if self.slots.is_some_and(|s| s == 0 || s > MAX_SLOTS) {
+            return bad("slots", "1 to 64; remove the key for 1");
+        }
+        if self.batch.is_some_and(|b| b == 0 || b > MAX_BATCH) {
+            return bad("batch", "1 to 8192 tokens; remove the key for 512");
+        }
         if self.queue == Some(0) {
             return bad("queue", "0 would refuse every request while one runs; use 1 or more");
         }
@@ -169,6 +196,9 @@ impl ServeSettings {
             board: self.board.or(file.board),
             listen: self.listen.or(file.listen),
             ctx: self.ctx.or(file.ctx),
+            slots: self.slots.or(file.slots),
+            batch: self.batch.or(file.batch),
+            slot_save_mib: self.slot_save_mib.or(file.slot_save_mib),
             cache_mb: self.cache_mb.or(file.cache_mb),
             api_key_file: self.api_key_file.or(file.api_key_file),
             model_id: self.model_id.or(file.model_id),
@@ -200,6 +230,9 @@ mod tests {
             board: Some("rpi5-8gb".into()),
             listen: Some("0.0.0.0:8080".parse().unwrap()),
             ctx: Some(2048),
+            slots: Some(2),
+            batch: Some(256),
+            slot_save_mib: Some(256),
             cache_mb: Some(512),
             api_key_file: Some("/etc/sluice/api-key".into()),
             model_id: Some("qwen3".into()),
@@ -226,7 +259,7 @@ mod tests {
     fn every_key_round_trips() {
         let f = full();
         let text = toml::to_string(&f).unwrap();
-        assert_eq!(keys().len(), 12, "{:?}", keys());
+        assert_eq!(keys().len(), 15, "{:?}", keys());
         for key in keys() {
             assert!(text.lines().any(|l| l.starts_with(&format!("{key} = "))), "{key} missing from:\n{text}");
         }

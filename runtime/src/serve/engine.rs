@@ -13,11 +13,13 @@ use super::answer::Answer;
 use super::error::ApiError;
 use super::heat::{self, ModelIdentity};
 use super::job::{Event, EventSender, Finish, Job, Unsent, MAX_UNREAD_BYTES};
-use super::job::{GenerationRequest, PromptBound};
+use super::job::{GenerationRequest, PromptBound, TokenUsage};
 use super::metrics::GenerationCounts;
 use super::prompt::{TokenizeError, Tokenizer};
+use super::saved_slots::{SlotKey, SlotStore};
 use super::shared::{Shared, IDLE_BEAT};
-use crate::generate::{GenerateError, Generation, Sampler};
+use super::slots::Slots;
+use crate::generate::{ContextShape, GenerateError, Generation, Sampler};
 use crate::launch::{Launch, LaunchError};
 use crate::stream::{ExpertIndex, StreamError, StreamedSession};
 use crate::units::mib;
@@ -37,9 +39,14 @@ pub struct EngineConfig {
     pub launch: Launch,
     /// Where the heat map is kept; `None`: no warm restarts.
     pub state_dir: Option<PathBuf>,
-    /// How often the heat map is saved while serving.
+    /// How often the heat map (and the slots that changed) are saved while serving.
     pub save_every: Duration,
+    /// The most bytes the saved slots take in the state directory; 0 saves none.
+    pub slot_save_bytes: u64,
 }
+
+/// How long the engine waits idle before it saves the slots that changed.
+const IDLE_BEFORE_SAVE: Duration = Duration::from_secs(5);
 
 /// How often a degraded server tries to reach its lost worker.
 const WORKER_RETRY: Duration = Duration::from_secs(1);
@@ -125,7 +132,7 @@ fn wait_for_worker(endpoint: &str, shared: &Shared, jobs: &Receiver<Job>) -> boo
 /// Loads the model and serves `jobs` with it until every sender is gone or a worker is lost.
 fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Result<Served, LoadFailure> {
     let loaded = cfg.launch.load(&mut |step| shared.loading_step(step))?;
-    let (model, index, n_ctx) = (&loaded.model, &loaded.index, loaded.n_ctx);
+    let (model, index, n_ctx) = (&loaded.model, &loaded.index, loaded.shape.positions);
     shared.set_prompt_bound(PromptBound { n_ctx, max_token_bytes: model.max_token_bytes() });
     shared.metrics.set_ledger(&loaded.ledger);
     shared.metrics.set_lossy(&loaded.config.lossy);
@@ -134,8 +141,12 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
     let identity = ModelIdentity::of(index);
     let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
     let tokenizer = Tokenizer::start(Arc::clone(model)).map_err(LoadFailure::Templates)?;
-    let mut engine = Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false, lost: None };
+    let store = open_slot_store(cfg, &identity, index, loaded.shape);
+    let slots = Slots::new(loaded.shape.slots);
+    let mut engine =
+        Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false, lost: None, slots, store };
     engine.warm_start(index);
+    engine.restore_slots();
     engine.publish_heat();
     shared.set_ready(&format!(
         "ready: {} ({} positions, expert cache {} MiB of {} MiB)",
@@ -145,12 +156,21 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
         index.all_expert_window_bytes() >> 20
     ));
     let mut last_save = Instant::now();
+    let mut last_job = Instant::now();
     let served = loop {
         shared.beat();
         match jobs.recv_timeout(IDLE_BEAT) {
-            Ok(job) => engine.handle(job),
+            Ok(job) => {
+                engine.handle(job);
+                last_job = Instant::now();
+            }
             // Idle: reads a cancelled or timed-out request left behind may have landed since.
-            Err(RecvTimeoutError::Timeout) => engine.session.streamer().release_stale(),
+            Err(RecvTimeoutError::Timeout) => {
+                engine.session.streamer().release_stale();
+                if last_job.elapsed() >= IDLE_BEFORE_SAVE {
+                    engine.save_slots();
+                }
+            }
             Err(RecvTimeoutError::Disconnected) => break Served::Done,
         }
         if let Some(endpoint) = engine.lost.take() {
@@ -158,10 +178,12 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
         }
         if last_save.elapsed() >= cfg.save_every {
             engine.save_heat();
+            engine.save_slots();
             last_save = Instant::now();
         }
     };
     engine.save_heat();
+    engine.save_slots();
     Ok(served)
 }
 
@@ -176,6 +198,35 @@ struct Engine<'m, 's> {
     heat_dirty: bool,
     /// The RPC worker a generation lost: the model is unusable until it is loaded again.
     lost: Option<String>,
+    /// The slots' bookkeeping.
+    slots: Slots,
+    /// The saved slots, when there is a state directory and room for them.
+    store: Option<SlotStore>,
+}
+
+/// The saved slots of this model and context shape in the state directory, if any are to be kept
+/// (a directory that cannot be used is a warning: slots are then not saved).
+fn open_slot_store(
+    cfg: &EngineConfig,
+    identity: &ModelIdentity,
+    index: &ExpertIndex,
+    shape: ContextShape,
+) -> Option<SlotStore> {
+    let dir = cfg.state_dir.as_deref().filter(|_| cfg.slot_save_bytes > 0)?;
+    let key = match SlotKey::new(identity.clone(), &index.shards, shape) {
+        Ok(k) => k,
+        Err(e) => {
+            log::warn!("cannot identify the model's files ({e}): slots are not saved");
+            return None;
+        }
+    };
+    match SlotStore::open(dir, key, cfg.slot_save_bytes) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            log::warn!("{e}: slots are not saved");
+            None
+        }
+    }
 }
 
 impl Engine<'_, '_> {
@@ -209,6 +260,29 @@ impl Engine<'_, '_> {
             }
             Err(e) => log::warn!("warm start stopped: {e}; serving with what was read"),
         }
+    }
+
+    /// Reads the newest saved slots back into the slots, newest into slot 0.
+    fn restore_slots(&mut self) {
+        if let Some(store) = &mut self.store {
+            self.shared.loading_step("reading the saved slots");
+            self.slots.restore(&mut self.session, store);
+        }
+        self.publish_slots();
+    }
+
+    /// Saves the slots that changed since they were saved.
+    fn save_slots(&mut self) {
+        if let Some(store) = &mut self.store {
+            if self.slots.any_unsaved() {
+                self.slots.save_all(&self.session, store);
+            }
+        }
+    }
+
+    /// Hands the slots to the status page and `/metrics`.
+    fn publish_slots(&self) {
+        self.shared.metrics.set_slots(&self.slots.views(&self.session));
     }
 
     /// Hands the heat map to the status page.
@@ -246,7 +320,7 @@ impl Engine<'_, '_> {
             let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
             return;
         }
-        let logprobs = request.logprobs;
+        let (logprobs, cache_prompt) = (request.logprobs, request.cache_prompt);
         let (tokens, max_tokens, mut sampler, mut answer) = match self.admit(request, &cancel) {
             Ok(admitted) => admitted,
             Err(e) => {
@@ -255,12 +329,16 @@ impl Engine<'_, '_> {
             }
         };
         sampler.set_guard(Arc::clone(&cancel), GRAMMAR_TOKEN_BOUND);
-        let _ = events.send(Event::Started { prompt_tokens: tokens.len() });
+        let _ = events.send(Event::Started);
+        let pick = self.slots.pick(&mut self.session, self.store.as_mut(), &tokens, cache_prompt);
+        self.slots.start(pick.slot);
+        self.publish_slots();
         self.shared.set_current(Some(Arc::clone(&cancel)));
         self.session.set_abort_flag(Some(Arc::clone(&cancel)));
         let shared = self.shared;
         let model = self.session.model();
         let result = self.session.generate_with(
+            pick,
             &tokens,
             max_tokens,
             &mut sampler,
@@ -293,6 +371,9 @@ impl Engine<'_, '_> {
         self.shared.set_current(None);
         self.heat_dirty = true;
         self.publish_heat();
+        let reused = result.as_ref().map_or(0, |(g, _)| g.reused);
+        self.slots.finish(pick.slot, reused, tokens.len() - reused);
+        self.publish_slots();
         match result {
             Ok((g, _)) => self.finish(&events, &cancel, tokens.len(), &g, answer),
             Err(e) => self.fail(&events, e, answer.grammar_param()),
@@ -354,6 +435,7 @@ impl Engine<'_, '_> {
         }
         self.shared.metrics.generation(GenerationCounts {
             prompt_tokens: prompt_tokens as u64,
+            reused_tokens: g.reused as u64,
             completion_tokens: g.tokens.len() as u64,
             decode: g.decode,
             decoded: u64::from(g.decoded),
@@ -369,7 +451,8 @@ impl Engine<'_, '_> {
         } else {
             Finish::Stop
         };
-        let _ = events.send(Event::Done { finish, prompt_tokens, completion_tokens: g.tokens.len(), message });
+        let usage = TokenUsage { prompt: prompt_tokens, cached: g.reused, completion: g.tokens.len() };
+        let _ = events.send(Event::Done { finish, usage, message });
     }
 
     /// Sends why a generation failed: cancelled (503), a grammar too costly for the request

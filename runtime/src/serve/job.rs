@@ -29,6 +29,8 @@ pub struct GenerationRequest {
     pub include_usage: bool,
     /// Log probabilities of the chosen tokens, with this many alternatives each.
     pub logprobs: Option<usize>,
+    /// Whether the prompt may reuse the memory a slot holds of the same first tokens.
+    pub cache_prompt: bool,
 }
 
 /// The prompt of a request.
@@ -82,6 +84,17 @@ impl PromptBound {
     }
 }
 
+/// A generation's token counts, as OpenAI's `usage` reports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct TokenUsage {
+    /// Prompt tokens.
+    pub prompt: usize,
+    /// Prompt tokens whose memory a slot already held (`prompt_tokens_details.cached_tokens`).
+    pub cached: usize,
+    /// Generated tokens.
+    pub completion: usize,
+}
+
 /// Why a generation ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
@@ -118,10 +131,7 @@ pub enum Piece {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// The prompt fits and generation begins.
-    Started {
-        /// Prompt tokens.
-        prompt_tokens: usize,
-    },
+    Started,
     /// Output that is final, and the log probabilities of the tokens behind it (when asked).
     Output {
         /// The text or message delta.
@@ -133,10 +143,8 @@ pub enum Event {
     Done {
         /// Why.
         finish: Finish,
-        /// Prompt tokens.
-        prompt_tokens: usize,
-        /// Generated tokens.
-        completion_tokens: usize,
+        /// What it counted.
+        usage: TokenUsage,
         /// A chat's whole answer, parsed.
         message: Option<ParsedMessage>,
     },
@@ -289,6 +297,6 @@ mod tests {
         assert_eq!(tx.send(piece()), Ok(()));
         let (tx, rx) = event_channel();
         drop(rx);
-        assert_eq!(tx.send(Event::Started { prompt_tokens: 1 }), Err(Unsent::Gone));
+        assert_eq!(tx.send(Event::Started), Err(Unsent::Gone));
     }
 }

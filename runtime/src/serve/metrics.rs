@@ -18,6 +18,8 @@ use sluice_hal::usage::Usage;
 pub struct GenerationCounts {
     /// Prompt tokens.
     pub prompt_tokens: u64,
+    /// Prompt tokens whose memory a slot already held (not computed).
+    pub reused_tokens: u64,
     /// Generated tokens.
     pub completion_tokens: u64,
     /// Time spent in single-token decodes.
@@ -26,12 +28,27 @@ pub struct GenerationCounts {
     pub decoded: u64,
 }
 
+/// One slot as `/status` and `/metrics` show it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct SlotView {
+    /// Running a generation now.
+    pub busy: bool,
+    /// Tokens its memory holds (a conversation's prompt and answer so far).
+    pub tokens: usize,
+    /// Prompt tokens its last request reused.
+    pub reused: usize,
+    /// Prompt tokens its last request computed.
+    pub computed: usize,
+}
+
 /// The server's counters; every method takes `&self`.
 #[derive(Debug, Default)]
 pub struct Metrics {
     requests: Mutex<BTreeMap<(String, u16), u64>>,
     prompt_tokens: AtomicU64,
+    reused_tokens: AtomicU64,
     completion_tokens: AtomicU64,
+    slots: Mutex<Vec<SlotView>>,
     decode_ns: AtomicU64,
     decoded: AtomicU64,
     last_tok_per_s_milli: AtomicU64,
@@ -99,6 +116,7 @@ impl Metrics {
     /// Adds a generation's tokens and decode time.
     pub fn generation(&self, g: GenerationCounts) {
         self.prompt_tokens.fetch_add(g.prompt_tokens, Ordering::Relaxed);
+        self.reused_tokens.fetch_add(g.reused_tokens, Ordering::Relaxed);
         self.completion_tokens.fetch_add(g.completion_tokens, Ordering::Relaxed);
         self.decode_ns.fetch_add(g.decode.as_nanos() as u64, Ordering::Relaxed);
         self.decoded.fetch_add(g.decoded, Ordering::Relaxed);
@@ -118,6 +136,13 @@ impl Metrics {
                 minutes.pop_front();
             }
         }
+    }
+
+    /// Records the slots as they are now.
+    pub fn set_slots(&self, slots: &[SlotView]) {
+        let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        s.clear();
+        s.extend_from_slice(slots);
     }
 
     /// Records the expert heat map: route counts, `layer * experts + expert`.
@@ -193,12 +218,18 @@ impl Metrics {
         };
         let usage = Usage::sample();
         let heat = self.heat.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
         json!({
             "state": state,
             "reason": reason,
             "model": model,
             "queued": queued,
-            "tokens": { "prompt": n(&self.prompt_tokens), "completion": n(&self.completion_tokens) },
+            "tokens": {
+                "prompt": n(&self.prompt_tokens),
+                "prompt_reused": n(&self.reused_tokens),
+                "completion": n(&self.completion_tokens),
+            },
+            "slots": slots,
             "decode_tokens_per_second": {
                 "last": n(&self.last_tok_per_s_milli) as f64 / 1000.0,
                 "per_minute": per_minute,
@@ -266,6 +297,23 @@ impl Metrics {
         let mut metric =
             |name: &str, kind: &str, help: &str, samples: &[(String, f64)]| out.metric(name, kind, help, samples);
         metric("prompt_tokens_total", "counter", "Prompt tokens processed.", &one(n(&self.prompt_tokens)));
+        metric(
+            "prompt_tokens_reused_total",
+            "counter",
+            "Prompt tokens whose memory a slot already held (not computed again).",
+            &one(n(&self.reused_tokens)),
+        );
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let per_slot = |f: fn(&SlotView) -> f64| -> Vec<(String, f64)> {
+            slots.iter().enumerate().map(|(i, s)| (format!("{{slot=\"{i}\"}}"), f(s))).collect()
+        };
+        metric(
+            "slot_busy",
+            "gauge",
+            "Whether the slot runs a generation now.",
+            &per_slot(|s| f64::from(u8::from(s.busy))),
+        );
+        metric("slot_tokens", "gauge", "Tokens the slot's memory holds.", &per_slot(|s| s.tokens as f64));
         metric("completion_tokens_total", "counter", "Tokens generated.", &one(n(&self.completion_tokens)));
         metric(
             "generations_cancelled_total",
@@ -400,6 +448,7 @@ mod tests {
         assert!(s["expert_cache"]["hit_rate"].is_null());
         m.generation(GenerationCounts {
             prompt_tokens: 3,
+            reused_tokens: 2,
             completion_tokens: 9,
             decode: Duration::from_secs(2),
             decoded: 8,

@@ -15,7 +15,9 @@ use super::io::IoLanes;
 use super::load::{DensePolicy, StreamConfig};
 use super::record::TokenRow;
 use super::{kernel, StreamError};
-use crate::generate::{to_end, Chosen, DecodeEvent, DecodeObserver, GenerateError, Generation, Sampler, Session};
+use crate::generate::{
+    to_end, Chosen, ContextShape, DecodeEvent, DecodeObserver, GenerateError, Generation, Sampler, Session, SlotUse,
+};
 use crate::units::mib;
 
 /// Checks `budget` against one token's routed demand.
@@ -76,13 +78,12 @@ pub struct StreamedSession<'m> {
 
 impl<'m> StreamedSession<'m> {
     /// Sets up streaming over `model` (loaded from `index`'s files): starts the lanes, creates a
-    /// context with room for `n_ctx` positions, captures the weights in a warm-up decode, and
-    /// rebinds them.
+    /// context of `shape`, captures the weights in a warm-up decode, and rebinds them.
     pub fn open(
         model: &'m Model,
         index: Arc<ExpertIndex>,
         config: &StreamConfig,
-        n_ctx: u32,
+        shape: ContextShape,
         threads: &ggml_sys::Threads,
     ) -> Result<Self, StreamError> {
         check_cache_budget(&index, config.cache_bytes, config.force_cache)?;
@@ -101,7 +102,7 @@ impl<'m> StreamedSession<'m> {
         let stages = Arc::new(Stages { capture: Mutex::new(Some(capture)), streamer: OnceLock::new() });
         let on_eval = Arc::clone(&stages);
         let callback: ggml_sys::EvalCallback<'m> = Box::new(move |t, phase| on_eval.on_eval(t, phase));
-        let (session, claim) = kernel::claiming(&index, || Session::new(model, n_ctx, threads, Some(callback)))?;
+        let (session, claim) = kernel::claiming(&index, || Session::new(model, shape, threads, Some(callback)))?;
         let mut session = session?;
         let claims = kernel::Claims::register(&index, &claim, &source);
         let warmed = session.warm_up(model.tokenize("", true)?.first().copied().unwrap_or(0));
@@ -133,6 +134,21 @@ impl<'m> StreamedSession<'m> {
         self.session.model()
     }
 
+    /// The generation session inside: its slots and what they hold.
+    pub fn session(&self) -> &Session<'m> {
+        &self.session
+    }
+
+    /// Empties slot `slot` ([`Session::forget`]).
+    pub fn forget(&mut self, slot: u32) -> Result<(), StreamError> {
+        Ok(self.session.forget(slot)?)
+    }
+
+    /// Puts a saved slot back ([`Session::restore_slot`]); no decode runs.
+    pub fn restore_slot(&mut self, slot: u32, tokens: &[Token], state: &[u8]) -> Result<(), StreamError> {
+        Ok(self.session.restore_slot(slot, tokens, state)?)
+    }
+
     /// Generates like [`Session::generate`], returning per-decode telemetry rows too.
     pub fn generate(
         &mut self,
@@ -142,19 +158,22 @@ impl<'m> StreamedSession<'m> {
         on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), StreamError> {
         let mut sampler = Sampler::greedy(self.session.model())?;
-        self.generate_with(prompt, n_predict, &mut sampler, to_end(on_token), on_row)
+        self.generate_with(SlotUse::FRESH, prompt, n_predict, &mut sampler, to_end(on_token), on_row)
     }
 
     /// Generates like [`Session::generate_with`], returning per-decode telemetry rows too.
     pub fn generate_with(
         &mut self,
+        at: SlotUse,
         prompt: &[Token],
         n_predict: u32,
         sampler: &mut Sampler,
         on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
         on_row: impl FnMut(&TokenRow),
     ) -> Result<(Generation, Vec<TokenRow>), StreamError> {
-        self.observed(on_row, |session, observer| session.generate_with(prompt, n_predict, sampler, on_token, observer))
+        self.observed(on_row, |session, observer| {
+            session.generate_with(at, prompt, n_predict, sampler, on_token, observer)
+        })
     }
 
     /// Teacher forcing like [`Session::score_continuation`], streamed.

@@ -112,8 +112,13 @@ pub fn routes(
         true
     });
     let fail = |e: crate::generate::GenerateError| invalid("routing", format!("calibrating {}: {e}", path.display()));
-    let mut session =
-        Session::new(&model, prompt.len() as u32 + 2, &Threads::unpinned(threads), Some(callback)).map_err(fail)?;
+    let mut session = Session::new(
+        &model,
+        crate::generate::ContextShape::one(prompt.len() as u32 + 2),
+        &Threads::unpinned(threads),
+        Some(callback),
+    )
+    .map_err(fail)?;
     // One token: it is chosen from the prompt's logits and never decoded, so only the prompt
     // is routed.
     session.generate(prompt, 1, |_, _| {}, &mut |_| Ok(())).map_err(fail)?;

@@ -83,6 +83,8 @@ pub struct RequestBody {
     /// llama-server's bound on a thinking block's tokens (-1: none).
     thinking_budget_tokens: Option<i64>,
     logit_bias: Option<Map<String, Value>>,
+    /// llama-server's switch for prompt reuse: `false` computes the whole prompt in an empty slot.
+    cache_prompt: Option<bool>,
     // Known OpenAI fields that do not change what sluice generates: accepted, logged at debug.
     user: Option<IgnoredAny>,
     store: Option<IgnoredAny>,
@@ -357,6 +359,7 @@ pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest
         stream,
         include_usage,
         logprobs,
+        cache_prompt: r.cache_prompt.unwrap_or(true),
     })
 }
 
@@ -420,6 +423,7 @@ fn chat_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiE
         stream,
         include_usage,
         logprobs,
+        cache_prompt: r.cache_prompt.unwrap_or(true),
     })
 }
 

@@ -53,6 +53,7 @@ struct ResponsesBody {
     include: Option<Vec<String>>,
     truncation: Option<String>,
     thinking_budget_tokens: Option<i64>,
+    cache_prompt: Option<bool>,
     // Known fields that do not change what sluice generates: accepted, logged at debug.
     metadata: Option<Map<String, Value>>,
     stream_options: Option<IgnoredAny>,
@@ -138,6 +139,7 @@ pub fn responses_request(
         response_format: text_format.map(chat_format).transpose()?,
         reasoning_effort: effort,
         thinking_budget_tokens: r.thinking_budget_tokens,
+        cache_prompt: r.cache_prompt,
         ..RequestBody::default()
     };
     let request = chat_from(chat, served)?;

@@ -135,12 +135,12 @@ impl EventSource for EventStream {
                     }
                     event(&chunk.to_string())
                 }
-                Event::Done { finish, prompt_tokens, completion_tokens, .. } => {
+                Event::Done { finish, usage, .. } => {
                     self.ended = true;
                     let mut out = String::new();
-                    for chunk in std::iter::once(self.reply.finish_chunk(finish)).chain(
-                        self.reply.include_usage.then(|| self.reply.usage_chunk(prompt_tokens, completion_tokens)),
-                    ) {
+                    for chunk in std::iter::once(self.reply.finish_chunk(finish))
+                        .chain(self.reply.include_usage.then(|| self.reply.usage_chunk(&usage)))
+                    {
                         out.push_str(&format!("data: {chunk}\n\n"));
                     }
                     out.push_str("data: [DONE]\n\n");
@@ -150,7 +150,7 @@ impl EventSource for EventStream {
                     self.ended = true;
                     event(&e.body())
                 }
-                Event::Started { .. } => continue,
+                Event::Started => continue,
             };
             return Poll::Ready(Some(out));
         }

@@ -3,7 +3,7 @@
 use ggml_sys::ParsedMessage;
 use serde_json::{json, Value};
 
-use crate::serve::job::{Finish, Piece};
+use crate::serve::job::{Finish, Piece, TokenUsage};
 use crate::serve::logprobs::{self, TokenLogprob};
 
 /// Which generation endpoint.
@@ -55,7 +55,7 @@ pub struct Gathered {
 
 impl Reply {
     /// The whole response.
-    pub fn full(&self, out: &Gathered, finish: Finish, prompt_tokens: usize, completion_tokens: usize) -> Value {
+    pub fn full(&self, out: &Gathered, finish: Finish, counts: &TokenUsage) -> Value {
         let choice = match self.kind {
             Kind::Completion => json!({
                 "text": out.text,
@@ -76,7 +76,7 @@ impl Reply {
             "created": self.created,
             "model": self.model,
             "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)
+            "usage": usage(counts)
         })
     }
 
@@ -105,10 +105,10 @@ impl Reply {
     }
 
     /// The last streamed chunk when usage was asked for: no choices, the usage.
-    pub fn usage_chunk(&self, prompt_tokens: usize, completion_tokens: usize) -> Value {
+    pub fn usage_chunk(&self, counts: &TokenUsage) -> Value {
         let mut c = self.chunk_with(Value::Null);
         c["choices"] = json!([]);
-        c["usage"] = usage(prompt_tokens, completion_tokens);
+        c["usage"] = usage(counts);
         c
     }
 
@@ -137,11 +137,12 @@ impl Reply {
     }
 }
 
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
+fn usage(counts: &TokenUsage) -> Value {
     json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens
+        "prompt_tokens": counts.prompt,
+        "completion_tokens": counts.completion,
+        "total_tokens": counts.prompt + counts.completion,
+        "prompt_tokens_details": { "cached_tokens": counts.cached }
     })
 }
 

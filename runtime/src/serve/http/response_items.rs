@@ -6,7 +6,7 @@ use serde_json::{json, Map, Value};
 
 use crate::serve::api::ResponseSetup;
 use crate::serve::deltas::MessageDelta;
-use crate::serve::job::Finish;
+use crate::serve::job::{Finish, TokenUsage};
 
 /// What an output item is.
 #[derive(Debug, Clone, PartialEq)]
@@ -115,15 +115,15 @@ impl ResponseBuilder {
 
     /// The last events of a stream (the open item done, the response completed or incomplete)
     /// and the whole response.
-    pub fn finish(&mut self, finish: Finish, prompt_tokens: usize, completion_tokens: usize) -> (Vec<Value>, Value) {
+    pub fn finish(&mut self, finish: Finish, counts: &TokenUsage) -> (Vec<Value>, Value) {
         let mut out = Vec::new();
         self.close(&mut out);
         let usage = json!({
-            "input_tokens": prompt_tokens,
-            "input_tokens_details": { "cached_tokens": 0 },
-            "output_tokens": completion_tokens,
+            "input_tokens": counts.prompt,
+            "input_tokens_details": { "cached_tokens": counts.cached },
+            "output_tokens": counts.completion,
             "output_tokens_details": { "reasoning_tokens": 0 },
-            "total_tokens": prompt_tokens + completion_tokens
+            "total_tokens": counts.prompt + counts.completion
         });
         let (status, kind) = if finish == Finish::Length {
             ("incomplete", "response.incomplete")
@@ -261,7 +261,7 @@ mod tests {
         for d in [think.clone(), think, say, call(Some("call_1"), "{\"a\""), call(None, ":1}")] {
             events.extend(b.push(&d));
         }
-        let (end, r) = b.finish(Finish::ToolCalls, 5, 7);
+        let (end, r) = b.finish(Finish::ToolCalls, &TokenUsage { prompt: 5, cached: 0, completion: 7 });
         events.extend(end);
         let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
         assert_eq!(
@@ -295,6 +295,10 @@ mod tests {
         assert_eq!(r["output"][2]["call_id"], "call_1");
         assert_eq!(r["output"][2]["arguments"], "{\"a\":1}");
         assert_eq!(r["usage"]["total_tokens"], 12);
-        assert_eq!(b.finish(Finish::Length, 1, 1).1["incomplete_details"]["reason"], "max_output_tokens");
+        assert_eq!(
+            b.finish(Finish::Length, &TokenUsage { prompt: 1, cached: 0, completion: 1 }).1["incomplete_details"]
+                ["reason"],
+            "max_output_tokens"
+        );
     }
 }

@@ -41,13 +41,13 @@ pub(super) async fn answer(
         Ok(q) => q,
         Err(e) => return error(&e),
     };
-    let (prompt_tokens, gone) = match started(&mut events, tcp).await {
+    let gone = match started(&mut events, tcp).await {
         Ok(s) => s,
         Err(r) => return r,
     };
     let id = format!("resp_{created:x}{:04x}", shared.next_id());
     let builder = ResponseBuilder::new(id, created, shared.model_id.clone(), setup);
-    let answer = Answering { builder, shared, prompt_tokens };
+    let answer = Answering { builder, shared };
     if stream {
         return event_stream(ResponseStream { answer, events, gone, _cancel: cancel, opened: false, ended: false });
     }
@@ -70,13 +70,13 @@ async fn whole(
             Some(Event::Output { piece: Piece::Delta(d), .. }) => {
                 answer.builder.push(&d);
             }
-            Some(Event::Done { finish, completion_tokens, message, .. }) => {
-                let (_, r) = answer.builder.finish(finish, answer.prompt_tokens, completion_tokens);
+            Some(Event::Done { finish, usage, message }) => {
+                let (_, r) = answer.builder.finish(finish, &usage);
                 answer.keep(message);
                 return json_response(200, r.to_string());
             }
             Some(Event::Failed(e)) => return error(&e),
-            Some(Event::Output { .. } | Event::Started { .. }) => {}
+            Some(Event::Output { .. } | Event::Started) => {}
             None => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
         }
     }
@@ -86,7 +86,6 @@ async fn whole(
 struct Answering {
     builder: ResponseBuilder,
     shared: Arc<Shared>,
-    prompt_tokens: usize,
 }
 
 impl Answering {
@@ -135,9 +134,9 @@ impl EventSource for ResponseStream {
             };
             let events = match e {
                 Event::Output { piece: Piece::Delta(d), .. } => self.answer.builder.push(&d),
-                Event::Done { finish, completion_tokens, message, .. } => {
+                Event::Done { finish, usage, message } => {
                     self.ended = true;
-                    let (events, _) = self.answer.builder.finish(finish, self.answer.prompt_tokens, completion_tokens);
+                    let (events, _) = self.answer.builder.finish(finish, &usage);
                     self.answer.keep(message);
                     events
                 }
@@ -145,7 +144,7 @@ impl EventSource for ResponseStream {
                     self.ended = true;
                     vec![self.answer.builder.failed(&e.message, e.code)]
                 }
-                Event::Output { .. } | Event::Started { .. } => continue,
+                Event::Output { .. } | Event::Started => continue,
             };
             if events.is_empty() {
                 continue;

@@ -318,14 +318,13 @@ pub(super) async fn enqueue<T>(
     Ok((Queued { stream, include_usage, logprobs, events, cancel: CancelOnDrop(cancel) }, more))
 }
 
-/// Waits for the engine to take a queued request: its prompt's tokens and the future that tells
-/// when the client on `tcp` leaves, or the response to send instead (a client that leaves
-/// meanwhile drops it).
-pub(super) async fn started(events: &mut EventReceiver, tcp: &Arc<TcpStream>) -> Result<(usize, Gone), Response<Body>> {
+/// Waits for the engine to take a queued request: the future that tells when the client on `tcp`
+/// leaves, or the response to send instead (a client that leaves meanwhile drops it).
+pub(super) async fn started(events: &mut EventReceiver, tcp: &Arc<TcpStream>) -> Result<Gone, Response<Body>> {
     let mut gone = gone(tcp);
     tokio::select! {
         e = events.recv() => match e {
-            Some(Event::Started { prompt_tokens }) => Ok((prompt_tokens, gone)),
+            Some(Event::Started) => Ok(gone),
             Some(Event::Failed(e)) => Err(error(&e)),
             Some(other) => Err(error(&ApiError::new(500, "server_error", format!("unexpected engine event {other:?}")))),
             None => Err(error(&ApiError::new(503, "server_error", "the server is shutting down"))),
@@ -386,7 +385,7 @@ async fn generate(
             Ok(q) => q,
             Err(e) => return error(&e),
         };
-    let (prompt_tokens, mut gone) = match started(&mut events, tcp).await {
+    let mut gone = match started(&mut events, tcp).await {
         Ok(s) => s,
         Err(r) => return r,
     };
@@ -415,12 +414,12 @@ async fn generate(
                 }
                 out.logprobs.extend(logprobs);
             }
-            Some(Event::Done { finish, completion_tokens, message, .. }) => {
+            Some(Event::Done { finish, usage, message }) => {
                 out.message = message;
-                return json_response(200, reply.full(&out, finish, prompt_tokens, completion_tokens).to_string());
+                return json_response(200, reply.full(&out, finish, &usage).to_string());
             }
             Some(Event::Failed(e)) => return error(&e),
-            Some(Event::Started { .. }) => {}
+            Some(Event::Started) => {}
             None => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
         }
     }

@@ -1,0 +1,181 @@
+//! The server's slots: conversations whose memory (llama.cpp's KV cache, one sequence each) is
+//! kept between requests. A request goes to the slot that already holds the longest prefix of
+//! its prompt (ties: the least recently used), or to a saved slot read back from the state
+//! directory when that holds more of it; the slots changed since they were saved are written
+//! back when the server is idle and when it stops.
+
+use ggml_sys::Token;
+
+use super::metrics::SlotView;
+use super::saved_slots::SlotStore;
+use crate::generate::SlotUse;
+use crate::stream::StreamedSession;
+
+/// The slots' bookkeeping beside the session that holds their memory.
+#[derive(Debug)]
+pub struct Slots {
+    /// When each slot last served a request (the request count then).
+    last_used: Vec<u64>,
+    requests: u64,
+    /// Whether each slot's memory changed since it was saved (or restored).
+    unsaved: Vec<bool>,
+    /// Each slot's last request: prompt tokens reused, computed.
+    last: Vec<(usize, usize)>,
+    busy: Option<u32>,
+}
+
+/// The slot for a prompt that slot `s` would keep `reusable[s]` tokens of: the one that keeps
+/// the most; among equals, the least recently used (`last_used`).
+pub fn choose(reusable: &[usize], last_used: &[u64]) -> u32 {
+    let best = (0..reusable.len()).max_by_key(|&s| (reusable[s], std::cmp::Reverse(last_used[s])));
+    best.unwrap_or(0) as u32
+}
+
+impl Slots {
+    /// Bookkeeping for `n` empty slots.
+    pub fn new(n: u32) -> Slots {
+        let n = n.max(1) as usize;
+        Slots { last_used: vec![0; n], requests: 0, unsaved: vec![false; n], last: vec![(0, 0); n], busy: None }
+    }
+
+    /// Picks the slot for `prompt` (see [`choose`]), its memory kept with `cache_prompt`; then a
+    /// saved slot that holds more of the prompt than any slot is read back into the least
+    /// recently used slot first (that slot saved before, if it changed). A saved slot that
+    /// cannot be read is dropped with a warning and the prompt is computed.
+    pub fn pick(
+        &mut self,
+        session: &mut StreamedSession<'_>,
+        store: Option<&mut SlotStore>,
+        prompt: &[Token],
+        cache_prompt: bool,
+    ) -> SlotUse {
+        let inner = session.session();
+        // `cache_prompt: false` still goes to its conversation's slot (computed afresh there), so
+        // that it does not take another conversation's.
+        let reusable: Vec<usize> = (0..inner.slots()).map(|s| inner.reusable(s, prompt)).collect();
+        let mut slot = choose(&reusable, &self.last_used);
+        let kept = reusable[slot as usize];
+        let Some(store) = store.filter(|_| cache_prompt) else { return SlotUse { slot, reuse: cache_prompt } };
+        if let Some(entry) = store.best(prompt, kept) {
+            slot = choose(&vec![0; reusable.len()], &self.last_used);
+            self.save_one(session, store, slot);
+            if read_back(session, store, entry, slot) {
+                self.unsaved[slot as usize] = false;
+            } else {
+                store.forget(entry);
+            }
+        }
+        SlotUse { slot, reuse: true }
+    }
+
+    /// Reads the newest saved slots back, the newest into slot 0 (a saved slot that cannot be
+    /// read is dropped with a warning).
+    pub fn restore(&mut self, session: &mut StreamedSession<'_>, store: &mut SlotStore) {
+        let mut unusable = Vec::new();
+        let mut slot = 0;
+        for entry in store.newest() {
+            if slot as usize == self.unsaved.len() {
+                break;
+            }
+            if read_back(session, store, entry, slot) {
+                slot += 1;
+            } else {
+                unusable.push(entry);
+            }
+        }
+        unusable.sort_unstable();
+        for entry in unusable.into_iter().rev() {
+            store.forget(entry);
+        }
+    }
+
+    /// Marks `slot` busy with a request.
+    pub fn start(&mut self, slot: u32) {
+        self.requests += 1;
+        self.last_used[slot as usize] = self.requests;
+        self.busy = Some(slot);
+    }
+
+    /// Marks `slot`'s request ended after reusing `reused` prompt tokens and computing
+    /// `computed`; its memory has changed.
+    pub fn finish(&mut self, slot: u32, reused: usize, computed: usize) {
+        self.busy = None;
+        self.last[slot as usize] = (reused, computed);
+        self.unsaved[slot as usize] = true;
+    }
+
+    /// Whether some slot changed since it was saved.
+    pub fn any_unsaved(&self) -> bool {
+        self.unsaved.iter().any(|&u| u)
+    }
+
+    /// Writes every slot that changed since it was saved to `store`.
+    pub fn save_all(&mut self, session: &StreamedSession<'_>, store: &mut SlotStore) {
+        for slot in 0..self.unsaved.len() as u32 {
+            self.save_one(session, store, slot);
+        }
+    }
+
+    /// Writes `slot` to `store` if it changed since it was saved (a failure is a warning: the
+    /// slot stays in memory).
+    fn save_one(&mut self, session: &StreamedSession<'_>, store: &mut SlotStore, slot: u32) {
+        let inner = session.session();
+        let whole = inner.exact(slot) == inner.held(slot).len();
+        if !std::mem::take(&mut self.unsaved[slot as usize]) || inner.held(slot).is_empty() || !whole {
+            return;
+        }
+        match session.session().save_slot(slot) {
+            Ok((tokens, state)) => match store.save(&tokens, &state) {
+                Ok(()) => log::info!(
+                    "slot {slot} saved: {} tokens, {:.1} MiB of state",
+                    tokens.len(),
+                    crate::units::mib(state.len() as u64)
+                ),
+                Err(e) => log::warn!("slot {slot} not saved: {e}"),
+            },
+            Err(e) => log::warn!("slot {slot} not saved: {e}"),
+        }
+    }
+
+    /// The slots as the status page and `/metrics` show them.
+    pub fn views(&self, session: &StreamedSession<'_>) -> Vec<SlotView> {
+        (0..self.last.len())
+            .map(|s| SlotView {
+                busy: self.busy == Some(s as u32),
+                tokens: session.session().held(s as u32).len(),
+                reused: self.last[s].0,
+                computed: self.last[s].1,
+            })
+            .collect()
+    }
+}
+
+/// Reads saved slot `entry` into `slot`; false (with a warning, the slot empty) when it cannot be.
+fn read_back(session: &mut StreamedSession<'_>, store: &SlotStore, entry: usize, slot: u32) -> bool {
+    let read = store.load(entry).map_err(|e| e.to_string()).and_then(|(tokens, state)| {
+        session.restore_slot(slot, &tokens, &state).map_err(|e| e.to_string()).map(|()| tokens.len())
+    });
+    match read {
+        Ok(n) => {
+            log::info!("slot {slot}: {n} tokens read back from {}", store.describe(entry));
+            true
+        }
+        Err(e) => {
+            log::warn!("{}: not used ({e}); its prompt is computed", store.describe(entry));
+            false
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_slot_that_keeps_most_wins_and_ties_go_to_the_least_recently_used() {
+        assert_eq!(choose(&[0, 5, 3], &[1, 2, 3]), 1);
+        assert_eq!(choose(&[0, 0, 0], &[3, 1, 2]), 1, "nothing kept: the least recently used");
+        assert_eq!(choose(&[4, 4, 1], &[9, 2, 1]), 1, "a tie on what is kept");
+        assert_eq!(choose(&[0], &[0]), 0);
+    }
+}
