@@ -62,9 +62,9 @@ fn conversation(s: &mut impl Slotted, model: &Model, what: &str) -> Vec<Vec<Toke
         assert_eq!(kept.tokens, fresh.tokens, "{what}, turn {turn}: the reused prefix changed the answer");
         assert_eq!(kept.reused, keeps, "{what}, turn {turn}: reused of {} tokens", prompt.len());
         turns.push(kept.tokens.clone());
-        if turn < MORE.len() {
+        if let Some(more) = MORE.get(turn) {
             keeps = prompt.len() / SHAPE.batch as usize * SHAPE.batch as usize;
-            prompt = next_turn(model, &prompt, &kept, MORE[turn]);
+            prompt = next_turn(model, &prompt, &kept, more);
         }
     }
     turns

@@ -87,15 +87,13 @@ impl<'m> Session<'m> {
         self.held.len() as u32
     }
 
-    /// How many of `prompt`'s first tokens a generation in `slot` would keep, so that its
-    /// tokens are those of the same prompt computed from an empty slot. llama.cpp computes a
-    /// token with kernels chosen by the size of its batch (and, for experts, by how many tokens
-    /// of the batch each expert takes), so a token's memory equals a computation from nothing
-    /// only where it was computed in the very batch that computation makes: a prompt is computed
-    /// in batches of `n_batch` from its start, and what a slot keeps is the prefix the prompt
-    /// shares with it in whole such batches (not the answer, decoded a token at a time; not the
-    /// prompt's last token, always computed for its logits). Nothing where the model's memory
-    /// cannot drop the rest of the slot (recurrent layers keep one state for the sequence).
+    /// How many of `prompt`'s first tokens a generation in `slot` would keep, its tokens still
+    /// those of the prompt computed from nothing. llama.cpp picks kernels by a batch's size (and
+    /// by how many of its tokens each expert takes), so memory matches that computation only
+    /// where it came from the same batch: a prompt runs in batches of `n_batch` from its start,
+    /// and a slot keeps the shared prefix in whole such batches (not the answer, decoded a token
+    /// at a time, nor the last prompt token). Nothing where the memory cannot drop the rest of
+    /// the slot (recurrent layers keep one state for the sequence).
     pub fn reusable(&self, slot: u32, prompt: &[Token]) -> usize {
         let held = self.held(slot);
         let shared = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
@@ -120,16 +118,14 @@ impl<'m> Session<'m> {
         Ok(())
     }
 
-    /// Slot `slot`'s memory as llama.cpp serializes it, with the tokens it holds.
+    /// Slot `slot`'s memory as llama.cpp serializes it, and its tokens.
     pub fn save_slot(&self, slot: u32) -> Result<(Vec<Token>, Vec<u8>), GenerateError> {
         let state = self.ctx.sequence_state(slot)?;
         Ok((self.held(slot).to_vec(), state))
     }
 
-    /// Puts a saved slot back into `slot`: `tokens` are what `state` holds, every one computed in
-    /// a batch ([`Session::save_slot`] of a slot whose [`Session::exact`] is all it holds). A
-    /// state llama.cpp refuses, or one whose positions are not `tokens`' count, leaves the slot
-    /// empty.
+    /// Puts a saved slot (all of it [`Session::exact`]) back into `slot`: `tokens` are what
+    /// `state` holds. A state llama.cpp refuses, or of another count of positions, empties it.
     pub fn restore_slot(&mut self, slot: u32, tokens: &[Token], state: &[u8]) -> Result<(), GenerateError> {
         if let Some(h) = self.held.get_mut(slot as usize) {
             h.clear();
@@ -248,6 +244,25 @@ impl<'m> Session<'m> {
         result
     }
 
+    /// Empties what slot `at.slot` holds but the part of `prompt` it keeps; returns the slot and
+    /// how many tokens it kept.
+    fn enter(&mut self, at: SlotUse, prompt: &[Token]) -> Result<(u32, usize), GenerateError> {
+        if at.slot >= self.slots() {
+            return Err(ggml_sys::Error::NoSequence { seq: at.slot, n_seq: self.slots() }.into());
+        }
+        let reused = if at.reuse { self.reusable(at.slot, prompt) } else { 0 };
+        self.keep_prefix(at.slot, reused)?;
+        Ok((at.slot, reused))
+    }
+
+    /// The draft state over `prompt` and the most tokens a decode drafts, when drafting.
+    fn drafter(&self, prompt: &[Token]) -> Result<Option<(NgramDraft, usize)>, GenerateError> {
+        let Some(max) = self.draft else { return Ok(None) };
+        let mut d = NgramDraft::new()?;
+        d.add(prompt)?;
+        Ok(Some((d, max)))
+    }
+
     /// Keeps the slot's first `keep` tokens and forgets the rest.
     fn keep_prefix(&mut self, slot: u32, keep: usize) -> Result<(), GenerateError> {
         if keep == 0 {
@@ -278,26 +293,13 @@ impl<'m> Session<'m> {
         mut on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
         observer: &mut DecodeObserver<'_, E>,
     ) -> Result<Generation, E> {
-        if at.slot >= self.slots() {
-            return Err(GenerateError::from(ggml_sys::Error::NoSequence { seq: at.slot, n_seq: self.slots() }).into());
-        }
-        let reused = if at.reuse { self.reusable(at.slot, prompt) } else { 0 };
-        self.keep_prefix(at.slot, reused)?;
-        let slot = at.slot;
+        let (slot, reused) = self.enter(at, prompt)?;
         sampler.inner.accept_prompt(prompt)?;
         let t0 = Instant::now();
         let mut pos = self.prefill(slot, prompt, reused, observer)?;
         let prefill = t0.elapsed();
         let t1 = Instant::now();
-        // The draft state and the most tokens a decode drafts.
-        let mut drafter = match self.draft {
-            Some(max) => {
-                let mut d = NgramDraft::new()?;
-                d.add(prompt)?;
-                Some((d, max))
-            }
-            None => None,
-        };
+        let mut drafter = self.drafter(prompt)?;
         let mut next = sampler.inner.sample(&self.ctx, -1)?;
         let mut next_at = -1;
         let mut out = Generation {

@@ -10,16 +10,17 @@ use std::time::{Duration, Instant};
 use anyhow::Result;
 
 use super::answer::Answer;
+use super::degraded::wait_for_worker;
 use super::error::ApiError;
 use super::heat::{self, ModelIdentity};
 use super::job::{Event, EventSender, Finish, Job, Unsent, MAX_UNREAD_BYTES};
 use super::job::{GenerationRequest, PromptBound, TokenUsage};
 use super::metrics::GenerationCounts;
 use super::prompt::{TokenizeError, Tokenizer};
-use super::saved_slots::{SlotKey, SlotStore};
+use super::saved_slots::SlotStore;
 use super::shared::{Shared, IDLE_BEAT};
-use super::slots::Slots;
-use crate::generate::{ContextShape, GenerateError, Generation, Sampler};
+use super::slots::{open_store, Slots};
+use crate::generate::{GenerateError, Generation, Sampler};
 use crate::launch::{Launch, LaunchError};
 use crate::stream::{ExpertIndex, StreamError, StreamedSession};
 use crate::units::mib;
@@ -47,9 +48,6 @@ pub struct EngineConfig {
 
 /// How long the engine waits idle before it saves the slots that changed.
 const IDLE_BEFORE_SAVE: Duration = Duration::from_secs(5);
-
-/// How often a degraded server tries to reach its lost worker.
-const WORKER_RETRY: Duration = Duration::from_secs(1);
 
 /// Why the engine could not serve the model.
 #[derive(Debug, thiserror::Error)]
@@ -101,34 +99,6 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
     }
 }
 
-/// Fails the jobs that arrive while a worker is gone, until `endpoint` answers (true) or every
-/// sender is gone (false).
-fn wait_for_worker(endpoint: &str, shared: &Shared, jobs: &Receiver<Job>) -> bool {
-    let mut last_try = Instant::now();
-    loop {
-        shared.beat();
-        match jobs.recv_timeout(IDLE_BEAT) {
-            Ok(job) => {
-                shared.dequeued();
-                let _ = job.events.send(Event::Failed(ApiError::new(
-                    503,
-                    "server_error",
-                    format!("the RPC worker at {endpoint} is gone; retry once it is back"),
-                )));
-            }
-            Err(RecvTimeoutError::Timeout) => {}
-            Err(RecvTimeoutError::Disconnected) => return false,
-        }
-        if last_try.elapsed() >= WORKER_RETRY {
-            last_try = Instant::now();
-            match ggml_sys::RpcDevice::connect(endpoint).and_then(|d| d.memory()) {
-                Ok(_) => return true,
-                Err(e) => log::debug!("still waiting: {e}"),
-            }
-        }
-    }
-}
-
 /// Loads the model and serves `jobs` with it until every sender is gone or a worker is lost.
 fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Result<Served, LoadFailure> {
     let loaded = cfg.launch.load(&mut |step| shared.loading_step(step))?;
@@ -141,7 +111,7 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
     let identity = ModelIdentity::of(index);
     let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
     let tokenizer = Tokenizer::start(Arc::clone(model)).map_err(LoadFailure::Templates)?;
-    let store = open_slot_store(cfg, &identity, index, loaded.shape);
+    let store = open_store(cfg.state_dir.as_deref(), cfg.slot_save_bytes, &identity, index, loaded.shape);
     let slots = Slots::new(loaded.shape.slots);
     let mut engine =
         Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false, lost: None, slots, store };
@@ -202,31 +172,6 @@ struct Engine<'m, 's> {
     slots: Slots,
     /// The saved slots, when there is a state directory and room for them.
     store: Option<SlotStore>,
-}
-
-/// The saved slots of this model and context shape in the state directory, if any are to be kept
-/// (a directory that cannot be used is a warning: slots are then not saved).
-fn open_slot_store(
-    cfg: &EngineConfig,
-    identity: &ModelIdentity,
-    index: &ExpertIndex,
-    shape: ContextShape,
-) -> Option<SlotStore> {
-    let dir = cfg.state_dir.as_deref().filter(|_| cfg.slot_save_bytes > 0)?;
-    let key = match SlotKey::new(identity.clone(), &index.shards, shape) {
-        Ok(k) => k,
-        Err(e) => {
-            log::warn!("cannot identify the model's files ({e}): slots are not saved");
-            return None;
-        }
-    };
-    match SlotStore::open(dir, key, cfg.slot_save_bytes) {
-        Ok(s) => Some(s),
-        Err(e) => {
-            log::warn!("{e}: slots are not saved");
-            None
-        }
-    }
 }
 
 impl Engine<'_, '_> {

@@ -17,6 +17,7 @@ mod answer;
 pub mod api;
 pub mod chat;
 pub mod config;
+mod degraded;
 pub mod deltas;
 pub mod engine;
 pub mod error;

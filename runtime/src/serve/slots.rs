@@ -4,12 +4,15 @@
 //! directory when that holds more of it; the slots changed since they were saved are written
 //! back when the server is idle and when it stops.
 
+use std::path::Path;
+
 use ggml_sys::Token;
 
+use super::heat::ModelIdentity;
 use super::metrics::SlotView;
-use super::saved_slots::SlotStore;
-use crate::generate::SlotUse;
-use crate::stream::StreamedSession;
+use super::saved_slots::{SlotKey, SlotStore};
+use crate::generate::{ContextShape, SlotUse};
+use crate::stream::{ExpertIndex, StreamedSession};
 
 /// The slots' bookkeeping beside the session that holds their memory.
 #[derive(Debug)]
@@ -147,6 +150,32 @@ impl Slots {
                 computed: self.last[s].1,
             })
             .collect()
+    }
+}
+
+/// The saved slots of this model and context shape in the state directory, if any are to be kept
+/// (a directory that cannot be used is a warning: slots are then not saved).
+pub fn open_store(
+    state_dir: Option<&Path>,
+    save_bytes: u64,
+    identity: &ModelIdentity,
+    index: &ExpertIndex,
+    shape: ContextShape,
+) -> Option<SlotStore> {
+    let dir = state_dir.filter(|_| save_bytes > 0)?;
+    let key = match SlotKey::new(identity.clone(), &index.shards, shape) {
+        Ok(k) => k,
+        Err(e) => {
+            log::warn!("cannot identify the model's files ({e}): slots are not saved");
+            return None;
+        }
+    };
+    match SlotStore::open(dir, key, save_bytes) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            log::warn!("{e}: slots are not saved");
+            None
+        }
     }
 }
 
