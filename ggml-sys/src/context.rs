@@ -283,16 +283,6 @@ impl<'m> Context<'m> {
         unsafe { sys::llama_memory_clear(sys::llama_get_memory(self.raw), true) };
     }
 
-    /// The sequences this context keeps apart.
-    pub fn n_seq(&self) -> u32 {
-        self.n_seq
-    }
-
-    /// Positions each sequence holds.
-    pub fn n_ctx_seq(&self) -> u32 {
-        self.n_ctx() / self.n_seq
-    }
-
     /// `seq` as llama.cpp's id, when this context has it (llama.cpp asserts on others).
     fn seq_id(&self, seq: u32) -> Result<sys::llama_seq_id> {
         if seq < self.n_seq {

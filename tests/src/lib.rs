@@ -99,6 +99,13 @@ impl Fixture {
     }
 }
 
+/// Writes fixture `f` into `dir` and indexes its experts: its files, the entry file first.
+pub fn indexed_fixture(f: Fixture, dir: &Path) -> (Vec<PathBuf>, std::sync::Arc<sluice::stream::ExpertIndex>) {
+    let files = f.write(dir);
+    let index = sluice::stream::ExpertIndex::open(&files[0]).unwrap_or_else(|e| panic!("{f:?}: {e}"));
+    (files, std::sync::Arc::new(index))
+}
+
 /// The prompt the gates generate from.
 pub const PROMPT: &str = "The quick brown fox jumps over the lazy dog.";
 

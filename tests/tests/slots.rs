@@ -7,8 +7,8 @@ use std::sync::Arc;
 
 use ggml_sys::{Model, Token};
 use sluice::generate::{to_end, ContextShape, DecodeObserver, Generation, Sampler, Session, SlotUse};
-use sluice::stream::{load_streamed_model, DensePolicy, ExpertIndex, StreamedSession};
-use sluice_tests::{gate_fixtures, stream_config, PROMPT};
+use sluice::stream::{load_streamed_model, DensePolicy, StreamedSession};
+use sluice_tests::{gate_fixtures, indexed_fixture, stream_config, PROMPT};
 
 const N: u32 = 8;
 /// Two slots, prompts in batches of 8 tokens: what a slot keeps is whole batches, so the short
@@ -70,17 +70,11 @@ fn conversation(s: &mut impl Slotted, model: &Model, what: &str) -> Vec<Vec<Toke
     turns
 }
 
-fn setup(f: sluice_tests::Fixture, dir: &std::path::Path) -> (Vec<std::path::PathBuf>, Arc<ExpertIndex>) {
-    let files = f.write(dir);
-    let index = Arc::new(ExpertIndex::open(&files[0]).unwrap_or_else(|e| panic!("{f:?}: {e}")));
-    (files, index)
-}
-
 #[test]
 fn a_conversation_reuses_its_slot_and_answers_as_if_computed_afresh_resident_and_streamed() {
     let dir = tempfile::tempdir().unwrap();
     for f in gate_fixtures() {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         let model = sluice::generate::load_model(&files[0]).unwrap();
         let threads = ggml_sys::Threads::unpinned(2);
         let resident = {
@@ -100,7 +94,7 @@ fn a_conversation_reuses_its_slot_and_answers_as_if_computed_afresh_resident_and
 fn a_saved_slot_put_back_goes_on_as_if_it_had_stayed_and_a_wrong_state_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     for f in gate_fixtures() {
-        let (files, _) = setup(f, dir.path());
+        let (files, _) = indexed_fixture(f, dir.path());
         let model = sluice::generate::load_model(&files[0]).unwrap();
         let mut s = Session::new(&model, SHAPE, &ggml_sys::Threads::unpinned(2), None).unwrap();
         let prompt = model.tokenize(PROMPT, true).unwrap();

@@ -11,22 +11,18 @@ use sluice::stream::{
     load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamConfig, StreamError, StreamedSession,
     READ_BOUND,
 };
-use sluice_tests::{gate_fixtures, resident_reference, stream_config, stream_generate, streamed, Fixture};
+use sluice_tests::{
+    gate_fixtures, indexed_fixture, resident_reference, stream_config, stream_generate, streamed, Fixture,
+};
 
 const N: u32 = 20;
 const UNBOUNDED: u64 = u64::MAX;
-
-fn setup(f: Fixture, dir: &std::path::Path) -> (Vec<std::path::PathBuf>, Arc<ExpertIndex>) {
-    let files = f.write(dir);
-    let index = Arc::new(ExpertIndex::open(&files[0]).unwrap_or_else(|e| panic!("{f:?}: {e}")));
-    (files, index)
-}
 
 #[test]
 fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
     let dir = tempfile::tempdir().unwrap();
     for f in gate_fixtures() {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         let reference = resident_reference(&files[0], N);
         let tiny = 1; // evicts everything but the current layer, every layer
         let configs = [
@@ -65,7 +61,7 @@ fn assert_through_kernel(run: &sluice_tests::StreamRun, index: &ExpertIndex, wha
 #[test]
 fn the_kernel_takes_streamed_experts_only_a_resident_model_keeps_the_native_kernel() {
     let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let (files, index) = indexed_fixture(Fixture::Q8_0, dir.path());
     let config = stream_config(0, 2, true, DensePolicy::Anon);
     let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
     let (mut session, tokens) = open_session(&model, &index, &config);
@@ -115,7 +111,7 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
     let dir = tempfile::tempdir().unwrap();
     let bound = sluice::stream::READ_BOUND;
     for f in gate_fixtures() {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         let reference = resident_reference(&files[0], N);
         let configs = [
             ("cache off", stream_config(0, 2, true, DensePolicy::Anon)),
@@ -178,7 +174,7 @@ fn faulty_config(index: &ExpertIndex, kind: FaultKind, overlap: Option<Duration>
 #[test]
 fn a_failing_read_under_overlap_ends_the_generation_with_an_error_naming_the_expert() {
     let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let (files, index) = indexed_fixture(Fixture::Q8_0, dir.path());
     for overlap in [true, false] {
         // A one-second bound: even a lost wake-up could not hang the test.
         let config = faulty_config(&index, FaultKind::Eio, overlap.then_some(Duration::from_secs(1)));
@@ -197,7 +193,7 @@ fn a_failing_read_under_overlap_ends_the_generation_with_an_error_naming_the_exp
 #[test]
 fn a_reader_that_panics_fails_the_decode_and_the_session_goes_on() {
     let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let (files, index) = indexed_fixture(Fixture::Q8_0, dir.path());
     let reference = resident_reference(&files[0], N);
     for overlap in [false, true] {
         let config = faulty_config(&index, FaultKind::Panic, overlap.then_some(Duration::from_secs(5)));
@@ -214,7 +210,7 @@ fn a_reader_that_panics_fails_the_decode_and_the_session_goes_on() {
 #[test]
 fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
     let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let (files, index) = indexed_fixture(Fixture::Q8_0, dir.path());
     let reference = resident_reference(&files[0], N);
     for (overlap, cancel) in [(false, false), (false, true), (true, false), (true, true)] {
         // Two lanes: one stays stuck in its read; the other serves what follows.
@@ -257,7 +253,7 @@ fn a_read_that_never_returns_fails_within_the_bound_or_at_a_cancel() {
 #[test]
 fn reads_that_land_after_their_batch_was_given_up_are_released_not_kept() {
     let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let (files, index) = indexed_fixture(Fixture::Q8_0, dir.path());
     let reference = resident_reference(&files[0], N);
     // mincore and madvise are the emulator's under qemu-user: the byte counts are checked natively.
     let count_bytes = !sluice_tests::emulated();
@@ -305,7 +301,7 @@ fn reads_that_land_after_their_batch_was_given_up_are_released_not_kept() {
 #[test]
 fn a_model_file_changed_under_a_session_fails_its_reads_and_never_gives_wrong_tokens() {
     let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let (files, index) = indexed_fixture(Fixture::Q8_0, dir.path());
     let reference = resident_reference(&files[0], N);
     let original = std::fs::read(&files[0]).unwrap();
     type Change<'a> = (&'a str, &'a dyn Fn(&std::path::Path));
@@ -364,7 +360,7 @@ fn window_bytes(files: &[std::path::PathBuf], layer: u32, e: u32) -> u64 {
 fn bytes_read_match_the_routes_exactly() {
     let dir = tempfile::tempdir().unwrap();
     for f in gate_fixtures() {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         // No cache: every decode reads each layer's distinct routed experts once.
         let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
         let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
@@ -400,7 +396,7 @@ fn bytes_read_match_the_routes_exactly() {
 fn a_warm_session_equals_cold_runs_and_survives_a_shrinking_budget() {
     let dir = tempfile::tempdir().unwrap();
     for f in gate_fixtures() {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         let reference = resident_reference(&files[0], N);
         let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
         let prompt_len = sluice::generate::Session::prepare(&model, sluice_tests::PROMPT, N).unwrap().len() as u32;
@@ -441,7 +437,7 @@ fn the_model_on_tmpfs_streams_the_same() {
     }
     let dir = tempfile::tempdir_in(shm).unwrap();
     for f in gate_fixtures().into_iter().take(2) {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         let reference = resident_reference(&files[0], N);
         let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
         // Direct I/O is asked for; where tmpfs rejects it the lanes fall back to buffered.
@@ -453,7 +449,7 @@ fn the_model_on_tmpfs_streams_the_same() {
 #[test]
 fn each_layout_indexes_the_experts_llama_cpp_routes_and_lists_the_rest() {
     let dir = tempfile::tempdir().unwrap();
-    let (_files, ds) = setup(Fixture::Deepseek2, dir.path());
+    let (_files, ds) = indexed_fixture(Fixture::Deepseek2, dir.path());
     assert!(ds.verified);
     assert_eq!((ds.n_layer, ds.nextn_layers), (3, 1), "the NextN block is not a layer llama.cpp runs");
     assert_eq!(ds.moe_layers().collect::<Vec<_>>(), vec![1, 2], "layer 0 is dense");
@@ -464,10 +460,10 @@ fn each_layout_indexes_the_experts_llama_cpp_routes_and_lists_the_rest() {
     let per_layer: u64 = (0..ds.n_expert).map(|e| ds.expert_window_bytes(1, e)).max().unwrap();
     assert_eq!(ds.one_token_demand(), 2 * 2 * per_layer, "2 MoE layers x top-2 equal experts");
 
-    let (_files, fused) = setup(Fixture::Deepseek2Fused, dir.path());
+    let (_files, fused) = indexed_fixture(Fixture::Deepseek2Fused, dir.path());
     assert_eq!(fused.expert_kinds(), vec!["ffn_down_exps", "ffn_gate_up_exps"]);
 
-    let (_files, oss) = setup(Fixture::GptOss, dir.path());
+    let (_files, oss) = indexed_fixture(Fixture::GptOss, dir.path());
     assert!(oss.experts.iter().all(|t| t.ty == ggml_sys::GgmlType::MXFP4));
     let biases: Vec<&str> = oss.resident_expert_tensors().map(|t| t.name.as_str()).collect();
     assert_eq!(biases.len(), 3 * 2, "{biases:?}");
@@ -514,7 +510,7 @@ fn experts_the_graph_does_not_route_as_indexed_fail_the_warm_up_with_the_tensor_
 fn streaming_from_corrupted_expert_bytes_changes_the_output() {
     // The gates above can fail: if the engine streams the wrong bytes, the tokens change.
     let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::F32, dir.path());
+    let (files, index) = indexed_fixture(Fixture::F32, dir.path());
     let reference = resident_reference(&files[0], N);
     let mut bytes = std::fs::read(&files[0]).unwrap();
     for t in &index.experts {
@@ -537,7 +533,7 @@ fn models_that_cannot_stream_say_so() {
     let p = dir.path().join("x.gguf");
     std::fs::write(&p, b"not a model").unwrap();
     assert!(ExpertIndex::open(&p).is_err());
-    let (_files, index) = setup(Fixture::F16, dir.path());
+    let (_files, index) = indexed_fixture(Fixture::F16, dir.path());
     let err = sluice::stream::check_cache_budget(&index, 1, false).unwrap_err().to_string();
     assert!(err.contains("below one token's routed demand") && err.contains("--cache-mb"), "{err}");
     assert!(sluice::stream::check_cache_budget(&index, 0, false).is_ok(), "0 means no cache");
@@ -547,7 +543,7 @@ fn models_that_cannot_stream_say_so() {
 #[test]
 fn a_panicking_eval_callback_fails_the_decode_instead_of_half_computing_it() {
     let dir = tempfile::tempdir().unwrap();
-    let (files, _) = setup(Fixture::F16, dir.path());
+    let (files, _) = indexed_fixture(Fixture::F16, dir.path());
     let model = sluice::generate::load_model_with(&files[0], &ggml_sys::ModelParams::default()).unwrap();
     let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let seen = Arc::clone(&calls);
@@ -574,7 +570,7 @@ fn a_panicking_eval_callback_fails_the_decode_instead_of_half_computing_it() {
 #[test]
 fn a_streamer_poisoned_by_a_panic_forgets_its_cache_and_stays_exact() {
     let dir = tempfile::tempdir().unwrap();
-    let (files, index) = setup(Fixture::Q8_0, dir.path());
+    let (files, index) = indexed_fixture(Fixture::Q8_0, dir.path());
     let reference = resident_reference(&files[0], N);
     let config = stream_config(UNBOUNDED, 2, true, DensePolicy::Anon);
     let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
@@ -602,7 +598,7 @@ fn evicted_experts_leave_no_memory_the_cache_does_not_account() {
     // Quantized experts do not start on page boundaries: neighbouring experts share a page.
     let dir = tempfile::tempdir().unwrap();
     for f in [Fixture::Q8_0, Fixture::OddQ8_0] {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         let budget = index.one_token_demand();
         let config = stream_config(budget, 2, true, DensePolicy::Anon);
         let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
@@ -622,7 +618,7 @@ fn a_prompt_batch_beyond_the_cache_passes_through_in_waves_within_the_staging() 
     let emulated = sluice_tests::emulated();
     let dir = tempfile::tempdir().unwrap();
     for f in [Fixture::Q8_0, Fixture::OddQ8_0, Fixture::GptOss] {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         let reference = resident_reference(&files[0], N);
         for (what, cache, overlap) in
             [("no cache", 0, None), ("one token's cache, overlapped", index.one_token_demand(), Some(READ_BOUND))]
@@ -677,7 +673,7 @@ fn ngram_drafting_gives_the_greedy_tokens_resident_and_streamed() {
     let dir = tempfile::tempdir().unwrap();
     let (mut drafted, mut accepted) = (0, 0);
     for f in gate_fixtures() {
-        let (files, index) = setup(f, dir.path());
+        let (files, index) = indexed_fixture(f, dir.path());
         let reference = resident_reference(&files[0], N);
         let model = sluice::generate::load_model(&files[0]).unwrap();
         let params = sluice::generate::GenerateParams {

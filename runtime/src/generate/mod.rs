@@ -192,6 +192,18 @@ pub fn context_params(shape: ContextShape, threads: &Threads) -> ContextParams {
     }
 }
 
+/// How many of `prompt`'s first tokens memory holding `exact` (tokens computed in whole prompt
+/// batches of `batch` from their start) keeps, its tokens still those of the prompt computed
+/// from nothing. llama.cpp picks kernels by a batch's size (and by how many of its tokens each
+/// expert takes), so memory matches that computation only where it came from the same batch: a
+/// prompt runs in batches of `batch` from its start, and what is kept is the shared prefix in
+/// whole such batches (never the prompt's last token, always computed for its logits).
+pub fn kept_prefix(exact: &[Token], prompt: &[Token], batch: usize) -> usize {
+    let shared = exact.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+    let batch = batch.max(1);
+    shared.min(prompt.len().saturating_sub(1)) / batch * batch
+}
+
 /// Resident generation in one call: tokenizes, sizes a context, and generates.
 pub fn generate(
     model: &Model,

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use ggml_sys::{Batch, Context, EvalCallback, Model, NgramDraft, Threads, Token};
 
 use super::sampler::{to_end, Chosen, Sampler};
-use super::{context_params, ContextShape, GenerateError, Generation};
+use super::{context_params, kept_prefix, ContextShape, GenerateError, Generation};
 
 /// One `llama_decode` call, as reported to a [`DecodeObserver`].
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -87,18 +87,12 @@ impl<'m> Session<'m> {
         self.held.len() as u32
     }
 
-    /// How many of `prompt`'s first tokens a generation in `slot` would keep, its tokens still
-    /// those of the prompt computed from nothing. llama.cpp picks kernels by a batch's size (and
-    /// by how many of its tokens each expert takes), so memory matches that computation only
-    /// where it came from the same batch: a prompt runs in batches of `n_batch` from its start,
-    /// and a slot keeps the shared prefix in whole such batches (not the answer, decoded a token
-    /// at a time, nor the last prompt token). Nothing where the memory cannot drop the rest of
-    /// the slot (recurrent layers keep one state for the sequence).
+    /// How many of `prompt`'s first tokens a generation in `slot` would keep ([`kept_prefix`]
+    /// of what the slot computed in whole batches); nothing where the memory cannot drop the rest
+    /// of the slot (recurrent layers keep one state for the sequence).
     pub fn reusable(&self, slot: u32, prompt: &[Token]) -> usize {
         let held = self.held(slot);
-        let shared = held.iter().zip(prompt).take_while(|(a, b)| a == b).count();
-        let b = self.batch_capacity();
-        let keep = shared.min(self.exact(slot)).min(prompt.len().saturating_sub(1)) / b * b;
+        let keep = kept_prefix(&held[..self.exact(slot).min(held.len())], prompt, self.batch_capacity());
         if keep < held.len() && !self.model.memory_forgets_tail() {
             return 0;
         }
@@ -444,7 +438,8 @@ impl<'m> Session<'m> {
         Ok(ControlFlow::Continue(()))
     }
 
-    fn batch_capacity(&self) -> usize {
+    /// The most prompt tokens one decode takes.
+    pub fn batch_capacity(&self) -> usize {
         self.batch.capacity()
     }
 }

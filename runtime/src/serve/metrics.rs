@@ -33,7 +33,7 @@ pub struct GenerationCounts {
 pub struct SlotView {
     /// Running a generation now.
     pub busy: bool,
-    /// Tokens its memory holds (a conversation's prompt and answer so far).
+    /// Tokens its memory holds that a later request may keep (whole prompt batches).
     pub tokens: usize,
     /// Prompt tokens its last request reused.
     pub reused: usize,

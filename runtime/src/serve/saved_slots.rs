@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use super::heat::ModelIdentity;
 use crate::framed::{self, FramedError};
-use crate::generate::ContextShape;
+use crate::generate::{kept_prefix, ContextShape};
 
 const MAGIC: &[u8; 8] = b"SLUICESL";
 /// The format version written; files of another version are not used.
@@ -100,11 +100,17 @@ pub enum SlotFileError {
 #[derive(Debug, Clone)]
 struct Entry {
     name: String,
-    /// Its tokens; `None` for a file of another model, shape or version (never used, but on
-    /// disk and counted against the bound).
-    tokens: Option<Vec<Token>>,
+    /// Its tokens and its state's length and CRC-32; `None` for a file of another model, shape
+    /// or version (never used, but on disk and counted against the bound).
+    usable: Option<(Vec<Token>, u64, u32)>,
     bytes: u64,
     written: SystemTime,
+}
+
+impl Entry {
+    fn tokens(&self) -> Option<&[Token]> {
+        self.usable.as_ref().map(|(t, _, _)| t.as_slice())
+    }
 }
 
 /// The saved slots of one model and context shape.
@@ -172,8 +178,8 @@ impl SlotStore {
         if !usable {
             log::warn!("{}: saved for another model, context shape or format version; ignoring it", head.display());
         }
-        let tokens = usable.then_some(header.tokens);
-        Some(Entry { name: name.to_string(), tokens, bytes: h.len() + k.len(), written })
+        let usable = usable.then_some((header.tokens, header.state_len, header.state_crc));
+        Some(Entry { name: name.to_string(), usable, bytes: h.len() + k.len(), written })
     }
 
     /// Removes state files whose header is gone (a save cut short).
@@ -194,23 +200,22 @@ impl SlotStore {
         }
     }
 
-    /// The usable entry that holds the longest prefix of `prompt` (less its last token, which is
-    /// always computed), if that is more than `better_than` tokens.
-    pub fn best(&self, prompt: &[Token], better_than: usize) -> Option<usize> {
-        let most = prompt.len().saturating_sub(1);
-        let shared = |t: &[Token]| t.iter().zip(prompt).take_while(|(a, b)| a == b).count().min(most);
+    /// The usable entry that keeps the most of `prompt` in prompt batches of `batch`
+    /// ([`kept_prefix`]: a saved slot holds whole batches only), if that is more than
+    /// `better_than` tokens.
+    pub fn best(&self, prompt: &[Token], better_than: usize, batch: usize) -> Option<usize> {
         let (i, n) = self
             .entries
             .iter()
             .enumerate()
-            .filter_map(|(i, e)| e.tokens.as_deref().map(|t| (i, shared(t))))
+            .filter_map(|(i, e)| e.tokens().map(|t| (i, kept_prefix(t, prompt, batch))))
             .max_by_key(|&(i, n)| (n, self.entries[i].written))?;
         (n > better_than).then_some(i)
     }
 
     /// The usable entries, newest first.
     pub fn newest(&self) -> Vec<usize> {
-        let mut usable: Vec<usize> = (0..self.entries.len()).filter(|&i| self.entries[i].tokens.is_some()).collect();
+        let mut usable: Vec<usize> = (0..self.entries.len()).filter(|&i| self.entries[i].usable.is_some()).collect();
         usable.sort_by_key(|&i| std::cmp::Reverse(self.entries[i].written));
         usable
     }
@@ -220,30 +225,23 @@ impl SlotStore {
         self.path(&self.entries[i].name, "slot").display().to_string()
     }
 
-    /// Entry `i`'s tokens and state, its state checked against its header.
+    /// Usable entry `i`'s tokens and state, the state checked against its header (as read when
+    /// the store opened or the slot was saved).
     pub fn load(&self, i: usize) -> Result<(Vec<Token>, Vec<u8>), SlotFileError> {
         let e = &self.entries[i];
-        let head = self.path(&e.name, "slot");
-        let header = framed::load::<SlotHeader>(&head, MAGIC, MAX_HEADER_BYTES).map_err(|e| match e {
-            FramedError::Io(source) => SlotFileError::Io { path: head.clone(), source },
-            FramedError::Corrupt(why) => SlotFileError::Damaged { path: head.clone(), why },
-        })?;
-        if header.key != self.key || header.version != VERSION {
-            return Err(SlotFileError::Damaged {
-                path: head,
-                why: "its header changed since the server started".into(),
-            });
-        }
         let kv = self.path(&e.name, "kv");
-        let state = sluice_hal::file::read_regular(&kv, header.state_len).map_err(io(&kv))?;
-        if state.len() as u64 != header.state_len {
-            let why = format!("{} bytes where the header says {}", state.len(), header.state_len);
+        let Some((tokens, state_len, state_crc)) = &e.usable else {
+            return Err(SlotFileError::Damaged { path: kv, why: "saved for another model or shape".into() });
+        };
+        let state = sluice_hal::file::read_regular(&kv, *state_len).map_err(io(&kv))?;
+        if state.len() as u64 != *state_len {
+            let why = format!("{} bytes where the header says {state_len}", state.len());
             return Err(SlotFileError::Damaged { path: kv, why });
         }
-        if crc32fast::hash(&state) != header.state_crc {
+        if crc32fast::hash(&state) != *state_crc {
             return Err(SlotFileError::Damaged { path: kv, why: "checksum mismatch".into() });
         }
-        Ok((header.tokens, state))
+        Ok((tokens.clone(), state))
     }
 
     /// Removes entry `i` and its files.
@@ -265,16 +263,12 @@ impl SlotStore {
         let name = format!("{:08x}-{}", crc32fast::hash(&bytes), tokens.len());
         let kv = self.path(&name, "kv");
         framed::write_atomically(&kv, state).map_err(io(&kv))?;
-        let header = SlotHeader {
-            version: VERSION,
-            key: self.key.clone(),
-            tokens: tokens.to_vec(),
-            state_len: state.len() as u64,
-            state_crc: crc32fast::hash(state),
-        };
+        let (state_len, state_crc) = (state.len() as u64, crc32fast::hash(state));
+        let header =
+            SlotHeader { version: VERSION, key: self.key.clone(), tokens: tokens.to_vec(), state_len, state_crc };
         let head = self.path(&name, "slot");
         framed::save(&head, MAGIC, &header).map_err(io(&head))?;
-        let subsumed = |e: &Entry| e.name == name || e.tokens.as_deref().is_some_and(|t| tokens.starts_with(t));
+        let subsumed = |e: &Entry| e.name == name || e.tokens().is_some_and(|t| tokens.starts_with(t));
         for e in self.entries.iter().filter(|e| subsumed(e)) {
             if e.name != name {
                 self.remove_files(&e.name);
@@ -282,7 +276,8 @@ impl SlotStore {
         }
         self.entries.retain(|e| !subsumed(e));
         let size = std::fs::metadata(&head).map_or(0, |m| m.len()) + state.len() as u64;
-        self.entries.push(Entry { name, tokens: Some(tokens.to_vec()), bytes: size, written: SystemTime::now() });
+        let usable = Some((tokens.to_vec(), state_len, state_crc));
+        self.entries.push(Entry { name, usable, bytes: size, written: SystemTime::now() });
         self.evict();
         Ok(())
     }

@@ -57,15 +57,18 @@ impl Slots {
         // that it does not take another conversation's.
         let reusable: Vec<usize> = (0..inner.slots()).map(|s| inner.reusable(s, prompt)).collect();
         let mut slot = choose(&reusable, &self.last_used);
-        let kept = reusable[slot as usize];
+        let (kept, batch) = (reusable[slot as usize], inner.batch_capacity());
         let Some(store) = store.filter(|_| cache_prompt) else { return SlotUse { slot, reuse: cache_prompt } };
-        if let Some(entry) = store.best(prompt, kept) {
-            slot = choose(&vec![0; reusable.len()], &self.last_used);
+        if store.best(prompt, kept, batch).is_some() {
+            slot = self.least_recently_used();
             self.save_one(session, store, slot);
-            if read_back(session, store, entry, slot) {
-                self.unsaved[slot as usize] = false;
-            } else {
-                store.forget(entry);
+            // Saving may have removed saved slots (the one it extends, the oldest): find it again.
+            if let Some(entry) = store.best(prompt, kept, batch) {
+                if read_back(session, store, entry, slot) {
+                    self.unsaved[slot as usize] = false;
+                } else {
+                    store.forget(entry);
+                }
             }
         }
         SlotUse { slot, reuse: true }
@@ -90,6 +93,11 @@ impl Slots {
         for entry in unusable.into_iter().rev() {
             store.forget(entry);
         }
+    }
+
+    /// The slot that served a request longest ago.
+    fn least_recently_used(&self) -> u32 {
+        (0..self.last_used.len()).min_by_key(|&s| self.last_used[s]).unwrap_or(0) as u32
     }
 
     /// Marks `slot` busy with a request.

@@ -23,11 +23,13 @@ fn a_saved_slot_loads_back_and_one_it_extends_is_replaced() {
     store.save(&[1, 2, 3, 4, 5], &state(120, 3)).unwrap();
     let store = SlotStore::open(dir.path(), key(1), 1 << 20).unwrap();
     assert_eq!(store.entries.len(), 2, "[1, 2, 3] was extended by [1, 2, 3, 4, 5]");
-    let i = store.best(&[1, 2, 3, 4, 5, 6], 0).unwrap();
+    let i = store.best(&[1, 2, 3, 4, 5, 6], 0, 1).unwrap();
     assert_eq!(store.load(i).unwrap(), (vec![1, 2, 3, 4, 5], state(120, 3)));
-    assert_eq!(store.best(&[1, 2, 3, 4, 5, 6], 5), None, "nothing better than what a slot keeps");
-    assert_eq!(store.best(&[1, 2], 0), Some(i), "a prefix of the prompt, less its last token");
-    assert_eq!(store.best(&[7, 7, 7], 0), None);
+    assert_eq!(store.best(&[1, 2, 3, 4, 5, 6], 5, 1), None, "nothing better than what a slot keeps");
+    assert_eq!(store.best(&[1, 2], 0, 1), Some(i), "a prefix of the prompt, less its last token");
+    assert_eq!(store.best(&[7, 7, 7], 0, 1), None);
+    assert_eq!(store.best(&[1, 2, 3, 4, 5, 6], 3, 4), Some(i), "whole batches of 4: 4 kept");
+    assert_eq!(store.best(&[1, 2, 3, 4, 5, 6], 4, 4), None, "no more than a slot keeping 4");
     assert_eq!(store.newest().len(), 2);
     let names: Vec<_> = std::fs::read_dir(dir.path().join(DIR_NAME)).unwrap().map(|e| e.unwrap().file_name()).collect();
     assert_eq!(names.len(), 4, "a header and a state per slot, no temporary file: {names:?}");
@@ -52,7 +54,7 @@ fn damaged_truncated_and_foreign_slots_are_not_loaded() {
     assert!(store.load(0).is_ok());
 
     let other = SlotStore::open(dir.path(), key(2), 1 << 20).unwrap();
-    assert_eq!(other.best(&[1, 2, 3, 4], 0), None, "another model's slot is never used");
+    assert_eq!(other.best(&[1, 2, 3, 4], 0, 1), None, "another model's slot is never used");
     assert_eq!(other.entries.len(), 1, "but it stays on disk, within the bound");
     let head = store.path(&store.entries[0].name, "slot");
     let mut h = std::fs::read(&head).unwrap();
@@ -71,7 +73,7 @@ fn the_oldest_go_when_over_the_bound_and_a_state_over_it_is_refused() {
         store.save(&[i32::from(i) + 10, 1], &state(300, i)).unwrap();
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let kept: Vec<_> = store.entries.iter().map(|e| e.tokens.clone().unwrap()[0]).collect();
+    let kept: Vec<_> = store.entries.iter().map(|e| e.tokens().unwrap()[0]).collect();
     assert!(kept.len() < 4 && kept.contains(&13) && !kept.contains(&10), "{kept:?}");
     assert!(store.entries.iter().map(|e| e.bytes).sum::<u64>() <= 1000);
     let e = store.save(&[5], &state(2000, 0)).unwrap_err();
