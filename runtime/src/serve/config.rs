@@ -302,6 +302,14 @@ mod tests {
         assert!(e.starts_with("/etc/sluice/sluice.toml: key `listen`: invalid socket address"), "{e}");
         let e = parse("rpc = [\"a:1\", 2]\n").unwrap_err().to_string();
         assert!(e.starts_with("/etc/sluice/sluice.toml: key `rpc[1]`: invalid type: integer"), "{e}");
+        let e = parse("slots = 0\n").unwrap_err().to_string();
+        assert!(e.starts_with("/etc/sluice/sluice.toml: key `slots`: 1 to 64"), "{e}");
+        let e = parse("slots = 65\n").unwrap_err().to_string();
+        assert!(e.starts_with("/etc/sluice/sluice.toml: key `slots`: 1 to 64"), "{e}");
+        let e = parse("batch = 0\n").unwrap_err().to_string();
+        assert!(e.starts_with("/etc/sluice/sluice.toml: key `batch`: 1 to 8192"), "{e}");
+        let e = parse("slot_save_mib = -1\n").unwrap_err().to_string();
+        assert!(e.starts_with("/etc/sluice/sluice.toml: key `slot_save_mib`:"), "{e}");
         let e = parse("ctx = 8\n").unwrap_err().to_string();
         assert!(e.starts_with("/etc/sluice/sluice.toml: key `ctx`: at least 16"), "{e}");
         let e = parse("model = \"/m.gguf\"\nctx = \n").unwrap_err().to_string();

@@ -33,6 +33,9 @@ fn a_full_completion_request_is_read() {
     assert_eq!(s.logit_bias, [(1, 2.0), (7, -100.0)]);
     let r = completion_request(br#"{"prompt":"hi","repeat_penalty":1.2,"seed":-1}"#, "m").unwrap();
     assert_eq!((r.sampling.penalty_repeat, r.sampling.seed), (1.2, 0));
+    assert!(r.cache_prompt, "a prompt's memory is kept unless asked otherwise");
+    let r = completion_request(br#"{"prompt":"hi","cache_prompt":false}"#, "m").unwrap();
+    assert!(!r.cache_prompt);
 }
 
 #[test]
@@ -40,6 +43,8 @@ fn bad_completion_requests_name_the_field() {
     let e = err(r#"{"prompt":"hi","max_tokens":"five"}"#);
     assert_eq!((e.status, e.param.as_deref()), (400, Some("max_tokens")));
     assert!(e.message.contains("invalid type"), "{}", e.message);
+    let e = err(r#"{"prompt":"hi","cache_prompt":"no"}"#);
+    assert_eq!((e.status, e.param.as_deref()), (400, Some("cache_prompt")));
     let e = err(r#"{"prompt":"hi","bogus":1}"#);
     assert_eq!(e.param.as_deref(), Some("bogus"));
     assert!(e.message.contains("Unrecognized request argument supplied: bogus"), "{}", e.message);
