@@ -188,6 +188,7 @@ mod tests {
             index: 0,
             prefill,
             n_tokens: 1,
+            runs: 1,
             wall: Duration::from_millis(ms_wall),
             io_wait: Duration::from_millis(ms_wall / 2),
             stall: Duration::ZERO,

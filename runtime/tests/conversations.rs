@@ -1,7 +1,7 @@
 //! `sluice serve` keeps conversations: a request that starts as an earlier one did computes only
 //! what is new (counted in `usage` and `/metrics`) and answers as if it had computed it all;
-//! several slots keep several conversations; slots saved in the state directory answer after a
-//! restart, and a saved slot that is damaged, truncated or another model's is recomputed with a
+//! several slots keep several conversations (and `--reuse any` keeps any shared prefix); slots
+//! saved in the state directory answer after a restart, and a saved slot that is damaged, truncated or another model's is recomputed with a
 //! warning; the ledger plans every slot's KV cache and refuses a slot count that does not fit.
 
 mod common;
@@ -183,4 +183,80 @@ fn the_ledger_plans_every_slot_and_refuses_slots_that_do_not_fit() {
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("slots (--slots ") && err.contains("in the serve settings file"), "{err}");
+}
+
+/// Prompts of four clients.
+const CLIENTS: [&str; 4] = [
+    FIRST[0],
+    FIRST[1],
+    "Under the bridge the river runs fast and cold after the rain",
+    "The old clock in the hall struck twelve as the guests arrived",
+];
+
+#[test]
+fn several_clients_at_once_share_decodes_and_one_leaving_ends_only_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let mut server = Server::start(dir.path(), &model, &["--slots", "4", "--ctx", "512", "--batch", "8"]);
+    server.wait_note("READY=1");
+    let start = std::sync::Barrier::new(CLIENTS.len());
+    let answers: Vec<Value> = std::thread::scope(|s| {
+        let clients: Vec<_> = CLIENTS
+            .iter()
+            .map(|p| {
+                let (server, start) = (&server, &start);
+                s.spawn(move || {
+                    start.wait();
+                    complete(server, p, json!({ "max_tokens": 48 }))
+                })
+            })
+            .collect();
+        clients.into_iter().map(|c| c.join().unwrap()).collect()
+    });
+    for (a, p) in answers.iter().zip(CLIENTS) {
+        let finish = a["choices"][0]["finish_reason"].as_str().unwrap();
+        assert!(["length", "stop"].contains(&finish) && a["usage"]["completion_tokens"].as_u64() > Some(0), "{p}: {a}");
+    }
+    assert!(server.metric("sluice_shared_decodes_total") > 0.0, "no decode carried several requests");
+    let alone = answers.iter().zip(CLIENTS).filter(|(a, p)| {
+        let solo = complete(&server, p, json!({ "max_tokens": 48, "cache_prompt": false }));
+        text(&solo) == text(a)
+    });
+    println!("answers beside others equal to the same prompt alone: {} of {}", alone.count(), CLIENTS.len());
+
+    // Three streamed clients; one leaves after its first chunk: the others get all their tokens.
+    let body = |p: &str| json!({ "prompt": p, "max_tokens": 160, "temperature": 0, "stream": true });
+    let cancelled_before = server.metric("sluice_generations_cancelled_total");
+    let mut streams: Vec<_> = CLIENTS[..3]
+        .iter()
+        .map(|p| {
+            std::io::BufReader::new(serving::send(server.addr, "POST", "/v1/completions", Some(&body(p).to_string())))
+        })
+        .collect();
+    assert_eq!(serving::read_head(&mut streams[1]).0, 200);
+    assert!(serving::read_chunk(&mut streams[1]).is_some());
+    drop(streams.remove(1));
+    for s in streams {
+        let r = serving::read_response(s.into_inner());
+        assert_eq!(r.status, 200);
+        let (text, finish) = serving::streamed_text(&r.body, false);
+        assert!(["length", "stop"].contains(&finish.as_str()), "a client beside the one that left: {finish} {text}");
+    }
+    let cancelled = server.metric("sluice_generations_cancelled_total") - cancelled_before;
+    assert_eq!(cancelled, 1.0, "only the client that left is cancelled");
+}
+
+#[test]
+fn reuse_any_keeps_the_whole_last_prompt() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let mut server = Server::start(dir.path(), &model, &["--ctx", "512", "--reuse", "any"]);
+    server.wait_note("READY=1");
+    let a1 = complete(&server, FIRST[0], json!({}));
+    let a2 = complete(&server, &next_turn(FIRST[0], &a1), json!({}));
+    let (had, kept) = (a1["usage"]["prompt_tokens"].as_u64().unwrap(), cached(&a2));
+    // The last prompt is kept whole (in whole batches of 512 nothing of it would be), and as much
+    // of the answer as tokenizes the same when sent back (the random fixture's answers are byte
+    // soup, which comes back as other text).
+    assert!(kept >= had && had < 512, "kept {kept} of a {had}-token prompt: {a2}");
 }

@@ -1,6 +1,7 @@
-//! The memory budget as a board sees it: a streamed run inside a memory cgroup stays within its
-//! ledger (peak RSS at most the ledger total plus 5%) without hitting the cgroup's limit, and
-//! `sluice bench --budget-mb` completes and writes its CSV and SVG. Both need to create memory
+//! The memory budget as a board sees it: a streamed run, and a server with four slots generating
+//! at once, inside a memory cgroup stay within their ledger (peak RSS at most the ledger total
+//! plus 5%) without hitting the cgroup's limit, and `sluice bench --budget-mb` completes and
+//! writes its CSV and SVG. Both need to create memory
 //! cgroups (root); they are skipped, saying so, where that is impossible, and under qemu-user,
 //! whose own translation memory is not the runtime's.
 
@@ -10,6 +11,7 @@ use std::process::{Command, Output};
 use sluice_hal::cgroup::MemoryCgroup;
 
 mod common;
+mod serving;
 use common::emulated;
 
 fn sluice(args: &[&str]) -> Command {
@@ -96,13 +98,45 @@ fn a_streamed_run_in_a_memory_cgroup_stays_within_its_ledger() {
 }
 
 #[test]
+fn four_busy_slots_in_a_memory_cgroup_stay_within_the_ledger() {
+    let Some(cg) = cgroup("sluice-test-slots", 192) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path(), "300MiB");
+    let join = format!("echo $$ > {}/cgroup.procs && exec \"$@\"", cg.dir().display());
+    let wrapper = ["sh", "-c", &join, "sh"];
+    let args = ["--slots", "4", "--ctx", "256", "--batch", "64"];
+    let mut server = serving::Server::start_under(dir.path(), Path::new(&model), &args, &wrapper);
+    server.wait_note("READY=1");
+    let prompts = ["a board with little memory", "four clients at once", "the river runs", "a quiet lake"];
+    std::thread::scope(|s| {
+        for p in prompts {
+            let server = &server;
+            s.spawn(move || {
+                let body = serde_json::json!({ "prompt": p, "max_tokens": 32, "temperature": 0 }).to_string();
+                let r = server.request("POST", "/v1/completions", Some(&body));
+                assert_eq!(r.status, 200, "{}", r.body);
+            });
+        }
+    });
+    assert!(server.metric("sluice_shared_decodes_total") > 0.0, "the slots never ran together");
+    let status = server.request("GET", "/status", None).json();
+    let memory = &status["memory"];
+    let total: u64 = memory["ledger"].as_array().unwrap().iter().map(|l| l["bytes"].as_u64().unwrap()).sum();
+    let (peak, budget) = (memory["rss_peak_bytes"].as_u64().unwrap(), memory["budget_bytes"].as_u64().unwrap());
+    assert_eq!(budget, 192 << 20, "the budget is the cgroup's limit: {status}");
+    assert!(peak as f64 <= total as f64 * 1.05, "peak RSS {peak} over the ledger total {total} + 5%: {status}");
+    assert_eq!(cg.limit_hits(), Some(0), "the server leaned on reclaim: {}", server.log());
+}
+
+#[test]
 fn bench_under_a_budget_writes_its_table_csv_and_chart() {
     let Some(probe) = cgroup("sluice-test-bench-probe", 64) else { return };
     drop(probe);
     let dir = tempfile::tempdir().unwrap();
     let model = synth(dir.path(), "200MiB");
     let out = dir.path().join("out");
-    let args = ["bench", "-m", &model, "--budget-mb", "144", "-n", "6", "--out", out.to_str().unwrap()];
+    let args =
+        ["bench", "-m", &model, "--budget-mb", "192", "-n", "6", "--conversations", "--out", out.to_str().unwrap()];
     let lossy = ["--prompt-tokens", "64", "--draft", "ngram", "--experts-used", "1", "--substitute", "2"];
     let o = sluice(&[&args[..], &lossy[..]].concat()).output().unwrap();
     check(&o);
@@ -147,6 +181,33 @@ fn bench_under_a_budget_writes_its_table_csv_and_chart() {
             assert!(prefill > 0.0, "{config} read its experts for the 64-token prompt:\n{csv}");
         }
     }
+    check_conversations(&std::fs::read_to_string(out.join("conversations.csv")).unwrap());
     let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.matches("<rect x=").count() == 10, "{svg}");
+}
+
+/// The conversation rows: five turns from an empty slot (nothing reused), five in a kept slot
+/// (whole prompt batches reused from the third turn on), the sixth turn warm and after a restart
+/// (the saved slot read back keeps as much), the same keeping any prefix (every turn after the
+/// first keeps something), and 1, 2 and 4 clients; none hit the cgroup's limit.
+fn check_conversations(csv: &str) {
+    let mut reader = csv::Reader::from_reader(csv.as_bytes());
+    let records: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+    let labels: Vec<&str> = records.iter().map(|r| &r[0]).collect();
+    assert_eq!(records.len(), 22, "{csv}");
+    assert!(labels[..5].iter().all(|l| l.contains("from an empty slot")), "{csv}");
+    assert!(labels[5].ends_with(", 0 reused") && labels[9].ends_with(", 1024 reused"), "{csv}");
+    assert!(
+        labels[10].contains("warm, 1024 reused") && labels[11].contains("restart, saved slot read back, 1024 reused")
+    );
+    assert!(labels[12].ends_with("0 reused, any prefix (LOSSY)"), "{csv}");
+    assert!(labels[13..17].iter().all(|l| !l.contains(" 0 reused")), "any prefix keeps the last prompt:\n{csv}");
+    assert!(labels[18].contains("restart, saved slot read back") && labels[18].ends_with("any prefix (LOSSY)"));
+    for (label, n) in labels[19..].iter().zip(["1 client", "2 clients", "4 clients"]) {
+        assert!(label.starts_with(n), "{csv}");
+    }
+    for r in &records {
+        assert_eq!(&r[7], "0", "{} hit the cgroup's limit:\n{csv}", &r[0]);
+        assert!(r[3].parse::<f64>().unwrap() > 0.0, "{} generated nothing:\n{csv}", &r[0]);
+    }
 }

@@ -127,6 +127,7 @@ fn the_status_page_draws_the_heat_map_and_the_speed_without_console_errors() {
     assert!(toks > 0.0, "decode speed shown: {toks}");
     assert_eq!(element_text(&shown.dom, "state"), "ready");
     assert!(element_text(&shown.dom, "hit").ends_with('%'), "hit rate shown");
+    assert_eq!(element_text(&shown.dom, "busy"), "0 of 1", "the slots shown");
     assert!(shown.png.starts_with(b"\x89PNG"), "a screenshot");
 }
 

@@ -168,3 +168,48 @@ fn recorded_answers_parse_into_content_reasoning_and_tool_calls_whole_and_stream
     }
     assert!(split_calls >= 3, "tool calls arrive across several deltas in most formats ({split_calls})");
 }
+
+/// The messages of a three-turn chat after `turns` user turns (each answered but the last).
+fn chat_after(turns: usize) -> ggml_sys::ChatInputs {
+    let mut messages = vec![serde_json::json!({ "role": "system", "content": "You are a helpful assistant." })];
+    for t in 1..=turns {
+        messages.push(serde_json::json!({ "role": "user", "content": format!("Question {t}: what comes next?") }));
+        if t < turns {
+            messages.push(serde_json::json!({ "role": "assistant", "content": format!("Answer {t}: the next part.") }));
+        }
+    }
+    let body = serde_json::json!({ "model": "m", "messages": messages }).to_string();
+    let r = chat_request(body.as_bytes(), "m").unwrap_or_else(|e| panic!("{}", e.message));
+    let PromptInput::Chat(mut inputs) = r.prompt else { panic!("not a chat") };
+    inputs.now = Some(NOW);
+    *inputs
+}
+
+/// How much of a turn's prompt the next turn's prompt starts with, per template: a slot keeps
+/// no more than that (and, for exactness, only its whole prompt batches). The templates append
+/// (the answer, which a slot computes again, and the next question) and render the earlier
+/// turns the same, so a conversation's history is kept; Qwen3.5 drops the `<think>` its
+/// generation prompt opened. Printed for the docs.
+#[test]
+fn each_turn_s_prompt_starts_with_the_whole_prompt_of_the_turn_before() {
+    for (name, bos, eos) in TEMPLATES {
+        let source = read(&dir().join("templates").join(format!("{name}.jinja")));
+        let templates = ChatTemplates::from_source(None, &source, bos, eos).unwrap();
+        let prompts: Vec<String> = (1..=3).map(|t| templates.apply(&chat_after(t)).unwrap().0.prompt).collect();
+        let kept: Vec<String> = prompts
+            .windows(2)
+            .map(|w| {
+                let shared = w[0].bytes().zip(w[1].bytes()).take_while(|(a, b)| a == b).count();
+                format!("{shared} of {} bytes", w[0].len())
+            })
+            .collect();
+        println!("{name}: turn 2 keeps {}, turn 3 keeps {}", kept[0], kept[1]);
+        // Qwen3.5's generation prompt opens the thinking block (`<think>\n`), which its history
+        // leaves out of answered turns; every other template's next prompt starts with the last.
+        let dropped = if name == "Qwen3.5-4B" { "<think>\n".len() } else { 0 };
+        for w in prompts.windows(2) {
+            let shared = w[0].bytes().zip(w[1].bytes()).take_while(|(a, b)| a == b).count();
+            assert_eq!(w[0].len() - shared, dropped, "{name}: the next turn rewrites the last one's prompt: {kept:?}");
+        }
+    }
+}

@@ -1,12 +1,13 @@
 //! Slots (issue: conversations): a prompt that starts as a slot's memory does computes only the
 //! rest, and its greedy tokens equal the same prompt computed from an empty slot, resident and
 //! streamed, on every gate fixture; a slot saved and put back (into another slot) goes on as if
-//! it had stayed; a state that does not match is refused and leaves the slot empty.
+//! it had stayed; a state that does not match is refused and leaves the slot empty; with
+//! `Reuse::Any` a slot keeps all it holds, the answers too, streamed as resident.
 
 use std::sync::Arc;
 
 use ggml_sys::{Model, Token};
-use sluice::generate::{to_end, ContextShape, DecodeObserver, Generation, Sampler, Session, SlotUse};
+use sluice::generate::{to_end, ContextShape, DecodeObserver, Generation, Reuse, Sampler, Session, SlotUse};
 use sluice::stream::{load_streamed_model, DensePolicy, StreamedSession};
 use sluice_tests::{gate_fixtures, indexed_fixture, stream_config, PROMPT};
 
@@ -22,6 +23,7 @@ const MORE: [&str; 2] = [" Then the dog woke up and ran after the fox.", " The e
 /// Something that generates in a slot: a resident or a streamed session.
 trait Slotted {
     fn run(&mut self, at: SlotUse, prompt: &[Token]) -> Generation;
+    fn held_in(&self, slot: u32) -> usize;
 }
 
 impl Slotted for Session<'_> {
@@ -30,12 +32,18 @@ impl Slotted for Session<'_> {
         let observer: &mut DecodeObserver<'_> = &mut |_| Ok(());
         self.generate_with(at, prompt, N, &mut sampler, to_end(|_, _| {}), observer).unwrap()
     }
+    fn held_in(&self, slot: u32) -> usize {
+        self.held(slot).len()
+    }
 }
 
 impl Slotted for StreamedSession<'_> {
     fn run(&mut self, at: SlotUse, prompt: &[Token]) -> Generation {
         let mut sampler = Sampler::greedy(self.model()).unwrap();
         self.generate_with(at, prompt, N, &mut sampler, to_end(|_, _| {}), |_| {}).unwrap().0
+    }
+    fn held_in(&self, slot: u32) -> usize {
+        self.session().held(slot).len()
     }
 }
 
@@ -121,5 +129,44 @@ fn a_saved_slot_put_back_goes_on_as_if_it_had_stayed_and_a_wrong_state_is_refuse
         assert!(e.to_string().contains("another number of positions"), "{f:?}: {e}");
         assert!(s.held(0).is_empty());
         assert!(s.restore_slot(2, &tokens, &state).is_err(), "no slot 2");
+    }
+}
+
+/// Runs the conversation in slot 0 with any shared prefix kept ([`Reuse::Any`]): each turn keeps
+/// all the slot held (the last prompt and the answer's decoded tokens); returns every turn's
+/// tokens.
+fn conversation_keeping_any(s: &mut impl Slotted, model: &Model) -> Vec<Vec<Token>> {
+    let mut prompt = model.tokenize(PROMPT, true).unwrap();
+    let mut turns = Vec::new();
+    for turn in 0..=MORE.len() {
+        let held = s.held_in(0);
+        let g = s.run(SlotUse { slot: 0, reuse: true }, &prompt);
+        assert_eq!(g.reused, held, "turn {turn}: all the slot held is kept");
+        turns.push(g.tokens.clone());
+        if let Some(more) = MORE.get(turn) {
+            prompt = next_turn(model, &prompt, &g, more);
+        }
+    }
+    turns
+}
+
+#[test]
+fn reuse_any_keeps_the_answers_too_and_streamed_equals_resident() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in gate_fixtures() {
+        let (files, index) = indexed_fixture(f, dir.path());
+        let model = sluice::generate::load_model(&files[0]).unwrap();
+        let threads = ggml_sys::Threads::unpinned(2);
+        let resident = {
+            let mut s = Session::new(&model, SHAPE, &threads, None).unwrap();
+            s.set_reuse(Reuse::Any);
+            conversation_keeping_any(&mut s, &model)
+        };
+        drop(model);
+        let config = stream_config(0, 2, true, DensePolicy::Anon);
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let mut s = StreamedSession::open(&model, Arc::clone(&index), &config, SHAPE, &threads).unwrap();
+        s.set_reuse(Reuse::Any);
+        assert_eq!(conversation_keeping_any(&mut s, &model), resident, "{f:?}: streamed turns differ from resident");
     }
 }

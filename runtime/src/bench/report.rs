@@ -70,6 +70,11 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
     cols.push(column("TTFT s", rows, |r| format!("{:.2}", r.ttft_s)));
     cols.push(column("prefill MiB", rows, |r| format!("{:.1}", mib(r.prefill_read))));
     cols.push(column("same text", rows, |r| if r.tokens == first { "yes".into() } else { "NO".into() }));
+    render(&cols, rows.len())
+}
+
+/// Columns as an aligned text table (the first left-aligned, the rest right-aligned).
+fn render(cols: &[Column], n_rows: usize) -> String {
     let widths: Vec<usize> =
         cols.iter().map(|c| c.cells.iter().map(String::len).chain([c.header.len()]).max().unwrap_or(0)).collect();
     let mut out = String::new();
@@ -83,10 +88,42 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
         let _ = writeln!(out, "{}", parts.join("  "));
     };
     line(cols.iter().map(|c| c.header).collect(), &mut out);
-    for i in 0..rows.len() {
+    for i in 0..n_rows {
         line(cols.iter().map(|c| c.cells[i].as_str()).collect(), &mut out);
     }
     out
+}
+
+/// The conversation rows as a table: each turn's (or client group's) time to first token from
+/// its request, the expert bytes its prompt read, and its decode speed.
+pub fn conversation_table(rows: &[BenchRow]) -> String {
+    let cols = conversation_columns(rows);
+    render(&cols, rows.len())
+}
+
+/// The conversation rows as CSV.
+pub fn conversation_csv(rows: &[BenchRow]) -> String {
+    let cols = conversation_columns(rows);
+    let mut w = csv::Writer::from_writer(Vec::new());
+    let _ = w.write_record(cols.iter().map(|c| c.header));
+    for i in 0..rows.len() {
+        // Writing into memory cannot fail.
+        let _ = w.write_record(cols.iter().map(|c| c.cells[i].as_str()));
+    }
+    w.into_inner().map(|bytes| String::from_utf8_lossy(&bytes).into_owned()).unwrap_or_default()
+}
+
+fn conversation_columns(rows: &[BenchRow]) -> Vec<Column> {
+    vec![
+        column("config", rows, |r| r.label.clone()),
+        column("TTFT s", rows, |r| format!("{:.2}", r.ttft_s)),
+        column("prefill MiB", rows, |r| format!("{:.1}", mib(r.prefill_read))),
+        column("tok/s", rows, |r| format!("{:.2}", r.tokens_per_s)),
+        column("MiB/token", rows, |r| format!("{:.2}", r.mib_per_token)),
+        column("hit %", rows, |r| opt(r.hit_rate, |h| format!("{:.1}", 100.0 * h))),
+        column("cgroup peak MiB", rows, |r| opt(r.cgroup_peak, |b| format!("{:.1}", mib(b)))),
+        column("limit hits", rows, |r| opt(r.limit_hits, |h| h.to_string())),
+    ]
 }
 
 /// The results as CSV (one header line, one record per configuration, quoted where a field needs

@@ -56,6 +56,12 @@ pub struct BenchArgs {
     /// memory cgroup of the same budget, hold the last layers resident.
     #[arg(long, requires = "budget_mb")]
     rpc: bool,
+    /// With --budget-mb: add the conversation rows: a five-turn chat (~300 new tokens a turn)
+    /// from an empty slot each turn and in a slot that keeps what it can, its sixth turn warm
+    /// and after a restart that reads the saved slot back, and 1, 2 and 4 clients at once
+    /// (written to conversations.csv).
+    #[arg(long, requires = "budget_mb")]
+    conversations: bool,
     /// With --budget-mb: where to write bench.csv and bench.svg.
     #[arg(long, default_value = ".")]
     out: PathBuf,
@@ -76,6 +82,9 @@ pub struct BenchChildArgs {
     /// The configuration to run.
     #[arg(long, value_enum)]
     kind: ChildKind,
+    /// Clients at once (the clients kind).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    count: u32,
     /// The model.
     #[arg(short, long)]
     model: PathBuf,
@@ -181,6 +190,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         lossy: a.lossy.lossy(),
         sweep: a.read_sweep,
         boards: if a.rpc { vec![2, 3] } else { Vec::new() },
+        conversations: a.conversations,
     };
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;
@@ -203,6 +213,15 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         );
         let path = a.out.join("read-sweep.csv");
         std::fs::write(&path, sluice::bench::storage::sweep_csv(&report.sweep))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if !report.conversations.is_empty() {
+        outln!(
+            "conversations (time to first token from the request):\n{}",
+            sluice::bench::conversation_table(&report.conversations)
+        );
+        let path = a.out.join("conversations.csv");
+        std::fs::write(&path, sluice::bench::conversation_csv(&report.conversations))
             .with_context(|| format!("writing {}", path.display()))?;
     }
     let csv = a.out.join("bench.csv");
@@ -269,7 +288,8 @@ pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     a.rpc.configure_link()?;
-    let out = isolated::run_child(a.kind, &a.model, &a.prompt, a.n_predict, &board, &a.lossy.lossy(), &a.rpc.rpc)?;
+    let out =
+        isolated::run_child(a.kind, a.count, &a.model, &a.prompt, a.n_predict, &board, &a.lossy.lossy(), &a.rpc.rpc)?;
     outln!("{}", serde_json::to_string(&out)?);
     Ok(())
 }

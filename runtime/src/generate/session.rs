@@ -8,16 +8,19 @@ use std::time::{Duration, Instant};
 
 use ggml_sys::{Batch, Context, EvalCallback, Model, NgramDraft, Threads, Token};
 
+use super::run::{Callback, Client};
 use super::sampler::{to_end, Chosen, Sampler};
-use super::{context_params, kept_prefix, ContextShape, GenerateError, Generation};
+use super::{context_params, kept_prefix, ContextShape, GenerateError, Generation, Reuse};
 
 /// One `llama_decode` call, as reported to a [`DecodeObserver`].
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DecodeEvent {
     /// Tokens in the batch (the prompt chunk, or 1).
     pub n_tokens: usize,
-    /// Whether this decode was part of the prompt.
+    /// Whether this decode carried prompt tokens.
     pub prefill: bool,
+    /// How many generations the decode carried tokens of.
+    pub runs: usize,
     /// Wall time of the decode.
     pub wall: Duration,
 }
@@ -50,9 +53,9 @@ impl SlotUse {
 
 /// A model plus a context of one or more slots.
 pub struct Session<'m> {
-    model: &'m Model,
-    ctx: Context<'m>,
-    batch: Batch,
+    pub(super) model: &'m Model,
+    pub(super) ctx: Context<'m>,
+    pub(super) batch: Batch,
     /// N-gram drafting: the most tokens drafted per decode (`None`: off).
     draft: Option<usize>,
     /// Each slot's tokens, in the order of its positions: what its memory holds.
@@ -60,6 +63,13 @@ pub struct Session<'m> {
     /// How many of each slot's first tokens were computed in whole prompt batches: the only ones
     /// a later prompt may keep (see [`Session::reusable`]).
     exact: Vec<usize>,
+    /// Whether a waiting whole prompt batch goes before the decoding runs in the next step (it
+    /// alternates with them; see [`Session::step`]).
+    pub(super) prompt_turn: bool,
+    /// Steps taken: which decoding runs go first when a batch cannot take them all.
+    pub(super) rotation: usize,
+    /// What a slot may keep of a later prompt.
+    reuse: Reuse,
 }
 
 impl<'m> Session<'m> {
@@ -74,7 +84,18 @@ impl<'m> Session<'m> {
         let ctx = Context::new(model, &params, callback)?;
         let held = vec![Vec::new(); params.n_seq as usize];
         let exact = vec![0; params.n_seq as usize];
-        Ok(Session { model, ctx, batch: Batch::new(params.n_batch as usize), draft: None, held, exact })
+        let batch = Batch::new(params.n_batch as usize);
+        Ok(Session {
+            model,
+            ctx,
+            batch,
+            draft: None,
+            held,
+            exact,
+            prompt_turn: false,
+            rotation: 0,
+            reuse: Reuse::Exact,
+        })
     }
 
     /// The tokens slot `slot`'s memory holds (empty for a slot that does not exist).
@@ -88,18 +109,36 @@ impl<'m> Session<'m> {
     }
 
     /// How many of `prompt`'s first tokens a generation in `slot` would keep ([`kept_prefix`]
-    /// of what the slot computed in whole batches); nothing where the memory cannot drop the rest
-    /// of the slot (recurrent layers keep one state for the sequence).
+    /// of what the slot computed in whole batches, or of all it holds with [`Reuse::Any`]);
+    /// nothing where the memory cannot drop the rest of the slot (recurrent layers keep one state
+    /// for the sequence).
     pub fn reusable(&self, slot: u32, prompt: &[Token]) -> usize {
         let held = self.held(slot);
-        let keep = kept_prefix(&held[..self.exact(slot).min(held.len())], prompt, self.batch_capacity());
+        let keepable = if self.reuse == Reuse::Any { held.len() } else { self.exact(slot).min(held.len()) };
+        let keep = kept_prefix(&held[..keepable], prompt, self.reuse_unit());
         if keep < held.len() && !self.model.memory_forgets_tail() {
             return 0;
         }
         keep
     }
 
-    /// How many of slot `slot`'s tokens a later prompt may keep ([`Session::reusable`]).
+    /// What a slot may keep of a later prompt: whole prompt batches (the default), or any shared
+    /// prefix ([`Reuse::Any`], lossy).
+    pub fn set_reuse(&mut self, reuse: Reuse) {
+        self.reuse = reuse;
+    }
+
+    /// The unit a slot keeps prompts in ([`Reuse::unit`] of the batch).
+    pub fn reuse_unit(&self) -> usize {
+        self.reuse.unit(self.batch_capacity())
+    }
+
+    /// Whether a later prompt may keep all that slot `slot` holds (what a saved slot must be).
+    pub fn all_keepable(&self, slot: u32) -> bool {
+        self.reuse == Reuse::Any || self.exact(slot) == self.held(slot).len()
+    }
+
+    /// How many of slot `slot`'s first tokens were computed in whole prompt batches.
     pub fn exact(&self, slot: u32) -> usize {
         self.exact.get(slot as usize).copied().unwrap_or(0)
     }
@@ -167,10 +206,15 @@ impl<'m> Session<'m> {
         Ok(result?)
     }
 
-    fn timed_decode<E: DecodeError>(&mut self, prefill: bool, observer: &mut DecodeObserver<'_, E>) -> Result<(), E> {
+    pub(super) fn timed_decode<E: DecodeError>(
+        &mut self,
+        prefill: bool,
+        runs: usize,
+        observer: &mut DecodeObserver<'_, E>,
+    ) -> Result<(), E> {
         let t = Instant::now();
         let result = self.ctx.decode(&self.batch);
-        let event = DecodeEvent { n_tokens: self.batch.len(), prefill, wall: t.elapsed() };
+        let event = DecodeEvent { n_tokens: self.batch.len(), prefill, runs, wall: t.elapsed() };
         // The observer runs even when the decode failed: it reports the streaming engine's error,
         // which says more than llama.cpp's status.
         observer(event)?;
@@ -230,17 +274,21 @@ impl<'m> Session<'m> {
         on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
         observer: &mut DecodeObserver<'_, E>,
     ) -> Result<Generation, E> {
-        let result = self.generate_in(at, prompt, n_predict, sampler, on_token, observer);
-        if result.is_err() {
-            // What a failed or cancelled decode left in the slot is not known token by token.
-            self.forget(at.slot)?;
+        let mut run = self.begin(at, prompt, n_predict, sampler)?;
+        let mut client = Callback { sampler, on_token };
+        while !run.is_over() {
+            if let Err(e) = self.step(&mut [(&mut run, &mut client as &mut dyn Client)], observer) {
+                // The run failed with the decode: its slot is emptied, the decode's error said.
+                let _ = self.end(run);
+                return Err(e);
+            }
         }
-        result
+        Ok(self.end(run)?)
     }
 
     /// Empties what slot `at.slot` holds but the part of `prompt` it keeps; returns the slot and
     /// how many tokens it kept.
-    fn enter(&mut self, at: SlotUse, prompt: &[Token]) -> Result<(u32, usize), GenerateError> {
+    pub(super) fn enter(&mut self, at: SlotUse, prompt: &[Token]) -> Result<(u32, usize), GenerateError> {
         if at.slot >= self.slots() {
             return Err(ggml_sys::Error::NoSequence { seq: at.slot, n_seq: self.slots() }.into());
         }
@@ -250,7 +298,7 @@ impl<'m> Session<'m> {
     }
 
     /// The draft state over `prompt` and the most tokens a decode drafts, when drafting.
-    fn drafter(&self, prompt: &[Token]) -> Result<Option<(NgramDraft, usize)>, GenerateError> {
+    pub(super) fn drafter(&self, prompt: &[Token]) -> Result<Option<(NgramDraft, usize)>, GenerateError> {
         let Some(max) = self.draft else { return Ok(None) };
         let mut d = NgramDraft::new()?;
         d.add(prompt)?;
@@ -258,7 +306,7 @@ impl<'m> Session<'m> {
     }
 
     /// Keeps the slot's first `keep` tokens and forgets the rest.
-    fn keep_prefix(&mut self, slot: u32, keep: usize) -> Result<(), GenerateError> {
+    pub(super) fn keep_prefix(&mut self, slot: u32, keep: usize) -> Result<(), GenerateError> {
         if keep == 0 {
             return self.forget(slot);
         }
@@ -270,93 +318,12 @@ impl<'m> Session<'m> {
 
     /// Records that the last decode put `tokens` into `slot`'s memory; `whole` when they were a
     /// whole prompt batch at a multiple of `n_batch` (what a later prompt may keep).
-    fn hold(&mut self, slot: u32, tokens: &[Token], whole: bool) {
+    pub(super) fn hold(&mut self, slot: u32, tokens: &[Token], whole: bool) {
         let s = slot as usize;
         if whole && self.exact[s] == self.held[s].len() {
             self.exact[s] += tokens.len();
         }
         self.held[s].extend_from_slice(tokens);
-    }
-
-    fn generate_in<E: DecodeError>(
-        &mut self,
-        at: SlotUse,
-        prompt: &[Token],
-        n_predict: u32,
-        sampler: &mut Sampler,
-        mut on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
-        observer: &mut DecodeObserver<'_, E>,
-    ) -> Result<Generation, E> {
-        let (slot, reused) = self.enter(at, prompt)?;
-        sampler.inner.accept_prompt(prompt)?;
-        let t0 = Instant::now();
-        let mut pos = self.prefill(slot, prompt, reused, observer)?;
-        let prefill = t0.elapsed();
-        let t1 = Instant::now();
-        let mut drafter = self.drafter(prompt)?;
-        let mut next = sampler.inner.sample(&self.ctx, -1)?;
-        let mut next_at = -1;
-        let mut out = Generation {
-            prompt_tokens: prompt.to_vec(),
-            reused,
-            tokens: Vec::new(),
-            bytes: Vec::new(),
-            stopped_at_eog: false,
-            prefill,
-            decode: Duration::ZERO,
-            decoded: 0,
-            drafted: 0,
-            accepted: 0,
-        };
-        'generate: loop {
-            if self.take(next, next_at, sampler, &mut on_token, &mut out, n_predict)?.is_break() {
-                break;
-            }
-            let remaining = n_predict as usize - out.tokens.len();
-            let drafts = match &mut drafter {
-                Some((d, max)) => {
-                    d.add(&[next])?;
-                    d.draft((*max).min(remaining - 1).min(self.batch_capacity() - 1))?
-                }
-                None => Vec::new(),
-            };
-            self.batch.clear();
-            self.batch.push_to(slot, next, pos, true)?;
-            for (i, &t) in drafts.iter().enumerate() {
-                self.batch.push_to(slot, t, pos + 1 + i as i32, true)?;
-            }
-            self.timed_decode(false, observer)?;
-            let decoded: Vec<Token> = std::iter::once(next).chain(drafts.iter().copied()).collect();
-            self.hold(slot, &decoded, false);
-            out.drafted += drafts.len() as u32;
-            // The model's choice after `next`, then after each draft token it agreed with.
-            let mut at = 0;
-            next = sampler.inner.sample(&self.ctx, 0)?;
-            while at < drafts.len() && next == drafts[at] {
-                out.accepted += 1;
-                out.decoded += 1;
-                if self.take(next, at as i32, sampler, &mut on_token, &mut out, n_predict)?.is_break() {
-                    break 'generate;
-                }
-                if let Some((d, _)) = &mut drafter {
-                    d.add(&[next])?;
-                }
-                at += 1;
-                next = sampler.inner.sample(&self.ctx, at as i32)?;
-            }
-            out.decoded += 1;
-            next_at = at as i32;
-            if at < drafts.len() {
-                self.keep_prefix(slot, pos as usize + 1 + at)?;
-            }
-            pos += 1 + at as i32;
-        }
-        out.decode = t1.elapsed();
-        // What a later prompt cannot keep (the answer's one-token decodes) need not stay.
-        if self.model.memory_forgets_tail() {
-            self.keep_prefix(slot, self.exact[slot as usize])?;
-        }
-        Ok(out)
     }
 
     /// Decodes `prompt` from token `from` (a multiple of the batch size) on into `slot` (which
@@ -379,7 +346,7 @@ impl<'m> Session<'m> {
                 let last = pos as usize + i + 1 == prompt.len();
                 self.batch.push_to(slot, t, pos + i as i32, last)?;
             }
-            self.timed_decode(true, observer)?;
+            self.timed_decode(true, 1, observer)?;
             self.hold(slot, chunk, chunk.len() == n_batch && pos as usize % n_batch == 0);
             pos += chunk.len() as i32;
         }
@@ -406,36 +373,10 @@ impl<'m> Session<'m> {
             }
             self.batch.clear();
             self.batch.push(t, pos, true)?;
-            self.timed_decode(false, observer)?;
+            self.timed_decode(false, 1, observer)?;
             self.hold(0, &[t], false);
         }
         Ok(())
-    }
-
-    /// Takes a chosen token (its logits at batch output `at`): ends the generation at an
-    /// end-of-generation token, else passes it to `on_token` and records it; `Break` when the
-    /// generation is over.
-    fn take(
-        &self,
-        token: Token,
-        at: i32,
-        sampler: &Sampler,
-        on_token: &mut impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
-        out: &mut Generation,
-        n_predict: u32,
-    ) -> Result<ControlFlow<()>, GenerateError> {
-        if self.model.is_eog(token) {
-            out.stopped_at_eog = true;
-            return Ok(ControlFlow::Break(()));
-        }
-        let piece = sampler.piece(self.model, token);
-        let flow = on_token(&Chosen { token, piece: &piece, logits: self.ctx.logits(at)? });
-        out.tokens.push(token);
-        out.bytes.extend_from_slice(&piece);
-        if flow.is_break() || out.tokens.len() == n_predict as usize {
-            return Ok(ControlFlow::Break(()));
-        }
-        Ok(ControlFlow::Continue(()))
     }
 
     /// The most prompt tokens one decode takes.

@@ -43,6 +43,12 @@ pub struct ServeSettings {
     /// short conversation; a larger one reads the experts fewer times for a long prompt.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..=MAX_BATCH as i64))]
     pub batch: Option<u32>,
+    /// What a slot keeps of a later prompt: `exact` (whole prompt batches; the same text as from
+    /// an empty slot) or `any` (any shared prefix, answers included, computing only what is new:
+    /// LOSSY, an answer may differ in a token from the same prompt computed afresh; default:
+    /// exact).
+    #[arg(long, value_enum)]
+    pub reuse: Option<crate::generate::Reuse>,
     /// The most disk, in MiB, the slots saved in the state directory may take (for restarts
     /// and conversations that left their slot; the oldest go first; 0: none are saved; default:
     /// 1024).
@@ -198,6 +204,7 @@ impl ServeSettings {
             ctx: self.ctx.or(file.ctx),
             slots: self.slots.or(file.slots),
             batch: self.batch.or(file.batch),
+            reuse: self.reuse.or(file.reuse),
             slot_save_mib: self.slot_save_mib.or(file.slot_save_mib),
             cache_mb: self.cache_mb.or(file.cache_mb),
             api_key_file: self.api_key_file.or(file.api_key_file),
@@ -232,6 +239,7 @@ mod tests {
             ctx: Some(2048),
             slots: Some(2),
             batch: Some(256),
+            reuse: Some(crate::generate::Reuse::Any),
             slot_save_mib: Some(256),
             cache_mb: Some(512),
             api_key_file: Some("/etc/sluice/api-key".into()),
@@ -259,7 +267,7 @@ mod tests {
     fn every_key_round_trips() {
         let f = full();
         let text = toml::to_string(&f).unwrap();
-        assert_eq!(keys().len(), 15, "{:?}", keys());
+        assert_eq!(keys().len(), 16, "{:?}", keys());
         for key in keys() {
             assert!(text.lines().any(|l| l.starts_with(&format!("{key} = "))), "{key} missing from:\n{text}");
         }

@@ -1,6 +1,6 @@
-//! The engine thread: loads the model once, then runs queued generation requests one at a time.
+//! The engine thread: loads the model once, then runs queued generation requests, up to one per
+//! slot at once, each decode carrying a token of every running request.
 
-use std::ops::ControlFlow;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
@@ -13,10 +13,11 @@ use super::answer::Answer;
 use super::degraded::wait_for_worker;
 use super::error::ApiError;
 use super::heat::{self, ModelIdentity};
-use super::job::{Event, EventSender, Finish, Job, Unsent, MAX_UNREAD_BYTES};
+use super::job::{Event, EventSender, Finish, Job};
 use super::job::{GenerationRequest, PromptBound, TokenUsage};
 use super::metrics::GenerationCounts;
 use super::prompt::{TokenizeError, Tokenizer};
+use super::running::Running;
 use super::saved_slots::SlotStore;
 use super::shared::{Shared, IDLE_BEAT};
 use super::slots::{open_store, Slots};
@@ -42,6 +43,8 @@ pub struct EngineConfig {
     pub state_dir: Option<PathBuf>,
     /// How often the heat map (and the slots that changed) are saved while serving.
     pub save_every: Duration,
+    /// What a slot keeps of a later prompt.
+    pub reuse: crate::generate::Reuse,
     /// The most bytes the saved slots take in the state directory; 0 saves none.
     pub slot_save_bytes: u64,
 }
@@ -107,14 +110,26 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
     shared.metrics.set_ledger(&loaded.ledger);
     shared.metrics.set_lossy(&loaded.config.lossy);
     shared.loading_step("reading dense weights and warming up");
-    let (session, _) = loaded.open()?;
+    let (mut session, _) = loaded.open()?;
+    session.set_reuse(cfg.reuse);
     let identity = ModelIdentity::of(index);
     let heat_path = cfg.state_dir.as_deref().map(heat::path_in);
     let tokenizer = Tokenizer::start(Arc::clone(model)).map_err(LoadFailure::Templates)?;
-    let store = open_store(cfg.state_dir.as_deref(), cfg.slot_save_bytes, &identity, index, loaded.shape);
+    let store = open_store(cfg.state_dir.as_deref(), cfg.slot_save_bytes, &identity, index, loaded.shape, cfg.reuse);
     let slots = Slots::new(loaded.shape.slots);
-    let mut engine =
-        Engine { tokenizer, session, shared, n_ctx, identity, heat_path, heat_dirty: false, lost: None, slots, store };
+    let mut engine = Engine {
+        tokenizer,
+        session,
+        shared,
+        n_ctx,
+        identity,
+        heat_path,
+        heat_dirty: false,
+        lost: None,
+        slots,
+        store,
+        running: Vec::new(),
+    };
     engine.warm_start(index);
     engine.restore_slots();
     engine.publish_heat();
@@ -129,21 +144,32 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
     let mut last_job = Instant::now();
     let served = loop {
         shared.beat();
-        match jobs.recv_timeout(IDLE_BEAT) {
-            Ok(job) => {
-                engine.handle(job);
-                last_job = Instant::now();
-            }
-            // Idle: reads a cancelled or timed-out request left behind may have landed since.
-            Err(RecvTimeoutError::Timeout) => {
-                engine.session.streamer().release_stale();
-                if last_job.elapsed() >= IDLE_BEFORE_SAVE {
-                    engine.save_slots();
+        if engine.running.is_empty() {
+            match jobs.recv_timeout(IDLE_BEAT) {
+                Ok(job) => {
+                    engine.start(job);
+                    last_job = Instant::now();
                 }
+                // Idle: reads a cancelled or timed-out request left behind may have landed since.
+                Err(RecvTimeoutError::Timeout) => {
+                    engine.session.streamer().release_stale();
+                    if last_job.elapsed() >= IDLE_BEFORE_SAVE {
+                        engine.save_slots();
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => break Served::Done,
             }
-            Err(RecvTimeoutError::Disconnected) => break Served::Done,
+        } else {
+            // Requests that arrived while others run join them in a free slot.
+            while engine.running.len() < engine.slots.count() {
+                let Ok(job) = jobs.try_recv() else { break };
+                engine.start(job);
+            }
+            engine.step();
+            last_job = Instant::now();
         }
         if let Some(endpoint) = engine.lost.take() {
+            engine.abandon_all();
             break Served::WorkerLost(endpoint);
         }
         if last_save.elapsed() >= cfg.save_every {
@@ -158,23 +184,25 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
 }
 
 /// The loaded model and its session.
-struct Engine<'m, 's> {
-    tokenizer: Tokenizer,
-    session: StreamedSession<'m>,
-    shared: &'s Shared,
-    n_ctx: u32,
-    identity: ModelIdentity,
-    heat_path: Option<PathBuf>,
-    heat_dirty: bool,
+pub(super) struct Engine<'m, 's> {
+    pub(super) tokenizer: Tokenizer,
+    pub(super) session: StreamedSession<'m>,
+    pub(super) shared: &'s Shared,
+    pub(super) n_ctx: u32,
+    pub(super) identity: ModelIdentity,
+    pub(super) heat_path: Option<PathBuf>,
+    pub(super) heat_dirty: bool,
     /// The RPC worker a generation lost: the model is unusable until it is loaded again.
-    lost: Option<String>,
+    pub(super) lost: Option<String>,
     /// The slots' bookkeeping.
-    slots: Slots,
+    pub(super) slots: Slots,
     /// The saved slots, when there is a state directory and room for them.
-    store: Option<SlotStore>,
+    pub(super) store: Option<SlotStore>,
+    /// The requests being generated, at most one per slot.
+    pub(super) running: Vec<Running<'m>>,
 }
 
-impl Engine<'_, '_> {
+impl<'m> Engine<'m, '_> {
     /// Reads the saved heat map (if any) and fills the cache with its hottest experts.
     fn warm_start(&mut self, index: &ExpertIndex) {
         let Some(path) = &self.heat_path else { return };
@@ -226,12 +254,12 @@ impl Engine<'_, '_> {
     }
 
     /// Hands the slots to the status page and `/metrics`.
-    fn publish_slots(&self) {
+    pub(super) fn publish_slots(&self) {
         self.shared.metrics.set_slots(&self.slots.views(&self.session));
     }
 
     /// Hands the heat map to the status page.
-    fn publish_heat(&self) {
+    pub(super) fn publish_heat(&self) {
         let heat = self.session.streamer().heat().to_vec();
         self.shared.metrics.set_heat(self.identity.n_layer, self.identity.n_expert, &heat);
     }
@@ -252,82 +280,9 @@ impl Engine<'_, '_> {
         }
     }
 
-    /// Runs one request, sending its events.
-    fn handle(&mut self, job: Job) {
-        // The admission is held until the request ends.
-        let Job { request, events, cancel, admission: _admission } = job;
-        self.shared.dequeued();
-        if cancel.load(Ordering::Relaxed) {
-            self.shared.metrics.cancelled();
-            return;
-        }
-        if self.shared.cancelling() {
-            let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
-            return;
-        }
-        let (logprobs, cache_prompt) = (request.logprobs, request.cache_prompt);
-        let (tokens, max_tokens, mut sampler, mut answer) = match self.admit(request, &cancel) {
-            Ok(admitted) => admitted,
-            Err(e) => {
-                let _ = events.send(Event::Failed(e));
-                return;
-            }
-        };
-        sampler.set_guard(Arc::clone(&cancel), GRAMMAR_TOKEN_BOUND);
-        let _ = events.send(Event::Started);
-        let pick = self.slots.pick(&mut self.session, self.store.as_mut(), &tokens, cache_prompt);
-        self.slots.start(pick.slot);
-        self.publish_slots();
-        self.shared.set_current(Some(Arc::clone(&cancel)));
-        self.session.set_abort_flag(Some(Arc::clone(&cancel)));
-        let shared = self.shared;
-        let model = self.session.model();
-        let result = self.session.generate_with(
-            pick,
-            &tokens,
-            max_tokens,
-            &mut sampler,
-            |chosen| {
-                let event = answer.take(model, chosen, logprobs);
-                if let Some(e) = event {
-                    if let Err(why) = events.send(e) {
-                        if why == Unsent::Unread {
-                            log::warn!(
-                                "a client left over {} KiB of its answer unread: cancelling its generation",
-                                MAX_UNREAD_BYTES >> 10
-                            );
-                        }
-                        cancel.store(true, Ordering::Relaxed);
-                        return ControlFlow::Break(());
-                    }
-                }
-                if answer.stopped() {
-                    ControlFlow::Break(())
-                } else {
-                    ControlFlow::Continue(())
-                }
-            },
-            |row| {
-                shared.beat();
-                shared.metrics.decode_row(row);
-            },
-        );
-        self.session.set_abort_flag(None);
-        self.shared.set_current(None);
-        self.heat_dirty = true;
-        self.publish_heat();
-        let reused = result.as_ref().map_or(0, |(g, _)| g.reused);
-        self.slots.finish(pick.slot, reused, tokens.len() - reused);
-        self.publish_slots();
-        match result {
-            Ok((g, _)) => self.finish(&events, &cancel, tokens.len(), &g, answer),
-            Err(e) => self.fail(&events, e, answer.grammar_param()),
-        }
-    }
-
     /// The request's prompt tokenized and checked against the context, with its sampler and
     /// answer; else the error for its client (an abandoned tokenization counts as cancelled).
-    fn admit(
+    pub(super) fn admit(
         &mut self,
         request: GenerationRequest,
         cancel: &AtomicBool,
@@ -365,7 +320,7 @@ impl Engine<'_, '_> {
 
     /// Sends the end of a generation that ran: its last output and `Done` with why it ended
     /// (nothing more when its client cancelled it).
-    fn finish(
+    pub(super) fn finish(
         &self,
         events: &EventSender,
         cancel: &AtomicBool,
@@ -400,11 +355,11 @@ impl Engine<'_, '_> {
         let _ = events.send(Event::Done { finish, usage, message });
     }
 
-    /// Sends why a generation failed: cancelled (503), a grammar too costly for the request
-    /// field `grammar_param` (400), a lost RPC worker (503, and the model is loaded again), or
-    /// anything else (500).
-    fn fail(&mut self, events: &EventSender, e: StreamError, grammar_param: &'static str) {
-        let failure = match e {
+    /// Why a generation failed, for its client: cancelled (503), a grammar too costly for the
+    /// request field `grammar_param` (400), a lost RPC worker (503, and the model is loaded
+    /// again), or anything else (500).
+    pub(super) fn failure(&mut self, e: &StreamError, grammar_param: &'static str) -> ApiError {
+        match e {
             e if e.is_cancelled() => {
                 self.shared.metrics.cancelled();
                 log::info!("generation cancelled after its client went away or the server began stopping");
@@ -425,7 +380,6 @@ impl Engine<'_, '_> {
                 };
                 ApiError::new(code, "server_error", format!("generation failed: {e}"))
             }
-        };
-        let _ = events.send(Event::Failed(failure));
+        }
     }
 }

@@ -51,6 +51,8 @@ pub struct Metrics {
     slots: Mutex<Vec<SlotView>>,
     decode_ns: AtomicU64,
     decoded: AtomicU64,
+    /// Decodes that carried tokens of several requests.
+    shared_decodes: AtomicU64,
     last_tok_per_s_milli: AtomicU64,
     cancelled: AtomicU64,
     hits: AtomicU64,
@@ -106,6 +108,9 @@ impl Metrics {
         self.misses.fetch_add(row.misses, Ordering::Relaxed);
         self.bytes_read.fetch_add(row.bytes_read, Ordering::Relaxed);
         self.substituted.fetch_add(row.substituted, Ordering::Relaxed);
+        if row.runs > 1 {
+            self.shared_decodes.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Records the lossy modes the engine runs with.
@@ -230,6 +235,7 @@ impl Metrics {
                 "completion": n(&self.completion_tokens),
             },
             "slots": slots,
+            "shared_decodes": n(&self.shared_decodes),
             "decode_tokens_per_second": {
                 "last": n(&self.last_tok_per_s_milli) as f64 / 1000.0,
                 "per_minute": per_minute,
@@ -302,6 +308,12 @@ impl Metrics {
             "counter",
             "Prompt tokens whose memory a slot already held (not computed again).",
             &one(n(&self.reused_tokens)),
+        );
+        metric(
+            "shared_decodes_total",
+            "counter",
+            "Decodes that carried tokens of several requests (one read of an expert for all of them).",
+            &one(n(&self.shared_decodes)),
         );
         let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let per_slot = |f: fn(&SlotView) -> f64| -> Vec<(String, f64)> {

@@ -28,6 +28,7 @@ pub mod limits;
 pub mod logprobs;
 pub mod metrics;
 pub mod prompt;
+mod running;
 pub mod saved_slots;
 pub mod shared;
 pub mod slots;
@@ -99,9 +100,10 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         .enable_time()
         .build()
         .context("cannot start the HTTP runtime")?;
-    // Room for a burst that finds the engine idle: one runs, `queue` wait.
-    let (tx, rx) = sync_channel::<Job>(cfg.queue + 1);
-    let shared = Arc::new(Shared::new(cfg.model_id.clone(), cfg.access.clone(), tx, cfg.queue));
+    // Room for a burst that finds the engine idle: a request per slot runs, `queue` wait.
+    let slots = cfg.engine.launch.slots as usize;
+    let (tx, rx) = sync_channel::<Job>(cfg.queue + slots);
+    let shared = Arc::new(Shared::new(cfg.model_id.clone(), cfg.access.clone(), tx, slots, cfg.queue));
     shared.acceptor_beat();
     let engine = {
         let shared = Arc::clone(&shared);
@@ -230,7 +232,7 @@ mod tests {
     #[test]
     fn the_watchdog_is_pinged_only_while_the_engine_and_the_acceptor_beat() {
         let (tx, _rx) = sync_channel(1);
-        let shared = Arc::new(Shared::new("m".into(), Access::default(), tx, 1));
+        let shared = Arc::new(Shared::new("m".into(), Access::default(), tx, 1, 1));
         let done = Arc::new(AtomicBool::new(false));
         let pings = Arc::new(AtomicUsize::new(0));
         let pinger = {

@@ -17,11 +17,11 @@ use serde::{Deserialize, Serialize};
 
 use super::heat::ModelIdentity;
 use crate::framed::{self, FramedError};
-use crate::generate::{kept_prefix, ContextShape};
+use crate::generate::{kept_prefix, ContextShape, Reuse};
 
 const MAGIC: &[u8; 8] = b"SLUICESL";
 /// The format version written; files of another version are not used.
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// The largest header read: the tokens of a slot of a million positions, with room to spare.
 const MAX_HEADER_BYTES: u64 = 8 << 20;
 /// The folder of the state directory the slots are saved in.
@@ -42,18 +42,25 @@ pub struct SlotKey {
     pub positions: u32,
     /// The prompt batch, which decides what a slot keeps of a prompt.
     pub batch: u32,
+    /// What a slot keeps ([`Reuse::Exact`] slots hold whole batches only).
+    pub reuse: Reuse,
 }
 
 impl SlotKey {
     /// The key of `model`'s files (`shards`) in a context of `shape`.
-    pub fn new(model: ModelIdentity, shards: &[PathBuf], shape: ContextShape) -> std::io::Result<SlotKey> {
+    pub fn new(
+        model: ModelIdentity,
+        shards: &[PathBuf],
+        shape: ContextShape,
+        reuse: Reuse,
+    ) -> std::io::Result<SlotKey> {
         let mut files = Vec::new();
         for path in shards {
             let meta = std::fs::metadata(path)?;
             let mtime = meta.modified()?.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i128);
             files.push((meta.len(), mtime));
         }
-        Ok(SlotKey { model, files, slots: shape.slots, positions: shape.positions, batch: shape.batch })
+        Ok(SlotKey { model, files, slots: shape.slots, positions: shape.positions, batch: shape.batch, reuse })
     }
 }
 
@@ -200,15 +207,14 @@ impl SlotStore {
         }
     }
 
-    /// The usable entry that keeps the most of `prompt` in prompt batches of `batch`
-    /// ([`kept_prefix`]: a saved slot holds whole batches only), if that is more than
-    /// `better_than` tokens.
-    pub fn best(&self, prompt: &[Token], better_than: usize, batch: usize) -> Option<usize> {
+    /// The usable entry that keeps the most of `prompt` in units of `unit` tokens
+    /// ([`kept_prefix`]; [`Reuse::unit`]), if that is more than `better_than` tokens.
+    pub fn best(&self, prompt: &[Token], better_than: usize, unit: usize) -> Option<usize> {
         let (i, n) = self
             .entries
             .iter()
             .enumerate()
-            .filter_map(|(i, e)| e.tokens().map(|t| (i, kept_prefix(t, prompt, batch))))
+            .filter_map(|(i, e)| e.tokens().map(|t| (i, kept_prefix(t, prompt, unit))))
             .max_by_key(|&(i, n)| (n, self.entries[i].written))?;
         (n > better_than).then_some(i)
     }

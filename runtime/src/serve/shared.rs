@@ -1,5 +1,5 @@
 //! The state the HTTP front, the engine and the watchdog share: the server's life cycle, the
-//! heartbeats, the queue and the request being generated, the prompt bound and the counters.
+//! heartbeats, the queue and the requests being generated, the prompt bound and the counters.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
@@ -32,10 +32,11 @@ pub struct Shared {
     pub responses: Mutex<StoredResponses>,
     /// Requests admitted and not finished (running or waiting), against `admit_limit`.
     admitted: Arc<AtomicUsize>,
-    /// The one request that runs and the `--queue` that may wait beside it.
+    /// The requests that run (one per slot) and the `--queue` that may wait beside them.
     admit_limit: usize,
-    current: Mutex<Option<Arc<AtomicBool>>>,
-    cancelling: AtomicBool,
+    /// The cancel flags of the requests being generated.
+    running: Mutex<Vec<Arc<AtomicBool>>>,
+    cancelling: Arc<AtomicBool>,
     next_id: AtomicU64,
     /// Why the server is degraded (with [`State::Degraded`]).
     degraded: Mutex<String>,
@@ -50,9 +51,15 @@ pub struct Shared {
 }
 
 impl Shared {
-    /// The state of a server whose engine takes jobs from `queue`, with `waiting` requests
-    /// allowed to wait while one runs.
-    pub(super) fn new(model_id: String, access: Access, queue: SyncSender<Job>, waiting: usize) -> Shared {
+    /// The state of a server whose engine takes jobs from `queue` and runs up to `slots` of them
+    /// at once, with `waiting` requests allowed to wait while they run.
+    pub(super) fn new(
+        model_id: String,
+        access: Access,
+        queue: SyncSender<Job>,
+        slots: usize,
+        waiting: usize,
+    ) -> Shared {
         Shared {
             state: AtomicU8::new(State::Loading as u8),
             started: Instant::now(),
@@ -63,9 +70,9 @@ impl Shared {
             queued: AtomicUsize::new(0),
             responses: Mutex::new(StoredResponses::default()),
             admitted: Arc::new(AtomicUsize::new(0)),
-            admit_limit: waiting + 1,
-            current: Mutex::new(None),
-            cancelling: AtomicBool::new(false),
+            admit_limit: waiting + slots.max(1),
+            running: Mutex::new(Vec::new()),
+            cancelling: Arc::new(AtomicBool::new(false)),
             next_id: AtomicU64::new(0),
             degraded: Mutex::new(String::new()),
             metrics: Metrics::default(),
@@ -164,7 +171,7 @@ impl Shared {
 
     /// Whether a generation is running.
     pub fn engine_busy(&self) -> bool {
-        self.current.lock().unwrap_or_else(|e| e.into_inner()).is_some()
+        !self.running.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
     }
 
     /// How long since the engine last made progress, and since the acceptor last ran: the
@@ -189,9 +196,9 @@ impl Shared {
         Duration::from_millis(self.now_ms().saturating_sub(oldest))
     }
 
-    /// Queues a request: `Err` with the reason when the queue is closed, or when one request
-    /// runs and `--queue` wait already (a burst that finds the engine idle: one of it runs, the
-    /// queue's worth waits).
+    /// Queues a request: `Err` with the reason when the queue is closed, or when every slot runs
+    /// a request and `--queue` wait already (a burst that finds the engine idle: a slot's worth of
+    /// it runs, the queue's worth waits).
     pub(super) fn enqueue(
         &self,
         request: GenerationRequest,
@@ -227,15 +234,24 @@ impl Shared {
         self.queued.load(Ordering::SeqCst)
     }
 
-    /// The running generation's cancel flag.
-    pub fn set_current(&self, flag: Option<Arc<AtomicBool>>) {
-        let mut current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+    /// A generation starts: its cancel flag is set when the drain bound passes.
+    pub fn add_running(&self, flag: Arc<AtomicBool>) {
+        let mut running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         if self.cancelling.load(Ordering::SeqCst) {
-            if let Some(f) = &flag {
-                f.store(true, Ordering::SeqCst);
-            }
+            flag.store(true, Ordering::SeqCst);
         }
-        *current = flag;
+        running.push(flag);
+    }
+
+    /// A generation ended.
+    pub fn remove_running(&self, flag: &Arc<AtomicBool>) {
+        self.running.lock().unwrap_or_else(|e| e.into_inner()).retain(|f| !Arc::ptr_eq(f, flag));
+    }
+
+    /// The flag set when the drain bound passes: what stops a decode that carries several
+    /// requests (each request's own flag stops a decode it runs alone).
+    pub fn stop_flag(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.cancelling)
     }
 
     /// Whether the drain bound has passed: everything still queued or running is cancelled.
@@ -244,9 +260,9 @@ impl Shared {
     }
 
     pub(super) fn cancel_everything(&self) {
-        let current = self.current.lock().unwrap_or_else(|e| e.into_inner());
+        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
         self.cancelling.store(true, Ordering::SeqCst);
-        if let Some(f) = current.as_ref() {
+        for f in running.iter() {
             f.store(true, Ordering::SeqCst);
         }
     }

@@ -11,7 +11,7 @@ use ggml_sys::Token;
 use super::heat::ModelIdentity;
 use super::metrics::SlotView;
 use super::saved_slots::{SlotKey, SlotStore};
-use crate::generate::{ContextShape, SlotUse};
+use crate::generate::{ContextShape, Reuse, SlotUse};
 use crate::stream::{ExpertIndex, StreamedSession};
 
 /// The slots' bookkeeping beside the session that holds their memory.
@@ -24,13 +24,15 @@ pub struct Slots {
     unsaved: Vec<bool>,
     /// Each slot's last request: prompt tokens reused, computed.
     last: Vec<(usize, usize)>,
-    busy: Option<u32>,
+    /// Whether each slot runs a request.
+    busy: Vec<bool>,
 }
 
-/// The slot for a prompt that slot `s` would keep `reusable[s]` tokens of: the one that keeps
-/// the most; among equals, the least recently used (`last_used`).
-pub fn choose(reusable: &[usize], last_used: &[u64]) -> u32 {
-    let best = (0..reusable.len()).max_by_key(|&s| (reusable[s], std::cmp::Reverse(last_used[s])));
+/// The slot for a prompt that slot `s` would keep `reusable[s]` tokens of, among those not
+/// `busy`: the one that keeps the most; among equals, the least recently used (`last_used`).
+pub fn choose(reusable: &[usize], last_used: &[u64], busy: &[bool]) -> u32 {
+    let free = (0..reusable.len()).filter(|&s| !busy[s]);
+    let best = free.max_by_key(|&s| (reusable[s], std::cmp::Reverse(last_used[s])));
     best.unwrap_or(0) as u32
 }
 
@@ -38,12 +40,18 @@ impl Slots {
     /// Bookkeeping for `n` empty slots.
     pub fn new(n: u32) -> Slots {
         let n = n.max(1) as usize;
-        Slots { last_used: vec![0; n], requests: 0, unsaved: vec![false; n], last: vec![(0, 0); n], busy: None }
+        Slots {
+            last_used: vec![0; n],
+            requests: 0,
+            unsaved: vec![false; n],
+            last: vec![(0, 0); n],
+            busy: vec![false; n],
+        }
     }
 
-    /// Picks the slot for `prompt` (see [`choose`]), its memory kept with `cache_prompt`; then a
-    /// saved slot that holds more of the prompt than any slot is read back into the least
-    /// recently used slot first (that slot saved before, if it changed). A saved slot that
+    /// Picks a free slot for `prompt` (see [`choose`]), its memory kept with `cache_prompt`; then
+    /// a saved slot that holds more of the prompt than any free slot is read back into the least
+    /// recently used free slot first (that slot saved before, if it changed). A saved slot that
     /// cannot be read is dropped with a warning and the prompt is computed.
     pub fn pick(
         &mut self,
@@ -56,14 +64,14 @@ impl Slots {
         // `cache_prompt: false` still goes to its conversation's slot (computed afresh there), so
         // that it does not take another conversation's.
         let reusable: Vec<usize> = (0..inner.slots()).map(|s| inner.reusable(s, prompt)).collect();
-        let mut slot = choose(&reusable, &self.last_used);
-        let (kept, batch) = (reusable[slot as usize], inner.batch_capacity());
+        let mut slot = choose(&reusable, &self.last_used, &self.busy);
+        let (kept, unit) = (reusable[slot as usize], inner.reuse_unit());
         let Some(store) = store.filter(|_| cache_prompt) else { return SlotUse { slot, reuse: cache_prompt } };
-        if store.best(prompt, kept, batch).is_some() {
+        if store.best(prompt, kept, unit).is_some() {
             slot = self.least_recently_used();
             self.save_one(session, store, slot);
             // Saving may have removed saved slots (the one it extends, the oldest): find it again.
-            if let Some(entry) = store.best(prompt, kept, batch) {
+            if let Some(entry) = store.best(prompt, kept, unit) {
                 if read_back(session, store, entry, slot) {
                     self.unsaved[slot as usize] = false;
                 } else {
@@ -95,22 +103,28 @@ impl Slots {
         }
     }
 
-    /// The slot that served a request longest ago.
+    /// The free slot that served a request longest ago.
     fn least_recently_used(&self) -> u32 {
-        (0..self.last_used.len()).min_by_key(|&s| self.last_used[s]).unwrap_or(0) as u32
+        let free = (0..self.last_used.len()).filter(|&s| !self.busy[s]);
+        free.min_by_key(|&s| self.last_used[s]).unwrap_or(0) as u32
+    }
+
+    /// How many slots there are.
+    pub fn count(&self) -> usize {
+        self.busy.len()
     }
 
     /// Marks `slot` busy with a request.
     pub fn start(&mut self, slot: u32) {
         self.requests += 1;
         self.last_used[slot as usize] = self.requests;
-        self.busy = Some(slot);
+        self.busy[slot as usize] = true;
     }
 
     /// Marks `slot`'s request ended after reusing `reused` prompt tokens and computing
     /// `computed`; its memory has changed.
     pub fn finish(&mut self, slot: u32, reused: usize, computed: usize) {
-        self.busy = None;
+        self.busy[slot as usize] = false;
         self.last[slot as usize] = (reused, computed);
         self.unsaved[slot as usize] = true;
     }
@@ -120,10 +134,13 @@ impl Slots {
         self.unsaved.iter().any(|&u| u)
     }
 
-    /// Writes every slot that changed since it was saved to `store`.
+    /// Writes every slot that changed since it was saved to `store` (not those running a
+    /// request: they are saved once it ends).
     pub fn save_all(&mut self, session: &StreamedSession<'_>, store: &mut SlotStore) {
         for slot in 0..self.unsaved.len() as u32 {
-            self.save_one(session, store, slot);
+            if !self.busy[slot as usize] {
+                self.save_one(session, store, slot);
+            }
         }
     }
 
@@ -131,7 +148,7 @@ impl Slots {
     /// slot stays in memory).
     fn save_one(&mut self, session: &StreamedSession<'_>, store: &mut SlotStore, slot: u32) {
         let inner = session.session();
-        let whole = inner.exact(slot) == inner.held(slot).len();
+        let whole = inner.all_keepable(slot);
         if !std::mem::take(&mut self.unsaved[slot as usize]) || inner.held(slot).is_empty() || !whole {
             return;
         }
@@ -152,7 +169,7 @@ impl Slots {
     pub fn views(&self, session: &StreamedSession<'_>) -> Vec<SlotView> {
         (0..self.last.len())
             .map(|s| SlotView {
-                busy: self.busy == Some(s as u32),
+                busy: self.busy[s],
                 tokens: session.session().held(s as u32).len(),
                 reused: self.last[s].0,
                 computed: self.last[s].1,
@@ -169,9 +186,10 @@ pub fn open_store(
     identity: &ModelIdentity,
     index: &ExpertIndex,
     shape: ContextShape,
+    reuse: Reuse,
 ) -> Option<SlotStore> {
     let dir = state_dir.filter(|_| save_bytes > 0)?;
-    let key = match SlotKey::new(identity.clone(), &index.shards, shape) {
+    let key = match SlotKey::new(identity.clone(), &index.shards, shape, reuse) {
         Ok(k) => k,
         Err(e) => {
             log::warn!("cannot identify the model's files ({e}): slots are not saved");
@@ -210,9 +228,12 @@ mod tests {
 
     #[test]
     fn the_slot_that_keeps_most_wins_and_ties_go_to_the_least_recently_used() {
-        assert_eq!(choose(&[0, 5, 3], &[1, 2, 3]), 1);
-        assert_eq!(choose(&[0, 0, 0], &[3, 1, 2]), 1, "nothing kept: the least recently used");
-        assert_eq!(choose(&[4, 4, 1], &[9, 2, 1]), 1, "a tie on what is kept");
-        assert_eq!(choose(&[0], &[0]), 0);
+        let free = [false; 3];
+        assert_eq!(choose(&[0, 5, 3], &[1, 2, 3], &free), 1);
+        assert_eq!(choose(&[0, 0, 0], &[3, 1, 2], &free), 1, "nothing kept: the least recently used");
+        assert_eq!(choose(&[4, 4, 1], &[9, 2, 1], &free), 1, "a tie on what is kept");
+        assert_eq!(choose(&[0], &[0], &[false]), 0);
+        assert_eq!(choose(&[0, 5, 3], &[1, 2, 3], &[false, true, false]), 2, "a busy slot is not chosen");
+        assert_eq!(choose(&[0, 5, 3], &[1, 2, 3], &[false, true, true]), 0);
     }
 }

@@ -46,6 +46,8 @@ pub struct TokenRow {
     pub prefill: bool,
     /// Tokens in the batch.
     pub n_tokens: usize,
+    /// Generations the batch carried tokens of.
+    pub runs: usize,
     /// Wall time.
     pub wall: Duration,
     /// Time waiting for expert reads (serial), or submitting and collecting them (overlap).
@@ -91,6 +93,7 @@ impl TokenRow {
             index,
             prefill: event.prefill,
             n_tokens: event.n_tokens,
+            runs: event.runs,
             wall: event.wall,
             io_wait: stats.io_wait,
             stall: stats.stall,

@@ -16,7 +16,8 @@ use super::load::{DensePolicy, StreamConfig};
 use super::record::TokenRow;
 use super::{kernel, StreamError};
 use crate::generate::{
-    to_end, Chosen, ContextShape, DecodeEvent, DecodeObserver, GenerateError, Generation, Sampler, Session, SlotUse,
+    to_end, Chosen, Client, ContextShape, DecodeEvent, DecodeObserver, GenerateError, Generation, Run, Sampler,
+    Session, SlotUse,
 };
 use crate::units::mib;
 
@@ -176,6 +177,31 @@ impl<'m> StreamedSession<'m> {
         })
     }
 
+    /// Starts a generation in a slot ([`Session::begin`]); [`StreamedSession::step`] runs it.
+    pub fn begin(
+        &mut self,
+        at: SlotUse,
+        prompt: &[Token],
+        n_predict: u32,
+        sampler: &mut Sampler,
+    ) -> Result<Run, StreamError> {
+        Ok(self.session.begin(at, prompt, n_predict, sampler)?)
+    }
+
+    /// One decode for `runs` ([`Session::step`]), streamed; `on_row` gets its telemetry row.
+    pub fn step(
+        &mut self,
+        runs: &mut [(&mut Run, &mut dyn Client)],
+        on_row: impl FnMut(&TokenRow),
+    ) -> Result<(), StreamError> {
+        self.observed(on_row, |session, observer| session.step(runs, observer)).map(|((), _)| ())
+    }
+
+    /// Ends a run ([`Session::end`]): its generation, or why it failed.
+    pub fn end(&mut self, run: Run) -> Result<Generation, StreamError> {
+        Ok(self.session.end(run)?)
+    }
+
     /// Teacher forcing like [`Session::score_continuation`], streamed.
     pub fn score_continuation(
         &mut self,
@@ -218,6 +244,11 @@ impl<'m> StreamedSession<'m> {
         };
         let result = decode(&mut self.session, &mut observer)?;
         Ok((result, rows))
+    }
+
+    /// What a slot keeps of a later prompt ([`Session::set_reuse`]).
+    pub fn set_reuse(&mut self, reuse: crate::generate::Reuse) {
+        self.session.set_reuse(reuse);
     }
 
     /// Drafts up to `max` tokens per decode from the context's n-grams ([`Session::set_draft`]).

@@ -7,6 +7,7 @@ fn key(layout_crc: u32) -> SlotKey {
         slots: 2,
         positions: 256,
         batch: 64,
+        reuse: Reuse::Exact,
     }
 }
 
@@ -56,6 +57,8 @@ fn damaged_truncated_and_foreign_slots_are_not_loaded() {
     let other = SlotStore::open(dir.path(), key(2), 1 << 20).unwrap();
     assert_eq!(other.best(&[1, 2, 3, 4], 0, 1), None, "another model's slot is never used");
     assert_eq!(other.entries.len(), 1, "but it stays on disk, within the bound");
+    let any = SlotStore::open(dir.path(), SlotKey { reuse: Reuse::Any, ..key(1) }, 1 << 20).unwrap();
+    assert_eq!(any.best(&[1, 2, 3, 4], 0, 1), None, "a slot kept in whole batches is not one kept any way");
     let head = store.path(&store.entries[0].name, "slot");
     let mut h = std::fs::read(&head).unwrap();
     h[10] ^= 1;
