@@ -33,6 +33,18 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	SLUICE_TEST_RUNNER=qemu-aarch64 \
 	SLUICE_GATE_FIXTURES=f32,q8_0,deepseek2,gptoss
 
+# The tests of the gates (the sluice-tests crate) run one at a time: each computes with two
+# threads, and two at once on two cores leave ggml's threads spinning against each other.
+# Under qemu-aarch64 a sample runs: every unit test, the gates where aarch64's kernels and
+# syscalls differ (streamed == resident, slots, runs together, lossy, cold loads, routing,
+# boards, pinning, the extension layer, mapped faults), RPC between two aarch64 processes and
+# the checksums; the command line and the HTTP-level suites (the CLI, the server, agents,
+# fuzzing, hostile requests and RPC peers, templates, the status page, conversations) test code
+# that is the same on every architecture and run natively. Only what the sample runs is built.
+QEMU_SAMPLE := --test ext --test mapping_faults --test scaleout --test verify
+QEMU_GATES := --test foundation --test streaming --test slots --test batched --test lossy \
+	--test cold_load --test routing --test boards --test pinning
+
 .PHONY: help deps vendor build demo test aarch64 deb lint bench cuda-check clean
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
@@ -43,15 +55,17 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 # tokens, 16 at SD speed) and a row per lossy mode: at the disk's own speed, then throttled to an
 # SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s), with a read sweep (lanes x request size)
 # on the uniform model, rows with the model split over two and three boards of the same budget
-# (loopback RPC workers), and rows checking every read against the model's checksum sidecar
-# (--verify). Results under BENCH_DIR/<routing>-<speed>/.
+# (loopback RPC workers), rows checking every read against the model's checksum sidecar
+# (--verify), and on the skewed model at SD and NVMe speed the conversation rows (a five-turn
+# chat with and without prompt reuse, a restart that reads the saved slot back, 1, 2 and 4
+# clients at once; --conversations). Results under BENCH_DIR/<routing>-<speed>/.
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
 
 help:
 	@echo "make demo     synthesize a small random-weight MoE model and run it"
 	@echo "make test     build and run the whole test suite"
-	@echo "make aarch64  cross-build for $(AARCH64) and run the tests under qemu-aarch64"
+	@echo "make aarch64  cross-build for $(AARCH64) and run a sample of the tests under qemu-aarch64"
 	@echo "make deb      Debian packages for amd64 and arm64 (release builds) in $(DEB_DIR)"
 	@echo "make lint     rustfmt check and clippy with warnings as errors"
 	@echo "make bench    streamed vs mmap on a model 3x a $(BENCH_BUDGET_MB) MiB memory cgroup (root)"
@@ -77,13 +91,19 @@ test: build
 	@scripts/ensure-deps $(CHECK_DEBS) || echo "make test: without $(CHECK_DEBS) the status page and lintian checks are skipped"
 	@scripts/ensure-cargo-deb $(CARGO_DEB_VERSION)
 	$(CARGO) deb -p sluice --no-build --profile dev --strip --quiet -o $(DEB_DIR)/test/
-	SLUICE_DEB=$$(ls $(CURDIR)/$(DEB_DIR)/test/sluice_*_amd64.deb) $(OPENAI_ENV) $(CARGO) test --workspace --no-fail-fast
+	status=0; \
+	SLUICE_DEB=$$(ls $(CURDIR)/$(DEB_DIR)/test/sluice_*_amd64.deb) $(OPENAI_ENV) \
+		$(CARGO) test --workspace --exclude sluice-tests --no-fail-fast || status=1; \
+	$(CARGO) test -p sluice-tests --no-fail-fast -- --test-threads=1 || status=1; \
+	exit $$status
 
 aarch64: vendor
 	@scripts/ensure-deps --rust-target $(AARCH64) $(ARM_DEBS)
-	$(ARM_ENV) $(CARGO) build --target $(AARCH64) --workspace --bins --tests
-	@scripts/ensure-openai $(OPENAI_VENV)
-	$(ARM_ENV) $(OPENAI_ENV) $(CARGO) test --target $(AARCH64) --workspace --no-fail-fast
+	$(ARM_ENV) $(CARGO) build --target $(AARCH64) --workspace --bins
+	status=0; \
+	$(ARM_ENV) $(CARGO) test --target $(AARCH64) --workspace --lib --bins $(QEMU_SAMPLE) --no-fail-fast || status=1; \
+	$(ARM_ENV) $(CARGO) test --target $(AARCH64) -p sluice-tests $(QEMU_GATES) --no-fail-fast -- --test-threads=1 || status=1; \
+	exit $$status
 
 deb: vendor
 	@scripts/ensure-cargo-deb $(CARGO_DEB_VERSION)
@@ -105,10 +125,11 @@ bench: vendor
 		t=$$(test $$s = disk || echo "--storage-mbps $$s"); \
 		n=$$(test $$s = sd && echo 16 || echo 32); \
 		w=$$(test $$r = uniform && echo --read-sweep || true); \
+		c=$$(test $$r = skewed -a $$s != disk && echo --conversations || true); \
 		echo "== $$r routing, $$s"; \
 		target/release/sluice bench --model $(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf \
 			--budget-mb $(BENCH_BUDGET_MB) -n $$n --prompt-tokens 512 $$t $$w \
-			--experts-used 2 --substitute 4 --rpc --verify --out $(BENCH_DIR)/$$r-$$s || exit 1; \
+			--experts-used 2 --substitute 4 --rpc --verify $$c --out $(BENCH_DIR)/$$r-$$s || exit 1; \
 	done; done
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.

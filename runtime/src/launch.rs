@@ -63,6 +63,37 @@ impl Cache {
     }
 }
 
+/// How many prompt tokens one decode takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Batch {
+    /// This many (`--batch N`; at most a slot's positions).
+    Fixed(u32),
+    /// The largest the budget and the storage allow ([`budget::plan_batch_from_budget`],
+    /// `--batch auto`).
+    FromBudget,
+}
+
+impl Batch {
+    /// `--batch`'s value: `auto`, or a count of tokens of at least 1.
+    pub fn parse(s: &str) -> Result<Batch, String> {
+        if s == "auto" {
+            return Ok(Batch::FromBudget);
+        }
+        match s.parse::<u32>() {
+            Ok(n) if n >= 1 => Ok(Batch::Fixed(n)),
+            _ => Err(format!("{s:?} is not a batch: give `auto` or a count of tokens of at least 1")),
+        }
+    }
+
+    /// The batch a plan starts from: the fixed one, or [`generate::DEFAULT_BATCH`].
+    pub fn first(self) -> u32 {
+        match self {
+            Batch::Fixed(n) => n,
+            Batch::FromBudget => generate::DEFAULT_BATCH,
+        }
+    }
+}
+
 /// A streamed run's shape: what the door is built from.
 #[derive(Debug, Clone)]
 pub struct Launch {
@@ -74,8 +105,8 @@ pub struct Launch {
     pub positions: Positions,
     /// Slots: conversations whose memory the context keeps apart (`serve --slots`; 1 elsewhere).
     pub slots: u32,
-    /// The most prompt tokens one decode takes ([`generate::DEFAULT_BATCH`] unless asked).
-    pub batch: u32,
+    /// The most prompt tokens one decode takes, or how to choose it.
+    pub batch: Batch,
     /// The expert cache.
     pub cache: Cache,
     /// Accept a cache below one token's routed demand (`--force-cache`).
@@ -197,8 +228,8 @@ impl Launch {
         let positions = self.positions_before_load()?;
         let (index, split) = self.index_and_split(Some(positions))?;
         let rpc = split.as_ref().map(Split::rpc);
-        let shape = ContextShape { positions, slots: self.slots, batch: self.batch };
-        let ledger = budget::plan_within_budget(&self.plan_request(&index, shape, rpc.as_ref()));
+        let shape = ContextShape { positions, slots: self.slots, batch: self.batch.first() };
+        let ledger = self.plan_ledger(&index, shape, rpc.as_ref());
         Ok(Planned { index, split, ledger })
     }
 
@@ -228,8 +259,12 @@ impl Launch {
             Positions::ModelCapped(cap) => (model.n_ctx_train().min(*cap), Vec::new()),
         };
         on_step("planning memory");
-        let shape = ContextShape { positions: n_ctx, slots: self.slots, batch: self.batch };
-        let ledger = budget::plan_within_budget(&self.plan_request(&index, shape, rpc.as_ref()))?;
+        let shape = ContextShape { positions: n_ctx, slots: self.slots, batch: self.batch.first() };
+        let ledger = self.plan_ledger(&index, shape, rpc.as_ref())?;
+        let shape = match self.batch {
+            Batch::FromBudget => ContextShape { batch: ledger.n_batch, ..shape },
+            Batch::Fixed(_) => shape,
+        };
         log::info!("{}", ledger.describe());
         let config = self.stream_config(ledger.cache_bytes(), rpc);
         if !config.lossy.is_exact() {
@@ -269,7 +304,7 @@ impl Launch {
             &self.rpc,
             &self.model,
             index,
-            ContextShape { positions, slots: self.slots, batch: self.batch },
+            ContextShape { positions, slots: self.slots, batch: self.batch.first() },
             self.gpu_layers() > 0,
         )?;
         if let Some(split) = &split {
@@ -281,6 +316,21 @@ impl Launch {
     fn load_model(&self, index: &ExpertIndex, rpc: Option<&ggml_sys::RpcSplit>) -> Result<Model, GenerateError> {
         let load = ModelLoad { dense: self.dense(), gpu_layers: self.gpu_layers(), rpc, lossy: self.lossy };
         stream::load_configured(&self.model, index, &load)
+    }
+
+    /// The ledger of `shape`, its batch chosen from the budget when asked. With RPC workers the
+    /// batch stays the first one: the split was sized with it.
+    fn plan_ledger(
+        &self,
+        index: &ExpertIndex,
+        shape: ContextShape,
+        rpc: Option<&ggml_sys::RpcSplit>,
+    ) -> Result<Ledger, BudgetError> {
+        let req = self.plan_request(index, shape, rpc);
+        match self.batch {
+            Batch::FromBudget if rpc.is_none() => budget::plan_batch_from_budget(&req, self.board.medium),
+            _ => budget::plan_within_budget(&req),
+        }
     }
 
     fn plan_request<'a>(

@@ -195,6 +195,52 @@ fn run_streams_by_default_and_matches_resident() {
     assert_eq!(rows, 1 + 12, "header, one prompt batch and 11 token decodes: {text}");
 }
 
+/// The prompt batch `run` took, from its summary line `prompt: N tokens in S s (batches of B)`.
+fn prompt_and_batch(o: &Output) -> (u32, u32) {
+    let err = stderr(o);
+    let line = err.lines().find(|l| l.starts_with("prompt: ")).unwrap_or_else(|| panic!("no prompt line: {err}"));
+    let tokens = line["prompt: ".len()..].split(' ').next().unwrap().parse().unwrap();
+    let batch = line.split("batches of ").nth(1).and_then(|r| r.split(&[')', ';'][..]).next()).unwrap();
+    (tokens, batch.parse().unwrap_or_else(|_| panic!("{line}")))
+}
+
+#[test]
+fn run_takes_the_prompt_batch_from_the_budget_and_resident_follows_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let prompt = "the river runs under the old stone bridge ".repeat(14);
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", &model, "-p", &prompt, "-n", "6"];
+        args.extend_from_slice(extra);
+        let o = sluice(&args, dir.path());
+        assert!(o.status.success(), "{extra:?}: {}", stderr(&o));
+        o
+    };
+    // The machine's budget holds the whole model: the prompt goes in one batch, resident too.
+    let auto = run(&[]);
+    let (tokens, batch) = prompt_and_batch(&auto);
+    assert!(tokens > 512, "the prompt should need more than one batch of 512: {tokens} tokens");
+    assert!(batch >= tokens, "a roomy budget takes the prompt in one batch: {tokens} tokens, batches of {batch}");
+    let resident = run(&["--resident"]);
+    assert_eq!(prompt_and_batch(&resident).1, batch, "{}", stderr(&resident));
+    assert_eq!(auto.stdout, resident.stdout, "the resident run takes the streamed run's batch");
+    // A fixed batch, streamed and resident alike.
+    let fixed = run(&["--batch", "512"]);
+    assert_eq!(prompt_and_batch(&fixed).1, 512);
+    let fixed_resident = run(&["--batch", "512", "--resident"]);
+    assert_eq!(prompt_and_batch(&fixed_resident).1, 512);
+    assert_eq!(fixed.stdout, fixed_resident.stdout);
+    // The plan names the batch it chose and why.
+    let plan = sluice(&["plan", "-m", &model, "--ctx", "4096", "--batch", "auto"], dir.path());
+    assert!(plan.status.success(), "{}", stderr(&plan));
+    let text = String::from_utf8_lossy(&plan.stdout);
+    assert!(text.contains("prompt batch 2048: from the budget"), "{text}");
+    for bad in ["0", "big", "-3"] {
+        let flag = format!("--batch={bad}");
+        assert_clean_error(&sluice(&["run", "-m", &model, "-p", "Hi", &flag], dir.path()), "is not a batch");
+    }
+}
+
 #[test]
 fn ngram_drafting_prints_the_same_text_and_its_acceptance() {
     let dir = tempfile::tempdir().unwrap();

@@ -118,7 +118,12 @@ pub fn resident_reference(path: &Path, n_predict: u32) -> Vec<Token> {
 
 /// Returns the greedy continuation of [`PROMPT`] from an already loaded `model`.
 pub fn greedy_tokens(model: &ggml_sys::Model, n_predict: u32, n_threads: u32) -> Vec<Token> {
-    let params = GenerateParams { n_predict, threads: ggml_sys::Threads::unpinned(n_threads), draft: None };
+    let params = GenerateParams {
+        n_predict,
+        threads: ggml_sys::Threads::unpinned(n_threads),
+        draft: None,
+        batch: sluice::generate::DEFAULT_BATCH,
+    };
     generate::generate(model, PROMPT, &params, |_, _| {}).expect("generation").tokens
 }
 

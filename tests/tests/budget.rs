@@ -1,13 +1,14 @@
 //! Memory budget gates: the ledger's arithmetic against numbers worked out by hand from the
 //! fixture's spec and its GGUF headers (two fixtures), llama.cpp's metadata-only sizes against a
-//! real context's, the refusals with the fixes they offer, and what a head split over RPC
-//! workers keeps.
+//! real context's, the refusals with the fixes they offer, what a head split over RPC workers
+//! keeps, and the prompt batch chosen from the budget.
 
 use ggml_sys::{Context, GgufFile, Threads};
 use sluice::board::resolve::Sourced;
-use sluice::budget::{self, BudgetError, Item, PlanRequest, OVERHEAD_BYTES};
-use sluice::generate::{context_params, load_model};
+use sluice::budget::{self, BudgetError, Item, PlanRequest, BATCH_CHOICES, OVERHEAD_BYTES};
+use sluice::generate::{context_params, load_model, ContextShape};
 use sluice::stream::{kernel, DensePolicy, ExpertIndex};
+use sluice_hal::storage::Medium;
 use sluice_tests::Fixture;
 
 const PAGE: u64 = 4096;
@@ -263,4 +264,95 @@ fn a_head_split_over_workers_plans_only_the_layers_it_keeps() {
 /// Σ exact sizes of the tensors `keep` selects, from the GGUF header.
 fn tensor_bytes(g: &GgufFile, keep: impl Fn(&str) -> bool) -> u64 {
     g.tensors().iter().filter(|t| keep(&t.name)).map(|t| t.size).sum()
+}
+
+/// `--batch auto`: the largest prompt batch whose plan fits and keeps the storage's share of
+/// batch 512's expert cache. Checked against that rule applied by hand to each batch's ledger,
+/// over a sweep of budgets, on SD and on NVMe storage; a slot's positions cap the batch.
+#[test]
+fn the_prompt_batch_from_the_budget_is_the_largest_that_keeps_enough_of_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    // 96 MiB of experts: a cache that a larger batch's compute buffers can halve.
+    let wide = sluice::synth::SynthSpec { layers: 16, expert_ff: 512, ..Fixture::F16.spec() };
+    let path = dir.path().join("wide.gguf");
+    sluice::synth::synthesize(&wide, &path, 2).unwrap();
+    let files = [path];
+    let index = ExpertIndex::open(&files[0]).unwrap();
+    let shape = |positions, batch| ContextShape { positions, slots: 1, batch };
+    let base = PlanRequest {
+        model: &files[0],
+        index: &index,
+        shape: shape(4096, 512),
+        dense: DensePolicy::Anon,
+        cache_bytes: None,
+        budget: budget(8192),
+        gpu: false,
+        rpc: None,
+        kept: 0,
+    };
+    let roomy = budget::plan_within_budget(&base).unwrap();
+    let baseline = roomy.bytes(Item::RuntimeOverhead) - OVERHEAD_BYTES;
+    let sizes: Vec<_> = BATCH_CHOICES
+        .iter()
+        .map(|&b| budget::measure_context(&files[0], shape(4096, b), Some(&index), None).unwrap())
+        .collect();
+    // The rule by hand for a budget and a process size: 0 where even batch 512 is refused.
+    let by_hand = |budget_bytes: u64, baseline: u64, medium: Medium| -> u32 {
+        let at = Sourced { value: budget_bytes, source: "test".into() };
+        let ledgers: Vec<_> = BATCH_CHOICES
+            .iter()
+            .zip(&sizes)
+            .map(|(&b, s)| {
+                budget::ledger(&PlanRequest { shape: shape(4096, b), budget: at.clone(), ..base.clone() }, s, baseline)
+            })
+            .collect();
+        let runs = |l: &budget::Ledger| l.fits() && l.cache_bytes() >= l.one_token_min;
+        if !runs(&ledgers[0]) {
+            return 0;
+        }
+        let floor = ledgers[0].cache_bytes() * budget::cache_kept_pct(medium) / 100;
+        let kept = ledgers.iter().skip(1).take_while(|l| runs(l) && l.cache_bytes() >= floor).count();
+        BATCH_CHOICES[kept]
+    };
+    let widest = budget::ledger(&PlanRequest { shape: shape(4096, 2048), ..base.clone() }, &sizes[2], baseline);
+    let (low, high) = (roomy.total - roomy.cache_bytes() - (16 << 20), widest.total + (16 << 20));
+    let margin = 2 << 20; // the process grows a little between plans
+    let mut seen = std::collections::BTreeSet::new();
+    let mut sd_larger = false;
+    for step in 0..=48 {
+        let b = low + (high - low) * step / 48;
+        let baseline = budget::plan_within_budget(&base).unwrap().bytes(Item::RuntimeOverhead) - OVERHEAD_BYTES;
+        let mut chose = Vec::new();
+        for medium in [Medium::Sd, Medium::Nvme] {
+            let expected = by_hand(b, baseline + margin, medium);
+            if expected != by_hand(b, baseline.saturating_sub(margin), medium) {
+                continue; // too near a threshold to tell
+            }
+            let req = PlanRequest { budget: Sourced { value: b, source: "test".into() }, ..base.clone() };
+            let chosen = match budget::plan_batch_from_budget(&req, medium) {
+                Ok(l) => {
+                    assert!(l.describe().contains(&format!("prompt batch {}: from the budget", l.n_batch)));
+                    l.n_batch
+                }
+                Err(e) => {
+                    assert!(e.ledger().is_some(), "a refusal with its ledger: {e}");
+                    0
+                }
+            };
+            assert_eq!(chosen, expected, "{medium:?} at a budget of {:.1} MiB", b as f64 / f64::from(1 << 20));
+            seen.insert((medium.name(), chosen));
+            chose.push(chosen);
+        }
+        sd_larger |= matches!(chose[..], [sd, nvme] if sd > nvme && nvme > 0);
+    }
+    for (medium, batch) in [("nvme", 0), ("nvme", 512), ("nvme", 2048), ("sd", 2048)] {
+        assert!(seen.contains(&(medium, batch)), "no budget gave {medium} batch {batch}: {seen:?}");
+    }
+    assert!(sd_larger, "at some budget SD storage takes a larger batch than NVMe, which keeps its cache: {seen:?}");
+
+    // A slot of 600 positions (768 in the context) takes no batch beyond them.
+    let short = PlanRequest { shape: shape(600, 512), ..base.clone() };
+    let l = budget::plan_batch_from_budget(&short, Medium::Nvme).unwrap();
+    assert_eq!(l.n_batch, 768, "{}", l.describe());
+    assert!(l.batch_basis.contains("768 positions take no larger batch"), "{}", l.batch_basis);
 }

@@ -14,11 +14,11 @@ use sluice_hal::cgroup::{MemoryCgroup, ReadThrottle};
 
 use super::boards::LoopbackWorker;
 use super::storage::{ceiling, read_sweep, Ceiling, SweepPoint};
-use super::{run_resident, run_streamed, BenchError, BenchRow};
+use super::{conversation, run_resident, run_streamed, BenchError, BenchRow};
 use crate::board::resolve::Sourced;
 use crate::board::{ComputeService, Draft, Overlap, ResolvedBoard};
-use crate::generate::{GenerateParams, NGRAM_DRAFT_MAX};
-use crate::launch::{Cache, Launch, LaunchError, Loaded, Positions};
+use crate::generate::{GenerateParams, Reuse, NGRAM_DRAFT_MAX};
+use crate::launch::{Batch, Cache, Launch, LaunchError, Loaded, Positions};
 use crate::lossy::Lossy;
 use crate::stream::{DensePolicy, ExpertIndex};
 use sluice_hal::usage::Usage;
@@ -53,18 +53,35 @@ pub enum ChildKind {
     /// Serial streaming with the automatic cache, the model's last layers resident on RPC
     /// workers (`--rpc`).
     StreamedAutoBoards,
+    /// A five-turn chat, every turn from an empty slot (the automatic cache, serial).
+    ChatFresh,
+    /// The same chat in a slot that keeps whole prompt batches, then its sixth turn warm and
+    /// after a restart that reads the saved slot back.
+    ChatKept,
+    /// [`ChildKind::ChatKept`] keeping any shared prefix (`--reuse any`, lossy).
+    ChatAny,
+    /// Clients generating at once (how many: the kind's count).
+    Clients,
     /// O_DIRECT reads of the model file at several lane counts and request sizes.
     ReadSweep,
     /// The storage ceiling: O_DIRECT reads of the model file.
     Ceiling,
 }
 
-/// The kinds the parent runs, in order, each with the boards it runs on: the drafting rows only
-/// when the board drafts, the verified rows with `verify`, a lossy row for each lossy mode
-/// `lossy` sets, a several-board row for each count in `boards`. The ceiling comes last: storage
+/// The kinds the parent runs, in order, each with its count (the boards it runs on, or the
+/// clients): the drafting rows only when the board drafts, the verified rows with `verify`, a
+/// lossy row for each lossy mode `lossy` sets, a several-board row for each count in `boards`,
+/// with `conversations` the chat rows and 1, 2 and 4 clients. The ceiling comes last: storage
 /// behind a cache of its own (a VM's host, a drive's DRAM) is then as warm for it as for the
 /// decodes before it, so the streamer's share of it is not flattered.
-pub fn kinds(draft: bool, verify: bool, lossy: &Lossy, sweep: bool, boards: &[u32]) -> Vec<(ChildKind, u32)> {
+pub fn kinds(
+    draft: bool,
+    verify: bool,
+    lossy: &Lossy,
+    sweep: bool,
+    boards: &[u32],
+    conversations: bool,
+) -> Vec<(ChildKind, u32)> {
     let mut kinds = vec![
         ChildKind::Resident,
         ChildKind::StreamedNoCache,
@@ -87,6 +104,10 @@ pub fn kinds(draft: bool, verify: bool, lossy: &Lossy, sweep: bool, boards: &[u3
     }
     let mut kinds: Vec<(ChildKind, u32)> = kinds.into_iter().map(|k| (k, 1)).collect();
     kinds.extend(boards.iter().filter(|&&n| n > 1).map(|&n| (ChildKind::StreamedAutoBoards, n)));
+    if conversations {
+        kinds.extend([(ChildKind::ChatFresh, 1), (ChildKind::ChatKept, 1), (ChildKind::ChatAny, 1)]);
+        kinds.extend([1, 2, 4].map(|n| (ChildKind::Clients, n)));
+    }
     if sweep {
         kinds.push((ChildKind::ReadSweep, 1));
     }
@@ -103,14 +124,18 @@ pub enum ChildOutput {
     Ceiling(Ceiling),
     /// The read sweep.
     Sweep(Vec<SweepPoint>),
+    /// Conversation rows (the chat's turns, or clients at once).
+    Conversation(Vec<BenchRow>),
 }
 
 /// Child side: runs `kind` on `model` (the process has joined its cgroup, and `board` was
 /// resolved after that, so its budget is the cgroup's limit); a lossy kind takes its mode's
 /// setting from `lossy` and also measures its quality against exact decoding; the several-board
-/// kind splits the model over the workers `rpc` lists.
+/// kind splits the model over the workers `rpc` lists; the clients kind runs `count` clients.
+#[allow(clippy::too_many_arguments)]
 pub fn run_child(
     kind: ChildKind,
+    count: u32,
     model: &Path,
     prompt: &str,
     n_predict: u32,
@@ -119,10 +144,21 @@ pub fn run_child(
     rpc: &[String],
 ) -> Result<ChildOutput, BenchError> {
     let index = ExpertIndex::open(model).map_err(LaunchError::from)?;
-    let params = GenerateParams { n_predict, threads: board.threads(), draft: None };
+    let params =
+        GenerateParams { n_predict, threads: board.threads(), draft: None, batch: crate::generate::DEFAULT_BATCH };
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
         ChildKind::ReadSweep => return Ok(ChildOutput::Sweep(read_sweep(model, &index)?)),
+        ChildKind::ChatFresh | ChildKind::ChatKept | ChildKind::ChatAny | ChildKind::Clients => {
+            let launch = StreamedRow::of(ChildKind::StreamedAuto, lossy).launch(model, prompt, n_predict, board, rpc);
+            let rows = match kind {
+                ChildKind::Clients => vec![conversation::clients(&launch, n_predict, count)?],
+                ChildKind::ChatKept => conversation::chat(&launch, n_predict, Some(Reuse::Exact))?,
+                ChildKind::ChatAny => conversation::chat(&launch, n_predict, Some(Reuse::Any))?,
+                _ => conversation::chat(&launch, n_predict, None)?,
+            };
+            return Ok(ChildOutput::Conversation(rows));
+        }
         ChildKind::Resident => run_resident(model, &index.shards, prompt, &params)?,
         ChildKind::ResidentDraft => {
             let params = GenerateParams { draft: Some(NGRAM_DRAFT_MAX), ..params };
@@ -198,7 +234,7 @@ impl StreamedRow {
             board,
             positions: Positions::Prompt { text: prompt.to_string(), n_predict },
             slots: 1,
-            batch: crate::generate::DEFAULT_BATCH,
+            batch: Batch::Fixed(crate::generate::DEFAULT_BATCH),
             cache: if self.auto { Cache::Auto } else { Cache::Fixed(0) },
             force_cache: false,
             dense: DensePolicy::Anon,
@@ -262,6 +298,8 @@ pub struct IsolatedPlan {
     /// Board counts of the several-board rows (loopback RPC workers, each in a cgroup of the
     /// budget); empty: none.
     pub boards: Vec<u32>,
+    /// Whether to add the conversation rows (chat turns, clients at once).
+    pub conversations: bool,
 }
 
 /// A read-rate limit on one disk.
@@ -282,6 +320,8 @@ pub struct IsolatedReport {
     pub ceiling: Ceiling,
     /// The read sweep (empty unless asked for).
     pub sweep: Vec<SweepPoint>,
+    /// The conversation rows (empty unless asked for).
+    pub conversations: Vec<BenchRow>,
 }
 
 /// Parent side: runs every kind of [`kinds`] in its own child and cgroup.
@@ -289,9 +329,11 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut rows = Vec::new();
     let mut ceiling = None;
     let mut sweep = Vec::new();
-    for (i, (kind, boards)) in kinds(plan.draft, plan.verify, &plan.lossy, plan.sweep, &plan.boards).iter().enumerate()
-    {
-        let workers = (1..*boards)
+    let mut conversations = Vec::new();
+    let kinds = kinds(plan.draft, plan.verify, &plan.lossy, plan.sweep, &plan.boards, plan.conversations);
+    for (i, &(kind, count)) in kinds.iter().enumerate() {
+        let boards = if kind == ChildKind::StreamedAutoBoards { count } else { 1 };
+        let workers = (1..boards)
             .map(|w| LoopbackWorker::start(&plan.exe, &plan.global_args, plan.budget, &format!("{i}-worker{w}")))
             .collect::<Result<Vec<_>, _>>()?;
         let rpc: Vec<String> = workers.iter().map(|w| w.endpoint.clone()).collect();
@@ -306,8 +348,9 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
             .arg("bench-child")
             .args(joins.iter().flat_map(|d| [OsString::from("--join-cgroup"), d.clone().into_os_string()]))
             .arg("--kind")
-            .arg(clap::ValueEnum::to_possible_value(kind).map_or(kind_name.clone(), |v| v.get_name().to_string()))
+            .arg(clap::ValueEnum::to_possible_value(&kind).map_or(kind_name.clone(), |v| v.get_name().to_string()))
             .args(&plan.child_args)
+            .args(["--count", &count.to_string()])
             .args(if rpc.is_empty() { Vec::new() } else { vec!["--rpc".to_string(), rpc.join(",")] })
             .output()
             .map_err(|e| BenchError::Io(format!("starting {}", plan.exe.display()), e))?;
@@ -328,6 +371,13 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
         match output {
             ChildOutput::Ceiling(c) => ceiling = Some(c),
             ChildOutput::Sweep(points) => sweep = points,
+            ChildOutput::Conversation(mut turns) => {
+                for row in &mut turns {
+                    row.cgroup_peak = cg.peak();
+                    row.limit_hits = cg.limit_hits();
+                }
+                conversations.extend(turns);
+            }
             ChildOutput::Row(mut row) => {
                 row.cgroup_peak = cg.peak();
                 // Every board's limit hits: the head's and the workers'.
@@ -349,5 +399,5 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
         status: "no result".into(),
         stderr: String::new(),
     })?;
-    Ok(IsolatedReport { rows, ceiling, sweep })
+    Ok(IsolatedReport { rows, ceiling, sweep, conversations })
 }

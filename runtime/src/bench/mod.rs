@@ -7,13 +7,14 @@
 
 pub mod boards;
 mod chart;
+pub mod conversation;
 pub mod isolated;
 mod report;
 pub mod storage;
 pub mod throttle;
 
 pub use chart::svg_bar_chart;
-pub use report::{csv, table};
+pub use report::{conversation_csv, conversation_table, csv, table};
 
 use std::path::{Path, PathBuf};
 
@@ -21,7 +22,7 @@ use sluice_hal::usage::{PhaseMeter, Usage};
 
 use crate::board::ResolvedBoard;
 use crate::generate::{self, GenerateError, GenerateParams, Session};
-use crate::launch::{Cache, Launch, LaunchError, Loaded, Positions};
+use crate::launch::{Batch, Cache, Launch, LaunchError, Loaded, Positions};
 use crate::stream::{DensePolicy, ExpertIndex};
 use crate::telemetry::Summary;
 use crate::units::mib;
@@ -133,7 +134,7 @@ impl BenchPlan {
             board: self.board.clone(),
             positions: Positions::Prompt { text: self.prompt.clone(), n_predict: self.n_predict },
             slots: 1,
-            batch: generate::DEFAULT_BATCH,
+            batch: Batch::Fixed(generate::DEFAULT_BATCH),
             cache: Cache::Fixed(cache_bytes),
             force_cache: true,
             dense: DensePolicy::Anon,
@@ -304,8 +305,12 @@ pub(crate) fn lossy_quality(launch: &Launch, n_predict: u32) -> Result<crate::lo
 /// Runs every configuration of `plan`, the resident reference first.
 pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, BenchError> {
     let index = ExpertIndex::open(&plan.model).map_err(LaunchError::from)?;
-    let params =
-        GenerateParams { n_predict: plan.n_predict, threads: plan.board.threads(), draft: plan.board.draft_max() };
+    let params = GenerateParams {
+        n_predict: plan.n_predict,
+        threads: plan.board.threads(),
+        draft: plan.board.draft_max(),
+        batch: generate::DEFAULT_BATCH,
+    };
     let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params)?];
     let all = index.all_expert_window_bytes();
     for &pct in &plan.cache_percents {

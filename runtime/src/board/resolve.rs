@@ -88,6 +88,8 @@ pub struct ResolvedBoard {
     pub poll: u32,
     /// One core per compute thread.
     pub strict_cpu: bool,
+    /// The storage the model is on, as probed (`other` where no block device was found).
+    pub medium: Medium,
     /// Largest single expert read, bytes.
     pub read_bytes: Sourced<u64>,
     /// Parallel expert readers.
@@ -157,6 +159,7 @@ pub fn resolve(
         priority: p.cpu.priority,
         poll: p.cpu.poll,
         strict_cpu: p.cpu.strict_cpu,
+        medium: probe.storage.as_ref().map_or(Medium::Other, |s| s.medium),
         read_bytes,
         lanes,
         direct_io: p.storage.direct_io && !overrides.no_direct_io,

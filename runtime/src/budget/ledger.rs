@@ -65,6 +65,9 @@ pub struct Ledger {
     pub n_ctx: u32,
     /// Largest batch a decode takes (prompt chunks).
     pub n_batch: u32,
+    /// Why the prompt batch is `n_batch` when the plan chose it (`--batch auto`); empty when
+    /// it was given.
+    pub batch_basis: String,
     /// Where the dense weights live (`anon` or `mmap`).
     pub dense: String,
     /// The lines, in ledger order.
@@ -187,6 +190,9 @@ impl Ledger {
         }
         let _ = writeln!(o, "  {:<17} {:>10.1} MiB", "total held", mib(self.total));
         let _ = writeln!(o, "  {:<17} {:>10.1} MiB    {}", "budget", mib(self.budget), self.budget_source);
+        if !self.batch_basis.is_empty() {
+            let _ = writeln!(o, "  prompt batch {}: {}", self.n_batch, self.batch_basis);
+        }
         if self.lines.iter().any(|l| !l.held) {
             let _ = writeln!(o, "  (* in the page cache, reclaimable: not counted in the total)");
         }

@@ -1,8 +1,11 @@
 //! The memory budget: the workspace ledger of a run (`sluice plan`), its automatic expert cache,
 //! and the refusal of plans that do not fit.
 
+mod batch;
 mod ledger;
 mod plan;
+
+pub use batch::{cache_kept_pct, plan_batch_from_budget, CHOICES as BATCH_CHOICES};
 
 pub use ledger::{ExpertLayout, Item, Ledger, LedgerLine};
 pub use plan::{ledger, measure_context, plan_within_budget, ContextSizes, PlanRequest, OVERHEAD_BYTES};

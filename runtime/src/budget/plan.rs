@@ -142,6 +142,7 @@ pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger 
         model: req.model.display().to_string(),
         n_ctx: params.n_ctx,
         n_batch: params.n_batch,
+        batch_basis: String::new(),
         dense: format!("{:?}", req.dense).to_lowercase(),
         lines,
         budget: req.budget.value,
@@ -233,7 +234,7 @@ fn expert_layout(index: &ExpertIndex) -> ExpertLayout {
 }
 
 /// The process's resident bytes now.
-fn resident_now() -> u64 {
+pub(super) fn resident_now() -> u64 {
     let u = Usage::sample();
     u.rss_anon + u.rss_file
 }
@@ -241,7 +242,11 @@ fn resident_now() -> u64 {
 /// Plans `req` and refuses it when it does not fit: over budget, or an automatic cache below one
 /// token's routed demand. The error shows the ledger and the smallest changes that fit.
 pub fn plan_within_budget(req: &PlanRequest) -> Result<Ledger, BudgetError> {
-    let baseline = resident_now();
+    plan_from(req, resident_now())
+}
+
+/// [`plan_within_budget`] for a process of `baseline` resident bytes before loading.
+pub(super) fn plan_from(req: &PlanRequest, baseline: u64) -> Result<Ledger, BudgetError> {
     let sizes = measure_context(req.model, req.shape, Some(req.index), req.rpc)?;
     let l = ledger(req, &sizes, baseline);
     if acceptable(&l) {

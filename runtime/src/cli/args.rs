@@ -11,7 +11,7 @@ use serde::Serialize;
 use serde_json::Value;
 
 use sluice::board::{self, BoardChoice, Overlap, Overrides, ResolvedBoard};
-use sluice::launch::{Cache, Launch, Positions};
+use sluice::launch::{Batch, Cache, Launch, Positions};
 use sluice::stream::DensePolicy;
 use sluice_hal::root::SysRoot;
 
@@ -122,6 +122,12 @@ pub struct StreamArgs {
     /// Where the dense (always-needed) weights live (the cuda service always uses mmap).
     #[arg(long, value_enum, default_value_t = DensePolicy::Anon)]
     pub dense: DensePolicy,
+    /// The most prompt tokens one decode takes, or `auto`: the largest of 512, 1024 and 2048
+    /// (at most the context) whose plan fits the budget and keeps enough of batch 512's expert
+    /// cache (half on SD and eMMC storage, all of it elsewhere). A prompt passes the routed
+    /// experts through once per batch. `--resident` takes the streamed run's choice.
+    #[arg(long, default_value = "auto", value_parser = Batch::parse)]
+    pub batch: Batch,
     /// Write per-token telemetry to this CSV file.
     #[arg(long)]
     pub csv: Option<PathBuf>,
@@ -141,7 +147,7 @@ impl StreamArgs {
             board: board.clone(),
             positions,
             slots: 1,
-            batch: sluice::generate::DEFAULT_BATCH,
+            batch: self.batch,
             cache: Cache::from_mib(self.cache_mb),
             force_cache: self.force_cache,
             dense: self.dense,

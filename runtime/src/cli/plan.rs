@@ -6,7 +6,7 @@ use anyhow::Result;
 use clap::Args;
 
 use sluice::board::BoardChoice;
-use sluice::launch::{Cache, Launch, Planned, Positions};
+use sluice::launch::{Batch, Cache, Launch, Planned, Positions};
 use sluice::lossy::Lossy;
 use sluice::stream::DensePolicy;
 
@@ -24,9 +24,10 @@ pub struct PlanArgs {
     /// Slots to plan for (`sluice serve --slots`): each holds `--ctx` positions of KV cache.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=sluice::serve::config::MAX_SLOTS as i64))]
     slots: u32,
-    /// The most prompt tokens one decode takes (`sluice serve --batch`).
-    #[arg(long, default_value_t = sluice::generate::DEFAULT_BATCH, value_parser = clap::value_parser!(u32).range(1..))]
-    batch: u32,
+    /// The most prompt tokens one decode takes (`sluice serve --batch`), or `auto`: the largest
+    /// the budget and the storage allow, as `sluice run` chooses it.
+    #[arg(long, default_value = "512", value_parser = Batch::parse)]
+    batch: Batch,
     /// A fixed expert cache in MiB (default: what the budget leaves).
     #[arg(long)]
     cache_mb: Option<u64>,

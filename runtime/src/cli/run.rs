@@ -7,7 +7,7 @@ use clap::Args;
 
 use sluice::board::{BoardChoice, ResolvedBoard};
 use sluice::generate::{self, GenerateParams, Generation};
-use sluice::launch::{Cost, Loaded, Positions};
+use sluice::launch::{Batch, Cost, Loaded, Positions};
 use sluice::stream::{CacheCounters, DensePolicy, TokenRow};
 use sluice::telemetry::{self, Summary};
 use sluice::units::mib;
@@ -57,10 +57,11 @@ fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GeneratePa
     let generation = generate::generate(model, prompt, params, |_, bytes| out.write(&display.push(bytes)))?;
     out.finish(&display.finish())?;
     noteln!(
-        "prompt: {} tokens in {:.3} s ({:.1} tok/s); generated: {} tokens, decode {:.2} tok/s{}",
+        "prompt: {} tokens in {:.3} s ({:.1} tok/s, batches of {}); generated: {} tokens, decode {:.2} tok/s{}",
         generation.prompt_tokens.len(),
         generation.prefill.as_secs_f64(),
         generation.prefill_tokens_per_s(),
+        params.batch,
         generation.tokens.len(),
         generation.decode_tokens_per_s(),
         if generation.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
@@ -82,7 +83,12 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     };
     sluice::metadata::check_model_file(model_path)?;
     let board = args::board(choice, Some(model_path), &a.tuning)?;
-    let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };
+    let params = GenerateParams {
+        n_predict: a.n_predict,
+        threads: board.threads(),
+        draft: board.draft_max(),
+        batch: a.stream.batch.first(),
+    };
     if a.stream.resident {
         if board.verify {
             log::warn!("storage.verify checks streamed reads; --resident reads through llama.cpp's mapping, unchecked (`sluice verify --check --model MODEL` checks the whole model)");
@@ -92,10 +98,30 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
             model_path,
             &ggml_sys::ModelParams { n_gpu_layers: gpu_layers, ..Default::default() },
         )?;
-        generate_and_print(&model, prompt, &params)?;
+        let batch = resident_batch(a, model_path, prompt, &board)?;
+        generate_and_print(&model, prompt, &GenerateParams { batch, ..params })?;
         return Ok(());
     }
     run_streamed(model_path, prompt, &params, &a.stream, &a.rpc, &board)
+}
+
+/// The prompt batch of a resident run: the fixed one, or the one the streamed run of the same
+/// prompt on `board` would choose (so that both compute alike and give the same text).
+fn resident_batch(a: &RunArgs, model: &Path, prompt: &str, board: &ResolvedBoard) -> Result<u32> {
+    if a.stream.batch != Batch::FromBudget {
+        return Ok(a.stream.batch.first());
+    }
+    let positions = Positions::Prompt { text: prompt.to_string(), n_predict: a.n_predict };
+    match a.stream.launch(model, positions, board, &[]).plan()?.ledger {
+        Ok(ledger) => Ok(ledger.n_batch),
+        Err(e) => {
+            log::info!(
+                "--batch auto: the streamed run would not fit the budget ({e}); the resident run takes batches of {}",
+                a.stream.batch.first()
+            );
+            Ok(a.stream.batch.first())
+        }
+    }
 }
 
 /// Streams `model_path` (checked by the caller: `run`, or the demo's own model): prints the
@@ -200,9 +226,10 @@ fn report(loaded: &Loaded, end: &RunEnd, rows: &[TokenRow], draft: bool) -> Usag
         (open.wall + g.prefill).as_secs_f64()
     );
     noteln!(
-        "prompt: {} tokens in {:.3} s; generated {} tokens{}",
+        "prompt: {} tokens in {:.3} s (batches of {}); generated {} tokens{}",
         g.prompt_tokens.len(),
         g.prefill.as_secs_f64(),
+        loaded.shape.batch,
         g.tokens.len(),
         if g.stopped_at_eog { " (stopped at end of sequence)" } else { "" }
     );
@@ -257,12 +284,18 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         "The weights are random: the words below are drawn from its vocabulary, not language. It shows the model loading and generating."
     );
     noteln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
-    let params = GenerateParams { n_predict: a.n_predict, threads: board.threads(), draft: board.draft_max() };
+    let params = GenerateParams {
+        n_predict: a.n_predict,
+        threads: board.threads(),
+        draft: board.draft_max(),
+        batch: generate::DEFAULT_BATCH,
+    };
     let args = StreamArgs {
         resident: false,
         cache_mb: Some(0),
         force_cache: false,
         dense: DensePolicy::Anon,
+        batch: Batch::Fixed(generate::DEFAULT_BATCH),
         csv: None,
         progress: false,
         lossy: Default::default(),

@@ -8,7 +8,7 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::board::{self, BoardChoice};
-use sluice::launch::{Cache, Launch, Positions};
+use sluice::launch::{Batch, Cache, Launch, Positions};
 use sluice::serve::access::{Access, KeySources};
 use sluice::serve::config::{self, ServeSettings, DEFAULT_SLOT_SAVE_MIB};
 use sluice::serve::engine::{EngineConfig, DEFAULT_CTX};
@@ -141,7 +141,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
             board,
             positions: set.ctx.map_or(Positions::ModelCapped(DEFAULT_CTX), Positions::Fixed),
             slots: set.slots.unwrap_or(1),
-            batch: set.batch.unwrap_or(sluice::generate::DEFAULT_BATCH),
+            batch: Batch::Fixed(set.batch.unwrap_or(sluice::generate::DEFAULT_BATCH)),
             cache: Cache::from_mib(set.cache_mb),
             force_cache: a.force_cache,
             dense: a.dense,
@@ -151,6 +151,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         },
         state_dir: state_dir.clone(),
         save_every: Duration::from_secs(a.save_secs),
+        reuse: set.reuse.unwrap_or_default(),
         slot_save_bytes: set.slot_save_mib.unwrap_or(DEFAULT_SLOT_SAVE_MIB).saturating_mul(1 << 20),
     };
     let keys = KeySources {

@@ -1,5 +1,6 @@
 //! Text generation over a loaded model: tokenize, prefill, decode (greedy or sampled), timing.
 
+mod run;
 mod sampler;
 mod session;
 
@@ -8,6 +9,7 @@ use std::time::Duration;
 
 use ggml_sys::{ContextParams, Model, ModelParams, Threads, Token};
 
+pub use run::{Callback, Client, Run};
 pub use sampler::{to_end, Chosen, Sampler};
 pub use session::{DecodeError, DecodeEvent, DecodeObserver, Session, SlotUse};
 
@@ -106,6 +108,8 @@ pub struct GenerateParams {
     pub threads: Threads,
     /// N-gram drafting: the most tokens drafted per decode (`None`: off).
     pub draft: Option<usize>,
+    /// The most prompt tokens one decode takes.
+    pub batch: u32,
 }
 
 /// The most tokens `--draft ngram` drafts per decode (llama.cpp's lookup decoding drafts fewer
@@ -192,6 +196,32 @@ pub fn context_params(shape: ContextShape, threads: &Threads) -> ContextParams {
     }
 }
 
+/// What a slot may keep of a later prompt that starts as its memory does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Reuse {
+    /// The shared prefix in whole prompt batches ([`kept_prefix`]): the answer is the same text
+    /// as from an empty slot.
+    #[default]
+    Exact,
+    /// Any shared prefix, the answers decoded a token at a time included (llama-server's
+    /// `cache_prompt`). LOSSY against a computation from nothing: llama.cpp's kernels depend on a
+    /// batch's size, so kept memory may differ from a recomputation in the last bits and a
+    /// greedy answer may then pick another token (a resident run given the same requests gives
+    /// the same text). Computes only what is new.
+    Any,
+}
+
+impl Reuse {
+    /// The unit a slot keeps prompts in: whole batches of `batch` tokens, or any token.
+    pub fn unit(self, batch: usize) -> usize {
+        match self {
+            Reuse::Exact => batch,
+            Reuse::Any => 1,
+        }
+    }
+}
+
 /// How many of `prompt`'s first tokens memory holding `exact` (tokens computed in whole prompt
 /// batches of `batch` from their start) keeps, its tokens still those of the prompt computed
 /// from nothing. llama.cpp picks kernels by a batch's size (and by how many of its tokens each
@@ -214,7 +244,7 @@ pub fn generate(
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
     let mut session = Session::new(
         model,
-        ContextShape::one((tokens.len() + params.n_predict as usize) as u32),
+        ContextShape { positions: (tokens.len() + params.n_predict as usize) as u32, slots: 1, batch: params.batch },
         &params.threads,
         None,
     )?;
