@@ -15,7 +15,7 @@ use std::time::Duration;
 use ggml_sys::{Model, Token};
 
 use crate::board::{Overlap, ResolvedBoard};
-use crate::budget::{self, BudgetError, Ledger, PlanRequest};
+use crate::budget::{self, Batch, BudgetError, Ledger, PlanRequest};
 use crate::generate::{self, ContextShape, GenerateError, Session};
 use crate::lossy::Lossy;
 use crate::scaleout::{self, ScaleError, Split};
@@ -59,37 +59,6 @@ impl Cache {
         match self {
             Cache::Auto => None,
             Cache::Fixed(b) => Some(b),
-        }
-    }
-}
-
-/// How many prompt tokens one decode takes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Batch {
-    /// This many (`--batch N`; at most a slot's positions).
-    Fixed(u32),
-    /// The largest the budget and the storage allow ([`budget::plan_batch_from_budget`],
-    /// `--batch auto`).
-    FromBudget,
-}
-
-impl Batch {
-    /// `--batch`'s value: `auto`, or a count of tokens of at least 1.
-    pub fn parse(s: &str) -> Result<Batch, String> {
-        if s == "auto" {
-            return Ok(Batch::FromBudget);
-        }
-        match s.parse::<u32>() {
-            Ok(n) if n >= 1 => Ok(Batch::Fixed(n)),
-            _ => Err(format!("{s:?} is not a batch: give `auto` or a count of tokens of at least 1")),
-        }
-    }
-
-    /// The batch a plan starts from: the fixed one, or [`generate::DEFAULT_BATCH`].
-    pub fn first(self) -> u32 {
-        match self {
-            Batch::Fixed(n) => n,
-            Batch::FromBudget => generate::DEFAULT_BATCH,
         }
     }
 }

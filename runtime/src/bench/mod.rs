@@ -21,8 +21,9 @@ use std::path::{Path, PathBuf};
 use sluice_hal::usage::{PhaseMeter, Usage};
 
 use crate::board::ResolvedBoard;
+use crate::budget::Batch;
 use crate::generate::{self, GenerateError, GenerateParams, Session};
-use crate::launch::{Batch, Cache, Launch, LaunchError, Loaded, Positions};
+use crate::launch::{Cache, Launch, LaunchError, Loaded, Positions};
 use crate::stream::{DensePolicy, ExpertIndex};
 use crate::telemetry::Summary;
 use crate::units::mib;

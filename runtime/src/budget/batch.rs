@@ -16,6 +16,37 @@ use crate::units::mib;
 use super::plan::{plan_from, resident_now, PlanRequest};
 use super::{BudgetError, Ledger};
 
+/// How many prompt tokens one decode takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Batch {
+    /// This many (`--batch N`; at most a slot's positions).
+    Fixed(u32),
+    /// The largest the budget and the storage allow ([`plan_batch_from_budget`],
+    /// `--batch auto`).
+    FromBudget,
+}
+
+impl Batch {
+    /// `--batch`'s value: `auto`, or a count of tokens of at least 1.
+    pub fn parse(s: &str) -> Result<Batch, String> {
+        if s == "auto" {
+            return Ok(Batch::FromBudget);
+        }
+        match s.parse::<u32>() {
+            Ok(n) if n >= 1 => Ok(Batch::Fixed(n)),
+            _ => Err(format!("{s:?} is not a batch: give `auto` or a count of tokens of at least 1")),
+        }
+    }
+
+    /// The batch a plan starts from: the fixed one, or [`DEFAULT_BATCH`].
+    pub fn first(self) -> u32 {
+        match self {
+            Batch::Fixed(n) => n,
+            Batch::FromBudget => DEFAULT_BATCH,
+        }
+    }
+}
+
 /// The prompt batches `--batch auto` chooses from, smallest first.
 pub const CHOICES: [u32; 3] = [DEFAULT_BATCH, 1024, 2048];
 

@@ -5,7 +5,7 @@ mod batch;
 mod ledger;
 mod plan;
 
-pub use batch::{cache_kept_pct, plan_batch_from_budget, CHOICES as BATCH_CHOICES};
+pub use batch::{cache_kept_pct, plan_batch_from_budget, Batch, CHOICES as BATCH_CHOICES};
 
 pub use ledger::{ExpertLayout, Item, Ledger, LedgerLine};
 pub use plan::{ledger, measure_context, plan_within_budget, ContextSizes, PlanRequest, OVERHEAD_BYTES};

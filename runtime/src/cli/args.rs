@@ -11,7 +11,8 @@ use serde::Serialize;
 use serde_json::Value;
 
 use sluice::board::{self, BoardChoice, Overlap, Overrides, ResolvedBoard};
-use sluice::launch::{Batch, Cache, Launch, Positions};
+use sluice::budget::Batch;
+use sluice::launch::{Cache, Launch, Positions};
 use sluice::stream::DensePolicy;
 use sluice_hal::root::SysRoot;
 

@@ -6,7 +6,8 @@ use anyhow::Result;
 use clap::Args;
 
 use sluice::board::BoardChoice;
-use sluice::launch::{Batch, Cache, Launch, Planned, Positions};
+use sluice::budget::Batch;
+use sluice::launch::{Cache, Launch, Planned, Positions};
 use sluice::lossy::Lossy;
 use sluice::stream::DensePolicy;
 

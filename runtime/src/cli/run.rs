@@ -6,8 +6,9 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::board::{BoardChoice, ResolvedBoard};
+use sluice::budget::Batch;
 use sluice::generate::{self, GenerateParams, Generation};
-use sluice::launch::{Batch, Cost, Loaded, Positions};
+use sluice::launch::{Cost, Loaded, Positions};
 use sluice::stream::{CacheCounters, DensePolicy, TokenRow};
 use sluice::telemetry::{self, Summary};
 use sluice::units::mib;

@@ -8,7 +8,8 @@ use anyhow::{Context as _, Result};
 use clap::Args;
 
 use sluice::board::{self, BoardChoice};
-use sluice::launch::{Batch, Cache, Launch, Positions};
+use sluice::budget::Batch;
+use sluice::launch::{Cache, Launch, Positions};
 use sluice::serve::access::{Access, KeySources};
 use sluice::serve::config::{self, ServeSettings, DEFAULT_SLOT_SAVE_MIB};
 use sluice::serve::engine::{EngineConfig, DEFAULT_CTX};
