@@ -99,7 +99,7 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
             model_path,
             &ggml_sys::ModelParams { n_gpu_layers: gpu_layers, ..Default::default() },
         )?;
-        let batch = resident_batch(a, model_path, prompt, &board)?;
+        let batch = resident_batch(a, model_path, prompt, &board);
         generate_and_print(&model, prompt, &GenerateParams { batch, ..params })?;
         return Ok(());
     }
@@ -107,20 +107,20 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
 }
 
 /// The prompt batch of a resident run: the fixed one, or the one the streamed run of the same
-/// prompt on `board` would choose (so that both compute alike and give the same text).
-fn resident_batch(a: &RunArgs, model: &Path, prompt: &str, board: &ResolvedBoard) -> Result<u32> {
+/// prompt on `board` would choose (so that both compute alike and give the same text). A model
+/// that cannot stream, or whose streamed run would not fit, takes batches of the default.
+fn resident_batch(a: &RunArgs, model: &Path, prompt: &str, board: &ResolvedBoard) -> u32 {
     if a.stream.batch != Batch::FromBudget {
-        return Ok(a.stream.batch.first());
+        return a.stream.batch.first();
     }
     let positions = Positions::Prompt { text: prompt.to_string(), n_predict: a.n_predict };
-    match a.stream.launch(model, positions, board, &[]).plan()?.ledger {
-        Ok(ledger) => Ok(ledger.n_batch),
+    let planned = a.stream.launch(model, positions, board, &[]).plan();
+    match planned.map_err(anyhow::Error::from).and_then(|p| Ok(p.ledger?)) {
+        Ok(ledger) => ledger.n_batch,
         Err(e) => {
-            log::info!(
-                "--batch auto: the streamed run would not fit the budget ({e}); the resident run takes batches of {}",
-                a.stream.batch.first()
-            );
-            Ok(a.stream.batch.first())
+            let batch = a.stream.batch.first();
+            log::info!("--batch auto: no streamed plan to follow ({e}); the resident run takes batches of {batch}");
+            batch
         }
     }
 }
