@@ -24,6 +24,7 @@ const MORE: [&str; 2] = [" Then the dog woke up and ran after the fox.", " The e
 trait Slotted {
     fn run(&mut self, at: SlotUse, prompt: &[Token]) -> Generation;
     fn held_in(&self, slot: u32) -> usize;
+    fn keep(&mut self, reuse: Reuse);
 }
 
 impl Slotted for Session<'_> {
@@ -35,6 +36,9 @@ impl Slotted for Session<'_> {
     fn held_in(&self, slot: u32) -> usize {
         self.held(slot).len()
     }
+    fn keep(&mut self, reuse: Reuse) {
+        self.set_reuse(reuse);
+    }
 }
 
 impl Slotted for StreamedSession<'_> {
@@ -44,6 +48,35 @@ impl Slotted for StreamedSession<'_> {
     }
     fn held_in(&self, slot: u32) -> usize {
         self.session().held(slot).len()
+    }
+    fn keep(&mut self, reuse: Reuse) {
+        self.set_reuse(reuse);
+    }
+}
+
+/// A conversation on a slotted session: every turn's tokens.
+type Talk = fn(&mut dyn Slotted, &Model, &str) -> Vec<Vec<Token>>;
+
+/// On every gate fixture, `talk` in a resident session and in a streamed one (no cache), both
+/// keeping what `reuse` says; the streamed turns must equal the resident ones.
+fn streamed_talks_as_resident(reuse: Reuse, talk: Talk) {
+    let dir = tempfile::tempdir().unwrap();
+    for f in gate_fixtures() {
+        let (files, index) = indexed_fixture(f, dir.path());
+        let model = sluice::generate::load_model(&files[0]).unwrap();
+        let threads = ggml_sys::Threads::unpinned(2);
+        let resident = {
+            let mut s = Session::new(&model, SHAPE, &threads, None).unwrap();
+            s.keep(reuse);
+            talk(&mut s, &model, &format!("{f:?} resident"))
+        };
+        drop(model);
+        let config = stream_config(0, 2, true, DensePolicy::Anon);
+        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+        let mut s = StreamedSession::open(&model, Arc::clone(&index), &config, SHAPE, &threads).unwrap();
+        s.keep(reuse);
+        let streamed = talk(&mut s, &model, &format!("{f:?} streamed"));
+        assert_eq!(streamed, resident, "{f:?}: streamed turns differ from resident ones");
     }
 }
 
@@ -57,7 +90,7 @@ fn next_turn(model: &Model, prompt: &[Token], g: &Generation, more: &str) -> Vec
 
 /// Runs the conversation in slot 0 with reuse, each turn checked against the same prompt in an
 /// emptied slot 1; returns every turn's tokens.
-fn conversation(s: &mut impl Slotted, model: &Model, what: &str) -> Vec<Vec<Token>> {
+fn conversation(s: &mut dyn Slotted, model: &Model, what: &str) -> Vec<Vec<Token>> {
     let mut prompt = model.tokenize(PROMPT, true).unwrap();
     let mut turns = Vec::new();
     // What the slot keeps of the next prompt: the last prompt's whole batches (the answer,
@@ -80,22 +113,7 @@ fn conversation(s: &mut impl Slotted, model: &Model, what: &str) -> Vec<Vec<Toke
 
 #[test]
 fn a_conversation_reuses_its_slot_and_answers_as_if_computed_afresh_resident_and_streamed() {
-    let dir = tempfile::tempdir().unwrap();
-    for f in gate_fixtures() {
-        let (files, index) = indexed_fixture(f, dir.path());
-        let model = sluice::generate::load_model(&files[0]).unwrap();
-        let threads = ggml_sys::Threads::unpinned(2);
-        let resident = {
-            let mut s = Session::new(&model, SHAPE, &threads, None).unwrap();
-            conversation(&mut s, &model, &format!("{f:?} resident"))
-        };
-        drop(model);
-        let config = stream_config(0, 2, true, DensePolicy::Anon);
-        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
-        let mut s = StreamedSession::open(&model, Arc::clone(&index), &config, SHAPE, &threads).unwrap();
-        let streamed = conversation(&mut s, &model, &format!("{f:?} streamed"));
-        assert_eq!(streamed, resident, "{f:?}: streamed turns differ from resident ones");
-    }
+    streamed_talks_as_resident(Reuse::Exact, conversation);
 }
 
 #[test]
@@ -135,13 +153,13 @@ fn a_saved_slot_put_back_goes_on_as_if_it_had_stayed_and_a_wrong_state_is_refuse
 /// Runs the conversation in slot 0 with any shared prefix kept ([`Reuse::Any`]): each turn keeps
 /// all the slot held (the last prompt and the answer's decoded tokens); returns every turn's
 /// tokens.
-fn conversation_keeping_any(s: &mut impl Slotted, model: &Model) -> Vec<Vec<Token>> {
+fn conversation_keeping_any(s: &mut dyn Slotted, model: &Model, what: &str) -> Vec<Vec<Token>> {
     let mut prompt = model.tokenize(PROMPT, true).unwrap();
     let mut turns = Vec::new();
     for turn in 0..=MORE.len() {
         let held = s.held_in(0);
         let g = s.run(SlotUse { slot: 0, reuse: true }, &prompt);
-        assert_eq!(g.reused, held, "turn {turn}: all the slot held is kept");
+        assert_eq!(g.reused, held, "{what}, turn {turn}: all the slot held is kept");
         turns.push(g.tokens.clone());
         if let Some(more) = MORE.get(turn) {
             prompt = next_turn(model, &prompt, &g, more);
@@ -152,21 +170,5 @@ fn conversation_keeping_any(s: &mut impl Slotted, model: &Model) -> Vec<Vec<Toke
 
 #[test]
 fn reuse_any_keeps_the_answers_too_and_streamed_equals_resident() {
-    let dir = tempfile::tempdir().unwrap();
-    for f in gate_fixtures() {
-        let (files, index) = indexed_fixture(f, dir.path());
-        let model = sluice::generate::load_model(&files[0]).unwrap();
-        let threads = ggml_sys::Threads::unpinned(2);
-        let resident = {
-            let mut s = Session::new(&model, SHAPE, &threads, None).unwrap();
-            s.set_reuse(Reuse::Any);
-            conversation_keeping_any(&mut s, &model)
-        };
-        drop(model);
-        let config = stream_config(0, 2, true, DensePolicy::Anon);
-        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
-        let mut s = StreamedSession::open(&model, Arc::clone(&index), &config, SHAPE, &threads).unwrap();
-        s.set_reuse(Reuse::Any);
-        assert_eq!(conversation_keeping_any(&mut s, &model), resident, "{f:?}: streamed turns differ from resident");
-    }
+    streamed_talks_as_resident(Reuse::Any, conversation_keeping_any);
 }

@@ -13,7 +13,6 @@ use super::{drop_cached, BenchRow};
 use crate::generate::{Chosen, Client, GenerateError, Generation, Reuse, Run, Sampler, SlotUse};
 use crate::launch::{Launch, LaunchError, Positions};
 use crate::stream::{StreamedSession, TokenRow};
-use crate::telemetry::Summary;
 use crate::units::mib;
 
 /// Turns in the chat (a sixth is the restart's).
@@ -44,31 +43,6 @@ fn tokenize(model: &ggml_sys::Model, text: &str, bos: bool) -> Result<Vec<Token>
     Ok(model.tokenize(text, bos).map_err(GenerateError::from)?)
 }
 
-/// One turn's row: `g` and the decodes it made.
-fn turn_row(label: String, g: &Generation, rows: &[TokenRow]) -> BenchRow {
-    let s = Summary::of_generation(rows, g);
-    BenchRow {
-        label,
-        cache_bytes: None,
-        tokens_per_s: s.tokens_per_s(),
-        mib_per_token: s.mib_per_token(),
-        hit_rate: Some(s.hit_rate),
-        major_faults: s.major_faults,
-        peak_rss: s.peak_rss,
-        read_mib_s: s.read_mib_per_s(),
-        stall_ms: None,
-        cgroup_peak: None,
-        limit_hits: None,
-        open_s: 0.0,
-        open_read: 0,
-        ttft_s: g.prefill.as_secs_f64(),
-        prefill_read: rows.iter().filter(|r| r.prefill).map(|r| r.bytes_read).sum(),
-        draft_accept: None,
-        lossy_quality: None,
-        tokens: g.tokens.clone(),
-    }
-}
-
 /// The chat: five turns, each from an empty slot (`kept` none) or in one slot that keeps what it
 /// can (exact or any prefix); when kept, then the sixth turn warm, and after a restart (the model
 /// dropped from memory and the page cache, opened again, the slot saved after turn five read
@@ -89,14 +63,22 @@ pub fn chat(launch: &Launch, n_predict: u32, kept: Option<Reuse>) -> Result<Vec<
         prompt.extend(turn_tokens(&loaded.model, turn)?);
         let (g, decodes) = answer(&mut session, at, &prompt, n_predict)?;
         let how = if kept.is_some() { format!("{} reused{mode}", g.reused) } else { "from an empty slot".into() };
-        rows.push(turn_row(format!("chat turn {turn} of {TURNS}, {} tokens, {how}", prompt.len()), &g, &decodes));
+        rows.push(BenchRow::of_generation(
+            format!("chat turn {turn} of {TURNS}, {} tokens, {how}", prompt.len()),
+            &g,
+            &decodes,
+        ));
         prompt.extend(&g.tokens);
     }
     let Some(reuse) = kept else { return Ok(rows) };
     let (held, state) = session.session().save_slot(0)?;
     prompt.extend(turn_tokens(&loaded.model, TURNS + 1)?);
     let (g, decodes) = answer(&mut session, at, &prompt, n_predict)?;
-    rows.push(turn_row(format!("chat turn {}, warm, {} reused{mode}", TURNS + 1, g.reused), &g, &decodes));
+    rows.push(BenchRow::of_generation(
+        format!("chat turn {}, warm, {} reused{mode}", TURNS + 1, g.reused),
+        &g,
+        &decodes,
+    ));
     drop(session);
     let files = loaded.index.shards.clone();
     drop(loaded);
@@ -107,7 +89,7 @@ pub fn chat(launch: &Launch, n_predict: u32, kept: Option<Reuse>) -> Result<Vec<
     session.restore_slot(0, &held, &state)?;
     let (g, decodes) = answer(&mut session, at, &prompt, n_predict)?;
     let label = format!("chat turn {} after a restart, saved slot read back, {} reused{mode}", TURNS + 1, g.reused);
-    rows.push(turn_row(label, &g, &decodes));
+    rows.push(BenchRow::of_generation(label, &g, &decodes));
     Ok(rows)
 }
 

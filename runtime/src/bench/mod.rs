@@ -24,7 +24,7 @@ use crate::board::ResolvedBoard;
 use crate::budget::Batch;
 use crate::generate::{self, GenerateError, GenerateParams, Session};
 use crate::launch::{Cache, Launch, LaunchError, Loaded, Positions};
-use crate::stream::{DensePolicy, ExpertIndex};
+use crate::stream::{DensePolicy, ExpertIndex, TokenRow};
 use crate::telemetry::Summary;
 use crate::units::mib;
 
@@ -97,6 +97,34 @@ pub struct BenchRow {
     pub lossy_quality: Option<crate::lossy::Agreement>,
     /// The generated tokens (to check every configuration agrees).
     pub tokens: Vec<ggml_sys::Token>,
+}
+
+impl BenchRow {
+    /// The row of a streamed generation `g` and the decodes it made, its time to first token the
+    /// prompt's; what the caller knows beyond them (cache, stall, open, drafting) left empty.
+    pub(crate) fn of_generation(label: String, g: &generate::Generation, rows: &[TokenRow]) -> BenchRow {
+        let s = Summary::of_generation(rows, g);
+        BenchRow {
+            label,
+            cache_bytes: None,
+            tokens_per_s: s.tokens_per_s(),
+            mib_per_token: s.mib_per_token(),
+            hit_rate: Some(s.hit_rate),
+            major_faults: s.major_faults,
+            peak_rss: s.peak_rss,
+            read_mib_s: s.read_mib_per_s(),
+            stall_ms: None,
+            cgroup_peak: None,
+            limit_hits: None,
+            open_s: 0.0,
+            open_read: 0,
+            ttft_s: g.prefill.as_secs_f64(),
+            prefill_read: rows.iter().filter(|r| r.prefill).map(|r| r.bytes_read).sum(),
+            draft_accept: None,
+            lossy_quality: None,
+            tokens: g.tokens.clone(),
+        }
+    }
 }
 
 /// The share of `g`'s drafted tokens that were accepted, when it drafted (`draft`).
@@ -251,26 +279,16 @@ pub(crate) fn run_streamed(
     let (mut session, open) = loaded.open()?;
     let open_s = open.wall.as_secs_f64();
     let (g, rows) = session.generate(&loaded.prompt, n_predict, |_, _| {}, |_| {})?;
-    let s = Summary::of_generation(&rows, &g);
+    let stall_ms = loaded.config.overlap.map(|_| Summary::of_generation(&rows, &g).stall_ms_per_token());
+    let row = BenchRow::of_generation(label(&loaded), &g, &rows);
     Ok(BenchRow {
-        label: label(&loaded),
         cache_bytes: Some(loaded.config.cache_bytes),
-        tokens_per_s: s.tokens_per_s(),
-        mib_per_token: s.mib_per_token(),
-        hit_rate: Some(s.hit_rate),
-        major_faults: s.major_faults,
-        peak_rss: s.peak_rss,
-        read_mib_s: s.read_mib_per_s(),
-        stall_ms: loaded.config.overlap.map(|_| s.stall_ms_per_token()),
-        cgroup_peak: None,
-        limit_hits: None,
+        stall_ms,
         open_s,
         open_read: open.read.unwrap_or(0),
-        ttft_s: open_s + g.prefill.as_secs_f64(),
-        prefill_read: rows.iter().filter(|r| r.prefill).map(|r| r.bytes_read).sum(),
+        ttft_s: open_s + row.ttft_s,
         draft_accept: draft_accept(launch.board.draft_max(), &g),
-        lossy_quality: None,
-        tokens: g.tokens,
+        ..row
     })
 }
 
