@@ -13,6 +13,7 @@ use super::{drop_cached, BenchRow};
 use crate::generate::{Chosen, Client, GenerateError, Generation, Reuse, Run, Sampler, SlotUse};
 use crate::launch::{Launch, LaunchError, Positions};
 use crate::stream::{StreamedSession, TokenRow};
+use crate::telemetry::Summary;
 use crate::units::mib;
 
 /// Turns in the chat (a sixth is the restart's).
@@ -150,11 +151,10 @@ pub fn clients(launch: &Launch, n_predict: u32, clients: u32) -> Result<BenchRow
         decoded += u64::from(g.decoded);
         tokens.extend(g.tokens);
     }
-    let decode: Vec<&TokenRow> = decodes.iter().filter(|r| !r.prefill).collect();
-    let wall: Duration = decode.iter().map(|r| r.wall).sum();
-    let read: u64 = decode.iter().map(|r| r.bytes_read).sum();
-    let rate = if wall.is_zero() { 0.0 } else { decoded as f64 / wall.as_secs_f64() };
-    let (hits, misses) = decode.iter().fold((0, 0), |(h, m), r| (h + r.hits, m + r.misses));
+    // The decodes after the prompts, every client's generated tokens counted.
+    let s = Summary { tokens: decoded as usize, ..Summary::of(&decodes) };
+    let rate = s.tokens_per_s();
+    let (hits, misses) = decodes.iter().filter(|r| !r.prefill).fold((0, 0), |(h, m), r| (h + r.hits, m + r.misses));
     Ok(BenchRow {
         label: format!(
             "{clients} client{} at once, {:.2} tok/s each",
@@ -163,11 +163,11 @@ pub fn clients(launch: &Launch, n_predict: u32, clients: u32) -> Result<BenchRow
         ),
         cache_bytes: Some(loaded.config.cache_bytes),
         tokens_per_s: rate,
-        mib_per_token: if decoded == 0 { 0.0 } else { mib(read) / decoded as f64 },
+        mib_per_token: s.mib_per_token(),
         hit_rate: (hits + misses > 0).then(|| hits as f64 / (hits + misses) as f64),
-        major_faults: decode.iter().map(|r| r.major_faults).sum(),
-        peak_rss: decodes.iter().map(|r| r.rss_anon + r.rss_file).max().unwrap_or(0),
-        read_mib_s: (!wall.is_zero()).then(|| mib(read) / wall.as_secs_f64()),
+        major_faults: s.major_faults,
+        peak_rss: s.peak_rss,
+        read_mib_s: (!s.wall.is_zero()).then(|| mib(s.bytes_read) / s.wall.as_secs_f64()),
         stall_ms: None,
         cgroup_peak: None,
         limit_hits: None,
