@@ -343,6 +343,7 @@ impl Launch {
             lanes: self.board.lanes(),
             dense: self.dense(),
             trace_routes: false,
+            cache_policy: self.board.cache_policy.value,
             gpu_layers: self.gpu_layers(),
             overlap: (overlap != Overlap::Off).then_some(stream::READ_BOUND),
             overlap_prompt_only: overlap == Overlap::Prompt,

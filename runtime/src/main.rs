@@ -46,6 +46,9 @@ enum Command {
     /// Write a model's checksum sidecar (MODEL.sluice-sums) for --verify, or with --check compare
     /// the model with it: for storage that rots, such as SD cards.
     Verify(cli::verify::VerifyArgs),
+    /// Replay a route trace (`bench --trace`) under each expert cache policy and Belady's MIN,
+    /// the offline optimum, at one or more cache sizes.
+    Replay(cli::replay::ReplayArgs),
     /// Serve the model over HTTP (OpenAI-compatible), as a systemd notify service.
     Serve(Box<cli::serve::ServeArgs>),
     /// Print the systemd drop-in (CPUAffinity, MemoryMax, ExecStart) for a board and model, or
@@ -111,6 +114,7 @@ fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
         Command::Probe(a) => cli::probe::run_probe(&a, board),
         Command::Plan(a) => cli::plan::run_plan(&a, board),
         Command::Verify(a) => cli::verify::run_verify(&a),
+        Command::Replay(a) => cli::replay::run_replay(&a),
         Command::Serve(a) => cli::serve::run_serve(&a, given),
         Command::Unit(a) => cli::serve::run_unit(&a, board),
         Command::Worker(a) => cli::worker::run_worker(&a, board),

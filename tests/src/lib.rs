@@ -177,6 +177,7 @@ pub fn stream_config(
         },
         dense,
         trace_routes: true,
+        cache_policy: sluice::stream::CachePolicy::Lru,
         gpu_layers: 0,
         overlap: None,
         overlap_prompt_only: false,

@@ -132,7 +132,8 @@ pub enum ChildOutput {
 /// Child side: runs `kind` on `model` (the process has joined its cgroup, and `board` was
 /// resolved after that, so its budget is the cgroup's limit); a lossy kind takes its mode's
 /// setting from `lossy` and also measures its quality against exact decoding; the several-board
-/// kind splits the model over the workers `rpc` lists; the clients kind runs `count` clients.
+/// kind splits the model over the workers `rpc` lists; the clients kind runs `count` clients; a
+/// streamed kind given `trace` writes its route trace there.
 #[allow(clippy::too_many_arguments)]
 pub fn run_child(
     kind: ChildKind,
@@ -143,6 +144,7 @@ pub fn run_child(
     board: &ResolvedBoard,
     lossy: &Lossy,
     rpc: &[String],
+    trace: Option<&Path>,
 ) -> Result<ChildOutput, BenchError> {
     let index = ExpertIndex::open(model).map_err(LaunchError::from)?;
     let params =
@@ -175,7 +177,7 @@ pub fn run_child(
                 });
             }
             let launch = row.launch(model, prompt, n_predict, board, rpc);
-            let mut out = run_streamed(&launch, &index.shards, n_predict, |loaded| row.label(loaded))?;
+            let mut out = run_streamed(&launch, &index.shards, n_predict, |loaded| row.label(loaded), trace)?;
             if !row.lossy.is_exact() {
                 out.lossy_quality = Some(super::lossy_quality(&launch, n_predict)?);
             }
@@ -301,6 +303,8 @@ pub struct IsolatedPlan {
     pub boards: Vec<u32>,
     /// Whether to add the conversation rows (chat turns, clients at once).
     pub conversations: bool,
+    /// Where the serial automatic-cache row writes its route trace (`None`: no trace).
+    pub trace: Option<PathBuf>,
 }
 
 /// A read-rate limit on one disk.
@@ -353,6 +357,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
             .args(&plan.child_args)
             .args(["--count", &count.to_string()])
             .args(if rpc.is_empty() { Vec::new() } else { vec!["--rpc".to_string(), rpc.join(",")] })
+            .args(plan.trace.iter().filter(|_| kind == ChildKind::StreamedAuto).flat_map(|t| [OsString::from("--trace"), t.into()]))
             .output()
             .map_err(|e| BenchError::Io(format!("starting {}", plan.exe.display()), e))?;
         let stdout = String::from_utf8_lossy(&out.stdout);

@@ -9,7 +9,7 @@ pub mod boards;
 mod chart;
 pub mod conversation;
 pub mod isolated;
-mod report;
+pub(crate) mod report;
 pub mod storage;
 pub mod throttle;
 
@@ -43,6 +43,9 @@ pub enum BenchError {
     /// A file operation failed.
     #[error("{0}: {1}")]
     Io(String, #[source] std::io::Error),
+    /// The route trace could not be written or read.
+    #[error(transparent)]
+    Trace(#[from] crate::stream::TraceError),
     /// A child configuration failed.
     #[error("the {kind} run failed ({status}): {stderr}")]
     Child {
@@ -267,18 +270,27 @@ pub(crate) fn run_resident(
 }
 
 /// Runs one streamed configuration: `launch` from a cold page cache (its `files` dropped), its
-/// prompt's `n_predict` tokens, labelled by `label` once loaded.
+/// prompt's `n_predict` tokens, labelled by `label` once loaded; with `trace`, every layer's
+/// routes are recorded and written there.
 pub(crate) fn run_streamed(
     launch: &Launch,
     files: &[PathBuf],
     n_predict: u32,
     label: impl FnOnce(&Loaded) -> String,
-) -> Result<BenchRow, LaunchError> {
+    trace: Option<&Path>,
+) -> Result<BenchRow, BenchError> {
     drop_cached(files);
     let loaded = launch.load(&mut |_| {})?;
     let (mut session, open) = loaded.open()?;
     let open_s = open.wall.as_secs_f64();
-    let (g, rows) = session.generate(&loaded.prompt, n_predict, |_, _| {}, |_| {})?;
+    if trace.is_some() {
+        session.streamer().start_trace();
+    }
+    let (g, rows) = session.generate(&loaded.prompt, n_predict, |_, _| {}, |_| {}).map_err(LaunchError::from)?;
+    if let Some(path) = trace {
+        let name = launch.model.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        session.streamer().route_trace(name).save(path)?;
+    }
     let stall_ms = loaded.config.overlap.map(|_| Summary::of_generation(&rows, &g).stall_ms_per_token());
     let row = BenchRow::of_generation(label(&loaded), &g, &rows);
     Ok(BenchRow {
@@ -339,7 +351,7 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, BenchError> {
             if plan.board.verify { ", verified" } else { "" }
         );
         let launch = plan.launch(all * u64::from(pct) / 100);
-        rows.push(run_streamed(&launch, &index.shards, plan.n_predict, |_| label)?);
+        rows.push(run_streamed(&launch, &index.shards, plan.n_predict, |_| label, None)?);
     }
     Ok(rows)
 }

@@ -13,14 +13,15 @@ fn io_bound(r: &BenchRow, ceiling: f64) -> Option<f64> {
     (r.read_mib_s.is_some() && r.mib_per_token > 0.0).then(|| ceiling / r.mib_per_token)
 }
 
-/// One column of the results table: header and the cell of each row.
-struct Column {
-    header: &'static str,
+/// One column of a results table: header and the cell of each row.
+pub(crate) struct Column {
+    header: String,
     cells: Vec<String>,
 }
 
-fn column(header: &'static str, rows: &[BenchRow], cell: impl Fn(&BenchRow) -> String) -> Column {
-    Column { header, cells: rows.iter().map(cell).collect() }
+/// The column `header` of `rows`, each cell `cell` of its row.
+pub(crate) fn column<T>(header: impl Into<String>, rows: &[T], cell: impl Fn(&T) -> String) -> Column {
+    Column { header: header.into(), cells: rows.iter().map(cell).collect() }
 }
 
 fn opt<T>(v: Option<T>, f: impl Fn(T) -> String) -> String {
@@ -74,7 +75,7 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
 }
 
 /// Columns as an aligned text table (the first left-aligned, the rest right-aligned).
-fn render(cols: &[Column], n_rows: usize) -> String {
+pub(crate) fn render(cols: &[Column], n_rows: usize) -> String {
     let widths: Vec<usize> =
         cols.iter().map(|c| c.cells.iter().map(String::len).chain([c.header.len()]).max().unwrap_or(0)).collect();
     let mut out = String::new();
@@ -87,7 +88,7 @@ fn render(cols: &[Column], n_rows: usize) -> String {
             .collect();
         let _ = writeln!(out, "{}", parts.join("  "));
     };
-    line(cols.iter().map(|c| c.header).collect(), &mut out);
+    line(cols.iter().map(|c| c.header.as_str()).collect(), &mut out);
     for i in 0..n_rows {
         line(cols.iter().map(|c| c.cells[i].as_str()).collect(), &mut out);
     }
@@ -103,10 +104,14 @@ pub fn conversation_table(rows: &[BenchRow]) -> String {
 
 /// The conversation rows as CSV.
 pub fn conversation_csv(rows: &[BenchRow]) -> String {
-    let cols = conversation_columns(rows);
+    columns_csv(&conversation_columns(rows), rows.len())
+}
+
+/// Columns as CSV: their headers, then a record per row.
+pub(crate) fn columns_csv(cols: &[Column], n_rows: usize) -> String {
     let mut w = csv::Writer::from_writer(Vec::new());
-    let _ = w.write_record(cols.iter().map(|c| c.header));
-    for i in 0..rows.len() {
+    let _ = w.write_record(cols.iter().map(|c| c.header.as_str()));
+    for i in 0..n_rows {
         // Writing into memory cannot fail.
         let _ = w.write_record(cols.iter().map(|c| c.cells[i].as_str()));
     }

@@ -7,6 +7,7 @@ pub mod profile;
 mod report;
 pub mod resolve;
 pub mod select;
+mod service;
 
 use std::path::PathBuf;
 

@@ -177,6 +177,8 @@ pub struct MemorySection {
     /// Memory left to the OS and other services, MiB.
     #[serde(default = "default_reserve")]
     pub reserve_mib: u64,
+    /// How the expert cache evicts: "lru" or "frequency". Absent: the runtime's default.
+    pub cache_policy: Option<crate::stream::CachePolicy>,
 }
 
 /// The most MiB a profile's memory fields may give (16 TiB): sizes stay far from wrapping when

@@ -8,9 +8,17 @@ use sluice_hal::storage::Medium;
 use ggml_sys::SchedPriority;
 
 use super::caps::BuildCaps;
-use super::profile::{BoardProfile, Draft, Overlap, ServiceName};
+use super::profile::{BoardProfile, Draft, Overlap};
+use super::service::compute_service;
+pub use super::service::ComputeService;
 use super::select::SelectedBoard;
 use super::BoardError;
+use crate::stream::CachePolicy;
+
+/// The expert cache's policy where neither the profile nor the command line names one.
+const DEFAULT_CACHE_POLICY: CachePolicy = CachePolicy::Lru;
+/// Why.
+const DEFAULT_CACHE_POLICY_WHY: &str = "default: lru";
 
 /// Command-line values that override the profile.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -29,33 +37,8 @@ pub struct Overrides {
     pub overlap: Option<Overlap>,
     /// `--draft`.
     pub draft: Option<Draft>,
-}
-
-/// The compute service a run uses.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ComputeService {
-    /// ggml's CPU thread pool on the compute cores.
-    Cpu,
-    /// Dense layers on the GPU, experts kept in CPU buffers and streamed.
-    Cuda {
-        /// Layers offloaded.
-        n_gpu_layers: u32,
-    },
-}
-
-impl ComputeService {
-    /// Layers offloaded to a GPU (0 on the cpu service).
-    pub fn gpu_layers(&self) -> u32 {
-        match self {
-            ComputeService::Cpu => 0,
-            ComputeService::Cuda { n_gpu_layers } => *n_gpu_layers,
-        }
-    }
-
-    /// Whether layers are offloaded to a GPU.
-    pub fn offloads(&self) -> bool {
-        matches!(self, ComputeService::Cuda { n_gpu_layers } if *n_gpu_layers > 0)
-    }
+    /// `--cache-policy`.
+    pub cache_policy: Option<CachePolicy>,
 }
 
 /// A value and where it came from (`profile storage.lanes`, `--io-lanes`, `probe`, ...).
@@ -102,6 +85,8 @@ pub struct ResolvedBoard {
     pub overlap: Sourced<Overlap>,
     /// Draft tokens per decode.
     pub draft: Sourced<Draft>,
+    /// How the expert cache evicts.
+    pub cache_policy: Sourced<CachePolicy>,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
     /// The compute service.
@@ -150,6 +135,11 @@ pub fn resolve(
         (None, Some(d)) => sourced(d, "profile compute.draft"),
         (None, None) => sourced(Draft::Off, "default: off, measured slower streamed (docs/benchmarks.md)"),
     };
+    let cache_policy = match (overrides.cache_policy, p.memory.cache_policy) {
+        (Some(c), _) => sourced(c, "--cache-policy"),
+        (None, Some(c)) => sourced(c, "profile memory.cache_policy"),
+        (None, None) => sourced(DEFAULT_CACHE_POLICY, DEFAULT_CACHE_POLICY_WHY),
+    };
     let (compute, compute_via) = compute_service(p, caps, origin, &mut notes)?;
     Ok(ResolvedBoard {
         compute_via,
@@ -166,6 +156,7 @@ pub fn resolve(
         verify: p.storage.verify || overrides.verify,
         overlap,
         draft,
+        cache_policy,
         budget,
         compute,
         notes,
@@ -376,39 +367,6 @@ fn cores_for_overlap(
     ));
     let threads = sourced(own.len() as u32, "one per compute core not reading (overlap)");
     (own, threads)
-}
-
-/// The compute service the profile names, if this build has it (the cpu service instead when
-/// the profile allows that fallback), and how extension work reaches it.
-fn compute_service(
-    p: &BoardProfile,
-    caps: BuildCaps,
-    origin: &str,
-    notes: &mut Vec<String>,
-) -> Result<(ComputeService, String), BoardError> {
-    let compute = match (p.compute.service, caps.gpu) {
-        (ServiceName::Cpu, _) => ComputeService::Cpu,
-        (ServiceName::Cuda, true) => ComputeService::Cuda { n_gpu_layers: p.compute.n_gpu_layers },
-        (ServiceName::Cuda, false) if p.compute.cpu_fallback => {
-            notes.push("compute.service = \"cuda\" but this build has no CUDA (or its driver finds no GPU): running on the cpu service (compute.cpu_fallback); a `--features cuda` build on the board runs it on the GPU".into());
-            ComputeService::Cpu
-        }
-        (ServiceName::Cuda, false) => return Err(BoardError::NoCuda { origin: origin.to_string() }),
-    };
-    let via = match (compute, caps.cuda_ordinal) {
-        (ComputeService::Cpu, _) if caps.cpu_parallel => {
-            "ggml_ext_cpu_parallel_v1 on the compute cores' thread pool".to_string()
-        }
-        (ComputeService::Cpu, _) => {
-            notes.push("this ggml lacks ggml_ext_cpu_parallel_v1 (vendor patch 0005): no extension kernels".into());
-            "the thread pool only (no extension service)".to_string()
-        }
-        (ComputeService::Cuda { .. }, Some(ordinal)) => {
-            format!("CUDA device {ordinal} (ggml_ext_cuda_device_v1), its stream lent by ggml_ext_cuda_context_v1")
-        }
-        (ComputeService::Cuda { .. }, None) => return Err(BoardError::NoCudaService { origin: origin.to_string() }),
-    };
-    Ok((compute, via))
 }
 
 impl ResolvedBoard {

@@ -53,6 +53,10 @@ pub struct TuningArgs {
     /// earlier in the text; greedy output is unchanged). Default: the profile's, else off.
     #[arg(long, value_enum)]
     pub draft: Option<sluice::board::Draft>,
+    /// How the expert cache evicts: lru, or frequency (the most often routed stay, with
+    /// ageing). Default: the profile's memory.cache_policy, else the runtime's default.
+    #[arg(long, value_enum)]
+    pub cache_policy: Option<sluice::stream::CachePolicy>,
 }
 
 impl TuningArgs {
@@ -74,6 +78,7 @@ impl TuningArgs {
                 None
             },
             draft: self.draft,
+            cache_policy: self.cache_policy,
         }
     }
 }
@@ -251,6 +256,7 @@ mod tests {
             overlap_prompt: true,
             no_overlap: false,
             draft: Some(Draft::Ngram),
+            cache_policy: Some(sluice::stream::CachePolicy::Frequency),
         };
         let lossy = LossyArgs { experts_used: Some(2), substitute: Some(4) };
         let child = passed_on(&tuning, &lossy);

@@ -62,7 +62,13 @@ pub struct BenchArgs {
     /// (written to conversations.csv).
     #[arg(long, requires = "budget_mb")]
     conversations: bool,
-    /// With --budget-mb: where to write bench.csv and bench.svg.
+    /// With --budget-mb: record the serial automatic-cache row's routed experts per token and
+    /// layer into OUT/trace.sluice-trace, and replay them under each cache policy and Belady's
+    /// MIN (the offline optimum) at that row's budget (printed, and written to replay.csv;
+    /// `sluice replay` replays it at other budgets).
+    #[arg(long, requires = "budget_mb")]
+    trace: bool,
+    /// With --budget-mb: where to write bench.csv, bench.svg and the trace.
     #[arg(long, default_value = ".")]
     out: PathBuf,
     #[command(flatten)]
@@ -100,6 +106,9 @@ pub struct BenchChildArgs {
     lossy: LossyArgs,
     #[command(flatten)]
     rpc: RpcArgs,
+    /// Record the route trace and write it here.
+    #[arg(long)]
+    trace: Option<PathBuf>,
 }
 
 fn model_mib(model: &std::path::Path) -> Result<f64> {
@@ -191,7 +200,9 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         sweep: a.read_sweep,
         boards: if a.rpc { vec![2, 3] } else { Vec::new() },
         conversations: a.conversations,
+        trace: a.trace.then(|| a.out.join("trace.sluice-trace")),
     };
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;
     let table = sluice::bench::table(&report.rows, Some(c.single_mib_s));
@@ -205,7 +216,9 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         c.lanes_request >> 10,
         c.lanes_mib_s
     );
-    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    if let Some(path) = &plan.trace {
+        write_replay(path, &a.out)?;
+    }
     if !report.sweep.is_empty() {
         outln!(
             "read sweep (O_DIRECT from a cold cache), MiB/s:\n{}",
@@ -239,6 +252,23 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         anyhow::bail!("an exact streamed configuration generated different tokens from the resident run");
     }
     Ok(())
+}
+
+/// Replays the bench's route trace at `path` under each policy and MIN at its run's budget, and
+/// at half and twice that; prints the table and writes `out`/replay.csv.
+fn write_replay(path: &std::path::Path, out: &std::path::Path) -> Result<()> {
+    let trace = sluice::stream::RouteTrace::load(path)?;
+    let budgets = [trace.budget / 2, trace.budget, trace.budget * 2];
+    let policies = [sluice::stream::CachePolicy::Lru, sluice::stream::CachePolicy::Frequency];
+    let outcomes = sluice::replay::compare(&trace, &policies, &budgets);
+    outln!(
+        "replay of the serial automatic-cache row's routes ({} cache; {}):\n{}",
+        trace.policy,
+        path.display(),
+        sluice::replay::table(&outcomes, false)
+    );
+    let csv = out.join("replay.csv");
+    std::fs::write(&csv, sluice::replay::csv(&outcomes)).with_context(|| format!("writing {}", csv.display()))
 }
 
 /// The arguments every child gets: the model, the prompt, the tokens, the tuning flags and the
@@ -288,8 +318,17 @@ pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
     }
     let board = args::board(choice, Some(&a.model), &a.tuning)?;
     a.rpc.configure_link()?;
-    let out =
-        isolated::run_child(a.kind, a.count, &a.model, &a.prompt, a.n_predict, &board, &a.lossy.lossy(), &a.rpc.rpc)?;
+    let out = isolated::run_child(
+        a.kind,
+        a.count,
+        &a.model,
+        &a.prompt,
+        a.n_predict,
+        &board,
+        &a.lossy.lossy(),
+        &a.rpc.rpc,
+        a.trace.as_deref(),
+    )?;
     outln!("{}", serde_json::to_string(&out)?);
     Ok(())
 }

@@ -113,6 +113,7 @@ pub mod args;
 pub mod bench;
 pub mod plan;
 pub mod probe;
+pub mod replay;
 pub mod run;
 pub mod serve;
 pub mod synth;

@@ -1,14 +1,44 @@
 //! The expert cache policy: which (layer, expert) slices stay resident under a byte budget.
 //!
 //! Pure bookkeeping (no I/O, no memory): the engine asks it what to load and what to evict for a
-//! layer's routed experts and carries the answer out. Least-recently-used eviction over an
-//! intrusive list of slots, so a layer costs O(routed experts) with no allocation. The experts
-//! the current layer needs are never evicted. When they alone exceed the budget (prefill batches
-//! can route to every expert of a layer), the cache runs over it by at most a staging allowance
-//! until the next layer lets it shrink back; a layer that needs more than that keeps what the
-//! budget holds and lets the rest pass through (read in waves, given back once computed).
+//! layer's routed experts and carries the answer out, and `sluice replay` runs the same code over
+//! a recorded trace. Every resident expert has an eviction key, the smallest evicted first, kept
+//! in an ordered set, so a layer costs O(routed experts × log resident). The experts the current
+//! layer needs are never evicted. When they alone exceed the budget (prefill batches can route to
+//! every expert of a layer), the cache runs over it by at most a staging allowance until the next
+//! layer lets it shrink back; a layer that needs more than that keeps what the budget holds and
+//! lets the rest pass through (read in waves, given back once computed).
 
-const NIL: u32 = u32::MAX;
+use std::collections::BTreeSet;
+
+/// Which resident expert goes first when room is needed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CachePolicy {
+    /// Least recently used.
+    Lru,
+    /// Least frequently routed, with ageing: an expert's key is the number of times it was ever
+    /// routed plus the key of the last expert evicted when it was last routed (GreedyDual with
+    /// frequency), so a once-hot expert that stops being routed is overtaken by newer ones
+    /// instead of staying forever. Ties go to the least recently used.
+    Frequency,
+}
+
+impl CachePolicy {
+    /// The policy's name as the command line and the profiles spell it.
+    pub fn name(self) -> &'static str {
+        match self {
+            CachePolicy::Lru => "lru",
+            CachePolicy::Frequency => "frequency",
+        }
+    }
+}
+
+impl std::fmt::Display for CachePolicy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
 
 /// Counters since the cache was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -35,23 +65,38 @@ impl CacheCounters {
     }
 }
 
+/// An eviction key: the smallest goes first.
+type Key = (u64, u64);
+
+/// Where admitted (warm-start) experts' keys start, counting down: below every key a routed
+/// expert gets, whose recency stamps count up from here.
+const STAMP_ORIGIN: u64 = 1 << 62;
+
 #[derive(Debug, Clone, Copy)]
 struct Slot {
     resident: bool,
     ever_loaded: bool,
     pinned_epoch: u64,
-    prev: u32,
-    next: u32,
+    /// Times routed (distinct per layer and decode), kept across evictions.
+    uses: u64,
+    key: Key,
 }
 
-/// LRU over (layer, expert) under a byte budget.
+/// The experts resident under a byte budget, evicted by a [`CachePolicy`].
 #[derive(Debug)]
 pub struct ExpertCache {
+    policy: CachePolicy,
     n_expert: u32,
     bytes: Vec<u64>,
     slots: Vec<Slot>,
-    head: u32, // most recently used
-    tail: u32, // least recently used
+    /// Resident experts by key.
+    order: BTreeSet<(Key, u32)>,
+    /// The next recency stamp (counts up).
+    stamp: u64,
+    /// The next admitted expert's stamp (counts down).
+    admitted: u64,
+    /// Frequency: the ageing floor, the key of the last expert evicted.
+    floor: u64,
     budget: u64,
     used: u64,
     epoch: u64,
@@ -79,22 +124,37 @@ impl LayerPlan {
 
 impl ExpertCache {
     /// A cache over `n_layer × n_expert` experts with `bytes(layer, expert)` each, holding at
-    /// most `budget` bytes (0: nothing stays resident beyond the layer that uses it).
-    pub fn new(n_layer: u32, n_expert: u32, budget: u64, bytes: impl Fn(u32, u32) -> u64) -> ExpertCache {
+    /// most `budget` bytes (0: nothing stays resident beyond the layer that uses it), evicting by
+    /// `policy`.
+    pub fn new(
+        policy: CachePolicy,
+        n_layer: u32,
+        n_expert: u32,
+        budget: u64,
+        bytes: impl Fn(u32, u32) -> u64,
+    ) -> ExpertCache {
         let n = (n_layer * n_expert) as usize;
         let sizes = (0..n as u32).map(|i| bytes(i / n_expert, i % n_expert)).collect();
-        let slot = Slot { resident: false, ever_loaded: false, pinned_epoch: 0, prev: NIL, next: NIL };
+        let slot = Slot { resident: false, ever_loaded: false, pinned_epoch: 0, uses: 0, key: (0, 0) };
         ExpertCache {
+            policy,
             n_expert,
             bytes: sizes,
             slots: vec![slot; n],
-            head: NIL,
-            tail: NIL,
+            order: BTreeSet::new(),
+            stamp: STAMP_ORIGIN,
+            admitted: STAMP_ORIGIN,
+            floor: 0,
             budget,
             used: 0,
             epoch: 0,
             counters: CacheCounters::default(),
         }
+    }
+
+    /// The eviction policy.
+    pub fn policy(&self) -> CachePolicy {
+        self.policy
     }
 
     /// The byte budget.
@@ -105,6 +165,11 @@ impl ExpertCache {
     /// Changes the budget; the next layer evicts down to it.
     pub fn set_budget(&mut self, budget: u64) {
         self.budget = budget;
+    }
+
+    /// The bytes expert `e` of `layer` takes.
+    pub fn bytes(&self, layer: u32, e: u32) -> u64 {
+        self.bytes[self.idx(layer, e) as usize]
     }
 
     /// Bytes resident now.
@@ -126,56 +191,50 @@ impl ExpertCache {
         layer * self.n_expert + e
     }
 
-    fn unlink(&mut self, i: u32) {
-        let Slot { prev, next, .. } = self.slots[i as usize];
-        if prev != NIL {
-            self.slots[prev as usize].next = next;
-        } else {
-            self.head = next;
-        }
-        if next != NIL {
-            self.slots[next as usize].prev = prev;
-        } else {
-            self.tail = prev;
-        }
-        self.slots[i as usize].prev = NIL;
-        self.slots[i as usize].next = NIL;
-    }
-
-    fn push_front(&mut self, i: u32) {
-        self.slots[i as usize].prev = NIL;
-        self.slots[i as usize].next = self.head;
-        if self.head != NIL {
-            self.slots[self.head as usize].prev = i;
-        }
-        self.head = i;
-        if self.tail == NIL {
-            self.tail = i;
+    /// Entry `i` was just routed: its key as the policy ranks it now (recency, or frequency
+    /// over the ageing floor with recency breaking ties).
+    fn routed_key(&mut self, i: u32) -> Key {
+        self.stamp += 1;
+        match self.policy {
+            CachePolicy::Lru => (self.stamp, 0),
+            CachePolicy::Frequency => (self.floor + self.slots[i as usize].uses, self.stamp),
         }
     }
 
-    fn push_back(&mut self, i: u32) {
-        self.slots[i as usize].next = NIL;
-        self.slots[i as usize].prev = self.tail;
-        if self.tail != NIL {
-            self.slots[self.tail as usize].next = i;
-        }
-        self.tail = i;
-        if self.head == NIL {
-            self.head = i;
-        }
+    /// Re-keys resident entry `i`.
+    fn rekey(&mut self, i: u32, key: Key) {
+        let slot = &mut self.slots[i as usize];
+        self.order.remove(&(slot.key, i));
+        slot.key = key;
+        self.order.insert((key, i));
     }
 
-    /// Counts entry `i` as resident (and as loaded once); the caller links it into the LRU list.
-    fn make_resident(&mut self, i: u32) {
-        self.slots[i as usize].resident = true;
-        self.slots[i as usize].ever_loaded = true;
+    /// Counts entry `i` as resident (and as loaded once) under `key`.
+    fn make_resident(&mut self, i: u32, key: Key) {
+        let slot = &mut self.slots[i as usize];
+        slot.resident = true;
+        slot.ever_loaded = true;
+        slot.key = key;
         self.used += self.bytes[i as usize];
+        self.order.insert((key, i));
     }
 
-    /// Plans `layer` for its distinct routed experts `ids`: hits are refreshed, misses go into
-    /// `plan.load` (and count as resident from now on), and least-recently-used experts of other
-    /// layers go into `plan.evict` until the budget holds (or only pinned experts remain).
+    /// Evicts entry `i`.
+    fn evict(&mut self, i: u32) {
+        let slot = &mut self.slots[i as usize];
+        slot.resident = false;
+        self.order.remove(&(slot.key, i));
+        self.used -= self.bytes[i as usize];
+        self.counters.evictions += 1;
+        if self.policy == CachePolicy::Frequency {
+            self.floor = self.floor.max(slot.key.0);
+        }
+    }
+
+    /// Plans `layer` for its distinct routed experts `ids`: hits are re-keyed, misses go into
+    /// `plan.load` (and count as resident from now on), and the experts of other layers that
+    /// the policy ranks lowest go into `plan.evict` until the budget holds (or only pinned
+    /// experts remain).
     ///
     /// With `staging` (bytes), the layer may run over the budget by at most that much: when its
     /// misses need more, those that fit the budget are loaded (in `ids` order) and the rest go
@@ -188,32 +247,35 @@ impl ExpertCache {
         let mut incoming = 0u64;
         for &e in ids {
             let i = self.idx(layer, e);
-            self.slots[i as usize].pinned_epoch = self.epoch;
-            if self.slots[i as usize].resident {
+            let slot = &mut self.slots[i as usize];
+            slot.pinned_epoch = self.epoch;
+            slot.uses += 1;
+            if slot.resident {
                 self.counters.hits += 1;
-                self.unlink(i);
-                self.push_front(i);
+                let key = self.routed_key(i);
+                self.rekey(i, key);
             } else {
                 self.counters.misses += 1;
-                if self.slots[i as usize].ever_loaded {
+                if slot.ever_loaded {
                     self.counters.rereads += 1;
                 }
                 incoming += self.bytes[i as usize];
                 plan.load.push(e);
             }
         }
-        // Evict from the cold end, skipping what this layer needs.
-        let mut cursor = self.tail;
-        while self.used + incoming > self.budget && cursor != NIL {
-            let prev = self.slots[cursor as usize].prev;
-            if self.slots[cursor as usize].pinned_epoch != self.epoch {
-                self.unlink(cursor);
-                self.slots[cursor as usize].resident = false;
-                self.used -= self.bytes[cursor as usize];
-                self.counters.evictions += 1;
-                plan.evict.push((cursor / self.n_expert, cursor % self.n_expert));
+        // Evict from the low end, skipping what this layer needs.
+        let mut freed = 0u64;
+        for &(_, i) in &self.order {
+            if self.used - freed + incoming <= self.budget {
+                break;
             }
-            cursor = prev;
+            if self.slots[i as usize].pinned_epoch != self.epoch {
+                freed += self.bytes[i as usize];
+                plan.evict.push((i / self.n_expert, i % self.n_expert));
+            }
+        }
+        for &(l, e) in &plan.evict {
+            self.evict(self.idx(l, e));
         }
         if staging.is_some_and(|s| self.used + incoming > self.budget.saturating_add(s)) {
             let mut used = self.used;
@@ -232,31 +294,33 @@ impl ExpertCache {
         }
         for &e in &plan.load {
             let i = self.idx(layer, e);
-            self.make_resident(i);
-            self.push_front(i);
+            let key = self.routed_key(i);
+            self.make_resident(i, key);
         }
     }
 
-    /// Makes `(layer, e)` resident ahead of use (a warm start), as the coldest entry, if it is
-    /// not resident and fits the budget without evicting anything. Returns whether it was
-    /// admitted (the caller then reads it). Counts no hit or miss.
+    /// Makes `(layer, e)` resident ahead of use (a warm start), ranked below every routed
+    /// expert and below those admitted before it, if it is not resident and fits the budget
+    /// without evicting anything. Returns whether it was admitted (the caller then reads it).
+    /// Counts no hit or miss.
     pub fn admit(&mut self, layer: u32, e: u32) -> bool {
         let i = self.idx(layer, e);
         let slot = self.slots[i as usize];
         if slot.resident || self.used + self.bytes[i as usize] > self.budget {
             return false;
         }
-        self.make_resident(i);
-        self.push_back(i);
+        self.admitted -= 1;
+        self.make_resident(i, (0, self.admitted));
         true
     }
 
     /// Forgets that `(layer, e)` was loaded (its read failed): it is no longer resident.
     pub fn mark_failed(&mut self, layer: u32, e: u32) {
         let i = self.idx(layer, e);
-        if self.slots[i as usize].resident {
-            self.unlink(i);
-            self.slots[i as usize].resident = false;
+        let slot = &mut self.slots[i as usize];
+        if slot.resident {
+            slot.resident = false;
+            self.order.remove(&(slot.key, i));
             self.used -= self.bytes[i as usize];
         }
     }
@@ -274,7 +338,7 @@ mod tests {
 
     #[test]
     fn unbounded_cache_reads_each_expert_once() {
-        let mut c = ExpertCache::new(2, 4, u64::MAX, |_, _| 10);
+        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, u64::MAX, |_, _| 10);
         assert_eq!(plan(&mut c, 0, &[1, 2]).load, vec![1, 2]);
         assert_eq!(plan(&mut c, 1, &[0]).load, vec![0]);
         assert!(plan(&mut c, 0, &[2, 1]).load.is_empty());
@@ -284,7 +348,7 @@ mod tests {
 
     #[test]
     fn zero_budget_keeps_only_the_current_layer() {
-        let mut c = ExpertCache::new(2, 4, 0, |_, _| 10);
+        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, 0, |_, _| 10);
         plan(&mut c, 0, &[1, 2]);
         let p = plan(&mut c, 1, &[1]);
         assert_eq!(p.load, vec![1]);
@@ -298,7 +362,7 @@ mod tests {
 
     #[test]
     fn lru_evicts_the_coldest_and_never_the_current_layer() {
-        let mut c = ExpertCache::new(2, 4, 30, |_, _| 10);
+        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, 30, |_, _| 10);
         plan(&mut c, 0, &[0, 1, 2]);
         plan(&mut c, 0, &[0]); // 0 is now the most recent; 1 is the coldest
         let p = plan(&mut c, 1, &[3]);
@@ -313,7 +377,7 @@ mod tests {
 
     #[test]
     fn a_layer_beyond_budget_and_staging_passes_the_rest_through() {
-        let mut c = ExpertCache::new(2, 8, 30, |_, _| 10);
+        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 8, 30, |_, _| 10);
         plan(&mut c, 0, &[0]);
         let mut p = LayerPlan::with_capacity(8);
         // Within the budget plus 20 of staging: everything stays, as without a bound.
@@ -336,7 +400,7 @@ mod tests {
 
     #[test]
     fn admitted_experts_fit_the_budget_and_are_evicted_hottest_last() {
-        let mut c = ExpertCache::new(2, 4, 30, |_, _| 10);
+        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, 30, |_, _| 10);
         assert!(c.admit(0, 1));
         assert!(c.admit(1, 2));
         assert!(!c.admit(1, 2), "already resident");
@@ -352,11 +416,47 @@ mod tests {
 
     #[test]
     fn shrinking_the_budget_evicts_on_the_next_layer() {
-        let mut c = ExpertCache::new(2, 4, 100, |_, _| 10);
+        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, 100, |_, _| 10);
         plan(&mut c, 0, &[0, 1, 2, 3]);
         c.set_budget(20);
         let p = plan(&mut c, 1, &[0]);
         assert_eq!(p.evict.len(), 3);
         assert_eq!(c.used(), 20);
+    }
+
+    #[test]
+    fn frequency_keeps_the_often_routed_and_ages_out_the_stale() {
+        let mut c = ExpertCache::new(CachePolicy::Frequency, 1, 8, 30, |_, _| 10);
+        for _ in 0..3 {
+            plan(&mut c, 0, &[0]);
+        }
+        plan(&mut c, 0, &[1]);
+        plan(&mut c, 0, &[2]);
+        // Full (0 routed three times, 1 and 2 once): a newcomer evicts the least routed, the
+        // least recent of those first, where LRU would have evicted 0.
+        assert_eq!(plan(&mut c, 0, &[3]).evict, vec![(0, 1)]);
+        assert_eq!(plan(&mut c, 0, &[4]).evict, vec![(0, 2)]);
+        // Those evictions raised the floor to 1: a newcomer ranks 1 + its uses, so two more
+        // uses put 4 above 0 and 3 is now the lowest.
+        plan(&mut c, 0, &[4]);
+        plan(&mut c, 0, &[4]);
+        let p = plan(&mut c, 0, &[5]);
+        assert_eq!(p.evict, vec![(0, 3)]);
+        // 0 is not routed again: newcomer 5 already ranks level with it (floor 2 + one use) and
+        // ties go to the least recent, so the next newcomer evicts 0.
+        assert_eq!(plan(&mut c, 0, &[6]).evict, vec![(0, 0)], "a stale hot expert ages out");
+        assert_eq!(c.used(), 30);
+    }
+
+    #[test]
+    fn both_policies_keep_what_the_layer_needs_and_count_alike() {
+        for policy in [CachePolicy::Lru, CachePolicy::Frequency] {
+            let mut c = ExpertCache::new(policy, 2, 4, 20, |_, _| 10);
+            plan(&mut c, 0, &[0, 1]);
+            let p = plan(&mut c, 1, &[0, 1, 2]);
+            assert_eq!((p.load.len(), p.evict.len()), (3, 2), "{policy}");
+            assert!((0..3).all(|e| c.is_resident(1, e)), "{policy}");
+            assert_eq!(c.counters(), CacheCounters { hits: 0, misses: 5, evictions: 2, rereads: 0 }, "{policy}");
+        }
     }
 }

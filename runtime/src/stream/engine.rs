@@ -40,6 +40,7 @@ use super::kernel::{self, ExpertSource};
 use super::record::DecodeStats;
 use super::residency::Residency;
 use super::routing::{RouteRecord, Routing};
+use super::trace::RouteTrace;
 use super::StreamError;
 
 /// The smallest batch ggml's scheduler may move from the CPU to a GPU (its `op_offload` of
@@ -81,6 +82,8 @@ pub struct StreamerSettings {
     pub substitute: Option<u32>,
     /// Record every layer's routes.
     pub trace: bool,
+    /// How the expert cache evicts.
+    pub cache_policy: super::cache::CachePolicy,
 }
 
 /// The state the eval callback drives after the capture.
@@ -137,7 +140,13 @@ impl Streamer {
     ) -> Self {
         let n_expert = index.n_expert as usize;
         Streamer {
-            memory: Residency::new(Arc::clone(&index), bound.reservations, settings.cache_budget, sums),
+            memory: Residency::new(
+                Arc::clone(&index),
+                bound.reservations,
+                settings.cache_budget,
+                settings.cache_policy,
+                sums,
+            ),
             routing: Routing::new(index.n_layer, index.n_expert, settings.substitute, settings.trace),
             use_order: bound.use_order,
             reused: bound.reused,
@@ -162,6 +171,28 @@ impl Streamer {
     /// The recorded routes.
     pub fn trace(&self) -> &[RouteRecord] {
         self.routing.trace()
+    }
+
+    /// Starts recording every layer's routes from now on (an empty trace).
+    pub fn start_trace(&mut self) {
+        self.routing.start_trace();
+    }
+
+    /// The routes recorded so far, with what replaying them needs: each expert's bytes, the
+    /// staging allowance, this cache's budget and policy; `model` names the model.
+    pub fn route_trace(&self, model: String) -> RouteTrace {
+        let cache = self.memory.cache();
+        let (n_layer, n_expert) = (self.index.n_layer, self.index.n_expert);
+        RouteTrace {
+            model,
+            n_layer,
+            n_expert,
+            expert_bytes: (0..n_layer * n_expert).map(|i| cache.bytes(i / n_expert, i % n_expert)).collect(),
+            staging: self.staging,
+            budget: cache.budget(),
+            policy: cache.policy(),
+            steps: self.routing.trace().to_vec(),
+        }
     }
 
     /// The I/O lanes.
@@ -357,11 +388,11 @@ impl Streamer {
             return Ok(());
         }
         let memory = &self.memory;
-        self.stats.substituted += self.routing.read(t, layer, self.decode_no, |e| memory.is_resident(layer, e))?;
+        self.stats.substituted += self.routing.read(t, layer, |e| memory.is_resident(layer, e))?;
         let tokens = t.ne()[1];
         let in_kernel = !(self.gpu && tokens >= GPU_OFFLOAD_BATCH)
             && self.index.layer_tensors(layer).all(|(k, x)| self.in_kernel[k] && kernel::computes(x.ty, tokens));
-        self.plan_layer(layer, in_kernel);
+        self.plan_layer(layer, in_kernel, tokens);
         if self.jobs.is_empty() {
             return Ok(());
         }
@@ -394,9 +425,10 @@ impl Streamer {
     /// use order, each tensor's experts in file order: a prompt batch that routes most of a
     /// layer reads its tensors nearly end to end. Waves need every product of the layer in the
     /// kernel (`in_kernel`), each tensor used once.
-    fn plan_layer(&mut self, layer: u32, in_kernel: bool) {
+    fn plan_layer(&mut self, layer: u32, in_kernel: bool, tokens: i64) {
         let staging =
             (in_kernel && self.index.layer_tensors(layer).all(|(k, _)| !self.reused[k])).then_some(self.staging);
+        self.routing.record(self.decode_no, layer, tokens.try_into().unwrap_or(u32::MAX), staging.is_some());
         let ids = self.routing.ids();
         let before = self.memory.counters();
         self.memory.plan_layer(layer, ids, &mut self.plan, staging);

@@ -31,6 +31,8 @@ pub struct StreamConfig {
     pub dense: DensePolicy,
     /// Record every layer's routes (for tests and traces).
     pub trace_routes: bool,
+    /// How the expert cache evicts.
+    pub cache_policy: super::CachePolicy,
     /// Layers offloaded to a GPU (the `cuda` compute service; 0 on the CPU).
     pub gpu_layers: u32,
     /// Overlap expert reads with expert compute (the kernel computes each expert once its

@@ -18,9 +18,10 @@ pub mod record;
 pub mod residency;
 pub mod routing;
 pub mod session;
+pub mod trace;
 
 use crate::generate::GenerateError;
-pub use cache::CacheCounters;
+pub use cache::{CacheCounters, CachePolicy};
 pub use engine::Streamer;
 pub use index::{ExpertIndex, IndexError};
 pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, SliceCheck, READ_BOUND};
@@ -28,6 +29,7 @@ pub use load::{lazy_pattern, load_configured, load_streamed_model, DensePolicy, 
 pub use record::{DecodeStats, TokenRow};
 pub use routing::RouteRecord;
 pub use session::{check_cache_budget, StreamedSession};
+pub use trace::{RouteTrace, TraceError};
 
 /// Errors of the streaming engine.
 #[derive(Debug, thiserror::Error)]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use ggml_sys::Reservation;
 
-use super::cache::{CacheCounters, ExpertCache, LayerPlan};
+use super::cache::{CacheCounters, CachePolicy, ExpertCache, LayerPlan};
 use super::checksums::ReadSums;
 use super::index::ExpertIndex;
 use super::io::{ReadJob, SliceCheck};
@@ -23,14 +23,15 @@ pub struct Residency {
 
 impl Residency {
     /// Nothing resident yet in `reservations` (one per expert tensor of `index`), under a cache
-    /// of `budget` bytes; reads are checked against `sums` when given.
+    /// of `budget` bytes evicting by `policy`; reads are checked against `sums` when given.
     pub fn new(
         index: Arc<ExpertIndex>,
         reservations: Vec<Arc<Reservation>>,
         budget: u64,
+        policy: CachePolicy,
         sums: Option<Arc<ReadSums>>,
     ) -> Residency {
-        let cache = empty_cache(&index, budget);
+        let cache = empty_cache(&index, budget, policy);
         Residency { index, reservations, cache, sums }
     }
 
@@ -117,7 +118,7 @@ impl Residency {
 
     /// Forgets every resident expert and gives back all their memory.
     pub fn clear(&mut self) {
-        self.cache = empty_cache(&self.index, self.cache.budget());
+        self.cache = empty_cache(&self.index, self.cache.budget(), self.cache.policy());
         for r in &self.reservations {
             r.release(0, r.size());
         }
@@ -139,8 +140,9 @@ impl Residency {
     }
 }
 
-/// An empty expert cache of `budget` bytes over `index`'s experts, each accounted by its windows.
-fn empty_cache(index: &Arc<ExpertIndex>, budget: u64) -> ExpertCache {
+/// An empty expert cache of `budget` bytes over `index`'s experts, each accounted by its windows,
+/// evicting by `policy`.
+fn empty_cache(index: &Arc<ExpertIndex>, budget: u64, policy: CachePolicy) -> ExpertCache {
     let idx = Arc::clone(index);
-    ExpertCache::new(index.n_layer, index.n_expert, budget, move |l, e| idx.expert_window_bytes(l, e))
+    ExpertCache::new(policy, index.n_layer, index.n_expert, budget, move |l, e| idx.expert_window_bytes(l, e))
 }

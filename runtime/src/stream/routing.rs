@@ -6,13 +6,18 @@ use ggml_sys::TensorView;
 
 use super::StreamError;
 
-/// One layer's distinct routed experts in one decode (recorded when tracing is on).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One layer's distinct routed experts in one decode as the cache was asked for them
+/// (recorded when tracing is on).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct RouteRecord {
     /// Decode number (0 = the first decode after capture).
     pub decode: u64,
     /// Layer.
     pub layer: u32,
+    /// Tokens in the decode's batch.
+    pub tokens: u32,
+    /// Whether the layer could pass experts through (the cache's staging allowance applied).
+    pub staged: bool,
     /// Distinct expert ids, in the order first routed.
     pub experts: Vec<u32>,
 }
@@ -53,23 +58,13 @@ impl Routing {
     /// Reads `layer`'s routing at its top-k node `t` (`ne = [k, n_tokens]`, rows `nb[1]` apart):
     /// first substitutes cached experts for a single token's missed ones when that is on
     /// (`cached` says which are resident; the count substituted is returned), then records the
-    /// distinct routed experts ([`Routing::ids`]) in the heat map and the trace of decode
-    /// `decode`.
-    pub fn read(
-        &mut self,
-        t: TensorView<'_>,
-        layer: u32,
-        decode: u64,
-        cached: impl Fn(u32) -> bool,
-    ) -> Result<u64, StreamError> {
+    /// distinct routed experts ([`Routing::ids`]) in the heat map.
+    pub fn read(&mut self, t: TensorView<'_>, layer: u32, cached: impl Fn(u32) -> bool) -> Result<u64, StreamError> {
         let substituted = match self.substitute.filter(|_| t.ne()[1] == 1) {
             Some(window) => self.substitute_cached(t, window, cached)?,
             None => 0,
         };
         self.read_routed_ids(t, layer)?;
-        if let Some(trace) = self.trace.as_mut() {
-            trace.push(RouteRecord { decode, layer, experts: self.ids.to_vec() });
-        }
         let row = (layer * self.n_expert) as usize;
         for &e in &self.ids {
             self.heat[row + e as usize] += 1;
@@ -80,6 +75,19 @@ impl Routing {
     /// The distinct experts of the layer last read, in the order first routed.
     pub fn ids(&self) -> &[u32] {
         &self.ids
+    }
+
+    /// Records the layer last read in the trace, when tracing: decode `decode` of `tokens`
+    /// tokens, `staged` as the cache planned it.
+    pub fn record(&mut self, decode: u64, layer: u32, tokens: u32, staged: bool) {
+        if let Some(trace) = self.trace.as_mut() {
+            trace.push(RouteRecord { decode, layer, tokens, staged, experts: self.ids.to_vec() });
+        }
+    }
+
+    /// Starts tracing (again), from an empty trace.
+    pub fn start_trace(&mut self) {
+        self.trace = Some(Vec::new());
     }
 
     /// The recorded routes.

@@ -118,6 +118,7 @@ impl<'m> StreamedSession<'m> {
             overlap: config.overlap.map(|bound| Overlap { bound, prompt_only: config.overlap_prompt_only }),
             substitute: config.lossy.substitute,
             trace: config.trace_routes,
+            cache_policy: config.cache_policy,
         };
         let streamer = Arc::new(Mutex::new(Streamer::new(index, source, bound, claims.taken(), sums, settings)));
         // Set once, before any decode that streams.
