@@ -8,8 +8,8 @@ use std::time::Duration;
 use ggml_sys::GgufFile;
 use sluice::generate::GenerateError;
 use sluice::stream::{
-    load_streamed_model, DensePolicy, ExpertIndex, FaultKind, ReadFault, StreamConfig, StreamError, StreamedSession,
-    READ_BOUND,
+    load_streamed_model, CachePolicy, DensePolicy, ExpertIndex, FaultKind, ReadFault, RouteTrace, StreamConfig,
+    StreamError, StreamedSession, READ_BOUND,
 };
 use sluice_tests::{
     gate_fixtures, indexed_fixture, resident_reference, stream_config, stream_generate, streamed, Fixture,
@@ -29,6 +29,13 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
             ("cache off", stream_config(0, 2, true, DensePolicy::Anon)),
             ("cache holds everything", stream_config(UNBOUNDED, 2, true, DensePolicy::Anon)),
             ("cache evicts every layer", stream_config(tiny, 2, true, DensePolicy::Anon)),
+            (
+                "frequency cache of one token",
+                StreamConfig {
+                    cache_policy: CachePolicy::Frequency,
+                    ..stream_config(index.one_token_demand(), 2, true, DensePolicy::Anon)
+                },
+            ),
             ("1 lane", stream_config(0, 1, true, DensePolicy::Anon)),
             ("4 lanes", stream_config(0, 4, true, DensePolicy::Anon)),
             ("buffered reads", stream_config(0, 2, false, DensePolicy::Anon)),
@@ -666,6 +673,37 @@ fn a_prompt_batch_beyond_the_cache_passes_through_in_waves_within_the_staging() 
             }
         }
     }
+}
+
+#[test]
+fn the_live_cache_hits_what_the_replay_of_its_trace_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut hits, mut evictions) = (0, 0);
+    for f in [Fixture::Q8_0, Fixture::GptOss] {
+        let (files, index) = indexed_fixture(f, dir.path());
+        let reference = resident_reference(&files[0], N);
+        for policy in [CachePolicy::Lru, CachePolicy::Frequency] {
+            for cache in [index.one_token_demand(), index.all_expert_window_bytes() / 2] {
+                let what = format!("{f:?}, {policy}, a cache of {cache} bytes");
+                let config = StreamConfig { cache_policy: policy, ..stream_config(cache, 2, true, DensePolicy::Anon) };
+                let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+                let (mut session, tokens) = open_session(&model, &index, &config);
+                let (generation, _) = session.generate(&tokens, N, |_, _| {}, |_| {}).unwrap();
+                assert_eq!(generation.tokens, reference, "{what}: streamed output differs from resident");
+                let s = session.streamer();
+                let path = dir.path().join("routes.sluice-trace");
+                s.route_trace(f.file_name()).save(&path).unwrap();
+                let trace = RouteTrace::load(&path).unwrap();
+                assert_eq!((trace.budget, trace.policy), (cache, policy), "{what}");
+                let live = s.cache_counters();
+                let replayed = sluice::replay::replay(&trace, policy, cache).all;
+                assert_eq!((replayed.hits, replayed.misses), (live.hits, live.misses), "{what}: replay and live differ");
+                assert!(sluice::replay::belady(&trace, cache).all.hits >= live.hits, "{what}: MIN was beaten");
+                (hits, evictions) = (hits + live.hits, evictions + live.evictions);
+            }
+        }
+    }
+    assert!(hits > 0 && evictions > 0, "the runs must both hit and evict ({hits} hits, {evictions} evictions)");
 }
 
 #[test]
