@@ -305,6 +305,8 @@ pub struct IsolatedPlan {
     pub conversations: bool,
     /// Where the serial automatic-cache row writes its route trace (`None`: no trace).
     pub trace: Option<PathBuf>,
+    /// Threads kept busy beside every configuration (other services on the board).
+    pub competing: u32,
 }
 
 /// A read-rate limit on one disk.
@@ -336,6 +338,8 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let mut sweep = Vec::new();
     let mut conversations = Vec::new();
     let kinds = kinds(plan.draft, plan.verify, &plan.lossy, plan.sweep, &plan.boards, plan.conversations);
+    let _load = super::competing::CompetingLoad::start(plan.competing)
+        .map_err(|e| BenchError::Io("starting the competing load's threads".into(), e))?;
     for (i, &(kind, count)) in kinds.iter().enumerate() {
         let boards = if kind == ChildKind::StreamedAutoBoards { count } else { 1 };
         let workers = (1..boards)

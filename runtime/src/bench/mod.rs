@@ -7,6 +7,7 @@
 
 pub mod boards;
 mod chart;
+pub mod competing;
 pub mod conversation;
 pub mod isolated;
 pub(crate) mod report;

@@ -16,9 +16,10 @@ use super::BoardError;
 use crate::stream::CachePolicy;
 
 /// The expert cache's policy where neither the profile nor the command line names one.
-const DEFAULT_CACHE_POLICY: CachePolicy = CachePolicy::Lru;
+const DEFAULT_CACHE_POLICY: CachePolicy = CachePolicy::Frequency;
 /// Why.
-const DEFAULT_CACHE_POLICY_WHY: &str = "default: lru";
+const DEFAULT_CACHE_POLICY_WHY: &str =
+    "default: frequency, nearer Belady's MIN than lru in replays of the bench models' routes (docs/benchmarks.md)";
 
 /// Command-line values that override the profile.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

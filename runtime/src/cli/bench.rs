@@ -68,6 +68,10 @@ pub struct BenchArgs {
     /// `sluice replay` replays it at other budgets).
     #[arg(long, requires = "budget_mb")]
     trace: bool,
+    /// With --budget-mb: keep this many threads busy beside every configuration, as other
+    /// services on a board would (the compute threads and lanes then lose their cores at times).
+    #[arg(long, default_value_t = 0, requires = "budget_mb", value_parser = clap::value_parser!(u32).range(0..=64))]
+    competing: u32,
     /// With --budget-mb: where to write bench.csv, bench.svg and the trace.
     #[arg(long, default_value = ".")]
     out: PathBuf,
@@ -178,10 +182,11 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         Some(speed) => Some(storage_throttle(speed, &model, &board)?),
     };
     noteln!(
-        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}, a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
+        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}{}, a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
         model.display(),
         model_mib(&model)?,
         throttle.as_ref().map_or(String::new(), |(speed, _)| format!(", reads throttled to {speed}")),
+        if a.competing > 0 { format!(", {} busy threads beside", a.competing) } else { String::new() },
         a.n_predict,
         board.threads.value,
         board.lanes.value,
@@ -201,6 +206,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
         boards: if a.rpc { vec![2, 3] } else { Vec::new() },
         conversations: a.conversations,
         trace: a.trace.then(|| a.out.join("trace.sluice-trace")),
+        competing: a.competing,
     };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let report = isolated::run_isolated(&plan)?;
