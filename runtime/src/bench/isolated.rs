@@ -361,7 +361,12 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
             .args(&plan.child_args)
             .args(["--count", &count.to_string()])
             .args(if rpc.is_empty() { Vec::new() } else { vec!["--rpc".to_string(), rpc.join(",")] })
-            .args(plan.trace.iter().filter(|_| kind == ChildKind::StreamedAuto).flat_map(|t| [OsString::from("--trace"), t.into()]))
+            .args(
+                plan.trace
+                    .iter()
+                    .filter(|_| kind == ChildKind::StreamedAuto)
+                    .flat_map(|t| [OsString::from("--trace"), t.into()]),
+            )
             .output()
             .map_err(|e| BenchError::Io(format!("starting {}", plan.exe.display()), e))?;
         let stdout = String::from_utf8_lossy(&out.stdout);

@@ -9,9 +9,9 @@ use ggml_sys::SchedPriority;
 
 use super::caps::BuildCaps;
 use super::profile::{BoardProfile, Draft, Overlap};
+use super::select::SelectedBoard;
 use super::service::compute_service;
 pub use super::service::ComputeService;
-use super::select::SelectedBoard;
 use super::BoardError;
 use crate::stream::CachePolicy;
 

@@ -265,8 +265,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
 fn write_replay(path: &std::path::Path, out: &std::path::Path) -> Result<()> {
     let trace = sluice::stream::RouteTrace::load(path)?;
     let budgets = [trace.budget / 2, trace.budget, trace.budget * 2];
-    let policies = [sluice::stream::CachePolicy::Lru, sluice::stream::CachePolicy::Frequency];
-    let outcomes = sluice::replay::compare(&trace, &policies, &budgets);
+    let outcomes = sluice::replay::compare(&trace, &sluice::stream::CachePolicy::ALL, &budgets);
     outln!(
         "replay of the serial automatic-cache row's routes ({} cache; {}):\n{}",
         trace.policy,

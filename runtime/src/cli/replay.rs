@@ -41,7 +41,7 @@ pub fn run_replay(a: &ReplayArgs) -> Result<()> {
         mib(trace.budget),
         trace.policy
     );
-    let outcomes = sluice::replay::compare(&trace, &[CachePolicy::Lru, CachePolicy::Frequency], &budgets);
+    let outcomes = sluice::replay::compare(&trace, &CachePolicy::ALL, &budgets);
     out!("{}", sluice::replay::table(&outcomes, a.per_layer));
     if let Some(path) = &a.csv {
         std::fs::write(path, sluice::replay::csv(&outcomes)).with_context(|| format!("writing {}", path.display()))?;

@@ -151,9 +151,7 @@ pub fn replay(trace: &RouteTrace, policy: CachePolicy, budget: u64) -> Outcome {
 pub fn compare(trace: &RouteTrace, policies: &[CachePolicy], budgets: &[u64]) -> Vec<Outcome> {
     budgets
         .iter()
-        .flat_map(|&b| {
-            policies.iter().map(move |&p| replay(trace, p, b)).chain(std::iter::once(belady(trace, b)))
-        })
+        .flat_map(|&b| policies.iter().map(move |&p| replay(trace, p, b)).chain(std::iter::once(belady(trace, b))))
         .collect()
 }
 

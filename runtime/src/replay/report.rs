@@ -7,9 +7,7 @@ use crate::units::mib;
 
 /// MIN's byte hit rate at `o`'s budget among `all`.
 fn min_rate(all: &[Outcome], o: &Outcome) -> Option<f64> {
-    all.iter()
-        .find(|m| m.budget == o.budget && m.policy == super::Replayed::Min)
-        .map(|m| m.decode.byte_hit_rate())
+    all.iter().find(|m| m.budget == o.budget && m.policy == super::Replayed::Min).map(|m| m.decode.byte_hit_rate())
 }
 
 fn columns(outcomes: &[Outcome], per_layer: bool) -> Vec<Column> {

@@ -70,7 +70,7 @@ fn min_is_never_beaten_and_a_larger_budget_never_hurts_it() {
     let mut last = 0;
     for budget in [0, 10, 20, 30, 40, 80] {
         let min = belady(&t, budget);
-        for p in [CachePolicy::Lru, CachePolicy::Frequency] {
+        for p in CachePolicy::ALL {
             assert!(replay(&t, p, budget).all.hits <= min.all.hits, "{p} beat MIN at {budget}");
         }
         assert!(min.all.hits >= last);
@@ -103,15 +103,15 @@ fn the_replay_of_a_staged_prompt_passes_what_the_live_cache_passes() {
 
 #[test]
 fn the_table_names_each_policy_and_its_share_of_min() {
-    let outcomes = compare(&trace(), &[CachePolicy::Lru, CachePolicy::Frequency], &[30]);
+    let outcomes = compare(&trace(), &CachePolicy::ALL, &[30]);
     let policies: Vec<Replayed> = outcomes.iter().map(|o| o.policy).collect();
-    assert_eq!(
-        policies,
-        [Replayed::Online(CachePolicy::Lru), Replayed::Online(CachePolicy::Frequency), Replayed::Min]
-    );
+    assert_eq!(policies, [Replayed::Online(CachePolicy::Lru), Replayed::Online(CachePolicy::Frequency), Replayed::Min]);
     let text = table(&outcomes, true);
     // LRU's decode byte hit rate is 25%, MIN's 75%: a third of MIN's.
-    assert!(text.lines().nth(1).is_some_and(|l| l.contains("lru") && l.contains("25.0") && l.contains("33.3")), "{text}");
+    assert!(
+        text.lines().nth(1).is_some_and(|l| l.contains("lru") && l.contains("25.0") && l.contains("33.3")),
+        "{text}"
+    );
     assert!(text.contains("layer 1 %"), "{text}");
     let csv = csv(&outcomes);
     assert_eq!(csv.lines().count(), 4, "{csv}");

@@ -24,6 +24,9 @@ pub enum CachePolicy {
 }
 
 impl CachePolicy {
+    /// Every policy, for comparisons (`sluice replay`, `bench --trace`).
+    pub const ALL: [CachePolicy; 2] = [CachePolicy::Lru, CachePolicy::Frequency];
+
     /// The policy's name as the command line and the profiles spell it.
     pub fn name(self) -> &'static str {
         match self {
@@ -486,7 +489,7 @@ mod tests {
 
     #[test]
     fn both_policies_keep_what_the_layer_needs_and_count_alike() {
-        for policy in [CachePolicy::Lru, CachePolicy::Frequency] {
+        for policy in CachePolicy::ALL {
             let mut c = ExpertCache::new(policy, 2, 4, 20, |_, _| 10);
             plan(&mut c, 0, &[0, 1]);
             let p = plan(&mut c, 1, &[0, 1, 2]);
