@@ -58,7 +58,9 @@ QEMU_GATES := --test foundation --test streaming --test slots --test batched --t
 # (loopback RPC workers), rows checking every read against the model's checksum sidecar
 # (--verify), and on the skewed model at SD and NVMe speed the conversation rows (a five-turn
 # chat with and without prompt reuse, a restart that reads the saved slot back, 1, 2 and 4
-# clients at once; --conversations). Results under BENCH_DIR/<routing>-<speed>/.
+# clients at once; --conversations), and each run's serial automatic-cache routes replayed under
+# each cache policy and Belady's MIN (--trace: replay.csv). Results under
+# BENCH_DIR/<routing>-<speed>/.
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
 
@@ -129,7 +131,7 @@ bench: vendor
 		echo "== $$r routing, $$s"; \
 		target/release/sluice bench --model $(BENCH_DIR)/gptoss-$$r-f16-1650mb.gguf \
 			--budget-mb $(BENCH_BUDGET_MB) -n $$n --prompt-tokens 512 $$t $$w \
-			--experts-used 2 --substitute 4 --rpc --verify $$c --out $(BENCH_DIR)/$$r-$$s || exit 1; \
+			--experts-used 2 --substitute 4 --rpc --verify --trace $$c --out $(BENCH_DIR)/$$r-$$s || exit 1; \
 	done; done
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.

@@ -26,6 +26,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("telemetry", 8),
     ("serve", 9),
     ("bench", 9),
+    ("replay", 10),
 ];
 
 /// The most lines a source file may have.

@@ -13,7 +13,7 @@ pub struct CompetingLoad {
 
 impl CompetingLoad {
     /// Starts `n` threads, each busy on whatever CPU the scheduler gives it.
-    pub fn start(n: u32) -> std::io::Result<CompetingLoad> {
+    pub fn start(n: u32) -> Result<CompetingLoad, super::BenchError> {
         let stop = Arc::new(AtomicBool::new(false));
         let mut load = CompetingLoad { stop, threads: Vec::new() };
         for i in 0..n {
@@ -24,7 +24,8 @@ impl CompetingLoad {
                 }
             };
             // Dropped on an error: stops the threads already started.
-            load.threads.push(std::thread::Builder::new().name(format!("sluice-busy-{i}")).spawn(spin)?);
+            let thread = std::thread::Builder::new().name(format!("sluice-busy-{i}")).spawn(spin);
+            load.threads.push(thread.map_err(|e| super::BenchError::Io("starting a competing load thread".into(), e))?);
         }
         Ok(load)
     }

@@ -333,13 +333,9 @@ pub struct IsolatedReport {
 
 /// Parent side: runs every kind of [`kinds`] in its own child and cgroup.
 pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
-    let mut rows = Vec::new();
-    let mut ceiling = None;
-    let mut sweep = Vec::new();
-    let mut conversations = Vec::new();
+    let (mut rows, mut ceiling, mut sweep, mut conversations) = (Vec::new(), None, Vec::new(), Vec::new());
     let kinds = kinds(plan.draft, plan.verify, &plan.lossy, plan.sweep, &plan.boards, plan.conversations);
-    let _load = super::competing::CompetingLoad::start(plan.competing)
-        .map_err(|e| BenchError::Io("starting the competing load's threads".into(), e))?;
+    let _load = super::competing::CompetingLoad::start(plan.competing)?;
     for (i, &(kind, count)) in kinds.iter().enumerate() {
         let boards = if kind == ChildKind::StreamedAutoBoards { count } else { 1 };
         let workers = (1..boards)

@@ -177,22 +177,8 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
 fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardChoice, budget_mb: u64) -> Result<()> {
     let model = std::fs::canonicalize(&a.model).with_context(|| format!("{}", a.model.display()))?;
     let board = args::board(choice, Some(&model), &a.tuning)?;
-    let throttle = match a.storage_mbps {
-        None => None,
-        Some(speed) => Some(storage_throttle(speed, &model, &board)?),
-    };
-    noteln!(
-        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}{}, a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
-        model.display(),
-        model_mib(&model)?,
-        throttle.as_ref().map_or(String::new(), |(speed, _)| format!(", reads throttled to {speed}")),
-        if a.competing > 0 { format!(", {} busy threads beside", a.competing) } else { String::new() },
-        a.n_predict,
-        board.threads.value,
-        board.lanes.value,
-        board.read_bytes.value >> 10,
-        board.selected.id
-    );
+    let throttle = a.storage_mbps.map(|speed| storage_throttle(speed, &model, &board)).transpose()?;
+    note_isolated(a, &model, &board, throttle.as_ref().map(|(speed, _)| speed), prompt_tokens, budget_mb)?;
     let plan = IsolatedPlan {
         exe: std::env::current_exe().context("locating the sluice binary")?,
         global_args: vec!["--board".into(), choice.to_string().into()],
@@ -257,6 +243,30 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     if report.rows.iter().any(|r| r.lossy_quality.is_none() && r.tokens != report.rows[0].tokens) {
         anyhow::bail!("an exact streamed configuration generated different tokens from the resident run");
     }
+    Ok(())
+}
+
+/// Says what an isolated bench runs: the model, the cgroups, the throttle, the competing load.
+fn note_isolated(
+    a: &BenchArgs,
+    model: &std::path::Path,
+    board: &sluice::board::ResolvedBoard,
+    throttle: Option<&StorageSpeed>,
+    prompt_tokens: u32,
+    budget_mb: u64,
+) -> Result<()> {
+    noteln!(
+        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}{}, a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
+        model.display(),
+        model_mib(model)?,
+        throttle.map_or(String::new(), |speed| format!(", reads throttled to {speed}")),
+        if a.competing > 0 { format!(", {} busy threads beside", a.competing) } else { String::new() },
+        a.n_predict,
+        board.threads.value,
+        board.lanes.value,
+        board.read_bytes.value >> 10,
+        board.selected.id
+    );
     Ok(())
 }
 

@@ -140,13 +140,7 @@ impl Streamer {
     ) -> Self {
         let n_expert = index.n_expert as usize;
         Streamer {
-            memory: Residency::new(
-                Arc::clone(&index),
-                bound.reservations,
-                settings.cache_budget,
-                settings.cache_policy,
-                sums,
-            ),
+            memory: Residency::new(Arc::clone(&index), bound.reservations, &settings, sums),
             routing: Routing::new(index.n_layer, index.n_expert, settings.substitute, settings.trace),
             use_order: bound.use_order,
             reused: bound.reused,
@@ -181,18 +175,7 @@ impl Streamer {
     /// The routes recorded so far, with what replaying them needs: each expert's bytes, the
     /// staging allowance, this cache's budget and policy; `model` names the model.
     pub fn route_trace(&self, model: String) -> RouteTrace {
-        let cache = self.memory.cache();
-        let (n_layer, n_expert) = (self.index.n_layer, self.index.n_expert);
-        RouteTrace {
-            model,
-            n_layer,
-            n_expert,
-            expert_bytes: (0..n_layer * n_expert).map(|i| cache.bytes(i / n_expert, i % n_expert)).collect(),
-            staging: self.staging,
-            budget: cache.budget(),
-            policy: cache.policy(),
-            steps: self.routing.trace().to_vec(),
-        }
+        RouteTrace::of(model, self.memory.cache(), self.staging, self.routing.trace())
     }
 
     /// The I/O lanes.

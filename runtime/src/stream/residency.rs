@@ -23,15 +23,14 @@ pub struct Residency {
 
 impl Residency {
     /// Nothing resident yet in `reservations` (one per expert tensor of `index`), under a cache
-    /// of `budget` bytes evicting by `policy`; reads are checked against `sums` when given.
+    /// of the budget and policy `settings` name; reads are checked against `sums` when given.
     pub fn new(
         index: Arc<ExpertIndex>,
         reservations: Vec<Arc<Reservation>>,
-        budget: u64,
-        policy: CachePolicy,
+        settings: &super::engine::StreamerSettings,
         sums: Option<Arc<ReadSums>>,
     ) -> Residency {
-        let cache = empty_cache(&index, budget, policy);
+        let cache = empty_cache(&index, settings.cache_budget, settings.cache_policy);
         Residency { index, reservations, cache, sums }
     }
 

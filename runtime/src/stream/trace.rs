@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use super::cache::CachePolicy;
+use super::cache::{CachePolicy, ExpertCache};
 use super::routing::RouteRecord;
 
 /// The trace file's magic.
@@ -58,6 +58,22 @@ pub enum TraceError {
 }
 
 impl RouteTrace {
+    /// The trace of `steps`, routed through `cache` with `staging` bytes of staging, of the
+    /// model named `model`.
+    pub fn of(model: String, cache: &ExpertCache, staging: u64, steps: &[RouteRecord]) -> RouteTrace {
+        let (n_layer, n_expert) = (cache.n_layer(), cache.n_expert());
+        RouteTrace {
+            model,
+            n_layer,
+            n_expert,
+            expert_bytes: (0..n_layer * n_expert).map(|i| cache.bytes(i / n_expert, i % n_expert)).collect(),
+            staging,
+            budget: cache.budget(),
+            policy: cache.policy(),
+            steps: steps.to_vec(),
+        }
+    }
+
     /// The bytes of expert `e` of `layer`.
     pub fn bytes(&self, layer: u32, e: u32) -> u64 {
         self.expert_bytes[(layer * self.n_expert + e) as usize]

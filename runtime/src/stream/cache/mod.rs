@@ -181,6 +181,16 @@ impl ExpertCache {
         self.budget = budget;
     }
 
+    /// Layers.
+    pub fn n_layer(&self) -> u32 {
+        (self.slots.len() / self.n_expert.max(1) as usize) as u32
+    }
+
+    /// Experts per layer.
+    pub fn n_expert(&self) -> u32 {
+        self.n_expert
+    }
+
     /// The bytes expert `e` of `layer` takes.
     pub fn bytes(&self, layer: u32, e: u32) -> u64 {
         self.bytes[self.idx(layer, e) as usize]
@@ -352,150 +362,4 @@ impl ExpertCache {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn plan(c: &mut ExpertCache, layer: u32, ids: &[u32]) -> LayerPlan {
-        let mut p = LayerPlan::with_capacity(8);
-        c.plan_layer(layer, ids, &mut p, None);
-        p
-    }
-
-    #[test]
-    fn unbounded_cache_reads_each_expert_once() {
-        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, u64::MAX, |_, _| 10);
-        assert_eq!(plan(&mut c, 0, &[1, 2]).load, vec![1, 2]);
-        assert_eq!(plan(&mut c, 1, &[0]).load, vec![0]);
-        assert!(plan(&mut c, 0, &[2, 1]).load.is_empty());
-        assert_eq!(c.counters(), CacheCounters { hits: 2, misses: 3, evictions: 0, rereads: 0 });
-        assert_eq!(c.used(), 30);
-    }
-
-    #[test]
-    fn zero_budget_keeps_only_the_current_layer() {
-        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, 0, |_, _| 10);
-        plan(&mut c, 0, &[1, 2]);
-        let p = plan(&mut c, 1, &[1]);
-        assert_eq!(p.load, vec![1]);
-        assert_eq!(p.evict.len(), 2);
-        assert!(p.evict.contains(&(0, 1)) && p.evict.contains(&(0, 2)));
-        let p = plan(&mut c, 0, &[1]);
-        assert_eq!(p.load, vec![1], "with no cache every routed expert is read every time");
-        assert_eq!(c.counters().rereads, 1);
-        assert_eq!(c.used(), 10);
-    }
-
-    #[test]
-    fn lru_evicts_the_coldest_and_never_the_current_layer() {
-        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, 30, |_, _| 10);
-        plan(&mut c, 0, &[0, 1, 2]);
-        plan(&mut c, 0, &[0]); // 0 is now the most recent; 1 is the coldest
-        let p = plan(&mut c, 1, &[3]);
-        assert_eq!(p.evict, vec![(0, 1)]);
-        // A layer needing more than the budget keeps all it needs.
-        let p = plan(&mut c, 1, &[0, 1, 2, 3]);
-        assert_eq!(p.load, vec![0, 1, 2]);
-        assert!(p.evict.iter().all(|&(l, _)| l == 0));
-        assert!(c.used() >= 40);
-        assert!((0..4).all(|e| c.is_resident(1, e)));
-    }
-
-    #[test]
-    fn a_layer_beyond_budget_and_staging_passes_the_rest_through() {
-        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 8, 30, |_, _| 10);
-        plan(&mut c, 0, &[0]);
-        let mut p = LayerPlan::with_capacity(8);
-        // Within the budget plus 20 of staging: everything stays, as without a bound.
-        c.plan_layer(1, &[0, 1, 2, 3, 4], &mut p, Some(20));
-        assert_eq!((p.load.len(), p.pass.len()), (5, 0));
-        assert_eq!(c.used(), 50);
-        // Seven misses need 70 beyond the budget's 30: three are kept, four pass through.
-        c.plan_layer(0, &[7, 6, 5, 4, 3, 2, 1], &mut p, Some(20));
-        assert_eq!(p.load, vec![7, 6, 5]);
-        assert_eq!(p.pass, vec![4, 3, 2, 1]);
-        assert_eq!(p.evict.len(), 5, "the other layer's experts went first");
-        assert_eq!(c.used(), 30);
-        assert!(!c.is_resident(0, 4) && c.is_resident(0, 5));
-        assert_eq!(c.counters().misses, 13, "passed experts count as misses");
-        // Hits stay resident even when they alone exceed the budget.
-        c.set_budget(10);
-        c.plan_layer(0, &[5, 6, 7, 0], &mut p, Some(0));
-        assert_eq!((p.load.len(), p.pass, c.used()), (0, vec![0], 30));
-    }
-
-    #[test]
-    fn admitted_experts_fit_the_budget_and_are_evicted_hottest_last() {
-        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, 30, |_, _| 10);
-        assert!(c.admit(0, 1));
-        assert!(c.admit(1, 2));
-        assert!(!c.admit(1, 2), "already resident");
-        assert!(c.admit(0, 3));
-        assert!(!c.admit(1, 0), "over the budget: admitting never evicts");
-        assert_eq!(c.used(), 30);
-        assert_eq!(c.counters(), CacheCounters::default());
-        // A hit on an admitted expert; a miss then evicts the coldest: the last admitted.
-        assert!(plan(&mut c, 0, &[1]).load.is_empty());
-        let p = plan(&mut c, 1, &[0]);
-        assert_eq!(p.evict, vec![(0, 3)]);
-    }
-
-    #[test]
-    fn shrinking_the_budget_evicts_on_the_next_layer() {
-        let mut c = ExpertCache::new(CachePolicy::Lru, 2, 4, 100, |_, _| 10);
-        plan(&mut c, 0, &[0, 1, 2, 3]);
-        c.set_budget(20);
-        let p = plan(&mut c, 1, &[0]);
-        assert_eq!(p.evict.len(), 3);
-        assert_eq!(c.used(), 20);
-    }
-
-    #[test]
-    fn frequency_keeps_the_often_routed_over_the_recent() {
-        let mut c = ExpertCache::new(CachePolicy::Frequency, 1, 8, 30, |_, _| 10);
-        for _ in 0..3 {
-            plan(&mut c, 0, &[0]);
-        }
-        plan(&mut c, 0, &[1]);
-        plan(&mut c, 0, &[2]);
-        plan(&mut c, 0, &[2]);
-        // Full: 0 routed three times, 2 twice, 1 once. LRU would evict 0; frequency evicts 1,
-        // then the newcomer that came after it.
-        assert_eq!(plan(&mut c, 0, &[3]).evict, vec![(0, 1)]);
-        assert_eq!(plan(&mut c, 0, &[4]).evict, vec![(0, 3)]);
-        // Routed once more, 4 ties with 2 at two uses: the older (2) goes.
-        assert!(plan(&mut c, 0, &[4]).load.is_empty());
-        assert_eq!(plan(&mut c, 0, &[5]).evict, vec![(0, 2)]);
-        assert!(c.is_resident(0, 0) && c.is_resident(0, 4));
-    }
-
-    #[test]
-    fn frequency_ages_out_an_expert_no_longer_routed() {
-        // One layer: a half-life is 128 plans. Expert 0 is routed three times, then each plan
-        // routes a newcomer once. A newcomer outweighs 0 once its weight, 2^(t/128), exceeds
-        // 0's three early ones: about log2(3) = 1.58 half-lives (203 plans) later.
-        let mut c = ExpertCache::new(CachePolicy::Frequency, 1, 512, 20, |_, _| 10);
-        for _ in 0..3 {
-            plan(&mut c, 0, &[0]);
-        }
-        let mut gone = None;
-        for e in 1..300 {
-            if plan(&mut c, 0, &[e]).evict.contains(&(0, 0)) {
-                gone = Some(e);
-                break;
-            }
-        }
-        assert_eq!(gone, Some(203), "the three early uses of 0 are outweighed after ~1.58 half-lives");
-    }
-
-    #[test]
-    fn both_policies_keep_what_the_layer_needs_and_count_alike() {
-        for policy in CachePolicy::ALL {
-            let mut c = ExpertCache::new(policy, 2, 4, 20, |_, _| 10);
-            plan(&mut c, 0, &[0, 1]);
-            let p = plan(&mut c, 1, &[0, 1, 2]);
-            assert_eq!((p.load.len(), p.evict.len()), (3, 2), "{policy}");
-            assert!((0..3).all(|e| c.is_resident(1, e)), "{policy}");
-            assert_eq!(c.counters(), CacheCounters { hits: 0, misses: 5, evictions: 2, rereads: 0 }, "{policy}");
-        }
-    }
-}
+mod tests;
