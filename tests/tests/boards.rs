@@ -280,6 +280,10 @@ fn bad_profiles_name_the_file_the_field_and_the_fix() {
         &bad_profile(&format!("{base}[compute]\nservice = \"tpu\"\n"), false),
         &["myboard.toml", "unknown variant `tpu`"],
     );
+    assert_names(
+        &bad_profile(&format!("{base}[memory]\ncache_policy = \"mru\"\n"), false),
+        &["myboard.toml", "cache_policy", "unknown variant `mru`", "lru", "frequency"],
+    );
     assert_names(&bad_profile("[cpu]\npoll = 1\n", false), &["myboard.toml", "missing field `name`"]);
     assert_names(
         &bad_profile(&format!("{base}[cpu]\ncompute_cores = [0, 1, 1]\n"), false),

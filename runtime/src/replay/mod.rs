@@ -62,12 +62,7 @@ impl Tally {
 
     /// Hit bytes as a share of routed bytes (0 when nothing was routed).
     pub fn byte_hit_rate(&self) -> f64 {
-        let total = self.hit_bytes + self.miss_bytes;
-        if total == 0 {
-            0.0
-        } else {
-            self.hit_bytes as f64 / total as f64
-        }
+        crate::units::share(self.hit_bytes, self.miss_bytes)
     }
 }
 

@@ -58,12 +58,7 @@ pub struct CacheCounters {
 impl CacheCounters {
     /// Hits as a share of routed experts (0 when nothing was routed).
     pub fn hit_rate(&self) -> f64 {
-        let total = self.hits + self.misses;
-        if total == 0 {
-            0.0
-        } else {
-            self.hits as f64 / total as f64
-        }
+        crate::units::share(self.hits, self.misses)
     }
 }
 
