@@ -16,6 +16,7 @@ mod gguf;
 mod mapping_faults;
 mod model;
 mod pagecache;
+mod pool;
 mod quantize;
 mod reservation;
 mod rpc;
@@ -39,6 +40,7 @@ pub use gguf::{GgufFile, GgufTensor};
 pub use mapping_faults::name_mapped_model;
 pub use model::{Model, ModelParams, RpcSplit, Token};
 pub use pagecache::cached_bytes;
+pub use pool::{ExpertPool, SlotWrite};
 pub use quantize::{quantize, QuantType};
 pub use reservation::{page_size, Reservation};
 pub use rpc::{

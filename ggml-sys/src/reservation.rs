@@ -5,14 +5,21 @@
 //! page)`. A page-aligned window of the file then lands at a page-aligned address, exactly where
 //! the tensor's bytes belong: an `O_DIRECT` read goes straight into place with no bounce copy
 //! (the window's extra bytes are the neighbouring slices' own file bytes). Pages are committed
-//! when written and given back with [`Reservation::release`].
+//! when written and given back with [`Reservation::release`]. A reservation may use an
+//! [`ExpertPool`]: then [`Reservation::place`] maps some of its committed pages under a slice's
+//! own pages before a read writes them, and the release maps fresh anonymous memory back and
+//! returns them to the pool.
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, OnceLock};
 
 use memmap2::{Advice, MmapOptions, MmapRaw, UncheckedAdvice};
+
+use crate::pool::{ExpertPool, SlotWrite};
 
 /// The system page size.
 pub fn page_size() -> u64 {
@@ -35,6 +42,10 @@ pub struct Reservation {
     /// File offset and size of the tensor.
     file_offset: u64,
     size: u64,
+    /// The slots reads land in, when the streamer gave it some.
+    pool: OnceLock<Arc<ExpertPool>>,
+    /// The placements mapped now: offset in the mapping -> (bytes, placement id).
+    placed: Mutex<BTreeMap<usize, (usize, u64)>>,
 }
 
 impl Reservation {
@@ -50,7 +61,113 @@ impl Reservation {
         // Small pages only: a transparent huge page would commit 2 MiB for a 4 KiB expert
         // window and keep it after a release, beyond what the cache accounts. Best effort.
         let _ = map.advise(Advice::NoHugePage);
-        Ok(Reservation { map, file_base: file_offset - phase, file_offset, size })
+        Ok(Reservation {
+            map,
+            file_base: file_offset - phase,
+            file_offset,
+            size,
+            pool: OnceLock::new(),
+            placed: Mutex::new(BTreeMap::new()),
+        })
+    }
+
+    /// Lands this tensor's slices in `pool`'s slots from now on ([`Reservation::place`]);
+    /// `false` if it already uses a pool.
+    pub fn use_pool(&self, pool: Arc<ExpertPool>) -> bool {
+        self.pool.set(pool).is_ok()
+    }
+
+    /// The pages a slice `[from, to)` (tensor bytes) owns, as file offsets: those wholly inside
+    /// it, and the mapping's first and last pages with the tensor's first and last bytes (no
+    /// other slice shares them). What [`Reservation::release`] gives back and
+    /// [`Reservation::place`] maps a slot under.
+    fn own_pages(&self, from: u64, to: u64) -> Option<(u64, u64)> {
+        let to = to.min(self.size);
+        let from = from.min(to);
+        let page = page_size();
+        let map_end = self.file_base + self.map_len() as u64;
+        let start = if from == 0 { self.file_base } else { (self.file_offset + from).div_ceil(page) * page };
+        let end = if to == self.size { map_end } else { (self.file_offset + to) / page * page };
+        (end > start).then_some((start, end))
+    }
+
+    /// Maps free pages of the pool under the pages the slice `[from, to)` owns (or finds those
+    /// mapped there), so that a read into it lands in committed memory; returns the read's hold
+    /// on them. `None`, and the slice's pages stay anonymous (faulted in when written), when the
+    /// reservation uses no pool, the slice owns no page, the pool has too few pages free, or
+    /// another placement overlaps it.
+    pub fn place(&self, from: u64, to: u64) -> Option<SlotWrite<'_>> {
+        let pool = self.pool.get()?;
+        let (start, end) = self.own_pages(from, to)?;
+        let (at, len) = ((start - self.file_base) as usize, (end - start) as usize);
+        let mut placed = self.placed.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(&(l, id)) = placed.get(&at) {
+            if l != len {
+                return None;
+            }
+            pool.begin_write(id);
+            return Some(SlotWrite { pool, id });
+        }
+        if placed.range(..at + len).next_back().is_some_and(|(&s, &(l, _))| s + l > at) {
+            return None;
+        }
+        let taken = pool.take(len as u64)?;
+        let mut dst = at;
+        for &(offset, bytes) in &taken.runs {
+            // SAFETY: [dst, dst + bytes) lies inside [at, at + len), a page-aligned range inside
+            // this live mapping (own_pages clamps to it) that no placement overlaps (checked
+            // under the lock that every mapping change here holds). MAP_FIXED replaces the
+            // anonymous pages there with the pool's; the type hands out no reference into the
+            // mapping, and the pool hands these pages to no other placement until they are
+            // given back.
+            let mapped = unsafe {
+                libc::mmap(
+                    self.map_ptr().add(dst).cast(),
+                    bytes as usize,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_FIXED | libc::MAP_SHARED | libc::MAP_POPULATE,
+                    pool.raw_fd(),
+                    offset as libc::off_t,
+                )
+            };
+            if mapped == libc::MAP_FAILED {
+                log::warn!(
+                    "mapping expert pool pages failed ({}); reading into fresh pages",
+                    io::Error::last_os_error()
+                );
+                self.unmap_slot(at, len);
+                pool.end_write(taken.id);
+                pool.give_back(taken.id);
+                return None;
+            }
+            dst += bytes as usize;
+        }
+        placed.insert(at, (len, taken.id));
+        Some(SlotWrite { pool, id: taken.id })
+    }
+
+    /// Maps fresh anonymous memory (as the reservation's own) over `[at, at + len)` of the
+    /// mapping, where pool pages were. Call with the placement lock held.
+    fn unmap_slot(&self, at: usize, len: usize) {
+        // SAFETY: [at, at + len) is a page-aligned range inside this live mapping where pool
+        // pages were mapped (or a failed attempt left it); replacing it with anonymous memory drops
+        // the slice's bytes (later reads see zeros), as a release does, and no reference into
+        // the mapping exists.
+        let ok = unsafe {
+            let p = self.map_ptr().add(at).cast();
+            libc::mmap(
+                p,
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_FIXED | libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            ) != libc::MAP_FAILED
+                && libc::madvise(p, len, libc::MADV_NOHUGEPAGE) >= 0
+        };
+        if !ok {
+            log::error!("restoring anonymous memory under expert pool pages failed: {}", io::Error::last_os_error());
+        }
     }
 
     fn map_ptr(&self) -> *mut u8 {
@@ -173,26 +290,31 @@ impl Reservation {
     /// Gives back the pages wholly inside the tensor bytes `[from, to)` (relative to the
     /// tensor, clamped to it). Boundary pages that a neighbouring slice may share stay; the
     /// mapping's first and last pages, which hold no other slice, go with the tensor's first and
-    /// last bytes. Returns the bytes released.
+    /// last bytes. Pool pages mapped under slices inside the range go back to the pool (once
+    /// no read writes them any more). Returns the bytes released.
     pub fn release(&self, from: u64, to: u64) -> u64 {
-        let to = to.min(self.size);
-        let from = from.min(to);
-        let page = page_size();
-        let map_end = self.file_base + self.map_len() as u64;
-        let start = if from == 0 { self.file_base } else { (self.file_offset + from).div_ceil(page) * page };
-        let end = if to == self.size { map_end } else { (self.file_offset + to) / page * page };
-        if end <= start {
-            return 0;
+        let Some((start, end)) = self.own_pages(from, to) else { return 0 };
+        let (at, len) = ((start - self.file_base) as usize, (end - start) as usize);
+        if let Some(pool) = self.pool.get() {
+            let mut placed = self.placed.lock().unwrap_or_else(|p| p.into_inner());
+            let inside: Vec<(usize, usize, u64)> = placed
+                .range(at..at + len)
+                .filter(|(&s, &(l, _))| s + l <= at + len)
+                .map(|(&s, &(l, k))| (s, l, k))
+                .collect();
+            for (s, l, id) in inside {
+                self.unmap_slot(s, l);
+                placed.remove(&s);
+                pool.give_back(id);
+            }
         }
-        let len = (end - start) as usize;
-        // SAFETY: [start, end) lies inside the mapping [file_base, map_end) (from and to are
-        // clamped to the tensor, which the mapping covers). MADV_DONTNEED on private anonymous
-        // memory drops the pages' contents (later reads see zeros): no reference into the
+        // SAFETY: [start, end) lies inside the mapping [file_base, map_end) (own_pages clamps
+        // to the tensor, which the mapping covers). MADV_DONTNEED on private anonymous memory
+        // drops the pages' contents (later reads see zeros); on pool pages still mapped (a
+        // placement that only straddles the range) it drops page-table entries only. No reference into the
         // mapping exists (the type hands none out), and ggml reads only the slices the streamer
         // made resident again before they are used.
-        let released = unsafe {
-            self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, (start - self.file_base) as usize, len)
-        };
+        let released = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, at, len) };
         if released.is_ok() {
             len as u64
         } else {
@@ -248,6 +370,47 @@ mod tests {
             assert_eq!(r.resident_bytes(), 0);
         }
         assert_eq!(r.release(u64::MAX - 1, u64::MAX), 0);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn slices_land_in_pool_pages_and_release_returns_them() {
+        let page = page_size();
+        let dir = std::env::temp_dir().join(format!("ggml-sys-pool-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        let data: Vec<u8> = (0..8 * page as usize).map(|i| (i % 253) as u8).collect();
+        std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // Two slices of 3 pages and a half in a tensor one page into the file: the first owns
+        // its first page (the mapping's head) to its last whole page, the second from its first
+        // whole page to the mapping's tail; 3 pages each.
+        let (off, size) = (page, 7 * page);
+        let r = Reservation::new(off, size).unwrap();
+        let half = size / 2;
+        assert!(r.place(0, half).is_none(), "no pool yet");
+        let pool = Arc::new(ExpertPool::new("test", 4 * page).unwrap());
+        assert!(r.use_pool(Arc::clone(&pool)));
+        let first = r.place(0, half).expect("free pages");
+        assert_eq!(pool.free_bytes(), page);
+        assert!(r.place(half, size).is_none(), "one page is free, the slice owns 3");
+        assert_eq!(pool.misses(), 1);
+        let (ws, we) = r.window(0, half);
+        r.read_window(std::os::fd::AsFd::as_fd(&file), ws, (we - ws) as usize).unwrap();
+        drop(first);
+        let mut got = vec![0u8; half as usize];
+        assert!(r.copy_to(0, &mut got));
+        assert_eq!(got, &data[off as usize..(off + half) as usize], "the read landed in the pool, in place");
+        assert_eq!(r.release(0, half), 3 * page);
+        assert_eq!(pool.free_bytes(), 4 * page, "the release gave the pages back");
+        assert!(r.copy_to(0, &mut got));
+        assert!(got[..3 * page as usize].iter().all(|&b| b == 0), "the pool's pages are no longer mapped there");
+        // Released while a read still writes it: the pages wait for that read.
+        let second = r.place(half, size).expect("the pages are free again");
+        assert_eq!(r.release(0, size), 7 * page);
+        assert_eq!(pool.free_bytes(), page);
+        drop(second);
+        assert_eq!(pool.free_bytes(), 4 * page);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

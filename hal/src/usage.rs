@@ -12,6 +12,8 @@ pub struct Usage {
     pub rss_anon: u64,
     /// Resident file-backed memory, bytes.
     pub rss_file: u64,
+    /// Resident shared memory (the streamer's expert pool where it is mapped), bytes.
+    pub rss_shmem: u64,
     /// The highest resident size so far (`VmHWM`), bytes.
     pub rss_peak: u64,
 }
@@ -24,7 +26,18 @@ impl Usage {
             .unwrap_or(0);
         let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
         let kb = |key: &str| crate::memory::meminfo_field(&status, key).unwrap_or(0);
-        Usage { major_faults, rss_anon: kb("RssAnon:"), rss_file: kb("RssFile:"), rss_peak: kb("VmHWM:") }
+        Usage {
+            major_faults,
+            rss_anon: kb("RssAnon:"),
+            rss_file: kb("RssFile:"),
+            rss_shmem: kb("RssShmem:"),
+            rss_peak: kb("VmHWM:"),
+        }
+    }
+
+    /// The resident size: anonymous, file-backed and shared memory.
+    pub fn rss(&self) -> u64 {
+        self.rss_anon + self.rss_file + self.rss_shmem
     }
 }
 
@@ -56,6 +69,6 @@ mod tests {
 
     #[test]
     fn usage_reads_this_process() {
-        assert!(Usage::sample().rss_anon + Usage::sample().rss_file > 0);
+        assert!(Usage::sample().rss() > 0);
     }
 }

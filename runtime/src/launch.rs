@@ -15,7 +15,7 @@ use std::time::Duration;
 use ggml_sys::{Model, Token};
 
 use crate::board::{Overlap, ResolvedBoard};
-use crate::budget::{self, Batch, BudgetError, Ledger, PlanRequest};
+use crate::budget::{self, Batch, BudgetError, Item, Ledger, PlanRequest};
 use crate::generate::{self, ContextShape, GenerateError, Session};
 use crate::lossy::Lossy;
 use crate::scaleout::{self, ScaleError, Split};
@@ -235,7 +235,7 @@ impl Launch {
             Batch::Fixed(_) => shape,
         };
         log::info!("{}", ledger.describe());
-        let config = self.stream_config(ledger.cache_bytes(), rpc);
+        let config = self.stream_config(&ledger, rpc);
         if !config.lossy.is_exact() {
             log::warn!("{}", config.lossy.describe(index.n_expert_used));
         }
@@ -334,9 +334,11 @@ impl Launch {
         }
     }
 
-    /// The engine's configuration with the cache the ledger decided and the split's layers.
-    fn stream_config(&self, cache_bytes: u64, rpc: Option<ggml_sys::RpcSplit>) -> StreamConfig {
+    /// The engine's configuration with the cache (and, with expert slots, the pool of its cache
+    /// and staging lines) the ledger decided and the split's layers.
+    fn stream_config(&self, ledger: &Ledger, rpc: Option<ggml_sys::RpcSplit>) -> StreamConfig {
         let overlap = self.board.overlap.value;
+        let cache_bytes = ledger.cache_bytes();
         StreamConfig {
             cache_bytes,
             force_cache: self.force_cache,
@@ -344,6 +346,7 @@ impl Launch {
             dense: self.dense(),
             trace_routes: false,
             cache_policy: self.board.cache_policy.value,
+            expert_pool: self.board.expert_slots.then(|| cache_bytes + ledger.bytes(Item::IoStaging)),
             gpu_layers: self.gpu_layers(),
             overlap: (overlap != Overlap::Off).then_some(stream::READ_BOUND),
             overlap_prompt_only: overlap == Overlap::Prompt,

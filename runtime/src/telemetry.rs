@@ -17,7 +17,7 @@ pub fn progress_line(row: &TokenRow) -> String {
         ms(row.stall),
         mib(row.bytes_read),
         100.0 * row.hit_rate,
-        mib(row.rss_anon + row.rss_file)
+        mib(row.rss())
     )
 }
 
@@ -58,7 +58,7 @@ impl Summary {
     pub fn of(rows: &[TokenRow]) -> Summary {
         let mut s = Summary::default();
         for r in rows {
-            s.peak_rss = s.peak_rss.max(r.rss_anon + r.rss_file);
+            s.peak_rss = s.peak_rss.max(r.rss());
             s.hit_rate = r.hit_rate;
             if r.prefill {
                 continue;
@@ -152,13 +152,14 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
             r.major_faults.to_string(),
             r.rss_anon.to_string(),
             r.rss_file.to_string(),
+            r.rss_shmem.to_string(),
         ])?;
     }
     w.flush()
 }
 
 /// The columns of the per-token CSV.
-const CSV_HEADER: [&str; 18] = [
+const CSV_HEADER: [&str; 19] = [
     "index",
     "prefill",
     "n_tokens",
@@ -177,6 +178,7 @@ const CSV_HEADER: [&str; 18] = [
     "major_faults",
     "rss_anon",
     "rss_file",
+    "rss_shmem",
 ];
 
 #[cfg(test)]
@@ -203,6 +205,7 @@ mod tests {
             major_faults: 0,
             rss_anon: 1 << 20,
             rss_file: 0,
+            rss_shmem: 0,
         }
     }
 

@@ -178,6 +178,8 @@ pub fn stream_config(
         dense,
         trace_routes: true,
         cache_policy: sluice::stream::CachePolicy::Lru,
+        // As much as the experts: a gate that checks the pool's sizing sets its own.
+        expert_pool: Some(u64::MAX),
         gpu_layers: 0,
         overlap: None,
         overlap_prompt_only: false,
@@ -204,6 +206,8 @@ pub struct StreamRun {
     pub kernel_nodes: Vec<u64>,
     /// Chosen experts replaced by cached ones (lossy substitution), per decode.
     pub substituted: Vec<u64>,
+    /// The expert slot pools at the end.
+    pub slots: sluice::stream::SlotUse,
 }
 
 /// Generates greedily from [`PROMPT`] in an open streamed session.
@@ -223,6 +227,7 @@ pub fn stream_generate(
         direct: s.lanes().is_direct(0),
         kernel_nodes: rows.iter().filter(|r| !r.prefill).map(|r| r.kernel_nodes).collect(),
         substituted: rows.iter().map(|r| r.substituted).collect(),
+        slots: s.slots(),
     }
 }
 

@@ -172,6 +172,22 @@ fn more_threads_than_usable_cpus_are_capped_with_a_note() {
 }
 
 #[test]
+fn expert_slots_are_on_unless_the_profile_or_the_command_line_turns_them_off() {
+    let root = tree("rpi5-8gb");
+    let probe = HardwareProbe::run(&root, None);
+    let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
+    let with = |overrides: &Overrides| {
+        let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+        resolve(selected, &probe, overrides, None, caps).unwrap()
+    };
+    assert!(with(&Overrides::default()).expert_slots, "the built-in profile keeps the default");
+    assert!(!with(&Overrides { no_expert_slots: true, ..Overrides::default() }).expert_slots);
+    let mut selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+    selected.profile.memory.expert_slots = false;
+    assert!(!resolve(selected, &probe, &Overrides::default(), None, caps).unwrap().expert_slots);
+}
+
+#[test]
 fn overlapped_the_io_cores_compute_no_more() {
     let root = tree("rpi5-8gb");
     let probe = HardwareProbe::run(&root, None);
@@ -283,6 +299,10 @@ fn bad_profiles_name_the_file_the_field_and_the_fix() {
     assert_names(
         &bad_profile(&format!("{base}[memory]\ncache_policy = \"mru\"\n"), false),
         &["myboard.toml", "cache_policy", "unknown variant `mru`", "lru", "frequency"],
+    );
+    assert_names(
+        &bad_profile(&format!("{base}[memory]\nexpert_slots = \"yes\"\n"), false),
+        &["myboard.toml", "expert_slots", "expected a boolean"],
     );
     assert_names(&bad_profile("[cpu]\npoll = 1\n", false), &["myboard.toml", "missing field `name`"]);
     assert_names(

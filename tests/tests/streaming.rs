@@ -8,8 +8,8 @@ use std::time::Duration;
 use ggml_sys::GgufFile;
 use sluice::generate::GenerateError;
 use sluice::stream::{
-    load_streamed_model, CachePolicy, DensePolicy, ExpertIndex, FaultKind, ReadFault, RouteTrace, StreamConfig,
-    StreamError, StreamedSession, READ_BOUND,
+    kernel, load_streamed_model, CachePolicy, DensePolicy, ExpertIndex, FaultKind, ReadFault, RouteTrace, SlotUse,
+    StreamConfig, StreamError, StreamedSession, READ_BOUND,
 };
 use sluice_tests::{
     gate_fixtures, indexed_fixture, resident_reference, stream_config, stream_generate, streamed, Fixture,
@@ -25,16 +25,22 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
         let (files, index) = indexed_fixture(f, dir.path());
         let reference = resident_reference(&files[0], N);
         let tiny = 1; // evicts everything but the current layer, every layer
+                      // The expert pool as the ledger sizes it: the cache and one token's largest layer.
+        let tight = |cache: u64| StreamConfig {
+            expert_pool: Some(cache + index.layer_token_demand()),
+            ..stream_config(cache, 2, true, DensePolicy::Anon)
+        };
         let configs = [
-            ("cache off", stream_config(0, 2, true, DensePolicy::Anon)),
+            ("cache off, the ledger's pool", tight(0)),
             ("cache holds everything", stream_config(UNBOUNDED, 2, true, DensePolicy::Anon)),
-            ("cache evicts every layer", stream_config(tiny, 2, true, DensePolicy::Anon)),
+            ("cache evicts every layer, the ledger's pool", tight(tiny)),
             (
-                "frequency cache of one token",
-                StreamConfig {
-                    cache_policy: CachePolicy::Frequency,
-                    ..stream_config(index.one_token_demand(), 2, true, DensePolicy::Anon)
-                },
+                "frequency cache of one token, the ledger's pool",
+                StreamConfig { cache_policy: CachePolicy::Frequency, ..tight(index.one_token_demand()) },
+            ),
+            (
+                "fresh pages, evicting",
+                StreamConfig { expert_pool: None, ..stream_config(tiny, 2, true, DensePolicy::Anon) },
             ),
             ("1 lane", stream_config(0, 1, true, DensePolicy::Anon)),
             ("4 lanes", stream_config(0, 4, true, DensePolicy::Anon)),
@@ -48,6 +54,17 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
             let run = streamed(&model, Arc::clone(&index), &config, N);
             assert_eq!(run.tokens, reference, "{f:?}, {what}: streamed output differs from resident");
             assert!(run.bytes_read > 0, "{f:?}, {what}: nothing was streamed");
+            if config.expert_pool.is_some() {
+                assert!(run.slots.bytes > 0, "{f:?}, {what}: no expert pool");
+                // A prompt batch that ggml-cpu computes (its tiled K-quant path: 8 tokens or
+                // more) keeps its whole layer, beyond the cache and staging the pool holds.
+                let native_prompt = index.experts.iter().any(|t| !kernel::computes(t.ty, 8));
+                if !native_prompt {
+                    assert_eq!(run.slots.misses, 0, "{f:?}, {what}: a read found no free pool pages");
+                }
+            } else {
+                assert_eq!(run.slots, SlotUse::default(), "{f:?}, {what}: a pool made when switched off");
+            }
             assert_through_kernel(&run, &index, &format!("{f:?}, {what}"));
         }
     }

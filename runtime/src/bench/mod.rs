@@ -242,7 +242,7 @@ pub(crate) fn run_resident(
             faults += now.major_faults.saturating_sub(before.major_faults);
             read += read_now.saturating_sub(read_before);
         }
-        peak_rss = peak_rss.max(now.rss_anon + now.rss_file);
+        peak_rss = peak_rss.max(now.rss());
         before = now;
         read_before = read_now;
         Ok(())

@@ -169,7 +169,7 @@ impl Default for StorageSection {
 }
 
 /// `[memory]`.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct MemorySection {
     /// The most sluice may hold, MiB. Absent: `MemTotal` minus `reserve_mib`.
@@ -179,6 +179,25 @@ pub struct MemorySection {
     pub reserve_mib: u64,
     /// How the expert cache evicts: "lru" or "frequency". Absent: the runtime's default.
     pub cache_policy: Option<crate::stream::CachePolicy>,
+    /// Land expert reads in a pool of slots committed at open (default) instead of fresh pages
+    /// faulted in by every read and given back by every eviction.
+    #[serde(default = "default_expert_slots")]
+    pub expert_slots: bool,
+}
+
+fn default_expert_slots() -> bool {
+    true
+}
+
+impl Default for MemorySection {
+    fn default() -> Self {
+        MemorySection {
+            budget_mib: None,
+            reserve_mib: default_reserve(),
+            cache_policy: None,
+            expert_slots: default_expert_slots(),
+        }
+    }
 }
 
 /// The most MiB a profile's memory fields may give (16 TiB): sizes stay far from wrapping when

@@ -40,6 +40,8 @@ pub struct Overrides {
     pub draft: Option<Draft>,
     /// `--cache-policy`.
     pub cache_policy: Option<CachePolicy>,
+    /// `--no-expert-slots`.
+    pub no_expert_slots: bool,
 }
 
 /// A value and where it came from (`profile storage.lanes`, `--io-lanes`, `probe`, ...).
@@ -88,6 +90,8 @@ pub struct ResolvedBoard {
     pub draft: Sourced<Draft>,
     /// How the expert cache evicts.
     pub cache_policy: Sourced<CachePolicy>,
+    /// Expert reads land in a pool of committed slots.
+    pub expert_slots: bool,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
     /// The compute service.
@@ -158,6 +162,7 @@ pub fn resolve(
         overlap,
         draft,
         cache_policy,
+        expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
         budget,
         compute,
         notes,

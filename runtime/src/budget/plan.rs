@@ -236,7 +236,7 @@ fn expert_layout(index: &ExpertIndex) -> ExpertLayout {
 /// The process's resident bytes now.
 pub(super) fn resident_now() -> u64 {
     let u = Usage::sample();
-    u.rss_anon + u.rss_file
+    u.rss()
 }
 
 /// Plans `req` and refuses it when it does not fit: over budget, or an automatic cache below one

@@ -57,6 +57,10 @@ pub struct TuningArgs {
     /// ageing). Default: the profile's memory.cache_policy, else the runtime's default.
     #[arg(long, value_enum)]
     pub cache_policy: Option<sluice::stream::CachePolicy>,
+    /// Read experts into fresh pages that each eviction gives back, instead of a pool of slots
+    /// committed at open (default: the profile's memory.expert_slots, else on).
+    #[arg(long)]
+    pub no_expert_slots: bool,
 }
 
 impl TuningArgs {
@@ -79,6 +83,7 @@ impl TuningArgs {
             },
             draft: self.draft,
             cache_policy: self.cache_policy,
+            no_expert_slots: self.no_expert_slots,
         }
     }
 }
@@ -257,6 +262,7 @@ mod tests {
             no_overlap: false,
             draft: Some(Draft::Ngram),
             cache_policy: Some(sluice::stream::CachePolicy::Frequency),
+            no_expert_slots: true,
         };
         let lossy = LossyArgs { experts_used: Some(2), substitute: Some(4) };
         let child = passed_on(&tuning, &lossy);

@@ -170,6 +170,7 @@ fn run_streamed(
     let end = RunEnd {
         direct: (0..loaded.index.shards.len()).all(|s| streamer.lanes().is_direct(s)),
         cache_used: streamer.cache_used(),
+        slots: streamer.slots(),
         counters: streamer.cache_counters(),
         dense_bytes_read: session.dense_bytes_read,
         open,
@@ -212,6 +213,8 @@ struct RunEnd {
     /// Every file was read with `O_DIRECT`.
     direct: bool,
     cache_used: u64,
+    /// The expert pool.
+    slots: sluice::stream::SlotUse,
     counters: CacheCounters,
 }
 
@@ -249,23 +252,37 @@ fn report(loaded: &Loaded, end: &RunEnd, rows: &[TokenRow], draft: bool) -> Usag
     }
     let usage = Usage::sample();
     noteln!(
-        "memory: peak RSS {:.1} MiB (now anon {:.1} + file {:.1} MiB), ledger total {:.1} MiB, budget {:.1} MiB ({})",
+        "memory: peak RSS {:.1} MiB (now anon {:.1} + file {:.1} + shared {:.1} MiB, the expert pool where mapped), ledger total {:.1} MiB, budget {:.1} MiB ({})",
         mib(usage.rss_peak),
         mib(usage.rss_anon),
         mib(usage.rss_file),
+        mib(usage.rss_shmem),
         mib(ledger.total),
         mib(ledger.budget),
         ledger.budget_source
     );
     noteln!(
-        "cache: budget {:.1} MiB, {:.1} MiB resident at the end (the last layer's experts included), {} evictions, {} re-reads; reads {}",
+        "cache: budget {:.1} MiB, {:.1} MiB resident at the end (the last layer's experts included), {} evictions, {} re-reads; reads {}; {}",
         mib(loaded.cache_bytes()),
         mib(end.cache_used),
         end.counters.evictions,
         end.counters.rereads,
-        if end.direct { "O_DIRECT" } else { "buffered" }
+        if end.direct { "O_DIRECT" } else { "buffered" },
+        slot_line(&end.slots)
     );
     usage
+}
+
+/// The expert pool as the run summary states it.
+fn slot_line(slots: &sluice::stream::SlotUse) -> String {
+    if slots.bytes == 0 {
+        return "expert pool off (reads land in fresh pages)".into();
+    }
+    format!(
+        "expert pool {:.1} MiB committed at open, {} reads found it full and landed in fresh pages",
+        mib(slots.bytes),
+        slots.misses
+    )
 }
 
 /// Runs `sluice demo`.

@@ -72,7 +72,7 @@ pub enum WorkerError {
 /// What this process holds itself: its resident memory and llama.cpp's structures.
 fn own_memory() -> u64 {
     let u = Usage::sample();
-    u.rss_anon + u.rss_file + OVERHEAD_BYTES
+    u.rss() + OVERHEAD_BYTES
 }
 
 /// The tensor cache directory when `--cache-dir` is not given: systemd's `$CACHE_DIRECTORY`

@@ -247,7 +247,7 @@ impl Metrics {
                 "bytes_read": n(&self.bytes_read),
             },
             "memory": {
-                "rss_bytes": usage.rss_anon + usage.rss_file,
+                "rss_bytes": usage.rss(),
                 "rss_peak_bytes": usage.rss_peak,
                 "ledger": ledger,
                 "budget_bytes": n(&self.budget),
@@ -394,12 +394,7 @@ impl Metrics {
         metric("ledger_bytes", "gauge", "The memory plan, by item.", &ledger);
         metric("budget_bytes", "gauge", "The memory budget the plan fits.", &one(n(&self.budget)));
         let usage = Usage::sample();
-        metric(
-            "resident_memory_bytes",
-            "gauge",
-            "Resident set size (anonymous + file).",
-            &one((usage.rss_anon + usage.rss_file) as f64),
-        );
+        metric("resident_memory_bytes", "gauge", "Resident set size (anonymous + file).", &one(usage.rss() as f64));
         metric("resident_memory_peak_bytes", "gauge", "Peak resident set size (VmHWM).", &one(usage.rss_peak as f64));
     }
 }

@@ -175,6 +175,7 @@ impl<'m> Capture<'m> {
             len: (end - start) as usize,
             tag: (u32::MAX, k as u32),
             tensor: usize::MAX,
+            slice: None,
             pass: None,
             check: self.sums.as_ref().map(|s| SliceCheck { from: 0, to: d.size, sum: s.dense(k) }),
         });

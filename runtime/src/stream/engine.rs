@@ -37,7 +37,7 @@ use super::capture::Bound;
 use super::index::ExpertIndex;
 use super::io::{IoLanes, ReadFailure, ReadJob, ReadStats};
 use super::kernel::{self, ExpertSource};
-use super::record::DecodeStats;
+use super::record::{DecodeStats, Prefill};
 use super::residency::Residency;
 use super::routing::{RouteRecord, Routing};
 use super::trace::RouteTrace;
@@ -84,6 +84,8 @@ pub struct StreamerSettings {
     pub trace: bool,
     /// How the expert cache evicts.
     pub cache_policy: super::cache::CachePolicy,
+    /// Bytes of the pool expert reads land in, committed now ([`Residency::new`]).
+    pub expert_pool: Option<u64>,
 }
 
 /// The state the eval callback drives after the capture.
@@ -116,15 +118,6 @@ pub struct Streamer {
     stats: DecodeStats,
     failure: Option<StreamError>,
     decode_no: u64,
-}
-
-/// What a warm start read ahead of the first request.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct Prefill {
-    /// Experts made resident.
-    pub experts: u64,
-    /// Bytes read.
-    pub bytes: u64,
 }
 
 impl Streamer {
@@ -188,12 +181,17 @@ impl Streamer {
         self.memory.counters()
     }
 
+    /// The expert slot pools' size and use.
+    pub fn slots(&self) -> super::residency::SlotUse {
+        self.memory.slots()
+    }
+
     /// Bytes the cache holds now.
     pub fn cache_used(&self) -> u64 {
         self.memory.cache().used()
     }
 
-    /// Changes the cache budget (applies from the next layer on).
+    /// Changes the cache budget (applies from the next layer on); the expert pool keeps its size.
     pub fn set_cache_budget(&mut self, bytes: u64) {
         self.memory.set_budget(bytes);
     }

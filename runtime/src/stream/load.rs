@@ -33,6 +33,10 @@ pub struct StreamConfig {
     pub trace_routes: bool,
     /// How the expert cache evicts.
     pub cache_policy: super::CachePolicy,
+    /// Bytes of the pool expert reads land in ([`ggml_sys::ExpertPool`], committed at open;
+    /// the ledger's expert cache and I/O staging lines, at most every expert); `None`: reads
+    /// land in fresh pages that each eviction gives back.
+    pub expert_pool: Option<u64>,
     /// Layers offloaded to a GPU (the `cuda` compute service; 0 on the CPU).
     pub gpu_layers: u32,
     /// Overlap expert reads with expert compute (the kernel computes each expert once its

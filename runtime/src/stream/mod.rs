@@ -27,6 +27,7 @@ pub use index::{ExpertIndex, IndexError};
 pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, SliceCheck, READ_BOUND};
 pub use load::{lazy_pattern, load_configured, load_streamed_model, DensePolicy, ModelLoad, StreamConfig};
 pub use record::{DecodeStats, TokenRow};
+pub use residency::SlotUse;
 pub use routing::RouteRecord;
 pub use session::{check_cache_budget, StreamedSession};
 pub use trace::{RouteTrace, TraceError};

@@ -77,6 +77,8 @@ pub struct TokenRow {
     pub rss_anon: u64,
     /// RSS (file-backed) after the decode.
     pub rss_file: u64,
+    /// RSS (shared: the expert pool where it is mapped) after the decode.
+    pub rss_shmem: u64,
 }
 
 impl TokenRow {
@@ -108,11 +110,26 @@ impl TokenRow {
             major_faults: after.major_faults.saturating_sub(before.major_faults),
             rss_anon: after.rss_anon,
             rss_file: after.rss_file,
+            rss_shmem: after.rss_shmem,
         }
+    }
+
+    /// The resident size after the decode: anonymous, file-backed and shared memory.
+    pub fn rss(&self) -> u64 {
+        self.rss_anon + self.rss_file + self.rss_shmem
     }
 
     /// Compute time: wall minus I/O wait and stall.
     pub fn compute(&self) -> Duration {
         self.wall.saturating_sub(self.io_wait + self.stall)
     }
+}
+
+/// What a warm start read ahead of the first request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Prefill {
+    /// Experts made resident.
+    pub experts: u64,
+    /// Bytes read.
+    pub bytes: u64,
 }

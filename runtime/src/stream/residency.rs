@@ -2,10 +2,19 @@
 //! cache that says which experts are resident in them, the reads that make an expert resident,
 //! and the rule that gives an expert's memory back, pages it shares with an idle neighbour
 //! included.
+//!
+//! Expert slots: with `expert_pool` set, every expert tensor's reservation lands its slices in
+//! one pool of pages committed now ([`ggml_sys::ExpertPool`]), as many bytes as the ledger's cache
+//! and staging lines (at most every expert): a read lands in memory that is already there
+//! instead of faulting in fresh pages, and an eviction unmaps pool pages instead of giving pages
+//! back to the kernel. What a slice takes from the pool (the pages it owns) is never more than
+//! the window the cache accounts for it, so a read finds pages free whenever the cache is within
+//! its budget and staging; one that does not (a layer outside the kernel that keeps more than
+//! that) lands in fresh pages as without the pool, and [`Residency::slots`] counts it.
 
 use std::sync::Arc;
 
-use ggml_sys::Reservation;
+use ggml_sys::{ExpertPool, Reservation};
 
 use super::cache::{CacheCounters, CachePolicy, ExpertCache, LayerPlan};
 use super::checksums::ReadSums;
@@ -19,6 +28,17 @@ pub struct Residency {
     cache: ExpertCache,
     /// What every read is checked against (`--verify`).
     sums: Option<Arc<ReadSums>>,
+    /// The pool the expert reads land in (none without `expert_pool`).
+    pool: Option<Arc<ExpertPool>>,
+}
+
+/// The expert pool's size and use.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SlotUse {
+    /// Bytes committed.
+    pub bytes: u64,
+    /// Reads that found no free slot and landed in fresh pages.
+    pub misses: u64,
 }
 
 impl Residency {
@@ -31,7 +51,13 @@ impl Residency {
         sums: Option<Arc<ReadSums>>,
     ) -> Residency {
         let cache = empty_cache(&index, settings.cache_budget, settings.cache_policy);
-        Residency { index, reservations, cache, sums }
+        let pool = settings.expert_pool.and_then(|room| expert_pool(&index, &reservations, room));
+        Residency { index, reservations, cache, sums, pool }
+    }
+
+    /// The expert pool's size and use (zero without it).
+    pub fn slots(&self) -> SlotUse {
+        self.pool.as_ref().map_or_else(SlotUse::default, |p| SlotUse { bytes: p.bytes(), misses: p.misses() })
     }
 
     /// The cache.
@@ -82,6 +108,7 @@ impl Residency {
             len: (end - start) as usize,
             tag: (tensor.layer, e),
             tensor: k,
+            slice: Some((a, b)),
             pass: pass.then_some((a, b)),
             check: self.sums.as_deref().map(|s| SliceCheck { from: a, to: b, sum: s.expert(k, e) }),
         }
@@ -136,6 +163,29 @@ impl Residency {
     pub fn memory_probe(&self) -> impl Fn() -> Vec<u64> + Send + 'static {
         let reservations = self.reservations.clone();
         move || reservations.iter().map(|r| r.resident_bytes()).collect()
+    }
+}
+
+/// The pool for `index`'s experts, bound to their `reservations`: `room` bytes, at most every
+/// expert's window. None (with a warning where it fails) when there is no room or no pool can be
+/// made: reads then land in fresh pages.
+fn expert_pool(index: &ExpertIndex, reservations: &[Arc<Reservation>], room: u64) -> Option<Arc<ExpertPool>> {
+    let bytes = room.min(index.all_expert_window_bytes());
+    if bytes == 0 {
+        return None;
+    }
+    match ExpertPool::new("experts", bytes) {
+        Ok(pool) => {
+            let pool = Arc::new(pool);
+            for r in reservations {
+                r.use_pool(Arc::clone(&pool));
+            }
+            Some(pool)
+        }
+        Err(e) => {
+            log::warn!("expert slots: a pool of {} MiB could not be made ({e}); reading into fresh pages", bytes >> 20);
+            None
+        }
     }
 }
 

@@ -119,6 +119,7 @@ impl<'m> StreamedSession<'m> {
             substitute: config.lossy.substitute,
             trace: config.trace_routes,
             cache_policy: config.cache_policy,
+            expert_pool: config.expert_pool,
         };
         let streamer = Arc::new(Mutex::new(Streamer::new(index, source, bound, claims.taken(), sums, settings)));
         // Set once, before any decode that streams.

@@ -11,7 +11,7 @@ fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
         LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault: None };
     let lanes = IoLanes::new(&[path], &config).unwrap();
     let target = Arc::new(Reservation::new(0, len as u64).unwrap());
-    let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, pass: None, check: None };
+    let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, slice: None, pass: None, check: None };
     (lanes, vec![job])
 }
 
