@@ -49,6 +49,9 @@ fn streamed_equals_resident_across_caches_lanes_direct_io_and_dense_policy() {
             ("dense mmap, buffered, evicting", stream_config(tiny, 1, false, DensePolicy::Mmap)),
         ];
         for (what, config) in configs {
+            if config.expert_pool.is_none() && sluice_tests::emulated() {
+                continue; // fresh pages are the same code on every architecture: checked natively
+            }
             // A fresh model per configuration: streaming rebinds the model's tensors.
             let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
             let run = streamed(&model, Arc::clone(&index), &config, N);
