@@ -203,7 +203,7 @@ impl ExpertPool {
     }
 }
 
-/// A read's hold on the placement it writes: its pages are not reused until the hold ends
+/// A read's hold on the placement (pool pages under one slice) it writes: its pages are not reused until the hold ends
 /// (dropped), even if its slice is released meanwhile.
 pub struct SlotWrite<'a> {
     pub(crate) pool: &'a ExpertPool,

@@ -42,7 +42,7 @@ pub struct Reservation {
     /// File offset and size of the tensor.
     file_offset: u64,
     size: u64,
-    /// The slots reads land in, when the streamer gave it some.
+    /// The pool reads land in, when the streamer gave it one.
     pool: OnceLock<Arc<ExpertPool>>,
     /// The placements mapped now: offset in the mapping -> (bytes, placement id).
     placed: Mutex<BTreeMap<usize, (usize, u64)>>,
@@ -71,7 +71,7 @@ impl Reservation {
         })
     }
 
-    /// Lands this tensor's slices in `pool`'s slots from now on ([`Reservation::place`]);
+    /// Lands this tensor's slices in `pool`'s pages from now on ([`Reservation::place`]);
     /// `false` if it already uses a pool.
     pub fn use_pool(&self, pool: Arc<ExpertPool>) -> bool {
         self.pool.set(pool).is_ok()
@@ -80,7 +80,7 @@ impl Reservation {
     /// The pages a slice `[from, to)` (tensor bytes) owns, as file offsets: those wholly inside
     /// it, and the mapping's first and last pages with the tensor's first and last bytes (no
     /// other slice shares them). What [`Reservation::release`] gives back and
-    /// [`Reservation::place`] maps a slot under.
+    /// [`Reservation::place`] maps pool pages under.
     fn own_pages(&self, from: u64, to: u64) -> Option<(u64, u64)> {
         let to = to.min(self.size);
         let from = from.min(to);
@@ -135,7 +135,7 @@ impl Reservation {
                     "mapping expert pool pages failed ({}); reading into fresh pages",
                     io::Error::last_os_error()
                 );
-                self.unmap_slot(at, len);
+                self.unmap_pool_pages(at, len);
                 pool.end_write(taken.id);
                 pool.give_back(taken.id);
                 return None;
@@ -148,11 +148,11 @@ impl Reservation {
 
     /// Maps fresh anonymous memory (as the reservation's own) over `[at, at + len)` of the
     /// mapping, where pool pages were. Call with the placement lock held.
-    fn unmap_slot(&self, at: usize, len: usize) {
+    fn unmap_pool_pages(&self, at: usize, len: usize) {
         // SAFETY: [at, at + len) is a page-aligned range inside this live mapping where pool
-        // pages were mapped (or a failed attempt left it); replacing it with anonymous memory drops
-        // the slice's bytes (later reads see zeros), as a release does, and no reference into
-        // the mapping exists.
+        // pages were mapped (or a failed attempt left it); replacing it with anonymous memory
+        // drops the slice's bytes (later reads see zeros), as a release does, and no reference
+        // into the mapping exists.
         let ok = unsafe {
             let p = self.map_ptr().add(at).cast();
             libc::mmap(
@@ -303,7 +303,7 @@ impl Reservation {
                 .map(|(&s, &(l, k))| (s, l, k))
                 .collect();
             for (s, l, id) in inside {
-                self.unmap_slot(s, l);
+                self.unmap_pool_pages(s, l);
                 placed.remove(&s);
                 pool.give_back(id);
             }
@@ -311,9 +311,9 @@ impl Reservation {
         // SAFETY: [start, end) lies inside the mapping [file_base, map_end) (own_pages clamps
         // to the tensor, which the mapping covers). MADV_DONTNEED on private anonymous memory
         // drops the pages' contents (later reads see zeros); on pool pages still mapped (a
-        // placement that only straddles the range) it drops page-table entries only. No reference into the
-        // mapping exists (the type hands none out), and ggml reads only the slices the streamer
-        // made resident again before they are used.
+        // placement that only straddles the range) it drops page-table entries only. No
+        // reference into the mapping exists (the type hands none out), and ggml reads only the
+        // slices the streamer made resident again before they are used.
         let released = unsafe { self.map.unchecked_advise_range(UncheckedAdvice::DontNeed, at, len) };
         if released.is_ok() {
             len as u64

@@ -181,7 +181,7 @@ impl Streamer {
         self.memory.counters()
     }
 
-    /// The expert slot pools' size and use.
+    /// The expert pool's size and use.
     pub fn slots(&self) -> super::residency::SlotUse {
         self.memory.slots()
     }

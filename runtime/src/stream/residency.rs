@@ -37,7 +37,7 @@ pub struct Residency {
 pub struct SlotUse {
     /// Bytes committed.
     pub bytes: u64,
-    /// Reads that found no free slot and landed in fresh pages.
+    /// Reads that found too few free pages in the pool and landed in fresh pages.
     pub misses: u64,
 }
 

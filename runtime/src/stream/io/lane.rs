@@ -176,8 +176,8 @@ pub(super) fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batc
     let shard = &shared.shards[job.shard];
     let f = &files[job.shard];
     let mut use_direct = shard.direct.load(Ordering::Relaxed) && f.direct.is_some();
-    // Held until the read is done: a slot released meanwhile is not reused under it.
-    let _slot = job.slice.and_then(|(from, to)| job.target.place(from, to));
+    // Held until the read is done: pool pages released meanwhile are not reused under it.
+    let _placed = job.slice.and_then(|(from, to)| job.target.place(from, to));
     let mut done = 0usize;
     while done < job.len {
         if shared.batch.load(Ordering::Relaxed) != batch {

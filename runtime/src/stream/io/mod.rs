@@ -60,8 +60,8 @@ pub struct ReadJob {
     /// The expert tensor's index in the [`super::ExpertIndex`] (`usize::MAX` for dense reads):
     /// what [`IoLanes::wait_any`] matches on.
     pub tensor: usize,
-    /// The expert slice `[from, to)` (tensor bytes) the window carries: a slot of the target's
-    /// pool is mapped under its own pages before the read ([`Reservation::place`]). `None` for
+    /// The expert slice `[from, to)` (tensor bytes) the window carries: pages of the target's
+    /// pool are mapped under its own pages before the read ([`Reservation::place`]). `None` for
     /// dense reads.
     pub slice: Option<(u64, u64)>,
     /// A read passing through (waves): the tensor bytes `[from, to)` (relative to the tensor)
