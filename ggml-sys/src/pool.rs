@@ -205,12 +205,12 @@ impl ExpertPool {
 
 /// A read's hold on the placement (pool pages under one slice) it writes: its pages are not reused until the hold ends
 /// (dropped), even if its slice is released meanwhile.
-pub struct SlotWrite<'a> {
-    pub(crate) pool: &'a ExpertPool,
+pub struct SlotWrite {
+    pub(crate) pool: std::sync::Arc<ExpertPool>,
     pub(crate) id: u64,
 }
 
-impl Drop for SlotWrite<'_> {
+impl Drop for SlotWrite {
     fn drop(&mut self) {
         self.pool.end_write(self.id);
     }

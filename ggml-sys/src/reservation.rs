@@ -15,7 +15,7 @@ use std::os::fd::{AsRawFd, BorrowedFd};
 
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use memmap2::{Advice, MmapOptions, MmapRaw, UncheckedAdvice};
 
@@ -42,10 +42,16 @@ pub struct Reservation {
     /// File offset and size of the tensor.
     file_offset: u64,
     size: u64,
-    /// The pool reads land in, when the streamer gave it one.
-    pool: OnceLock<Arc<ExpertPool>>,
-    /// The placements mapped now: offset in the mapping -> (bytes, placement id).
-    placed: Mutex<BTreeMap<usize, (usize, u64)>>,
+    /// The pool reads land in (when the streamer gave it one) and its placements here.
+    placed: Mutex<Placements>,
+}
+
+/// A reservation's pool and the placements mapped now.
+#[derive(Default)]
+struct Placements {
+    pool: Option<Arc<ExpertPool>>,
+    /// Offset in the mapping -> (bytes, placement id).
+    at: BTreeMap<usize, (usize, u64)>,
 }
 
 impl Reservation {
@@ -66,15 +72,31 @@ impl Reservation {
             file_base: file_offset - phase,
             file_offset,
             size,
-            pool: OnceLock::new(),
-            placed: Mutex::new(BTreeMap::new()),
+            placed: Mutex::new(Placements::default()),
         })
     }
 
     /// Lands this tensor's slices in `pool`'s pages from now on ([`Reservation::place`]);
     /// `false` if it already uses a pool.
     pub fn use_pool(&self, pool: Arc<ExpertPool>) -> bool {
-        self.pool.set(pool).is_ok()
+        let mut placed = self.placements();
+        if placed.pool.is_some() {
+            return false;
+        }
+        placed.pool = Some(pool);
+        true
+    }
+
+    /// Releases the whole tensor ([`Reservation::release`]) and stops using its pool, so that
+    /// the pool's memory goes once its owner lets go of it (a model keeps its reservations
+    /// until it is freed, longer than the session that streamed into them).
+    pub fn leave_pool(&self) {
+        self.release(0, self.size);
+        self.placements().pool = None;
+    }
+
+    fn placements(&self) -> MutexGuard<'_, Placements> {
+        self.placed.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The pages a slice `[from, to)` (tensor bytes) owns, as file offsets: those wholly inside
@@ -96,19 +118,19 @@ impl Reservation {
     /// on them. `None`, and the slice's pages stay anonymous (faulted in when written), when the
     /// reservation uses no pool, the slice owns no page, the pool has too few pages free, or
     /// another placement overlaps it.
-    pub fn place(&self, from: u64, to: u64) -> Option<SlotWrite<'_>> {
-        let pool = self.pool.get()?;
+    pub fn place(&self, from: u64, to: u64) -> Option<SlotWrite> {
         let (start, end) = self.own_pages(from, to)?;
         let (at, len) = ((start - self.file_base) as usize, (end - start) as usize);
-        let mut placed = self.placed.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(&(l, id)) = placed.get(&at) {
+        let mut placed = self.placements();
+        let pool = Arc::clone(placed.pool.as_ref()?);
+        if let Some(&(l, id)) = placed.at.get(&at) {
             if l != len {
                 return None;
             }
             pool.begin_write(id);
             return Some(SlotWrite { pool, id });
         }
-        if placed.range(..at + len).next_back().is_some_and(|(&s, &(l, _))| s + l > at) {
+        if placed.at.range(..at + len).next_back().is_some_and(|(&s, &(l, _))| s + l > at) {
             return None;
         }
         let taken = pool.take(len as u64)?;
@@ -142,7 +164,7 @@ impl Reservation {
             }
             dst += bytes as usize;
         }
-        placed.insert(at, (len, taken.id));
+        placed.at.insert(at, (len, taken.id));
         Some(SlotWrite { pool, id: taken.id })
     }
 
@@ -295,19 +317,21 @@ impl Reservation {
     pub fn release(&self, from: u64, to: u64) -> u64 {
         let Some((start, end)) = self.own_pages(from, to) else { return 0 };
         let (at, len) = ((start - self.file_base) as usize, (end - start) as usize);
-        if let Some(pool) = self.pool.get() {
-            let mut placed = self.placed.lock().unwrap_or_else(|p| p.into_inner());
+        let mut placed = self.placements();
+        if let Some(pool) = placed.pool.clone() {
             let inside: Vec<(usize, usize, u64)> = placed
+                .at
                 .range(at..at + len)
                 .filter(|(&s, &(l, _))| s + l <= at + len)
                 .map(|(&s, &(l, k))| (s, l, k))
                 .collect();
             for (s, l, id) in inside {
                 self.unmap_pool_pages(s, l);
-                placed.remove(&s);
+                placed.at.remove(&s);
                 pool.give_back(id);
             }
         }
+        drop(placed);
         // SAFETY: [start, end) lies inside the mapping [file_base, map_end) (own_pages clamps
         // to the tensor, which the mapping covers). MADV_DONTNEED on private anonymous memory
         // drops the pages' contents (later reads see zeros); on pool pages still mapped (a
@@ -411,6 +435,13 @@ mod tests {
         assert_eq!(pool.free_bytes(), page);
         drop(second);
         assert_eq!(pool.free_bytes(), 4 * page);
+        // Leaving the pool gives everything back and lets go of it.
+        let third = r.place(0, half).expect("free pages");
+        drop(third);
+        r.leave_pool();
+        assert_eq!(pool.free_bytes(), 4 * page);
+        assert_eq!(Arc::strong_count(&pool), 1, "the reservation holds the pool no more");
+        assert!(r.place(0, half).is_none());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

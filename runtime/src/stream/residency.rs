@@ -32,6 +32,16 @@ pub struct Residency {
     pool: Option<Arc<ExpertPool>>,
 }
 
+impl Drop for Residency {
+    /// Gives back every expert's memory and lets go of the pool: the model keeps the
+    /// reservations after the session that streamed into them ends.
+    fn drop(&mut self) {
+        for r in &self.reservations {
+            r.leave_pool();
+        }
+    }
+}
+
 /// The expert pool's size and use.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SlotUse {
