@@ -91,8 +91,16 @@ impl Reservation {
     /// the pool's memory goes once its owner lets go of it (a model keeps its reservations
     /// until it is freed, longer than the session that streamed into them).
     pub fn leave_pool(&self) {
+        let mut placed = self.placements();
+        // Taken first, under the lock: a read placed after this finds no pool.
+        if let Some(pool) = placed.pool.take() {
+            for (s, (l, id)) in std::mem::take(&mut placed.at) {
+                self.unmap_pool_pages(s, l);
+                pool.give_back(id);
+            }
+        }
+        drop(placed);
         self.release(0, self.size);
-        self.placements().pool = None;
     }
 
     fn placements(&self) -> MutexGuard<'_, Placements> {
