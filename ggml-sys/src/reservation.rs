@@ -94,10 +94,7 @@ impl Reservation {
         let mut placed = self.placements();
         // Taken first, under the lock: a read placed after this finds no pool.
         if let Some(pool) = placed.pool.take() {
-            for (s, (l, id)) in std::mem::take(&mut placed.at) {
-                self.unmap_pool_pages(s, l);
-                pool.give_back(id);
-            }
+            self.unplace_within(&mut placed.at, &pool, 0, self.map_len());
         }
         drop(placed);
         self.release(0, self.size);
@@ -174,6 +171,21 @@ impl Reservation {
         }
         placed.at.insert(at, (len, taken.id));
         Some(SlotWrite { pool, id: taken.id })
+    }
+
+    /// Unmaps the placements of `at` (this reservation's, under its lock) that lie wholly inside
+    /// `[from, from + len)` of the mapping and gives their pages back to `pool`.
+    fn unplace_within(&self, at: &mut BTreeMap<usize, (usize, u64)>, pool: &ExpertPool, from: usize, len: usize) {
+        let inside: Vec<(usize, usize, u64)> = at
+            .range(from..from + len)
+            .filter(|(&s, &(l, _))| s + l <= from + len)
+            .map(|(&s, &(l, id))| (s, l, id))
+            .collect();
+        for (s, l, id) in inside {
+            self.unmap_pool_pages(s, l);
+            at.remove(&s);
+            pool.give_back(id);
+        }
     }
 
     /// Maps fresh anonymous memory (as the reservation's own) over `[at, at + len)` of the
@@ -327,17 +339,7 @@ impl Reservation {
         let (at, len) = ((start - self.file_base) as usize, (end - start) as usize);
         let mut placed = self.placements();
         if let Some(pool) = placed.pool.clone() {
-            let inside: Vec<(usize, usize, u64)> = placed
-                .at
-                .range(at..at + len)
-                .filter(|(&s, &(l, _))| s + l <= at + len)
-                .map(|(&s, &(l, k))| (s, l, k))
-                .collect();
-            for (s, l, id) in inside {
-                self.unmap_pool_pages(s, l);
-                placed.at.remove(&s);
-                pool.give_back(id);
-            }
+            self.unplace_within(&mut placed.at, &pool, at, len);
         }
         drop(placed);
         // SAFETY: [start, end) lies inside the mapping [file_base, map_end) (own_pages clamps
@@ -363,12 +365,7 @@ mod tests {
     #[test]
     fn windows_land_in_place_and_release_is_page_exact() {
         let page = page_size();
-        let dir = std::env::temp_dir().join(format!("ggml-sys-res-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("f.bin");
-        let data: Vec<u8> = (0..4 * page as usize + 1000).map(|i| (i % 251) as u8).collect();
-        std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
-        let file = std::fs::File::open(&path).unwrap();
+        let (dir, data, file) = file_of("res", 4 * page as usize + 1000, 251);
         // A tensor at an odd offset, 3000 bytes into the second page.
         let (off, size) = (page + 3000, 2 * page + 500);
         let r = Reservation::new(off, size).unwrap();
@@ -408,12 +405,7 @@ mod tests {
     #[test]
     fn slices_land_in_pool_pages_and_release_returns_them() {
         let page = page_size();
-        let dir = std::env::temp_dir().join(format!("ggml-sys-pool-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let path = dir.join("f.bin");
-        let data: Vec<u8> = (0..8 * page as usize).map(|i| (i % 253) as u8).collect();
-        std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
-        let file = std::fs::File::open(&path).unwrap();
+        let (dir, data, file) = file_of("pool", 8 * page as usize, 253);
         // Two slices of 3 pages and a half in a tensor one page into the file: the first owns
         // its first page (the mapping's head) to its last whole page, the second from its first
         // whole page to the mapping's tail; 3 pages each.
@@ -451,6 +443,18 @@ mod tests {
         assert_eq!(Arc::strong_count(&pool), 1, "the reservation holds the pool no more");
         assert!(r.place(0, half).is_none());
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A file of `len` bytes counting modulo `modulus` in a fresh directory named for `what`:
+    /// the directory (to remove), the bytes, and the file open for reading.
+    fn file_of(what: &str, len: usize, modulus: usize) -> (std::path::PathBuf, Vec<u8>, std::fs::File) {
+        let dir = std::env::temp_dir().join(format!("ggml-sys-{what}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("f.bin");
+        let data: Vec<u8> = (0..len).map(|i| (i % modulus) as u8).collect();
+        std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        (dir, data, file)
     }
 
     /// Whether the tests run under qemu-user (`make aarch64`), whose madvise is a hint it may

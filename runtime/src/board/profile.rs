@@ -179,7 +179,7 @@ pub struct MemorySection {
     pub reserve_mib: u64,
     /// How the expert cache evicts: "lru" or "frequency". Absent: the runtime's default.
     pub cache_policy: Option<crate::stream::CachePolicy>,
-    /// Land expert reads in a pool of slots committed at open (default) instead of fresh pages
+    /// Land expert reads in a pool of pages committed at open (default) instead of fresh pages
     /// faulted in by every read and given back by every eviction.
     #[serde(default = "default_expert_slots")]
     pub expert_slots: bool,

@@ -90,7 +90,7 @@ pub struct ResolvedBoard {
     pub draft: Sourced<Draft>,
     /// How the expert cache evicts.
     pub cache_policy: Sourced<CachePolicy>,
-    /// Expert reads land in a pool of committed slots.
+    /// Expert reads land in a pool of pages committed at open.
     pub expert_slots: bool,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
