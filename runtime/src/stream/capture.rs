@@ -176,7 +176,7 @@ impl<'m> Capture<'m> {
             tag: (u32::MAX, k as u32),
             tensor: usize::MAX,
             slice: None,
-            pass: None,
+            pass: false,
             check: self.sums.as_ref().map(|s| SliceCheck { from: 0, to: d.size, sum: s.dense(k) }),
         });
         // The tensor leaves llama.cpp's file mapping before the read: if the read fails, the node

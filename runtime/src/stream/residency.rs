@@ -119,7 +119,7 @@ impl Residency {
             tag: (tensor.layer, e),
             tensor: k,
             slice: Some((a, b)),
-            pass: pass.then_some((a, b)),
+            pass,
             check: self.sums.as_deref().map(|s| SliceCheck { from: a, to: b, sum: s.expert(k, e) }),
         }
     }

@@ -113,7 +113,7 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
             let job = q.jobs[i].clone();
             q.next += 1;
             q.busy += 1;
-            if job.pass.is_some() {
+            if job.pass {
                 q.held += job.len as u64;
             }
             drop(q);
@@ -158,8 +158,8 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
 /// Whether the next job may begin: a passing read only while the window has room for it (or
 /// nothing else of the window is held).
 pub(super) fn has_room(q: &Queue) -> bool {
-    match (q.window, &q.jobs[q.next].pass) {
-        (Some(window), Some(_)) => q.held == 0 || q.held + q.jobs[q.next].len as u64 <= window,
+    match (q.window, q.jobs[q.next].pass) {
+        (Some(window), true) => q.held == 0 || q.held + q.jobs[q.next].len as u64 <= window,
         _ => true,
     }
 }

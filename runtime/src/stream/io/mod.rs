@@ -64,10 +64,9 @@ pub struct ReadJob {
     /// pool are mapped under its own pages before the read ([`Reservation::place`]). `None` for
     /// dense reads.
     pub slice: Option<(u64, u64)>,
-    /// A read passing through (waves): the tensor bytes `[from, to)` (relative to the tensor)
-    /// to give back once the expert is computed. It holds a share of the batch's window until
-    /// then.
-    pub pass: Option<(u64, u64)>,
+    /// A read passing through (waves): its `slice` is given back once the expert is computed.
+    /// It holds a share of the batch's window until then.
+    pub pass: bool,
     /// What the landed bytes must hash to (`--verify`): checked by the lane before the read
     /// counts as landed.
     pub check: Option<SliceCheck>,
@@ -335,7 +334,7 @@ impl IoLanes {
         let mut freed = 0;
         for i in 0..q.jobs.len() {
             let j = &q.jobs[i];
-            let Some((from, to)) = j.pass else { continue };
+            let Some((from, to)) = j.slice.filter(|_| j.pass) else { continue };
             if j.tensor != tensor || j.tag.1 != expert || !q.landed[i] || q.released[i] {
                 continue;
             }

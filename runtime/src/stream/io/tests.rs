@@ -11,7 +11,8 @@ fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
         LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault: None };
     let lanes = IoLanes::new(&[path], &config).unwrap();
     let target = Arc::new(Reservation::new(0, len as u64).unwrap());
-    let job = ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, slice: None, pass: None, check: None };
+    let job =
+        ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, slice: None, pass: false, check: None };
     (lanes, vec![job])
 }
 
@@ -28,7 +29,8 @@ fn waves_begin_a_passing_read_only_when_the_window_has_room() {
             start: from,
             len: page,
             tag: (5, e),
-            pass: Some((from, from + page as u64)),
+            slice: Some((from, from + page as u64)),
+            pass: true,
             ..one.clone()
         });
     }
