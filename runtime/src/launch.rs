@@ -318,6 +318,7 @@ impl Launch {
             gpu: self.gpu_layers() > 0,
             rpc,
             kept: self.kept_bytes,
+            lookahead: self.board.lookahead,
         }
     }
 
@@ -353,6 +354,7 @@ impl Launch {
             lossy: self.lossy,
             rpc,
             verify: self.board.verify,
+            lookahead: self.board.lookahead,
         }
     }
 }

@@ -42,6 +42,10 @@ pub struct Summary {
     pub major_faults: u64,
     /// Chosen experts they replaced by cached ones (lossy `--substitute`).
     pub substituted: u64,
+    /// Experts read ahead on the lookahead's guess.
+    pub lookahead_reads: u64,
+    /// Of which the router then chose.
+    pub lookahead_used: u64,
     /// Cumulative hit rate at the end.
     pub hit_rate: f64,
     /// Highest RSS seen after a decode.
@@ -70,6 +74,8 @@ impl Summary {
             s.bytes_read += r.bytes_read;
             s.major_faults += r.major_faults;
             s.substituted += r.substituted;
+            s.lookahead_reads += r.lookahead_reads;
+            s.lookahead_used += r.lookahead_used;
         }
         s
     }
@@ -148,6 +154,8 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
             r.misses.to_string(),
             r.substituted.to_string(),
             r.passed.to_string(),
+            r.lookahead_reads.to_string(),
+            r.lookahead_used.to_string(),
             format!("{:.4}", r.hit_rate),
             r.major_faults.to_string(),
             r.rss_anon.to_string(),
@@ -159,7 +167,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
 }
 
 /// The columns of the per-token CSV.
-const CSV_HEADER: [&str; 19] = [
+const CSV_HEADER: [&str; 21] = [
     "index",
     "prefill",
     "n_tokens",
@@ -174,6 +182,8 @@ const CSV_HEADER: [&str; 19] = [
     "misses",
     "substituted",
     "passed",
+    "lookahead_reads",
+    "lookahead_used",
     "hit_rate",
     "major_faults",
     "rss_anon",
@@ -201,6 +211,8 @@ mod tests {
             misses: 3,
             substituted: 0,
             passed: 0,
+            lookahead_reads: 2,
+            lookahead_used: 1,
             hit_rate: 0.25,
             major_faults: 0,
             rss_anon: 1 << 20,
@@ -216,6 +228,7 @@ mod tests {
         assert_eq!(s.tokens, 2);
         assert!((s.tokens_per_s() - 10.0).abs() < 1e-9);
         assert!((s.mib_per_token() - 2.0).abs() < 1e-9);
+        assert_eq!((s.lookahead_reads, s.lookahead_used), (4, 2), "reads ahead of the generated tokens only");
     }
 
     #[test]

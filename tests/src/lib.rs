@@ -186,6 +186,7 @@ pub fn stream_config(
         lossy: sluice::lossy::Lossy::default(),
         rpc: None,
         verify: false,
+        lookahead: false,
     }
 }
 
@@ -208,6 +209,10 @@ pub struct StreamRun {
     pub substituted: Vec<u64>,
     /// The expert slot pools at the end.
     pub slots: sluice::stream::SlotUse,
+    /// Experts read ahead on the lookahead's guess, and of those the ones then routed.
+    pub lookahead: (u64, u64),
+    /// Bytes of the lookahead's router copies at the end.
+    pub router_copies: u64,
 }
 
 /// Generates greedily from [`PROMPT`] in an open streamed session.
@@ -227,6 +232,8 @@ pub fn stream_generate(
         direct: s.lanes().is_direct(0),
         kernel_nodes: rows.iter().filter(|r| !r.prefill).map(|r| r.kernel_nodes).collect(),
         substituted: rows.iter().map(|r| r.substituted).collect(),
+        lookahead: rows.iter().fold((0, 0), |(a, b), r| (a + r.lookahead_reads, b + r.lookahead_used)),
+        router_copies: s.lookahead_bytes(),
         slots: s.slots(),
     }
 }

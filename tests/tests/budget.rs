@@ -109,6 +109,7 @@ fn the_ledger_adds_up_for_two_fixtures() {
             gpu: false,
             rpc: None,
             kept: 0,
+            lookahead: false,
         };
         let l = budget::ledger(&req, &sizes, baseline);
         let fixed = dense + kv + sizes.compute + baseline + OVERHEAD_BYTES;

@@ -163,6 +163,62 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
     }
 }
 
+#[test]
+fn reads_ahead_on_the_next_layers_guess_change_no_token_and_no_cache_decision() {
+    if sluice_tests::emulated() {
+        eprintln!("skipped: the guess and the drops are the same code on every architecture (runs natively)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for f in gate_fixtures() {
+        let (files, index) = indexed_fixture(f, dir.path());
+        let reference = resident_reference(&files[0], N);
+        // The expert pool as the ledger sizes it, and a cache of one token's experts or of half
+        // of them: each guess then evicts what the cache ranks lowest.
+        let ahead = |cache: u64, policy: CachePolicy| StreamConfig {
+            lookahead: true,
+            cache_policy: policy,
+            expert_pool: Some(cache + index.layer_token_demand()),
+            ..stream_config(cache, 2, true, DensePolicy::Anon)
+        };
+        let half = index.all_expert_window_bytes() / 2;
+        let configs = [
+            ("serial, a cache of one token", ahead(index.one_token_demand(), CachePolicy::Lru)),
+            ("serial, frequency cache of half", ahead(half, CachePolicy::Frequency)),
+            (
+                "overlapped, a cache of one token",
+                overlapped(ahead(index.one_token_demand(), CachePolicy::Lru), READ_BOUND),
+            ),
+            ("1 lane, buffered, fresh pages", StreamConfig { expert_pool: None, ..ahead(half, CachePolicy::Lru) }),
+        ];
+        for (what, config) in configs {
+            let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+            let run = streamed(&model, Arc::clone(&index), &config, N);
+            assert_eq!(run.tokens, reference, "{f:?}, lookahead, {what}: output differs from resident");
+            let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+            let without = streamed(&model, Arc::clone(&index), &StreamConfig { lookahead: false, ..config }, N);
+            // The reads ahead land outside the cache: it routes, hits, misses and evicts as
+            // without them.
+            assert_eq!(run.trace, without.trace, "{f:?}, lookahead, {what}: other routes");
+            assert_eq!(run.counters, without.counters, "{f:?}, lookahead, {what}: other cache decisions");
+            if !index.experts.iter().any(|t| !kernel::computes(t.ty, 8)) {
+                // The reads ahead fit the pool's staging (see the first gate for the exception).
+                assert_eq!(run.slots.misses, 0, "{f:?}, lookahead, {what}: a read found no free pool pages");
+            }
+            let (reads, used) = run.lookahead;
+            assert!(reads > 0, "{f:?}, lookahead, {what}: nothing was read ahead");
+            assert!(used <= reads, "{f:?}, lookahead, {what}: {used} of {reads} reads ahead used");
+            assert!(
+                run.router_copies > 0 && run.router_copies <= index.router_copy_bytes(),
+                "{f:?}, lookahead, {what}: router copies of {} bytes, the ledger's line {}",
+                run.router_copies,
+                index.router_copy_bytes()
+            );
+            assert_through_kernel(&run, &index, &format!("{f:?}, lookahead, {what}"));
+        }
+    }
+}
+
 /// A streamed session over `files` with `config`, and the prompt's tokens.
 fn open_session<'m>(
     model: &'m ggml_sys::Model,

@@ -115,6 +115,11 @@ pub struct StorageSection {
     /// verify`): for media that rot, such as SD cards.
     #[serde(default)]
     pub verify: bool,
+    /// In single-token decodes, guess the next layer's experts (its router applied to this
+    /// layer's router input) and read those not resident while this layer computes; a wrong
+    /// guess costs a read, never a different token.
+    #[serde(default)]
+    pub lookahead: bool,
 }
 
 /// `storage.overlap`: when expert reads overlap expert compute.
@@ -164,7 +169,15 @@ fn yes() -> bool {
 
 impl Default for StorageSection {
     fn default() -> Self {
-        StorageSection { medium: None, read_kib: None, lanes: None, direct_io: true, overlap: None, verify: false }
+        StorageSection {
+            medium: None,
+            read_kib: None,
+            lanes: None,
+            direct_io: true,
+            overlap: None,
+            verify: false,
+            lookahead: false,
+        }
     }
 }
 

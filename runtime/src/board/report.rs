@@ -149,6 +149,11 @@ pub fn describe_resolved(r: &ResolvedBoard) -> String {
         "  expert slots: {}",
         if r.expert_slots { "on (a pool committed at open)" } else { "off (fresh pages per read)" }
     );
+    let _ = writeln!(
+        o,
+        "  lookahead: {}",
+        if r.lookahead { "on (next layer's guessed experts read early)" } else { "off" }
+    );
     let _ = writeln!(o, "  expert cache policy: {} ({})", r.cache_policy.value, r.cache_policy.source);
     let _ = writeln!(o, "  budget: {} ({})", mib(r.budget.value), r.budget.source);
     let _ = writeln!(

@@ -42,6 +42,8 @@ pub struct Overrides {
     pub cache_policy: Option<CachePolicy>,
     /// `--no-expert-slots`.
     pub no_expert_slots: bool,
+    /// `--lookahead` or `--no-lookahead`.
+    pub lookahead: Option<bool>,
 }
 
 /// A value and where it came from (`profile storage.lanes`, `--io-lanes`, `probe`, ...).
@@ -92,6 +94,8 @@ pub struct ResolvedBoard {
     pub cache_policy: Sourced<CachePolicy>,
     /// Expert reads land in a pool of pages committed at open.
     pub expert_slots: bool,
+    /// Single-token decodes start the reads of the next layer's guessed experts early.
+    pub lookahead: bool,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
     /// The compute service.
@@ -163,6 +167,7 @@ pub fn resolve(
         draft,
         cache_policy,
         expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
+        lookahead: overrides.lookahead.unwrap_or(p.storage.lookahead),
         budget,
         compute,
         notes,

@@ -21,6 +21,8 @@ pub enum Item {
     IoStaging,
     /// The expert cache.
     ExpertCache,
+    /// The lookahead's copies of the routers (`--lookahead`).
+    LookaheadRouters,
     /// The process itself, llama.cpp's and the engine's own structures.
     RuntimeOverhead,
     /// What `serve` keeps of its answers (the responses for `previous_response_id`).
@@ -36,6 +38,7 @@ impl Item {
             Item::ComputeBuffers => "compute buffers",
             Item::IoStaging => "I/O staging",
             Item::ExpertCache => "expert cache",
+            Item::LookaheadRouters => "lookahead routers",
             Item::RuntimeOverhead => "runtime overhead",
             Item::KeptResponses => "kept responses",
         }

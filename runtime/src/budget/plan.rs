@@ -47,6 +47,8 @@ pub struct PlanRequest<'a> {
     /// What the front end keeps at most beside the generation (`serve`'s kept responses); a
     /// line of its own when not 0.
     pub kept: u64,
+    /// Next-layer reads are guessed (`--lookahead`): the router copies get a line.
+    pub lookahead: bool,
 }
 
 /// llama.cpp's sizes for one context shape.
@@ -100,7 +102,8 @@ pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger 
     let dense = dense_line(req);
     let dense_held = if dense.held { dense.bytes } else { 0 };
     let overhead = baseline + OVERHEAD_BYTES;
-    let fixed = dense_held + sizes.kv + sizes.compute + overhead + req.kept;
+    let routers = if req.lookahead { index.router_copy_bytes() } else { 0 };
+    let fixed = dense_held + sizes.kv + sizes.compute + overhead + req.kept + routers;
     let (cache, staging) = cache_and_staging(req, req.budget.value.saturating_sub(fixed), params.n_batch);
     let mut lines = vec![
         dense,
@@ -133,6 +136,10 @@ pub fn ledger(req: &PlanRequest, sizes: &ContextSizes, baseline: u64) -> Ledger 
             held: true,
         },
     ];
+    if routers > 0 {
+        let basis = "f32 copies of every streamed layer's router, to guess the next layer's experts".to_string();
+        lines.push(LedgerLine { item: Item::LookaheadRouters, bytes: routers, basis, held: true });
+    }
     if req.kept > 0 {
         let basis = "serve's responses kept for previous_response_id, at most".to_string();
         lines.push(LedgerLine { item: Item::KeptResponses, bytes: req.kept, basis, held: true });

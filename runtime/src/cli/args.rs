@@ -61,6 +61,14 @@ pub struct TuningArgs {
     /// committed at open (default: the profile's memory.expert_slots, else on).
     #[arg(long)]
     pub no_expert_slots: bool,
+    /// Guess each next layer's experts from this layer's router input and start their reads
+    /// while this layer computes, in single-token decodes (default: the profile's
+    /// storage.lookahead, else off).
+    #[arg(long, conflicts_with = "no_lookahead")]
+    pub lookahead: bool,
+    /// Read each layer's experts only once its router has chosen them.
+    #[arg(long)]
+    pub no_lookahead: bool,
 }
 
 impl TuningArgs {
@@ -84,6 +92,13 @@ impl TuningArgs {
             draft: self.draft,
             cache_policy: self.cache_policy,
             no_expert_slots: self.no_expert_slots,
+            lookahead: if self.lookahead {
+                Some(true)
+            } else if self.no_lookahead {
+                Some(false)
+            } else {
+                None
+            },
         }
     }
 }
@@ -263,6 +278,8 @@ mod tests {
             draft: Some(Draft::Ngram),
             cache_policy: Some(sluice::stream::CachePolicy::Frequency),
             no_expert_slots: true,
+            lookahead: true,
+            no_lookahead: false,
         };
         let lossy = LossyArgs { experts_used: Some(2), substitute: Some(4) };
         let child = passed_on(&tuning, &lossy);

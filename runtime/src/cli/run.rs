@@ -242,6 +242,14 @@ fn report(loaded: &Loaded, end: &RunEnd, rows: &[TokenRow], draft: bool) -> Usag
     }
     let summary = Summary::of_generation(rows, g);
     noteln!("{}", summary.describe());
+    if summary.lookahead_reads > 0 {
+        noteln!(
+            "lookahead: {} experts read ahead of their layer, {} of them then chosen ({:.0}%)",
+            summary.lookahead_reads,
+            summary.lookahead_used,
+            100.0 * summary.lookahead_used as f64 / summary.lookahead_reads as f64
+        );
+    }
     let lossy = &loaded.config.lossy;
     if !lossy.is_exact() {
         noteln!(

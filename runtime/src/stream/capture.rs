@@ -177,6 +177,7 @@ impl<'m> Capture<'m> {
             tensor: usize::MAX,
             slice: None,
             pass: false,
+            speculative: false,
             check: self.sums.as_ref().map(|s| SliceCheck { from: 0, to: d.size, sum: s.dense(k) }),
         });
         // The tensor leaves llama.cpp's file mapping before the read: if the read fails, the node

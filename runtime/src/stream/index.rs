@@ -53,6 +53,8 @@ pub struct DenseTensor {
     pub offset: u64,
     /// Bytes.
     pub size: u64,
+    /// Elements.
+    pub elements: u64,
 }
 
 /// Why a model cannot be streamed.
@@ -146,7 +148,9 @@ impl Tensors {
                 &opened
             };
             for t in g.tensors() {
-                let dense_tensor = || DenseTensor { name: t.name.clone(), shard, offset: t.offset, size: t.size };
+                let elements = t.ne.iter().map(|&n| n.max(1) as u64).product();
+                let dense_tensor =
+                    || DenseTensor { name: t.name.clone(), shard, offset: t.offset, size: t.size, elements };
                 match parse_block(&t.name) {
                     Some((layer, _)) if layer >= n_layer => not_run.push(dense_tensor()),
                     Some((layer, rest)) if is_expert_weight(rest) && t.ne[2] == i64::from(n_expert) => {
@@ -308,6 +312,19 @@ impl ExpertIndex {
     /// every expert).
     pub fn one_token_demand(&self) -> u64 {
         self.moe_layers().map(|l| self.token_demand_in(l)).sum()
+    }
+
+    /// Bytes of f32 copies of the routers (weights and bias) of every layer that streams here:
+    /// what the lookahead holds ([`super::lookahead::Lookahead`]).
+    pub fn router_copy_bytes(&self) -> u64 {
+        let streams = |name: &str| {
+            name.strip_prefix("blk.")
+                .and_then(|r| r.split_once('.'))
+                .filter(|(_, t)| *t == "ffn_gate_inp.weight" || *t == "ffn_gate_inp.bias")
+                .and_then(|(l, _)| l.parse::<u32>().ok())
+                .is_some_and(|l| self.layer_tensors(l).next().is_some())
+        };
+        self.dense.iter().filter(|d| streams(&d.name)).map(|d| d.elements * 4).sum()
     }
 
     /// One token's routed demand in its largest layer: the most a single-token decode holds

@@ -54,6 +54,9 @@ pub struct StreamConfig {
     /// Check every expert and dense read against the model's checksum sidecar
     /// ([`crate::stream::checksums`], `storage.verify`).
     pub verify: bool,
+    /// Single-token decodes guess the next layer's experts and start their reads while the
+    /// layer computes ([`super::lookahead`]).
+    pub lookahead: bool,
 }
 
 /// A regular expression matching the routed expert tensors of `index`: of every layer, or with

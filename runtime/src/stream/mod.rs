@@ -14,6 +14,7 @@ pub mod index;
 pub mod io;
 pub mod kernel;
 pub mod load;
+pub mod lookahead;
 pub mod record;
 pub mod residency;
 pub mod routing;

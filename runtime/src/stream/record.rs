@@ -35,6 +35,10 @@ pub struct DecodeStats {
     pub substituted: u64,
     /// Routed experts read in waves and given back once computed (not kept by the cache).
     pub passed: u64,
+    /// Experts read ahead of their layer on the lookahead's guess (`--lookahead`).
+    pub lookahead_reads: u64,
+    /// Of which the layer's router then chose.
+    pub lookahead_used: u64,
 }
 
 /// One decode's telemetry.
@@ -69,6 +73,10 @@ pub struct TokenRow {
     /// Routed experts read in waves and given back once computed (a prompt batch beyond the
     /// cache and its staging).
     pub passed: u64,
+    /// Experts read ahead on the lookahead's guess.
+    pub lookahead_reads: u64,
+    /// Of which the router then chose.
+    pub lookahead_used: u64,
     /// Cumulative hit rate.
     pub hit_rate: f64,
     /// Major faults during the decode.
@@ -106,6 +114,8 @@ impl TokenRow {
             misses: stats.misses,
             substituted: stats.substituted,
             passed: stats.passed,
+            lookahead_reads: stats.lookahead_reads,
+            lookahead_used: stats.lookahead_used,
             hit_rate: cache.hit_rate(),
             major_faults: after.major_faults.saturating_sub(before.major_faults),
             rss_anon: after.rss_anon,

@@ -120,6 +120,7 @@ impl Residency {
             tensor: k,
             slice: Some((a, b)),
             pass,
+            speculative: false,
             check: self.sums.as_deref().map(|s| SliceCheck { from: a, to: b, sum: s.expert(k, e) }),
         }
     }

@@ -120,6 +120,7 @@ impl<'m> StreamedSession<'m> {
             trace: config.trace_routes,
             cache_policy: config.cache_policy,
             expert_pool: config.expert_pool,
+            lookahead: config.lookahead,
         };
         let streamer = Arc::new(Mutex::new(Streamer::new(index, source, bound, claims.taken(), sums, settings)));
         // Set once, before any decode that streams.

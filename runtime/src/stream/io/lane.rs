@@ -13,7 +13,10 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::identity::{open_direct, FileIdentity};
-use super::{abandoned_error, FaultKind, ReadFailure, ReadFault, ReadJob, ReadStats};
+use super::{abandoned_error, dropped_error, FaultKind, ReadFailure, ReadFault, ReadJob, ReadStats};
+
+/// The largest request of a speculative read: a dropped one stops within this much.
+const SPECULATIVE_REQUEST: usize = 256 << 10;
 
 pub(super) struct Shard {
     pub(super) path: PathBuf,
@@ -28,6 +31,10 @@ pub(super) struct Queue {
     pub(super) landed: Vec<bool>,
     /// Which passing reads were given back.
     pub(super) released: Vec<bool>,
+    /// Which speculative reads were dropped ([`super::IoLanes::drop_speculative`]).
+    pub(super) dropped: Vec<bool>,
+    /// The (layer, expert) of speculative reads that did not land whole.
+    pub(super) lost: Vec<(u32, u32)>,
     /// The byte window passing reads share (`None`: no waves).
     pub(super) window: Option<u64>,
     /// Bytes of passing reads begun and not yet given back.
@@ -62,6 +69,9 @@ pub(super) struct Shared {
     /// The batch being read (`Queue::batch`), for a read between its chunks to see that its
     /// batch was abandoned without taking the queue's lock.
     pub(super) batch: AtomicU64,
+    /// Bumped whenever speculative reads are dropped, for a read between its chunks to see
+    /// without taking the queue's lock that it may have been.
+    pub(super) drops: AtomicU64,
 }
 
 impl Shared {
@@ -101,7 +111,16 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
         if q.shutdown {
             return;
         }
-        if q.next < q.jobs.len() && q.window.is_some() && q.failure.is_some() {
+        if q.next < q.jobs.len() && q.dropped[q.next] {
+            // A speculative read dropped before it began.
+            let i = q.next;
+            q.next += 1;
+            q.finished += 1;
+            q.landed[i] = true;
+            let tag = q.jobs[i].tag;
+            q.lost.push(tag);
+            shared.done.notify_all();
+        } else if q.next < q.jobs.len() && q.window.is_some() && q.failure.is_some() {
             // A failed wave batch: nothing will compute (and give back) what is left.
             let i = q.next;
             q.next += 1;
@@ -117,11 +136,12 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
                 q.held += job.len as u64;
             }
             drop(q);
-            let result = catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job, batch))).unwrap_or_else(|p| {
-                let what =
-                    p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
-                Err(io::Error::other(format!("the reader thread panicked: {}", what.unwrap_or_default())))
-            });
+            let result =
+                catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job, (batch, i)))).unwrap_or_else(|p| {
+                    let what =
+                        p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
+                    Err(io::Error::other(format!("the reader thread panicked: {}", what.unwrap_or_default())))
+                });
             q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.busy -= 1;
             if q.batch != batch {
@@ -130,14 +150,24 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
                 if job.tensor != usize::MAX {
                     q.stale.push(job.tag);
                 }
+                if job.speculative {
+                    q.lost.push(job.tag);
+                }
                 continue;
             }
             match result {
+                Ok(_) if q.dropped[i] => q.lost.push(job.tag),
                 Ok((bytes, direct)) => {
                     q.stats.bytes += bytes;
                     if direct {
                         q.stats.direct_bytes += bytes;
                     }
+                }
+                Err(source) if job.speculative => {
+                    if !q.dropped[i] {
+                        log::debug!("{} (a lookahead read, dropped)", shared.failure(&job, source));
+                    }
+                    q.lost.push(job.tag);
                 }
                 Err(source) => {
                     if q.failure.is_none() {
@@ -164,11 +194,18 @@ pub(super) fn has_room(q: &Queue) -> bool {
     }
 }
 
-/// Reads one job of batch `batch` in chunks of at most `max_request` bytes. Returns the bytes
-/// read and whether they came through `O_DIRECT`. Fails when the file ends before its size at
-/// open, or is no longer the file the lanes opened; stops between chunks once its batch was
-/// abandoned, so that little is written into memory the engine has released.
-pub(super) fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batch: u64) -> io::Result<(u64, bool)> {
+/// Reads one job (`at`: its batch and its place in it) in chunks of at most `max_request`
+/// bytes. Returns the bytes read and whether they came through `O_DIRECT`. Fails when the file
+/// ends before its size at open, or is no longer the file the lanes opened; stops between
+/// chunks once its batch was abandoned, so that little is written into memory the engine has
+/// released, and a speculative read once it was dropped.
+pub(super) fn read_job(
+    shared: &Shared,
+    files: &[LaneFiles],
+    job: &ReadJob,
+    at: (u64, usize),
+) -> io::Result<(u64, bool)> {
+    let (batch, i) = at;
     let n = shared.reads.fetch_add(1, Ordering::Relaxed) + 1;
     if let Some(fault) = shared.fault.filter(|f| f.at == n) {
         return Err(inject(shared, files, job, batch, fault.kind, n));
@@ -179,11 +216,19 @@ pub(super) fn read_job(shared: &Shared, files: &[LaneFiles], job: &ReadJob, batc
     // Held until the read is done: pool pages released meanwhile are not reused under it.
     let _placed = job.slice.and_then(|(from, to)| job.target.place(from, to));
     let mut done = 0usize;
+    let mut drops = shared.drops.load(Ordering::Relaxed);
+    let request = if job.speculative { shared.max_request.min(SPECULATIVE_REQUEST) } else { shared.max_request };
     while done < job.len {
         if shared.batch.load(Ordering::Relaxed) != batch {
             return Err(abandoned_error());
         }
-        let len = (job.len - done).min(shared.max_request);
+        if job.speculative && shared.drops.load(Ordering::Relaxed) != drops {
+            drops = shared.drops.load(Ordering::Relaxed);
+            if shared.queue.lock().unwrap_or_else(|e| e.into_inner()).dropped.get(i) == Some(&true) {
+                return Err(dropped_error());
+            }
+        }
+        let len = (job.len - done).min(request);
         let fd = match (&f.direct, use_direct) {
             (Some(d), true) => d.as_fd(),
             _ => f.buffered.as_fd(),

@@ -13,6 +13,12 @@
 //! the batch's order, so the expert a product waits for is always ahead of any it has not
 //! reached.
 //!
+//! Speculative reads ([`ReadJob::speculative`], the lookahead's) go out after the batch's own:
+//! once the engine knows which of them are wanted, [`IoLanes::drop_speculative`] drops the rest,
+//! which lanes then skip, or stop between chunks. Neither a dropped nor a failed speculative read
+//! fails its batch; its expert is handed back by [`IoLanes::take_lost`] (a wanted one is then
+//! read again, and that read reports the failure).
+//!
 //! Direct I/O is verified per shard when the lanes open: one aligned block is read both ways and
 //! compared. `EINVAL` (tmpfs before Linux 6.6, some FUSE file systems) or a mismatch switches
 //! that shard to buffered reads, logged once; so does an `EINVAL` on a later read.
@@ -67,6 +73,10 @@ pub struct ReadJob {
     /// A read passing through (waves): its `slice` is given back once the expert is computed.
     /// It holds a share of the batch's window until then.
     pub pass: bool,
+    /// A lookahead read (an expert the next layer's router is expected to choose): it may be
+    /// dropped ([`IoLanes::drop_speculative`]) and never fails its batch; an expert whose
+    /// speculative read did not land whole is handed back by [`IoLanes::take_lost`].
+    pub speculative: bool,
     /// What the landed bytes must hash to (`--verify`): checked by the lane before the read
     /// counts as landed.
     pub check: Option<SliceCheck>,
@@ -189,6 +199,7 @@ impl IoLanes {
             bound: config.bound,
             cancel: Mutex::new(None),
             batch: AtomicU64::new(0),
+            drops: AtomicU64::new(0),
         });
         // Dropped on an error below: joins the lanes already started.
         let mut lanes = IoLanes { shared, threads: Vec::new() };
@@ -275,6 +286,8 @@ impl IoLanes {
         q.landed.resize(n, false);
         q.released.clear();
         q.released.resize(n, false);
+        q.dropped.clear();
+        q.dropped.resize(n, false);
         q.window = window;
         q.held = 0;
         q.batch += 1;
@@ -321,6 +334,35 @@ impl IoLanes {
             Some(f) => Err(f),
             None => Ok(q.stats),
         }
+    }
+
+    /// Drops the submitted speculative reads of the experts `keep` refuses (by `(layer,
+    /// expert)`) that have not landed: lanes skip those not begun and stop those in progress
+    /// between chunks. Their experts come back from [`IoLanes::take_lost`] once the reads have
+    /// ended.
+    pub fn drop_speculative(&self, keep: impl Fn((u32, u32)) -> bool) {
+        let mut q = self.queue();
+        let q = &mut *q;
+        let mut any = false;
+        for (i, j) in q.jobs.iter().enumerate() {
+            if j.speculative && !q.landed[i] && !keep(j.tag) {
+                q.dropped[i] = true;
+                any = true;
+            }
+        }
+        if any {
+            self.shared.drops.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The (layer, expert) of speculative reads that did not land whole (dropped, failed, or
+    /// their batch given up) since the last call, each expert once per read: those experts must
+    /// be marked not resident and their memory given back, once no batch is out.
+    pub fn take_lost(&self) -> Vec<(u32, u32)> {
+        let mut lost = std::mem::take(&mut self.queue().lost);
+        lost.sort_unstable();
+        lost.dedup();
+        lost
     }
 
     /// Gives back the passing reads of expert `expert` of expert tensor `tensor` that have
@@ -405,6 +447,11 @@ fn cancelled_error() -> io::Error {
 /// Why a read stopped part-way: its batch was given up.
 fn abandoned_error() -> io::Error {
     io::Error::new(io::ErrorKind::Interrupted, "its batch was given up")
+}
+
+/// Why a speculative read stopped part-way: it was dropped.
+fn dropped_error() -> io::Error {
+    io::Error::new(io::ErrorKind::Interrupted, "the lookahead read was dropped")
 }
 
 /// Why a read still outstanding after `bound` failed.

@@ -11,8 +11,18 @@ fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
         LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault: None };
     let lanes = IoLanes::new(&[path], &config).unwrap();
     let target = Arc::new(Reservation::new(0, len as u64).unwrap());
-    let job =
-        ReadJob { target, shard: 0, start: 0, len, tag: (5, 3), tensor: 0, slice: None, pass: false, check: None };
+    let job = ReadJob {
+        target,
+        shard: 0,
+        start: 0,
+        len,
+        tag: (5, 3),
+        tensor: 0,
+        slice: None,
+        pass: false,
+        speculative: false,
+        check: None,
+    };
     (lanes, vec![job])
 }
 
@@ -74,4 +84,41 @@ fn a_wait_past_its_bound_fails_the_batch_naming_the_expert() {
     assert_eq!(failure.what, "expert 3 of layer 5");
     assert_eq!(failure.cause.kind(), io::ErrorKind::TimedOut);
     assert!(failure.to_string().contains("expert 3 of layer 5"), "{failure}");
+}
+
+#[test]
+fn speculative_reads_are_dropped_or_lost_never_failing_their_batch() {
+    let dir = tempfile::tempdir().unwrap();
+    let page = ggml_sys::page_size() as usize;
+    let path = dir.path().join("f");
+    std::fs::write(&path, vec![7u8; 64 << 20]).unwrap();
+    // One lane; the second read fails with EIO.
+    let fault = Some(ReadFault { at: 2, kind: FaultKind::Eio });
+    let config =
+        LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault };
+    let lanes = IoLanes::new(&[path], &config).unwrap();
+    let target = Arc::new(Reservation::new(0, 64 << 20).unwrap());
+    let first = ReadJob {
+        target,
+        shard: 0,
+        start: 0,
+        len: 64 << 20,
+        tag: (5, 3),
+        tensor: 0,
+        slice: None,
+        pass: false,
+        speculative: false,
+        check: None,
+    };
+    // The layer's own 64 MiB, then three one-page reads ahead for layer 6.
+    let ahead = |e: u32| ReadJob { len: page, tag: (6, e), tensor: 1, speculative: true, ..first.clone() };
+    let mut jobs = vec![first.clone(), ahead(1), ahead(2), ahead(4)];
+    lanes.submit(&mut jobs);
+    // While the lane reads the first 64 MiB, layer 6's router chooses 1 and 2: 4 is dropped.
+    lanes.drop_speculative(|(l, e)| l == 6 && e != 4);
+    let stats = lanes.wait(&mut jobs, None).expect("a read ahead that fails does not fail its batch");
+    assert_eq!(stats.bytes, (64 << 20) + page as u64, "the first read and the guess of 2 landed");
+    assert_eq!(lanes.reads_begun(), 3, "the dropped read never began");
+    assert_eq!(lanes.take_lost(), vec![(6, 1), (6, 4)], "the failed and the dropped guesses");
+    assert!(lanes.take_lost().is_empty());
 }

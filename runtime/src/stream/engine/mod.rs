@@ -26,17 +26,25 @@
 //! through the kernel: those reads share a window of that size, in the order the products use
 //! them, and each expert's pages go back as soon as the kernel has computed it, so a layer
 //! larger than the budget streams through it with each expert read once.
+//!
+//! Lookahead (`--lookahead`, in `ahead`): a single-token decode also reads the experts the
+//! next layer's router is guessed to choose while this layer computes; the next layer's node
+//! drops the wrong guesses. In `collect`: collecting a batch.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ggml_sys::{EvalPhase, TensorView};
 
+mod ahead;
+mod collect;
+
 use super::cache::{CacheCounters, LayerPlan};
 use super::capture::Bound;
 use super::index::ExpertIndex;
-use super::io::{IoLanes, ReadFailure, ReadJob, ReadStats};
+use super::io::{IoLanes, ReadJob};
 use super::kernel::{self, ExpertSource};
+use super::lookahead::Lookahead;
 use super::record::{DecodeStats, Prefill};
 use super::residency::Residency;
 use super::routing::{RouteRecord, Routing};
@@ -86,6 +94,8 @@ pub struct StreamerSettings {
     pub cache_policy: super::cache::CachePolicy,
     /// Bytes of the pool expert reads land in, committed now ([`Residency::new`]).
     pub expert_pool: Option<u64>,
+    /// Guess the next layer's experts in single-token decodes and read them early.
+    pub lookahead: bool,
 }
 
 /// The state the eval callback drives after the capture.
@@ -118,6 +128,18 @@ pub struct Streamer {
     stats: DecodeStats,
     failure: Option<StreamError>,
     decode_no: u64,
+    /// The guesser of the next layer's experts (`--lookahead`).
+    lookahead: Option<Lookahead>,
+    /// The (layer, expert) pairs read ahead in the batch out with the lanes (outside the
+    /// cache, in the memory of the ledger's I/O staging).
+    ahead: Vec<(u32, u32)>,
+    /// The lookahead's reads, before they join the batch.
+    ahead_jobs: Vec<ReadJob>,
+    /// This layer's experts read ahead whole and then routed: planned as loads, not read again.
+    ready: Vec<u32>,
+    /// Experts read ahead (whole or not) that their router did not choose: their memory is given
+    /// back once the layer's plan has made the chosen ones resident (they may share pages).
+    spare: Vec<(u32, u32)>,
 }
 
 impl Streamer {
@@ -150,6 +172,11 @@ impl Streamer {
             stats: DecodeStats::default(),
             failure: None,
             decode_no: 0,
+            lookahead: settings.lookahead.then(|| Lookahead::new(index.n_layer, index.n_expert)),
+            ahead: Vec::new(),
+            ahead_jobs: Vec::new(),
+            ready: Vec::new(),
+            spare: Vec::new(),
             source,
             index,
         }
@@ -184,6 +211,11 @@ impl Streamer {
     /// The expert pool's size and use.
     pub fn slots(&self) -> super::residency::SlotUse {
         self.memory.slots()
+    }
+
+    /// Bytes of the lookahead's router copies (the ledger's `lookahead routers` line bounds it).
+    pub fn lookahead_bytes(&self) -> u64 {
+        self.lookahead.as_ref().map_or(0, Lookahead::bytes)
     }
 
     /// Bytes the cache holds now.
@@ -258,6 +290,9 @@ impl Streamer {
         let _ = self.source.lanes().wait(&mut self.jobs, Some(bound));
         self.in_flight = false;
         self.jobs.clear();
+        self.ahead.clear();
+        self.ahead_jobs.clear();
+        let _ = self.source.lanes().take_lost();
         self.loading.clear();
         self.passing.clear();
         self.failure = None;
@@ -279,56 +314,11 @@ impl Streamer {
     /// Marks the end of a decode: collects the last batch of an overlapped decode (its failure,
     /// if any, is then reported by [`Streamer::take_failure`]) and numbers the route trace.
     pub fn end_decode(&mut self) {
-        if let Err(e) = self.collect() {
+        if let Err(e) = self.collect(None) {
             self.failure.get_or_insert(e);
         }
+        self.release_spare();
         self.decode_no += 1;
-    }
-
-    /// Waits for the batch out with the lanes (overlap or waves) and accounts it; what passed
-    /// through is given back, pages shared with idle neighbours included.
-    fn collect(&mut self) -> Result<(), StreamError> {
-        if !std::mem::take(&mut self.in_flight) {
-            self.release_stale();
-            return Ok(());
-        }
-        let bound = self.overlap.as_ref().map_or_else(|| self.source.lanes().bound(), |o| o.bound);
-        let t0 = Instant::now();
-        let result = self.source.lanes().wait(&mut self.jobs, Some(bound));
-        self.stats.io_wait += t0.elapsed();
-        for &(l, e) in &self.passing {
-            self.memory.release_expert(l, e);
-        }
-        self.passing.clear();
-        self.release_stale();
-        self.account(result)
-    }
-
-    /// Gives back the pages that reads of abandoned batches (a bound passed, a cancel) wrote
-    /// after the engine had released them, for each such expert not resident again. Call it
-    /// with no batch out with the lanes: the engine does between batches, the server while idle.
-    pub fn release_stale(&mut self) {
-        for (l, e) in self.source.lanes().take_stale() {
-            if !self.memory.is_resident(l, e) {
-                self.memory.release_expert(l, e);
-            }
-        }
-    }
-
-    /// Adds a finished batch's bytes to the stats; a failure marks the experts it was loading as
-    /// not resident.
-    fn account(&mut self, result: Result<ReadStats, ReadFailure>) -> Result<(), StreamError> {
-        match result {
-            Ok(ReadStats { bytes, direct_bytes }) => {
-                self.stats.bytes_read += bytes;
-                self.stats.direct_bytes += direct_bytes;
-                Ok(())
-            }
-            Err(f) => {
-                self.memory.fail(&self.loading);
-                Err(StreamError::Read(f))
-            }
-        }
     }
 
     /// The eval callback: asks only for the routers of layers that stream here (another layer's
@@ -362,30 +352,43 @@ impl Streamer {
             .strip_prefix("ffn_moe_topk-")
             .and_then(|s| s.parse().ok())
             .ok_or_else(|| StreamError::Graph(format!("unexpected node name {}", t.name())))?;
-        self.collect()?;
         if self.index.layer_tensors(layer).next().is_none() {
             // A router whose layer streams nothing (the capture checked that no expert tensor
             // is used through it).
+            self.collect(None)?;
+            self.release_spare();
             return Ok(());
         }
         let memory = &self.memory;
         self.stats.substituted += self.routing.read(t, layer, |e| memory.is_resident(layer, e))?;
+        // What was read ahead for this layer and not chosen is dropped, the rest waited for.
+        self.collect(Some(layer))?;
         let tokens = t.ne()[1];
         let in_kernel = !(self.gpu && tokens >= GPU_OFFLOAD_BATCH)
             && self.index.layer_tensors(layer).all(|(k, x)| self.in_kernel[k] && kernel::computes(x.ty, tokens));
         self.plan_layer(layer, in_kernel, tokens);
-        if self.jobs.is_empty() {
+        self.release_spare();
+        let schedule = self.schedule(in_kernel, tokens);
+        if let Some(lookahead) = self.lookahead.as_mut() {
+            lookahead.learn(&t, layer);
+            if tokens == 1 && schedule != Schedule::Waves {
+                self.read_ahead(&t, layer);
+            }
+        }
+        if self.jobs.is_empty() && self.ahead_jobs.is_empty() {
             return Ok(());
         }
         let t0 = Instant::now();
         // A batch handed to the lanes is accounted when it is collected; a serial one now.
-        let landed = match self.schedule(in_kernel, tokens) {
+        let landed = match schedule {
             Schedule::Waves => {
                 self.source.lanes().submit_waves(&mut self.jobs, self.staging);
                 self.in_flight = true;
                 None
             }
             Schedule::Overlapped => {
+                // The reads ahead go out after the layer's own, and are collected with them.
+                self.jobs.append(&mut self.ahead_jobs);
                 self.source.lanes().submit(&mut self.jobs);
                 self.in_flight = true;
                 None
@@ -398,7 +401,17 @@ impl Streamer {
             }
         };
         self.stats.io_wait += t0.elapsed();
-        landed.map_or(Ok(()), |result| self.account(result))
+        if let Some(result) = landed {
+            self.account(result)?;
+        }
+        if !self.ahead_jobs.is_empty() {
+            // Serial: the reads ahead go out once the layer's own have landed; they load nothing
+            // into the cache.
+            self.loading.clear();
+            self.source.lanes().submit(&mut self.ahead_jobs);
+            self.in_flight = true;
+        }
+        Ok(())
     }
 
     /// Plans `layer`'s routed experts against the cache (evicted experts' memory given back)
@@ -415,6 +428,7 @@ impl Streamer {
         self.memory.plan_layer(layer, ids, &mut self.plan, staging);
         let after = self.memory.counters();
         self.stats.experts_routed += ids.len() as u64;
+        self.take_ready(layer);
         self.stats.hits += after.hits - before.hits;
         self.stats.misses += after.misses - before.misses;
         self.stats.evictions += after.evictions - before.evictions;
