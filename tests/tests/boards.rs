@@ -188,6 +188,22 @@ fn expert_slots_are_on_unless_the_profile_or_the_command_line_turns_them_off() {
 }
 
 #[test]
+fn lookahead_is_off_unless_the_profile_or_the_command_line_turns_it_on() {
+    let root = tree("rpi5-8gb");
+    let probe = HardwareProbe::run(&root, None);
+    let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
+    let with = |on: bool, overrides: &Overrides| {
+        let mut selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+        selected.profile.storage.lookahead = on;
+        resolve(selected, &probe, overrides, None, caps).unwrap().lookahead
+    };
+    assert!(!with(false, &Overrides::default()), "off by default");
+    assert!(with(false, &Overrides { lookahead: Some(true), ..Overrides::default() }), "--lookahead");
+    assert!(with(true, &Overrides::default()), "storage.lookahead = true");
+    assert!(!with(true, &Overrides { lookahead: Some(false), ..Overrides::default() }), "--no-lookahead");
+}
+
+#[test]
 fn overlapped_the_io_cores_compute_no_more() {
     let root = tree("rpi5-8gb");
     let probe = HardwareProbe::run(&root, None);
@@ -303,6 +319,10 @@ fn bad_profiles_name_the_file_the_field_and_the_fix() {
     assert_names(
         &bad_profile(&format!("{base}[memory]\nexpert_slots = \"yes\"\n"), false),
         &["myboard.toml", "expert_slots", "expected a boolean"],
+    );
+    assert_names(
+        &bad_profile(&format!("{base}[storage]\nlookahead = 1\n"), false),
+        &["myboard.toml", "lookahead", "expected a boolean"],
     );
     assert_names(&bad_profile("[cpu]\npoll = 1\n", false), &["myboard.toml", "missing field `name`"]);
     assert_names(

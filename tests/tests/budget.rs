@@ -131,6 +131,16 @@ fn the_ledger_adds_up_for_two_fixtures() {
         assert_eq!(fixed_cache.bytes(Item::ExpertCache), 1 << 20);
         assert_eq!(fixed_cache.bytes(Item::IoStaging), working.saturating_sub(1 << 20).min(wave), "{fixture:?}: waves");
         assert!(wave < working, "{fixture:?}: a batch's layer is more than one wave");
+        // The lookahead's router copies: a line of their own (f32 weights and bias of every
+        // streamed layer's router), taken from what the cache would get.
+        let routers = index.router_copy_bytes();
+        let n_embd = u64::from(spec.embd);
+        let moe_layers = index.moe_layers().count() as u64;
+        assert!(routers >= moe_layers * u64::from(spec.experts) * n_embd * 4, "{fixture:?}: {routers} bytes");
+        let ahead = budget::ledger(&PlanRequest { lookahead: true, ..req.clone() }, &sizes, baseline);
+        assert_eq!(ahead.bytes(Item::LookaheadRouters), routers, "{fixture:?}");
+        assert_eq!(ahead.bytes(Item::ExpertCache), ((64 << 20) - fixed - routers).min(all_experts), "{fixture:?}");
+        assert_eq!(l.bytes(Item::LookaheadRouters), 0, "{fixture:?}: no line without the lookahead");
         let mmap = budget::ledger(&PlanRequest { dense: DensePolicy::Mmap, ..req.clone() }, &sizes, baseline);
         assert_eq!(mmap.total + dense, fixed + mmap.bytes(Item::ExpertCache).max(working));
         assert_eq!(mmap.bytes(Item::DenseWeights), index.dense_bytes());
@@ -180,6 +190,7 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
         gpu: false,
         rpc: None,
         kept: 0,
+        lookahead: false,
     };
     let roomy = budget::plan_within_budget(&base).unwrap();
     assert!(
@@ -290,6 +301,7 @@ fn the_prompt_batch_from_the_budget_is_the_largest_that_keeps_enough_of_the_cach
         gpu: false,
         rpc: None,
         kept: 0,
+        lookahead: false,
     };
     let roomy = budget::plan_within_budget(&base).unwrap();
     let baseline = roomy.bytes(Item::RuntimeOverhead) - OVERHEAD_BYTES;
