@@ -1,7 +1,7 @@
 //! The architectures whose streaming a gate verifies: streamed greedy output equal to resident,
 //! token for token, on fixtures `sluice synth --arch` writes in their layout.
 //!
-//! Any other architecture streams by the generic rule of [`super::index`] (every
+//! Any other architecture streams by the generic rule of [`crate::stream::index`] (every
 //! `blk.<il>.*_exps.weight` of the expert count), guarded by the warm-up's checks: every indexed
 //! expert tensor must be used, and only by a routed matrix product whose expert ids are its own
 //! layer's `ffn_moe_topk-<il>` node, so that every byte a layer reads has been made resident.

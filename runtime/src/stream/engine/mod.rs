@@ -29,7 +29,7 @@
 //!
 //! Lookahead (`--lookahead`, in `ahead`): a single-token decode also reads the experts the
 //! next layer's router is guessed to choose while this layer computes; the next layer's node
-//! drops the wrong guesses. In `collect`: collecting a batch.
+//! drops the wrong guesses. In `collect`: collecting a batch; in `prefill`: the warm start.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -38,6 +38,7 @@ use ggml_sys::{EvalPhase, TensorView};
 
 mod ahead;
 mod collect;
+mod prefill;
 
 use super::cache::{CacheCounters, LayerPlan};
 use super::capture::Bound;
@@ -45,7 +46,7 @@ use super::index::ExpertIndex;
 use super::io::{IoLanes, ReadJob};
 use super::kernel::{self, ExpertSource};
 use super::lookahead::Lookahead;
-use super::record::{DecodeStats, Prefill};
+use super::record::DecodeStats;
 use super::residency::Residency;
 use super::routing::{RouteRecord, Routing};
 use super::trace::RouteTrace;
@@ -237,37 +238,6 @@ impl Streamer {
     /// Adds earlier counts (a saved heat map of the same model) to the heat map.
     pub fn add_heat(&mut self, counts: &[u64]) {
         self.routing.add_heat(counts);
-    }
-
-    /// Reads the experts of `order` (`(layer, expert)`, most wanted first) into the cache while
-    /// they fit its budget, without evicting anything: a warm start. A failed read leaves the
-    /// experts of its batch not resident and is returned.
-    pub fn prefill(&mut self, order: &[(u32, u32)]) -> Result<Prefill, StreamError> {
-        const BATCH: usize = 32;
-        let mut done = Prefill::default();
-        for chunk in order.chunks(BATCH) {
-            self.loading.clear();
-            for &(layer, e) in chunk {
-                if layer >= self.index.n_layer || e >= self.index.n_expert || !self.memory.admit(layer, e) {
-                    continue;
-                }
-                self.loading.push((layer, e));
-                for (k, _) in self.index.layer_tensors(layer) {
-                    self.jobs.push(self.memory.slice_read(k, e, false));
-                }
-            }
-            if self.jobs.is_empty() {
-                continue;
-            }
-            let result = self.source.lanes().read_all(&mut self.jobs);
-            let bytes = result.as_ref().map_or(0, |s| s.bytes);
-            self.account(result)?;
-            done.experts += self.loading.len() as u64;
-            done.bytes += bytes;
-        }
-        // The warm start is not the first request's work.
-        self.stats = DecodeStats::default();
-        Ok(done)
     }
 
     /// Bytes of expert memory really in RAM now (`mincore` over every expert reservation); the

@@ -1,6 +1,7 @@
 //! The lanes' API: waves, waits for one expert, bounds.
 
 use super::*;
+use ggml_sys::Reservation;
 
 /// Lanes over one file of `len` bytes of 7s, and a job reading all of it as expert 3 of
 /// layer 5 (tensor 0).
