@@ -35,8 +35,6 @@ impl Streamer {
         stats.lookahead_reads += ahead.len() as u64;
     }
 
-    /// Gives back the memory of the experts read ahead that their router did not choose (or
-    /// whose read did not land whole): none is resident.
     /// Takes the experts of `layer` read ahead whole out of the planned loads: resident from
     /// now on like any load, without a second read (one passing through is read again, as it
     /// would be; one not planned at all is spare).
@@ -51,6 +49,8 @@ impl Streamer {
         }
     }
 
+    /// Gives back the memory of the experts read ahead that their router did not choose (or
+    /// whose read did not land whole): none is resident.
     pub(super) fn release_spare(&mut self) {
         for (l, e) in self.spare.drain(..) {
             self.memory.release_expert(l, e);

@@ -262,6 +262,8 @@ impl Streamer {
         self.jobs.clear();
         self.ahead.clear();
         self.ahead_jobs.clear();
+        self.ready.clear();
+        self.spare.clear();
         let _ = self.source.lanes().take_lost();
         self.loading.clear();
         self.passing.clear();

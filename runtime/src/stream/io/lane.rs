@@ -156,11 +156,14 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
                 continue;
             }
             match result {
-                Ok(_) if q.dropped[i] => q.lost.push(job.tag),
                 Ok((bytes, direct)) => {
                     q.stats.bytes += bytes;
                     if direct {
                         q.stats.direct_bytes += bytes;
+                    }
+                    if q.dropped[i] {
+                        // Read whole, then dropped: its bytes were read, its expert is not kept.
+                        q.lost.push(job.tag);
                     }
                 }
                 Err(source) if job.speculative => {
