@@ -111,21 +111,17 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
         if q.shutdown {
             return;
         }
-        if q.next < q.jobs.len() && q.dropped[q.next] {
-            // A speculative read dropped before it began.
+        if q.next < q.jobs.len() && (q.dropped[q.next] || (q.window.is_some() && q.failure.is_some())) {
+            // A speculative read dropped before it began, or the rest of a failed wave batch
+            // (nothing will compute, and give back, what is left): skipped.
             let i = q.next;
             q.next += 1;
             q.finished += 1;
             q.landed[i] = true;
-            let tag = q.jobs[i].tag;
-            q.lost.push(tag);
-            shared.done.notify_all();
-        } else if q.next < q.jobs.len() && q.window.is_some() && q.failure.is_some() {
-            // A failed wave batch: nothing will compute (and give back) what is left.
-            let i = q.next;
-            q.next += 1;
-            q.finished += 1;
-            q.landed[i] = true;
+            if q.dropped[i] {
+                let tag = q.jobs[i].tag;
+                q.lost.push(tag);
+            }
             shared.done.notify_all();
         } else if q.next < q.jobs.len() && has_room(&q) {
             let (i, batch) = (q.next, q.batch);

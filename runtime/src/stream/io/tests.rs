@@ -6,10 +6,15 @@ use ggml_sys::Reservation;
 /// Lanes over one file of `len` bytes of 7s, and a job reading all of it as expert 3 of
 /// layer 5 (tensor 0).
 fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
+    setup_with_fault(dir, len, None)
+}
+
+/// [`setup`], with `fault` injected.
+fn setup_with_fault(dir: &std::path::Path, len: usize, fault: Option<ReadFault>) -> (IoLanes, Vec<ReadJob>) {
     let path = dir.join("f");
     std::fs::write(&path, vec![7u8; len]).unwrap();
     let config =
-        LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault: None };
+        LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault };
     let lanes = IoLanes::new(&[path], &config).unwrap();
     let target = Arc::new(Reservation::new(0, len as u64).unwrap());
     let job = ReadJob {
@@ -91,26 +96,9 @@ fn a_wait_past_its_bound_fails_the_batch_naming_the_expert() {
 fn speculative_reads_are_dropped_or_lost_never_failing_their_batch() {
     let dir = tempfile::tempdir().unwrap();
     let page = ggml_sys::page_size() as usize;
-    let path = dir.path().join("f");
-    std::fs::write(&path, vec![7u8; 64 << 20]).unwrap();
     // One lane; the second read fails with EIO.
-    let fault = Some(ReadFault { at: 2, kind: FaultKind::Eio });
-    let config =
-        LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault };
-    let lanes = IoLanes::new(&[path], &config).unwrap();
-    let target = Arc::new(Reservation::new(0, 64 << 20).unwrap());
-    let first = ReadJob {
-        target,
-        shard: 0,
-        start: 0,
-        len: 64 << 20,
-        tag: (5, 3),
-        tensor: 0,
-        slice: None,
-        pass: false,
-        speculative: false,
-        check: None,
-    };
+    let (lanes, mut jobs) = setup_with_fault(dir.path(), 64 << 20, Some(ReadFault { at: 2, kind: FaultKind::Eio }));
+    let first = jobs.pop().unwrap();
     // The layer's own 64 MiB, then three one-page reads ahead for layer 6.
     let ahead = |e: u32| ReadJob { len: page, tag: (6, e), tensor: 1, speculative: true, ..first.clone() };
     let mut jobs = vec![first.clone(), ahead(1), ahead(2), ahead(4)];
