@@ -87,10 +87,10 @@ impl Lookahead {
         let Some((product, bias)) = router_product(topk) else { return };
         let Some(w) = product.src(0).filter(|w| w.name().ends_with("ffn_gate_inp.weight")) else { return };
         let n_embd = w.ne()[0] as usize;
-        if w.ne()[1] as usize != self.n_expert {
+        if n_embd == 0 || w.ne()[1] as usize != self.n_expert {
             return;
         }
-        let Some(weights) = floats(&w) else { return };
+        let Some(weights) = floats(&w).filter(|v| v.len() == n_embd * self.n_expert) else { return };
         let bias = bias.and_then(|b| floats(&b)).filter(|b| b.len() == self.n_expert);
         *slot = Some(Router { n_embd, weights, bias });
     }
