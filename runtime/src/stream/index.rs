@@ -318,11 +318,9 @@ impl ExpertIndex {
     /// what the lookahead holds ([`super::lookahead::Lookahead`]).
     pub fn router_copy_bytes(&self) -> u64 {
         let streams = |name: &str| {
-            name.strip_prefix("blk.")
-                .and_then(|r| r.split_once('.'))
-                .filter(|(_, t)| *t == "ffn_gate_inp.weight" || *t == "ffn_gate_inp.bias")
-                .and_then(|(l, _)| l.parse::<u32>().ok())
-                .is_some_and(|l| self.layer_tensors(l).next().is_some())
+            parse_block(name).is_some_and(|(l, rest)| {
+                matches!(rest, "ffn_gate_inp.weight" | "ffn_gate_inp.bias") && self.layer_tensors(l).next().is_some()
+            })
         };
         self.dense.iter().filter(|d| streams(&d.name)).map(|d| d.elements * 4).sum()
     }

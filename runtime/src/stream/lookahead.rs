@@ -22,7 +22,6 @@ struct Router {
 pub struct Lookahead {
     n_expert: usize,
     routers: Vec<Option<Router>>,
-    input: Vec<f32>,
     scores: Vec<(f32, u32)>,
     guess: Vec<u32>,
 }
@@ -64,7 +63,6 @@ impl Lookahead {
         Lookahead {
             n_expert: n_expert as usize,
             routers: (0..n_layer).map(|_| None).collect(),
-            input: Vec::new(),
             scores: Vec::with_capacity(n_expert as usize),
             guess: Vec::new(),
         }
@@ -106,18 +104,17 @@ impl Lookahead {
             return &self.guess;
         }
         let Some(input) = floats(&x) else { return &self.guess };
-        self.input = input;
-        self.choose(next, k)
+        self.choose(next, &input, k)
     }
 
-    /// The `k` best-scored experts of `next`'s router for the input in `self.input`, best
-    /// first (ties: the lower id first).
-    fn choose(&mut self, next: u32, k: usize) -> &[u32] {
+    /// The `k` best-scored experts of `next`'s router for `input`, best first (ties: the lower
+    /// id first).
+    fn choose(&mut self, next: u32, input: &[f32], k: usize) -> &[u32] {
         self.guess.clear();
         let Some(Some(r)) = self.routers.get(next as usize) else { return &self.guess };
         self.scores.clear();
         for (e, row) in r.weights.chunks_exact(r.n_embd).enumerate() {
-            let dot: f32 = row.iter().zip(&self.input).map(|(a, b)| a * b).sum();
+            let dot: f32 = row.iter().zip(input).map(|(a, b)| a * b).sum();
             self.scores.push((dot + r.bias.as_ref().map_or(0.0, |b| b[e]), e as u32));
         }
         self.scores.sort_unstable_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
@@ -136,15 +133,15 @@ mod tests {
         // Layer 2's router over a 2-wide input: expert e scores row_e . x + bias_e.
         let weights = vec![1.0, 0.0, 0.0, 1.0, -1.0, 0.0, 0.5, 0.5];
         look.routers[2] = Some(Router { n_embd: 2, weights, bias: Some(vec![0.0, 0.0, 0.0, 0.6]) });
-        look.input = vec![1.0, 0.2];
+        let x = [1.0, 0.2];
         // Scores: 1.0, 0.2, -1.0, 0.6 + 0.6 = 1.2.
-        assert_eq!(look.choose(2, 2), &[3, 0]);
-        assert_eq!(look.choose(2, 4), &[3, 0, 1, 2]);
+        assert_eq!(look.choose(2, &x, 2), &[3, 0]);
+        assert_eq!(look.choose(2, &x, 4), &[3, 0, 1, 2]);
         // A layer whose router is not known is never guessed.
-        assert!(look.choose(1, 2).is_empty());
-        assert!(look.choose(7, 2).is_empty());
+        assert!(look.choose(1, &x, 2).is_empty());
+        assert!(look.choose(7, &x, 2).is_empty());
         look.routers[2].as_mut().unwrap().bias = None;
-        assert_eq!(look.choose(2, 1), &[0]);
+        assert_eq!(look.choose(2, &x, 1), &[0]);
         assert_eq!(look.bytes(), 8 * 4);
     }
 }
