@@ -215,9 +215,15 @@ fn gpt_oss_layer(spec: &SynthSpec, il: u32, skew: Option<&[f32]>, t: &mut Table)
     let (hd, nh, nkv) = (u64::from(spec.head_dim()), u64::from(spec.heads), u64::from(spec.kv_heads));
     t.norm(weight(il, "attn_norm"), e);
     t.norm(weight(il, "post_attention_norm"), e);
-    // Reuse: zero queries (every position weighs its window alike), strong values, and sinks
-    // the calibration sets.
-    let gains = if spec.reuse.is_some() { [0.0, 1.0, reuse::VALUE_GAIN] } else { [1.0; 3] };
+    // Reuse: zero queries (every position weighs its window alike), strong values in the local
+    // layers, and sinks the calibration sets. A global layer's values keep unit gain: its sink
+    // is closed, and its single-token attention sums every cell's value in f16 (ggml's CPU flash
+    // attention), which strong values overflow within a few hundred cells of repeated text.
+    let gains = match spec.reuse {
+        Some(_) if reuse::is_local(il) => [0.0, 1.0, reuse::VALUE_GAIN],
+        Some(_) => [0.0, 1.0, 1.0],
+        None => [1.0; 3],
+    };
     for ((name, width), gain) in
         [("attn_q", hd * nh), ("attn_k", hd * nkv), ("attn_v", hd * nkv)].into_iter().zip(gains)
     {

@@ -13,8 +13,8 @@
 //! ratio. It is written into gpt-oss's attention: zero queries make each position of a local
 //! (sliding-window) layer weigh the 16 tokens behind it alike, so consecutive positions, sharing
 //! all but one of them, get almost the same attention output, and tokens further apart share
-//! nothing: reuse between neighbours, not a drift over the whole prompt. Strong values
-//! ([`VALUE_GAIN`]) let that shared part steer the router; each head's attention sink, an f32
+//! nothing: reuse between neighbours, not a drift over the whole prompt. Strong values in the
+//! local layers ([`VALUE_GAIN`]) let that shared part steer the router; each head's attention sink, an f32
 //! logit that takes attention away from every position, sets how much of it reaches the hidden
 //! state. The global layers' sinks are closed ([`CLOSED_SINK`]): averaging the whole prefix
 //! would add a slow drift that moves every expert's popularity with the prompt. Synth searches
@@ -33,8 +33,11 @@ pub const DEFAULT_REUSE: f64 = 2.2;
 /// for small ones); synth reports what it reached.
 pub const MAX_REUSE: f64 = 3.0;
 
-/// The attention value weights' gain when reuse is asked for: the window's mean value must be
-/// able to outweigh a token's own state.
+/// The local layers' attention value weights' gain when reuse is asked for: the window's mean
+/// value must be able to outweigh a token's own state. Only the local layers: ggml's CPU flash
+/// attention sums a single query's weighted values in f16 before it divides by their weight, so
+/// with zero queries a layer adds up every cell it sees; the window's 17 cells stay far below
+/// f16's 65,504, a global layer's thousands do not (their values keep unit gain).
 pub const VALUE_GAIN: f32 = 96.0;
 
 /// The local layers' attention sink logit before the search.
