@@ -36,16 +36,17 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 # The tests of the gates (the sluice-tests crate) run one at a time: each computes with two
 # threads, and two at once on two cores leave ggml's threads spinning against each other.
 # Under qemu-aarch64 a sample runs: every unit test, the gates where aarch64's kernels and
-# syscalls differ (streamed == resident, runs together, lossy, cold loads, routing, boards,
-# pinning, the extension layer, mapped faults), RPC between two aarch64 processes and the
-# checksums; the command line and the HTTP-level suites (the CLI, the server, agents, fuzzing,
-# hostile requests and RPC peers, templates, the status page, conversations) test code that is
-# the same on every architecture and run natively, and so do saved slots (llama.cpp's state
-# format and the same decode the streamed == resident gate checks under qemu: nearly ten
-# minutes of CI for no code of aarch64's own). Only what the sample runs is built.
+# syscalls differ (streamed == resident, runs together, lossy, cold loads, boards, pinning, the
+# extension layer, mapped faults), RPC between two aarch64 processes and the checksums; the
+# command line and the HTTP-level suites (the CLI, the server, agents, fuzzing, hostile
+# requests and RPC peers, templates, the status page, conversations) test code that is the same
+# on every architecture and run natively, and so do saved slots (llama.cpp's state format and
+# the same decode the streamed == resident gate checks under qemu: nearly ten minutes of CI for
+# no code of aarch64's own) and synth's skewed routing (a bench model's calibration, not the
+# board's runtime: under three minutes of qemu). Only what the sample runs is built.
 QEMU_SAMPLE := --test ext --test mapping_faults --test scaleout --test verify
 QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
-	--test cold_load --test routing --test boards --test pinning
+	--test cold_load --test boards --test pinning
 
 .PHONY: help deps vendor build demo test aarch64 deb lint bench cuda-check clean
 
