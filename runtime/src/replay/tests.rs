@@ -38,8 +38,8 @@ fn tally(hits: u64, misses: u64) -> Tally {
     Tally { hits, misses, hit_bytes: 10 * hits, miss_bytes: 10 * misses }
 }
 
-// Worked by hand (layer.expert; over ten plans the half-life's decay is far below one use, so
-// frequency ranks by uses, then recency):
+// Worked by hand (layer.expert; a half-life is 8 plans here, too short a time for one later
+// use to outweigh two earlier ones, so frequency ranks by uses, then recency):
 // - LRU evicts 0.0, 0.1, 0.2 for 1.0, 0.0, 1.1; hits 0.0 and 1.0; then 0.3 evicts 1.1, 1.1
 //   evicts 0.0, 0.0 evicts 1.0 and 1.0 evicts 0.3: hits at decode 2 only.
 // - Frequency evicts the same first three, hits 0.0 (3 uses) and 1.0 (2 uses); 0.3 evicts 1.1

@@ -96,7 +96,9 @@ fn shrinking_the_budget_evicts_on_the_next_layer() {
 
 #[test]
 fn frequency_keeps_the_often_routed_over_the_recent() {
-    let mut c = ExpertCache::new(CachePolicy::Frequency, 1, 8, 30, |_, _| 10);
+    // 64 layers, of which only layer 0 is routed: a half-life is 256 plans, so over these ten
+    // the weights hardly decay and uses decide.
+    let mut c = ExpertCache::new(CachePolicy::Frequency, 64, 8, 30, |_, _| 10);
     for _ in 0..3 {
         plan(&mut c, 0, &[0]);
     }
@@ -115,21 +117,22 @@ fn frequency_keeps_the_often_routed_over_the_recent() {
 
 #[test]
 fn frequency_ages_out_an_expert_no_longer_routed() {
-    // One layer: a half-life is 128 plans. Expert 0 is routed three times, then each plan
-    // routes a newcomer once. A newcomer outweighs 0 once its weight, 2^(t/128), exceeds
-    // 0's three early ones: about log2(3) = 1.58 half-lives (203 plans) later.
+    // One layer: a half-life is 4 plans. Expert 0 is routed in plans 1-3, weighing
+    // 2^(1/4) + 2^(2/4) + 2^(3/4) = 4.29; then plan 3 + e routes newcomer e once, weighing
+    // 2^((3 + e)/4). Newcomer e finds 0 and e - 1 resident, and 0 goes once e - 1 outweighs it:
+    // 2^((2 + e)/4) > 4.29 from e = 7 (2^(9/4) = 4.76).
     let mut c = ExpertCache::new(CachePolicy::Frequency, 1, 512, 20, |_, _| 10);
     for _ in 0..3 {
         plan(&mut c, 0, &[0]);
     }
     let mut gone = None;
-    for e in 1..300 {
+    for e in 1..30 {
         if plan(&mut c, 0, &[e]).evict.contains(&(0, 0)) {
             gone = Some(e);
             break;
         }
     }
-    assert_eq!(gone, Some(203), "the three early uses of 0 are outweighed after ~1.58 half-lives");
+    assert_eq!(gone, Some(7), "the three early uses of 0 are outweighed by the sixth newcomer");
 }
 
 #[test]
