@@ -56,7 +56,9 @@ QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 # changing synth), streamed vs llama.cpp's mmap load, each configuration in a memory cgroup of
 # BENCH_BUDGET_MB (needs root), on the release build, with a 512-token prompt (32 generated
 # tokens, 16 at SD speed) and a row per lossy mode: at the disk's own speed, then throttled to an
-# SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s), with a read sweep (lanes x request size)
+# SD card's (85 MB/s) and a Pi 5 NVMe HAT's (400 MB/s) (a cgroup throttle for the mmap load and
+# the ceiling, and the lanes paced to the same rate, which a throttle's burst after idle time
+# cannot beat), with a read sweep (lanes x request size)
 # on the uniform model, rows with the model split over two and three boards of the same budget
 # (loopback RPC workers), rows checking every read against the model's checksum sidecar
 # (--verify), and on the skewed model at SD and NVMe speed the conversation rows (a five-turn
@@ -127,7 +129,8 @@ bench: vendor
 		test -f $$m.sluice-sums || target/release/sluice verify --model $$m || exit 1; \
 	done
 	@for r in uniform skewed; do for s in disk sd nvme-gen2; do \
-		t=$$(test $$s = disk || echo "--storage-mbps $$s"); \
+		t=$$(case $$s in sd) echo "--storage-mbps sd --pace-mbps 85";; \
+			nvme-gen2) echo "--storage-mbps nvme-gen2 --pace-mbps 400";; esac); \
 		n=$$(test $$s = sd && echo 16 || echo 32); \
 		w=$$(test $$r = uniform && echo --read-sweep || true); \
 		c=$$(test $$r = skewed -a $$s != disk && echo --conversations || true); \

@@ -174,6 +174,7 @@ pub fn stream_config(
             cpus: Vec::new(),
             bound: sluice::stream::READ_BOUND,
             fault: None,
+            pace: None,
         },
         dense,
         trace_routes: true,

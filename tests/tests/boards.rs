@@ -204,6 +204,21 @@ fn lookahead_is_off_unless_the_profile_or_the_command_line_turns_it_on() {
 }
 
 #[test]
+fn reads_are_paced_only_when_the_command_line_asks() {
+    let root = tree("rpi5-8gb");
+    let probe = HardwareProbe::run(&root, None);
+    let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
+    let with = |overrides: &Overrides| {
+        let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+        resolve(selected, &probe, overrides, None, caps).unwrap()
+    };
+    let plain = with(&Overrides::default());
+    assert_eq!((plain.pace, plain.lanes().pace), (None, None), "unpaced by default");
+    let paced = with(&Overrides { pace_mbps: Some(400), ..Overrides::default() });
+    assert_eq!((paced.pace, paced.lanes().pace), (Some(400_000_000), Some(400_000_000)), "--pace-mbps 400");
+}
+
+#[test]
 fn overlapped_the_io_cores_compute_no_more() {
     let root = tree("rpi5-8gb");
     let probe = HardwareProbe::run(&root, None);

@@ -154,6 +154,9 @@ pub fn describe_resolved(r: &ResolvedBoard) -> String {
         "  lookahead: {}",
         if r.lookahead { "on (next layer's guessed experts read early)" } else { "off" }
     );
+    if let Some(pace) = r.pace {
+        let _ = writeln!(o, "  reads paced to {} MB/s (--pace-mbps)", pace / 1_000_000);
+    }
     let _ = writeln!(o, "  expert cache policy: {} ({})", r.cache_policy.value, r.cache_policy.source);
     let _ = writeln!(o, "  budget: {} ({})", mib(r.budget.value), r.budget.source);
     let _ = writeln!(

@@ -44,6 +44,8 @@ pub struct Overrides {
     pub no_expert_slots: bool,
     /// `--lookahead` or `--no-lookahead`.
     pub lookahead: Option<bool>,
+    /// `--pace-mbps`.
+    pub pace_mbps: Option<u32>,
 }
 
 /// A value and where it came from (`profile storage.lanes`, `--io-lanes`, `probe`, ...).
@@ -96,6 +98,9 @@ pub struct ResolvedBoard {
     pub expert_slots: bool,
     /// Single-token decodes start the reads of the next layer's guessed experts early.
     pub lookahead: bool,
+    /// Expert and dense reads paced to a slower device's rate, bytes per second
+    /// (`--pace-mbps`; never from a profile: a board reads at its own storage's speed).
+    pub pace: Option<u64>,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
     /// The compute service.
@@ -168,6 +173,7 @@ pub fn resolve(
         cache_policy,
         expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
         lookahead: overrides.lookahead.unwrap_or(p.storage.lookahead),
+        pace: overrides.pace_mbps.map(|mbps| u64::from(mbps) * 1_000_000),
         budget,
         compute,
         notes,
@@ -406,6 +412,7 @@ impl ResolvedBoard {
             cpus: self.io_cores.clone(),
             bound: crate::stream::READ_BOUND,
             fault: None,
+            pace: self.pace,
         }
     }
 }

@@ -69,6 +69,12 @@ pub struct TuningArgs {
     /// Read each layer's experts only once its router has chosen them.
     #[arg(long)]
     pub no_lookahead: bool,
+    /// Pace expert and dense reads to a slower device of this many MB/s: each read waits until
+    /// such a device, serving reads one after another, would have served it. For measuring a
+    /// board's storage on faster storage; unlike `bench --storage-mbps` (a cgroup throttle),
+    /// time spent computing earns no burst of faster reads after it.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    pub pace_mbps: Option<u32>,
 }
 
 impl TuningArgs {
@@ -99,6 +105,7 @@ impl TuningArgs {
             } else {
                 None
             },
+            pace_mbps: self.pace_mbps,
         }
     }
 }
@@ -280,6 +287,7 @@ mod tests {
             no_expert_slots: true,
             lookahead: true,
             no_lookahead: false,
+            pace_mbps: Some(400),
         };
         let lossy = LossyArgs { experts_used: Some(2), substitute: Some(4) };
         let child = passed_on(&tuning, &lossy);

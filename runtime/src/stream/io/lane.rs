@@ -72,6 +72,8 @@ pub(super) struct Shared {
     /// Bumped whenever speculative reads are dropped, for a read between its chunks to see
     /// without taking the queue's lock that it may have been.
     pub(super) drops: AtomicU64,
+    /// A slower device's rate that every read waits for (`--pace-mbps`).
+    pub(super) pace: Option<super::Pace>,
 }
 
 impl Shared {
@@ -232,9 +234,15 @@ pub(super) fn read_job(
             (Some(d), true) => d.as_fd(),
             _ => f.buffered.as_fd(),
         };
+        // Paced: the request takes its turn on the slower device as it is issued, and is done
+        // when that device would have served it.
+        let served = shared.pace.as_ref().map(|p| p.reserve(std::time::Instant::now(), len));
         match job.target.read_window(fd, job.start + done as u64, len) {
             Ok(n) => {
                 done += n;
+                if let Some(t) = served {
+                    super::pace::sleep_until(t);
+                }
                 if n < len {
                     // The window's last page may run past the end of the file; nothing else may.
                     let end = job.start + done as u64;

@@ -37,6 +37,7 @@
 mod identity;
 mod job;
 mod lane;
+pub mod pace;
 #[cfg(test)]
 mod tests;
 
@@ -50,6 +51,7 @@ use std::time::{Duration, Instant};
 use identity::{verify_direct, FileIdentity};
 pub use job::{FaultKind, ReadFailure, ReadFault, ReadJob, ReadStats, SliceCheck};
 use lane::{lane_loop, open_lane_files, Queue, Shard, Shared};
+use pace::Pace;
 
 /// How often a wait looks at the cancel flag.
 pub const CANCEL_POLL: Duration = Duration::from_millis(100);
@@ -75,6 +77,8 @@ pub struct LaneConfig {
     pub bound: Duration,
     /// Fault injection for tests.
     pub fault: Option<ReadFault>,
+    /// Pace the reads to a slower device's rate, bytes per second ([`pace`]).
+    pub pace: Option<u64>,
 }
 
 pub use sluice_hal::storage::READ_BOUND;
@@ -109,6 +113,7 @@ impl IoLanes {
             cancel: Mutex::new(None),
             batch: AtomicU64::new(0),
             drops: AtomicU64::new(0),
+            pace: config.pace.map(Pace::new),
         });
         // Dropped on an error below: joins the lanes already started.
         let mut lanes = IoLanes { shared, threads: Vec::new() };

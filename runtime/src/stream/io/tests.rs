@@ -13,8 +13,15 @@ fn setup(dir: &std::path::Path, len: usize) -> (IoLanes, Vec<ReadJob>) {
 fn setup_with_fault(dir: &std::path::Path, len: usize, fault: Option<ReadFault>) -> (IoLanes, Vec<ReadJob>) {
     let path = dir.join("f");
     std::fs::write(&path, vec![7u8; len]).unwrap();
-    let config =
-        LaneConfig { lanes: 1, direct: false, max_request: 1 << 20, cpus: Vec::new(), bound: READ_BOUND, fault };
+    let config = LaneConfig {
+        lanes: 1,
+        direct: false,
+        max_request: 1 << 20,
+        cpus: Vec::new(),
+        bound: READ_BOUND,
+        fault,
+        pace: None,
+    };
     let lanes = IoLanes::new(&[path], &config).unwrap();
     let target = Arc::new(Reservation::new(0, len as u64).unwrap());
     let job = ReadJob {
