@@ -173,18 +173,23 @@ fn more_threads_than_usable_cpus_are_capped_with_a_note() {
 
 #[test]
 fn expert_slots_are_on_unless_the_profile_or_the_command_line_turns_them_off() {
+    assert!(rpi5_with(&Overrides::default()).expert_slots, "the built-in profile keeps the default");
+    assert!(!rpi5_with(&Overrides { no_expert_slots: true, ..Overrides::default() }).expert_slots);
     let root = tree("rpi5-8gb");
     let probe = HardwareProbe::run(&root, None);
     let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
-    let with = |overrides: &Overrides| {
-        let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
-        resolve(selected, &probe, overrides, None, caps).unwrap()
-    };
-    assert!(with(&Overrides::default()).expert_slots, "the built-in profile keeps the default");
-    assert!(!with(&Overrides { no_expert_slots: true, ..Overrides::default() }).expert_slots);
     let mut selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
     selected.profile.memory.expert_slots = false;
     assert!(!resolve(selected, &probe, &Overrides::default(), None, caps).unwrap().expert_slots);
+}
+
+/// The built-in rpi5-8gb profile on its probed tree, resolved with `overrides`.
+fn rpi5_with(overrides: &Overrides) -> ResolvedBoard {
+    let root = tree("rpi5-8gb");
+    let probe = HardwareProbe::run(&root, None);
+    let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
+    let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+    resolve(selected, &probe, overrides, None, caps).unwrap()
 }
 
 #[test]
@@ -205,16 +210,9 @@ fn lookahead_is_off_unless_the_profile_or_the_command_line_turns_it_on() {
 
 #[test]
 fn reads_are_paced_only_when_the_command_line_asks() {
-    let root = tree("rpi5-8gb");
-    let probe = HardwareProbe::run(&root, None);
-    let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
-    let with = |overrides: &Overrides| {
-        let selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
-        resolve(selected, &probe, overrides, None, caps).unwrap()
-    };
-    let plain = with(&Overrides::default());
+    let plain = rpi5_with(&Overrides::default());
     assert_eq!((plain.pace, plain.lanes().pace), (None, None), "unpaced by default");
-    let paced = with(&Overrides { pace_mbps: Some(400), ..Overrides::default() });
+    let paced = rpi5_with(&Overrides { pace_mbps: Some(400), ..Overrides::default() });
     assert_eq!((paced.pace, paced.lanes().pace), (Some(400_000_000), Some(400_000_000)), "--pace-mbps 400");
 }
 

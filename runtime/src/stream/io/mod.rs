@@ -37,7 +37,7 @@
 mod identity;
 mod job;
 mod lane;
-pub mod pace;
+mod pace;
 #[cfg(test)]
 mod tests;
 
@@ -77,7 +77,9 @@ pub struct LaneConfig {
     pub bound: Duration,
     /// Fault injection for tests.
     pub fault: Option<ReadFault>,
-    /// Pace the reads to a slower device's rate, bytes per second ([`pace`]).
+    /// Pace the reads to a slower device's rate, bytes per second (`--pace-mbps`): each
+    /// request is done when such a device, serving requests one after another, would have
+    /// served it.
     pub pace: Option<u64>,
 }
 
