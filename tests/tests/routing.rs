@@ -179,8 +179,8 @@ fn reuse_makes_consecutive_tokens_share_experts_as_asked_and_keeps_the_popularit
     assert!((got / target - 1.0).abs() <= 0.25, "reuse {target}: measured {got:.2} on an unseen prompt");
     // Decodes over the model's whole context of repeated text (as the bench's prompts are): a
     // single query's flash attention (ggml's CPU kernel) sums the weighted values of every cell
-    // in f16, where the prompt's batched one does not. Strong values in the global layers
-    // overflowed it within 300 cells of a 10-token period, and every later state was NaN.
+    // in f16. Strong values in the global layers overflowed it within 300 cells of a 10-token
+    // period, and every later state was NaN.
     for period in [1, 10] {
         let (finite, broken) = decoded_router_logits(&a, 4000, period, 3);
         assert!(
