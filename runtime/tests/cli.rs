@@ -110,6 +110,12 @@ fn bad_storage_speeds_name_the_value_and_the_fix() {
         dir.path(),
     );
     assert_clean_error(&o, "names no storage.medium");
+    // Pacing (`--pace-mbps`, every command that reads a model): a whole number of MB/s from 1.
+    for bad in ["0", "fast", "-5", "4294967296"] {
+        let flag = format!("--pace-mbps={bad}");
+        let o = sluice(&["run", "-m", &model, "-p", "x", "-n", "1", &flag], dir.path());
+        assert_clean_error(&o, "--pace-mbps");
+    }
 }
 
 #[test]
@@ -443,6 +449,18 @@ fn probe_of_this_machine_measures_direct_reads_and_honours_overrides() {
     assert!(out.contains("read size: 512 KiB (profile storage.read_kib)"), "{out}");
     let io = out.lines().find(|l| l.starts_with("io: ")).unwrap_or_else(|| panic!("no io line: {out}"));
     assert!(io.contains("512 KiB requests, 3 lanes"), "{io}");
+    let o = sluice(&["--board", "qemu-aarch64", "probe", "--pace-mbps", "400"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stdout(&o).contains("reads paced to 400 MB/s (--pace-mbps)"), "{}", stdout(&o));
+    // A paced run reads the same bytes: the text equals the unpaced run's.
+    let text = |extra: &[&str]| {
+        let mut args = vec!["run", "-m", &model, "-p", "The board", "-n", "8"];
+        args.extend_from_slice(extra);
+        let o = sluice(&args, dir.path());
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    assert_eq!(text(&["--pace-mbps", "2000"]), text(&[]));
 }
 
 #[test]

@@ -211,9 +211,9 @@ fn lookahead_is_off_unless_the_profile_or_the_command_line_turns_it_on() {
 #[test]
 fn reads_are_paced_only_when_the_command_line_asks() {
     let plain = rpi5_with(&Overrides::default());
-    assert_eq!((plain.pace, plain.lanes().pace), (None, None), "unpaced by default");
+    assert_eq!((plain.pace_mbps, plain.lanes().pace), (None, None), "unpaced by default");
     let paced = rpi5_with(&Overrides { pace_mbps: Some(400), ..Overrides::default() });
-    assert_eq!((paced.pace, paced.lanes().pace), (Some(400_000_000), Some(400_000_000)), "--pace-mbps 400");
+    assert_eq!((paced.pace_mbps, paced.lanes().pace), (Some(400), Some(400_000_000)), "--pace-mbps 400");
 }
 
 #[test]

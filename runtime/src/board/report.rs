@@ -154,8 +154,8 @@ pub fn describe_resolved(r: &ResolvedBoard) -> String {
         "  lookahead: {}",
         if r.lookahead { "on (next layer's guessed experts read early)" } else { "off" }
     );
-    if let Some(pace) = r.pace {
-        let _ = writeln!(o, "  reads paced to {} MB/s (--pace-mbps)", pace / 1_000_000);
+    if let Some(mbps) = r.pace_mbps {
+        let _ = writeln!(o, "  reads paced to {mbps} MB/s (--pace-mbps)");
     }
     let _ = writeln!(o, "  expert cache policy: {} ({})", r.cache_policy.value, r.cache_policy.source);
     let _ = writeln!(o, "  budget: {} ({})", mib(r.budget.value), r.budget.source);

@@ -98,9 +98,9 @@ pub struct ResolvedBoard {
     pub expert_slots: bool,
     /// Single-token decodes start the reads of the next layer's guessed experts early.
     pub lookahead: bool,
-    /// Expert and dense reads paced to a slower device's rate, bytes per second
-    /// (`--pace-mbps`; never from a profile: a board reads at its own storage's speed).
-    pub pace: Option<u64>,
+    /// Expert and dense reads paced to a slower device of this many MB/s (`--pace-mbps`; never
+    /// from a profile: a board reads at its own storage's speed).
+    pub pace_mbps: Option<u32>,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
     /// The compute service.
@@ -173,7 +173,7 @@ pub fn resolve(
         cache_policy,
         expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
         lookahead: overrides.lookahead.unwrap_or(p.storage.lookahead),
-        pace: overrides.pace_mbps.map(|mbps| u64::from(mbps) * 1_000_000),
+        pace_mbps: overrides.pace_mbps,
         budget,
         compute,
         notes,
@@ -412,7 +412,7 @@ impl ResolvedBoard {
             cpus: self.io_cores.clone(),
             bound: crate::stream::READ_BOUND,
             fault: None,
-            pace: self.pace,
+            pace: self.pace_mbps.map(|mbps| u64::from(mbps) * 1_000_000),
         }
     }
 }
