@@ -14,9 +14,9 @@
 //! (sliding-window) layer weigh the 16 tokens behind it alike, so consecutive positions, sharing
 //! all but one of them, get almost the same attention output, and tokens further apart share
 //! nothing: reuse between neighbours, not a drift over the whole prompt. Strong values in the
-//! local layers ([`VALUE_GAIN`]) let that shared part steer the router; each head's attention sink, an f32
-//! logit that takes attention away from every position, sets how much of it reaches the hidden
-//! state. The global layers' sinks are closed ([`CLOSED_SINK`]): averaging the whole prefix
+//! local layers ([`VALUE_GAIN`]) let that shared part steer the router; each head's attention
+//! sink, an f32 logit that takes attention away from every position, sets how much of it
+//! reaches the hidden state. The global layers' sinks are closed ([`CLOSED_SINK`]): averaging the whole prefix
 //! would add a slow drift that moves every expert's popularity with the prompt. Synth searches
 //! the local sink that gives the asked-for reuse on the written model itself, calibrating
 //! popularity anew for each value tried (the two move each other).
