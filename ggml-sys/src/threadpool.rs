@@ -61,7 +61,8 @@ pub struct Threads {
     pub strict_cpu: bool,
     /// Scheduling priority.
     pub priority: SchedPriority,
-    /// Busy-poll level while waiting for work, 0 (sleep at once) to 100.
+    /// Busy-poll level while waiting for work, 0 (sleep at once) to 100: at most 131,072 rounds
+    /// and 70 µs a level (vendor patch 0015).
     pub poll: u32,
 }
 

@@ -62,7 +62,7 @@ pub struct CpuSection {
     /// Compute thread priority.
     #[serde(default, deserialize_with = "priority")]
     pub priority: SchedPriority,
-    /// Busy-poll level of idle compute threads, 0 to 100.
+    /// Busy-poll level of idle compute threads, 0 to 100 (at most 70 µs a level: vendor patch 0015).
     #[serde(default = "default_poll")]
     pub poll: u32,
     /// One core per compute thread.

@@ -246,7 +246,7 @@ fn thread_count(
     match asked {
         Some(t) if t as usize > usable.len() => {
             notes.push(format!(
-                "--threads {t}: more than the {} CPUs this process may use ({}); using {} (ggml's threads spin at every barrier, so threads beyond the CPUs stall the others)",
+                "--threads {t}: more than the {} CPUs this process may use ({}); using {} (ggml's threads meet at a barrier after every node, so threads beyond the CPUs hold the others up)",
                 usable.len(),
                 cpulist::format(usable),
                 usable.len()
