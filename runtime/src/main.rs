@@ -46,8 +46,8 @@ enum Command {
     /// Write a model's checksum sidecar (MODEL.sluice-sums) for --verify, or with --check compare
     /// the model with it: for storage that rots, such as SD cards.
     Verify(cli::verify::VerifyArgs),
-    /// Replay a route trace (`bench --trace`) under each expert cache policy and Belady's MIN,
-    /// the offline optimum, at one or more cache sizes.
+    /// Replay a route trace (`bench --trace`) under each expert cache policy, the best fixed set
+    /// of experts in hindsight and Belady's MIN, the offline optimum, at one or more cache sizes.
     Replay(cli::replay::ReplayArgs),
     /// Serve the model over HTTP (OpenAI-compatible), as a systemd notify service.
     Serve(Box<cli::serve::ServeArgs>),

@@ -63,9 +63,9 @@ pub struct BenchArgs {
     #[arg(long, requires = "budget_mb")]
     conversations: bool,
     /// With --budget-mb: record the serial automatic-cache row's routed experts per token and
-    /// layer into OUT/trace.sluice-trace, and replay them under each cache policy and Belady's
-    /// MIN (the offline optimum) at that row's budget (printed, and written to replay.csv;
-    /// `sluice replay` replays it at other budgets).
+    /// layer into OUT/trace.sluice-trace, and replay them under each cache policy, the best fixed
+    /// set of experts in hindsight and Belady's MIN (the offline optimum) at that row's budget
+    /// (printed, and written to replay.csv; `sluice replay` replays it at other budgets).
     #[arg(long, requires = "budget_mb")]
     trace: bool,
     /// With --budget-mb: keep this many threads busy beside every configuration, as other

@@ -1,5 +1,5 @@
-//! `sluice replay`: a route trace (`sluice bench --trace`) replayed under each cache policy and
-//! Belady's MIN at one or more budgets.
+//! `sluice replay`: a route trace (`sluice bench --trace`) replayed under each cache policy, the
+//! best fixed set of experts in hindsight and Belady's MIN at one or more budgets.
 
 use std::path::PathBuf;
 

@@ -7,11 +7,15 @@
 //! step: after each step it keeps the experts whose next use comes soonest, as many as the
 //! budget holds (an expert used furthest in the future, or never again, is the one to go, the
 //! one just read included). With experts of one size this keeps the most hits possible.
+//! Between the two, [`hindsight`] keeps the experts routed most often over the whole trace: the
+//! ceiling of online policies when a token's routes do not depend on the tokens before it.
 
 mod belady;
+mod hindsight;
 mod report;
 
 pub use belady::belady;
+pub use hindsight::hindsight;
 pub use report::{csv, table};
 
 use crate::stream::cache::{ExpertCache, LayerPlan};
@@ -24,6 +28,8 @@ pub enum Replayed {
     Online(CachePolicy),
     /// Belady's MIN, the offline optimum.
     Min,
+    /// The best fixed set in hindsight.
+    Hindsight,
 }
 
 impl std::fmt::Display for Replayed {
@@ -31,6 +37,7 @@ impl std::fmt::Display for Replayed {
         match self {
             Replayed::Online(p) => write!(f, "{p}"),
             Replayed::Min => f.write_str("belady-min"),
+            Replayed::Hindsight => f.write_str("best-fixed-set"),
         }
     }
 }
@@ -142,11 +149,15 @@ pub fn replay(trace: &RouteTrace, policy: CachePolicy, budget: u64) -> Outcome {
     out
 }
 
-/// Replays `trace` under each online policy of `policies` and MIN at each of `budgets`.
+/// Replays `trace` under each online policy of `policies`, the best fixed set in hindsight and
+/// MIN at each of `budgets`.
 pub fn compare(trace: &RouteTrace, policies: &[CachePolicy], budgets: &[u64]) -> Vec<Outcome> {
     budgets
         .iter()
-        .flat_map(|&b| policies.iter().map(move |&p| replay(trace, p, b)).chain(std::iter::once(belady(trace, b))))
+        .flat_map(|&b| {
+            let offline = [hindsight(trace, b), belady(trace, b)];
+            policies.iter().map(move |&p| replay(trace, p, b)).chain(offline)
+        })
         .collect()
 }
 

@@ -64,6 +64,34 @@ fn the_policies_count_what_was_worked_by_hand() {
     assert_eq!(min.policy, Replayed::Min);
 }
 
+// The decodes route 0.0 three times, 1.0 and 1.1 twice each and 0.3 once: the fixed set of three
+// is 0.0, 1.0 and 1.1. 0.0 and 1.0 were read by the prompt; 1.1 is read at its first use (decode
+// 1) and 0.3 at its only one (decode 3): the decodes' 2 misses of MIN.
+#[test]
+fn the_best_fixed_set_counts_what_was_worked_by_hand() {
+    let fixed = hindsight(&trace(), 30);
+    assert_eq!((fixed.all, fixed.decode, fixed.decodes), (tally(6, 6), tally(6, 2), 4));
+    assert_eq!(fixed.per_layer, vec![tally(3, 1), tally(3, 1)]);
+    assert_eq!(fixed.policy, Replayed::Hindsight);
+}
+
+#[test]
+fn recency_beats_the_best_fixed_set_when_routing_moves_on() {
+    // One layer of two experts, room for one; the decodes route 0, 0, 1, 1. The fixed set keeps 0
+    // (a tie, the lower expert) and reads 1 twice; LRU and MIN read each expert once.
+    let step = |decode, e| RouteRecord { decode, layer: 0, tokens: 1, staged: false, experts: vec![e] };
+    let t = RouteTrace {
+        n_layer: 1,
+        n_expert: 2,
+        expert_bytes: vec![10; 2],
+        steps: vec![step(1, 0), step(2, 0), step(3, 1), step(4, 1)],
+        ..trace()
+    };
+    assert_eq!(hindsight(&t, 10).decode, tally(1, 3));
+    assert_eq!(replay(&t, CachePolicy::Lru, 10).decode, tally(2, 2));
+    assert_eq!(belady(&t, 10).decode, tally(2, 2));
+}
+
 #[test]
 fn min_is_never_beaten_and_a_larger_budget_never_hurts_it() {
     let t = trace();
@@ -73,6 +101,7 @@ fn min_is_never_beaten_and_a_larger_budget_never_hurts_it() {
         for p in CachePolicy::ALL {
             assert!(replay(&t, p, budget).all.hits <= min.all.hits, "{p} beat MIN at {budget}");
         }
+        assert!(hindsight(&t, budget).all.hits <= min.all.hits, "the fixed set beat MIN at {budget}");
         assert!(min.all.hits >= last);
         last = min.all.hits;
     }
@@ -105,7 +134,15 @@ fn the_replay_of_a_staged_prompt_passes_what_the_live_cache_passes() {
 fn the_table_names_each_policy_and_its_share_of_min() {
     let outcomes = compare(&trace(), &CachePolicy::ALL, &[30]);
     let policies: Vec<Replayed> = outcomes.iter().map(|o| o.policy).collect();
-    assert_eq!(policies, [Replayed::Online(CachePolicy::Lru), Replayed::Online(CachePolicy::Frequency), Replayed::Min]);
+    assert_eq!(
+        policies,
+        [
+            Replayed::Online(CachePolicy::Lru),
+            Replayed::Online(CachePolicy::Frequency),
+            Replayed::Hindsight,
+            Replayed::Min
+        ]
+    );
     let text = table(&outcomes, true);
     // LRU's decode byte hit rate is 25%, MIN's 75%: a third of MIN's.
     assert!(
@@ -114,5 +151,5 @@ fn the_table_names_each_policy_and_its_share_of_min() {
     );
     assert!(text.contains("layer 1 %"), "{text}");
     let csv = csv(&outcomes);
-    assert_eq!(csv.lines().count(), 4, "{csv}");
+    assert_eq!(csv.lines().count(), 5, "{csv}");
 }
