@@ -34,16 +34,16 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	SLUICE_GATE_FIXTURES=f32,q8_0,deepseek2,gptoss
 
 # The tests of the gates (the sluice-tests crate) run one at a time: each computes with two
-# threads, and two at once on two cores leave ggml's threads spinning against each other.
-# Under qemu-aarch64 a sample runs: every unit test, the gates where aarch64's kernels and
-# syscalls differ (streamed == resident, runs together, lossy, cold loads, boards, pinning, the
-# extension layer, the compute threads' waits, mapped faults), RPC between two aarch64 processes and the checksums; the
-# command line and the HTTP-level suites (the CLI, the server, agents, fuzzing, hostile
-# requests and RPC peers, templates, the status page, conversations) test code that is the same
-# on every architecture and run natively, and so do saved slots (llama.cpp's state format and
-# the same decode the streamed == resident gate checks under qemu: nearly ten minutes of CI for
-# no code of aarch64's own) and synth's skewed routing (a bench model's calibration, not the
-# board's runtime: under three minutes of qemu). Only what the sample runs is built.
+# threads, and two at once on two cores leave ggml's threads waiting on each other. Under
+# qemu-aarch64 a sample runs: every unit test, the gates where aarch64's kernels and syscalls
+# differ (streamed == resident, runs together, lossy, cold loads, boards, pinning, the extension
+# layer, the compute threads' waits, mapped faults), RPC between two aarch64 processes and the
+# checksums; the command line and the HTTP-level suites (the CLI, the server, agents, fuzzing,
+# hostile requests and RPC peers, templates, the status page, conversations) test code that is the
+# same on every architecture and run natively, and so do saved slots (llama.cpp's state format and
+# the same decode the streamed == resident gate checks under qemu: nearly ten minutes of CI for no
+# code of aarch64's own) and synth's skewed routing (a bench model's calibration, not the board's
+# runtime: under three minutes of qemu). Only what the sample runs is built.
 QEMU_SAMPLE := --test ext --test thread_waits --test mapping_faults --test scaleout --test verify
 QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 	--test cold_load --test boards --test pinning
