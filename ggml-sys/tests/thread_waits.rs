@@ -20,8 +20,10 @@ fn thread_cpu_time() -> Duration {
 
 #[test]
 fn a_thread_waiting_at_the_barrier_sleeps_instead_of_spending_the_wait_on_its_core() {
-    const ROUNDS: u32 = 40;
-    const HELD: Duration = Duration::from_millis(3);
+    // Long waits, so that the rest of a computation's CPU time (a graph planned and started each
+    // round: about a millisecond under qemu) stays small beside them.
+    const ROUNDS: u32 = 20;
+    const HELD: Duration = Duration::from_millis(20);
     let backend = Backend::cpu(&Threads { poll: 0, ..Threads::unpinned(2) }).unwrap();
     // Thread 0 is the calling thread: it finishes at once and waits at the barrier that ends the
     // graph while thread 1 is held (off the CPU, as a thread preempted by another process is).
