@@ -14,12 +14,12 @@ const NEVER: usize = usize::MAX;
 /// as in the live cache.
 pub fn belady(trace: &RouteTrace, budget: u64) -> Outcome {
     let n = (trace.n_layer * trace.n_expert) as usize;
-    let idx = |layer: u32, e: u32| (layer * trace.n_expert + e) as usize;
     // next[s][j]: the step that next routes step s's j-th expert after s.
     let mut upcoming = vec![NEVER; n];
     let mut next: Vec<Vec<usize>> = vec![Vec::new(); trace.steps.len()];
     for (s, step) in trace.steps.iter().enumerate().rev() {
-        next[s] = step.experts.iter().map(|&e| std::mem::replace(&mut upcoming[idx(step.layer, e)], s)).collect();
+        next[s] =
+            step.experts.iter().map(|&e| std::mem::replace(&mut upcoming[trace.index(step.layer, e)], s)).collect();
     }
     let mut out = Outcome::new(Replayed::Min, budget, trace.n_layer);
     // Resident experts by next use; `when[i]` is expert i's entry key (None: not resident).
@@ -28,7 +28,7 @@ pub fn belady(trace: &RouteTrace, budget: u64) -> Outcome {
     let mut used = 0u64;
     for (s, step) in trace.steps.iter().enumerate() {
         for (j, &e) in step.experts.iter().enumerate() {
-            let i = idx(step.layer, e);
+            let i = trace.index(step.layer, e);
             out.count(trace, step, e, when[i].is_some());
             match when[i].replace(next[s][j]) {
                 Some(old) => {

@@ -16,11 +16,10 @@ use crate::stream::RouteTrace;
 /// outside the set is read at every use.
 pub fn hindsight(trace: &RouteTrace, budget: u64) -> Outcome {
     let n = (trace.n_layer * trace.n_expert) as usize;
-    let idx = |layer: u32, e: u32| (layer * trace.n_expert + e) as usize;
     let mut routed = vec![(0u64, 0u64); n];
     for s in &trace.steps {
         for &e in &s.experts {
-            let r = &mut routed[idx(s.layer, e)];
+            let r = &mut routed[trace.index(s.layer, e)];
             r.0 += u64::from(s.tokens == 1);
             r.1 += 1;
         }
@@ -39,7 +38,7 @@ pub fn hindsight(trace: &RouteTrace, budget: u64) -> Outcome {
     let mut seen = vec![false; n];
     for s in &trace.steps {
         for &e in &s.experts {
-            let i = idx(s.layer, e);
+            let i = trace.index(s.layer, e);
             out.count(trace, s, e, member[i] && seen[i]);
             seen[i] = true;
         }

@@ -74,9 +74,15 @@ impl RouteTrace {
         }
     }
 
+    /// Where expert `e` of `layer` is in [`RouteTrace::expert_bytes`] (and in any per-expert table
+    /// laid out the same way).
+    pub fn index(&self, layer: u32, e: u32) -> usize {
+        (layer * self.n_expert + e) as usize
+    }
+
     /// The bytes of expert `e` of `layer`.
     pub fn bytes(&self, layer: u32, e: u32) -> u64 {
-        self.expert_bytes[(layer * self.n_expert + e) as usize]
+        self.expert_bytes[self.index(layer, e)]
     }
 
     /// Writes the trace to `path` (atomically).
