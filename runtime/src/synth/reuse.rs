@@ -9,17 +9,17 @@
 //! A random model has none of that: its attention mixes tokens at random.
 //!
 //! `--reuse L` asks for `L` times the first-choice repeats of independent tokens of the same
-//! popularity ([`super::calibrate::Routes::reuse`]); the default 2.2 is that middle layer's
-//! ratio. It is written into gpt-oss's attention: zero queries make each position of a local
+//! popularity ([`super::calibrate::Routes::reuse`]); the default 2.2 is that middle layer's ratio.
+//! It is written into gpt-oss's attention: zero queries make each position of a local
 //! (sliding-window) layer weigh the 16 tokens behind it alike, so consecutive positions, sharing
 //! all but one of them, get almost the same attention output, and tokens further apart share
-//! nothing: reuse between neighbours, not a drift over the whole prompt. Strong values in the
-//! local layers ([`VALUE_GAIN`]) let that shared part steer the router; each head's attention
-//! sink, an f32 logit that takes attention away from every position, sets how much of it
-//! reaches the hidden state. The global layers' sinks are closed ([`CLOSED_SINK`]): averaging the whole prefix
-//! would add a slow drift that moves every expert's popularity with the prompt. Synth searches
-//! the local sink that gives the asked-for reuse on the written model itself, calibrating
-//! popularity anew for each value tried (the two move each other).
+//! nothing: reuse between neighbours, not a drift over the whole prompt. Strong values in the local
+//! layers ([`VALUE_GAIN`]) let that shared part steer the router; each head's attention sink, an
+//! f32 logit that takes attention away from every position, sets how much of it reaches the hidden
+//! state. The global layers' sinks are closed ([`CLOSED_SINK`]): averaging the whole prefix would
+//! add a slow drift that moves every expert's popularity with the prompt. Synth searches the local
+//! sink that gives the asked-for reuse on the written model itself, calibrating popularity anew for
+//! each value tried (the two move each other).
 
 use std::path::PathBuf;
 
