@@ -5,6 +5,7 @@
 
 pub mod board;
 pub mod cgroup;
+pub mod contention;
 pub mod cpu;
 pub mod cpulist;
 pub mod file;

@@ -20,7 +20,7 @@ use crate::generate::{self, ContextShape, GenerateError, Session};
 use crate::lossy::Lossy;
 use crate::scaleout::{self, ScaleError, Split};
 use crate::stream::{
-    self, DensePolicy, ExpertIndex, IndexError, ModelLoad, StreamConfig, StreamError, StreamedSession,
+    self, DecodeOverlap, DensePolicy, ExpertIndex, IndexError, ModelLoad, StreamConfig, StreamError, StreamedSession,
 };
 use sluice_hal::usage::PhaseMeter;
 
@@ -350,7 +350,11 @@ impl Launch {
             expert_pool: self.board.expert_slots.then(|| cache_bytes + ledger.bytes(Item::IoStaging)),
             gpu_layers: self.gpu_layers(),
             overlap: (overlap != Overlap::Off).then_some(stream::READ_BOUND),
-            overlap_prompt_only: overlap == Overlap::Prompt,
+            overlap_decodes: match overlap {
+                Overlap::Off | Overlap::Prompt => DecodeOverlap::Never,
+                Overlap::Auto => DecodeOverlap::WhenIdle,
+                Overlap::On => DecodeOverlap::Always,
+            },
             lossy: self.lossy,
             rpc,
             verify: self.board.verify,

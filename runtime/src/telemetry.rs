@@ -46,6 +46,8 @@ pub struct Summary {
     pub lookahead_reads: u64,
     /// Of which the router then chose.
     pub lookahead_used: u64,
+    /// Their layers whose reads overlapped compute.
+    pub overlapped_layers: u64,
     /// Cumulative hit rate at the end.
     pub hit_rate: f64,
     /// Highest RSS seen after a decode.
@@ -76,6 +78,7 @@ impl Summary {
             s.substituted += r.substituted;
             s.lookahead_reads += r.lookahead_reads;
             s.lookahead_used += r.lookahead_used;
+            s.overlapped_layers += r.overlapped_layers;
         }
         s
     }
@@ -156,6 +159,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
             r.passed.to_string(),
             r.lookahead_reads.to_string(),
             r.lookahead_used.to_string(),
+            r.overlapped_layers.to_string(),
             format!("{:.4}", r.hit_rate),
             r.major_faults.to_string(),
             r.rss_anon.to_string(),
@@ -167,7 +171,7 @@ pub fn write_csv(out: &mut dyn Write, config: &[(String, String)], rows: &[Token
 }
 
 /// The columns of the per-token CSV.
-const CSV_HEADER: [&str; 21] = [
+const CSV_HEADER: [&str; 22] = [
     "index",
     "prefill",
     "n_tokens",
@@ -184,6 +188,7 @@ const CSV_HEADER: [&str; 21] = [
     "passed",
     "lookahead_reads",
     "lookahead_used",
+    "overlapped_layers",
     "hit_rate",
     "major_faults",
     "rss_anon",
@@ -213,6 +218,7 @@ mod tests {
             passed: 0,
             lookahead_reads: 2,
             lookahead_used: 1,
+            overlapped_layers: 3,
             hit_rate: 0.25,
             major_faults: 0,
             rss_anon: 1 << 20,
@@ -229,6 +235,7 @@ mod tests {
         assert!((s.tokens_per_s() - 10.0).abs() < 1e-9);
         assert!((s.mib_per_token() - 2.0).abs() < 1e-9);
         assert_eq!((s.lookahead_reads, s.lookahead_used), (4, 2), "reads ahead of the generated tokens only");
+        assert_eq!(s.overlapped_layers, 6, "the generated tokens' layers only");
     }
 
     #[test]

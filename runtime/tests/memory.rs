@@ -147,6 +147,7 @@ fn bench_under_a_budget_writes_its_table_csv_and_chart() {
         "resident-mmap",
         "streamed, no cache",
         "streamed, auto cache",
+        "auto overlap",
         "ngram draft",
         "draft acc %",
         "LOSSY 1 of 2 experts",
@@ -165,7 +166,7 @@ fn bench_under_a_budget_writes_its_table_csv_and_chart() {
     let header = reader.headers().unwrap().clone();
     let col = |name: &str| header.iter().position(|h| h == name).unwrap_or_else(|| panic!("no {name} in {csv}"));
     let records: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
-    assert_eq!(records.len(), 10, "resident, 5 streamed, 2 drafting, 2 lossy:\n{csv}");
+    assert_eq!(records.len(), 11, "resident, 6 streamed, 2 drafting, 2 lossy:\n{csv}");
     for r in &records {
         let (config, top1, kl) = (&r[col("config")], &r[col("top1_agreement")], &r[col("mean_kl")]);
         if config.contains("LOSSY") {
@@ -183,7 +184,7 @@ fn bench_under_a_budget_writes_its_table_csv_and_chart() {
     }
     check_conversations(&std::fs::read_to_string(out.join("conversations.csv")).unwrap());
     let svg = std::fs::read_to_string(out.join("bench.svg")).unwrap();
-    assert!(svg.starts_with("<svg") && svg.matches("<rect x=").count() == 10, "{svg}");
+    assert!(svg.starts_with("<svg") && svg.matches("<rect x=").count() == 11, "{svg}");
 }
 
 /// The conversation rows: five turns from an empty slot (nothing reused), five in a kept slot

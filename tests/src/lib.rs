@@ -183,7 +183,7 @@ pub fn stream_config(
         expert_pool: Some(u64::MAX),
         gpu_layers: 0,
         overlap: None,
-        overlap_prompt_only: false,
+        overlap_decodes: sluice::stream::DecodeOverlap::Always,
         lossy: sluice::lossy::Lossy::default(),
         rpc: None,
         verify: false,
@@ -214,6 +214,8 @@ pub struct StreamRun {
     pub lookahead: (u64, u64),
     /// Bytes of the lookahead's router copies at the end.
     pub router_copies: u64,
+    /// The single-token decodes' layers whose reads overlapped compute.
+    pub overlapped_layers: u64,
 }
 
 /// Generates greedily from [`PROMPT`] in an open streamed session.
@@ -235,6 +237,7 @@ pub fn stream_generate(
         substituted: rows.iter().map(|r| r.substituted).collect(),
         lookahead: rows.iter().fold((0, 0), |(a, b), r| (a + r.lookahead_reads, b + r.lookahead_used)),
         router_copies: s.lookahead_bytes(),
+        overlapped_layers: rows.iter().filter(|r| !r.prefill).map(|r| r.overlapped_layers).sum(),
         slots: s.slots(),
     }
 }
@@ -246,14 +249,25 @@ pub fn streamed(
     config: &sluice::stream::StreamConfig,
     n_predict: u32,
 ) -> StreamRun {
+    let mut session = open_streamed(model, index, config, n_predict);
+    stream_generate(&mut session, model, n_predict)
+}
+
+/// Opens a streamed session over `model` (two unpinned threads) that holds [`PROMPT`] and
+/// `n_predict` tokens.
+pub fn open_streamed<'m>(
+    model: &'m ggml_sys::Model,
+    index: std::sync::Arc<sluice::stream::ExpertIndex>,
+    config: &sluice::stream::StreamConfig,
+    n_predict: u32,
+) -> sluice::stream::StreamedSession<'m> {
     let prompt_len = generate::Session::prepare(model, PROMPT, n_predict).expect("prompt").len();
-    let mut session = sluice::stream::StreamedSession::open(
+    sluice::stream::StreamedSession::open(
         model,
         index,
         config,
         sluice::generate::ContextShape::one(prompt_len as u32 + n_predict),
         &ggml_sys::Threads::unpinned(2),
     )
-    .expect("open streamed session");
-    stream_generate(&mut session, model, n_predict)
+    .expect("open streamed session")
 }

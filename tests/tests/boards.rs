@@ -235,6 +235,12 @@ fn overlapped_the_io_cores_compute_no_more() {
         "overlapping prompts only keeps every compute core"
     );
     assert_eq!(prompt.overlap.source, "--overlap-prompt");
+    let auto = with(Overlap::Auto);
+    assert_eq!(
+        (auto.compute_cores.clone(), auto.io_cores.clone(), auto.threads.value),
+        every_core,
+        "overlapping decodes only while the cores are idle keeps every compute core"
+    );
     let overlapped = with(Overlap::On);
     assert_eq!(
         (overlapped.compute_cores.clone(), overlapped.threads.value),
@@ -255,6 +261,7 @@ fn storage_overlap_takes_a_boolean_or_a_mode_and_names_a_bad_one() {
     assert_eq!(parse("true").unwrap(), Some(Overlap::On));
     assert_eq!(parse("false").unwrap(), Some(Overlap::Off));
     assert_eq!(parse("\"prompt\"").unwrap(), Some(Overlap::Prompt));
+    assert_eq!(parse("\"auto\"").unwrap(), Some(Overlap::Auto));
     let err = parse("\"sometimes\"").unwrap_err().to_string();
     assert!(err.contains("sometimes") && err.contains("prompt"), "{err}");
 }

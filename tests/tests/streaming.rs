@@ -8,11 +8,12 @@ use std::time::Duration;
 use ggml_sys::GgufFile;
 use sluice::generate::GenerateError;
 use sluice::stream::{
-    kernel, load_streamed_model, CachePolicy, DensePolicy, ExpertIndex, FaultKind, ReadFault, RouteTrace, SlotUse,
-    StreamConfig, StreamError, StreamedSession, READ_BOUND,
+    kernel, load_streamed_model, CachePolicy, DecodeOverlap, DensePolicy, ExpertIndex, FaultKind, ReadFault,
+    RouteTrace, SlotUse, StreamConfig, StreamError, StreamedSession, READ_BOUND,
 };
 use sluice_tests::{
-    gate_fixtures, indexed_fixture, resident_reference, stream_config, stream_generate, streamed, Fixture,
+    gate_fixtures, indexed_fixture, open_streamed, resident_reference, stream_config, stream_generate, streamed,
+    Fixture,
 };
 
 const N: u32 = 20;
@@ -150,7 +151,7 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
             ("buffered, evicting, dense mmap", stream_config(1, 1, false, DensePolicy::Mmap)),
             (
                 "prompt batches only",
-                StreamConfig { overlap_prompt_only: true, ..stream_config(1, 2, true, DensePolicy::Anon) },
+                StreamConfig { overlap_decodes: DecodeOverlap::Never, ..stream_config(1, 2, true, DensePolicy::Anon) },
             ),
         ];
         for (what, config) in configs {
@@ -161,6 +162,42 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
             assert_through_kernel(&run, &index, &format!("{f:?}, overlap, {what}"));
         }
     }
+}
+
+/// `overlap = "auto"`: beside two busy processes every decode reads serially, and once the cores
+/// have been idle for a window decodes overlap; the tokens equal the resident run's either way.
+#[test]
+fn decodes_overlap_only_while_no_other_process_keeps_the_cores_busy() {
+    if sluice_tests::emulated() {
+        eprintln!("skipped: the choice is the same code on every architecture (runs natively)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let f = gate_fixtures()[0];
+    let (files, index) = indexed_fixture(f, dir.path());
+    let reference = resident_reference(&files[0], N);
+    let config = StreamConfig {
+        overlap_decodes: DecodeOverlap::WhenIdle,
+        ..overlapped(stream_config(0, 2, true, DensePolicy::Anon), sluice::stream::READ_BOUND)
+    };
+    let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+
+    let spin = || std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap();
+    let mut busy = [spin(), spin()];
+    let run = streamed(&model, Arc::clone(&index), &config, N);
+    for child in &mut busy {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    assert_eq!(run.tokens, reference, "{f:?}, beside busy processes: output differs from resident");
+    assert_eq!(run.overlapped_layers, 0, "{f:?}: decodes overlapped beside two busy processes");
+
+    let mut session = open_streamed(&model, Arc::clone(&index), &config, N);
+    std::thread::sleep(sluice::stream::engine::idle::WINDOW + Duration::from_millis(100));
+    let run = stream_generate(&mut session, &model, N);
+    assert_eq!(run.tokens, reference, "{f:?}, idle: output differs from resident");
+    assert!(run.overlapped_layers > 0, "{f:?}: no decode overlapped on idle cores");
+    assert_through_kernel(&run, &index, &format!("{f:?}, auto overlap"));
 }
 
 #[test]

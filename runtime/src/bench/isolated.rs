@@ -43,6 +43,9 @@ pub enum ChildKind {
     StreamedAutoOverlap,
     /// The automatic cache, prompt batches overlapped and single-token decodes serial.
     StreamedAutoOverlapPrompt,
+    /// The automatic cache, prompt batches overlapped and single-token decodes too while no
+    /// other process keeps the cores busy (the default).
+    StreamedAutoOverlapAuto,
     /// llama.cpp's own mmap load, drafting n-grams.
     ResidentDraft,
     /// Serial streaming with the automatic cache, drafting n-grams.
@@ -90,6 +93,7 @@ pub fn kinds(
         ChildKind::StreamedAuto,
         ChildKind::StreamedAutoOverlap,
         ChildKind::StreamedAutoOverlapPrompt,
+        ChildKind::StreamedAutoOverlapAuto,
     ];
     if draft {
         kinds.extend([ChildKind::ResidentDraft, ChildKind::StreamedAutoDraft]);
@@ -210,6 +214,7 @@ impl StreamedRow {
             auto: !verify && !matches!(kind, StreamedNoCache | StreamedNoCacheOverlap),
             overlap: match kind {
                 StreamedAutoOverlapPrompt => Overlap::Prompt,
+                StreamedAutoOverlapAuto => Overlap::Auto,
                 StreamedNoCacheOverlap | StreamedNoCacheOverlapVerified | StreamedAutoOverlap => Overlap::On,
                 _ => Overlap::Off,
             },
@@ -254,6 +259,7 @@ impl StreamedRow {
             if self.auto { "auto cache" } else { "no cache" },
             match self.overlap {
                 Overlap::Prompt => "overlapped prompt",
+                Overlap::Auto => "auto overlap",
                 Overlap::On => "overlap",
                 Overlap::Off => "serial",
             },

@@ -107,8 +107,9 @@ pub struct StorageSection {
     #[serde(default = "yes")]
     pub direct_io: bool,
     /// Overlap expert reads with expert compute (the streamed-experts kernel computes each
-    /// expert once its slices have landed): `false`/"off", "prompt" (prompt batches only), or
-    /// `true`/"on". Absent: "prompt" where the build has the CPU extension service, else off.
+    /// expert once its slices have landed): `false`/"off", "prompt" (prompt batches only), "auto"
+    /// (prompt batches, and decodes while no other process keeps the cores busy) or `true`/"on".
+    /// Absent: "auto" where the build has the CPU extension service, else off.
     #[serde(default, deserialize_with = "overlap")]
     pub overlap: Option<Overlap>,
     /// Check every expert and dense read against the model's checksum sidecar (`sluice
@@ -130,6 +131,10 @@ pub enum Overlap {
     /// Prompt batches only (a prompt routes most experts; each is computed as it lands), while
     /// single-token decodes read serially; the I/O cores keep computing.
     Prompt,
+    /// Prompt batches, and single-token decodes while other processes leave the compute and I/O
+    /// cores idle ([`crate::stream::engine::IdleCores`]); serial decodes while they do not. The
+    /// I/O cores keep computing.
+    Auto,
     /// Every decode; the I/O cores compute no more.
     On,
 }
@@ -140,6 +145,7 @@ impl Overlap {
         match self {
             Overlap::Off => "off",
             Overlap::Prompt => "prompt",
+            Overlap::Auto => "auto",
             Overlap::On => "on",
         }
     }
@@ -156,10 +162,10 @@ fn overlap<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Overlap>, D:
     Ok(Some(match Given::deserialize(d)? {
         Given::Flag(true) => Overlap::On,
         Given::Flag(false) => Overlap::Off,
-        Given::Name(n) => [Overlap::Off, Overlap::Prompt, Overlap::On]
+        Given::Name(n) => [Overlap::Off, Overlap::Prompt, Overlap::Auto, Overlap::On]
             .into_iter()
             .find(|o| o.name() == n)
-            .ok_or_else(|| serde::de::Error::unknown_variant(&n, &["off", "prompt", "on", "true", "false"]))?,
+            .ok_or_else(|| serde::de::Error::unknown_variant(&n, &["off", "prompt", "auto", "on", "true", "false"]))?,
     }))
 }
 

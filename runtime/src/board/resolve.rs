@@ -34,7 +34,7 @@ pub struct Overrides {
     pub no_direct_io: bool,
     /// `--verify`.
     pub verify: bool,
-    /// `--overlap`, `--overlap-prompt` or `--no-overlap`.
+    /// `--overlap`, `--overlap-prompt`, `--overlap-auto` or `--no-overlap`.
     pub overlap: Option<Overlap>,
     /// `--draft`.
     pub draft: Option<Draft>,
@@ -330,8 +330,9 @@ fn memory_budget(p: &BoardProfile, probe: &HardwareProbe, origin: &str) -> Resul
     Ok(budget)
 }
 
-/// When expert reads overlap expert compute: the flags, the profile, else prompt batches
-/// (serial without the CPU extension service, which overlap needs).
+/// When expert reads overlap expert compute: the flags, the profile, else prompt batches and
+/// decodes while the cores are otherwise idle (serial without the CPU extension service, which
+/// overlap needs).
 fn overlap(
     p: &BoardProfile,
     overrides: &Overrides,
@@ -344,13 +345,15 @@ fn overlap(
             match v {
                 Overlap::Off => "--no-overlap",
                 Overlap::Prompt => "--overlap-prompt",
+                Overlap::Auto => "--overlap-auto",
                 Overlap::On => "--overlap",
             },
         ),
         (None, Some(v)) => sourced(v, "profile storage.overlap"),
-        (None, None) if caps.cpu_parallel => {
-            sourced(Overlap::Prompt, "default: prompt batches, measured faster to the first token (docs/benchmarks.md)")
-        }
+        (None, None) if caps.cpu_parallel => sourced(
+            Overlap::Auto,
+            "default: prompt batches, and decodes while no other process keeps the cores busy (docs/benchmarks.md)",
+        ),
         (None, None) => sourced(Overlap::Off, "default without ggml_ext_cpu_parallel_v1: serial"),
     };
     if overlap.value != Overlap::Off && !caps.cpu_parallel {

@@ -39,13 +39,17 @@ pub struct TuningArgs {
     #[arg(long)]
     pub verify: bool,
     /// Overlap expert reads with expert compute in every decode (default: the profile's, else
-    /// prompt batches only).
-    #[arg(long, conflicts_with_all = ["no_overlap", "overlap_prompt"])]
+    /// auto).
+    #[arg(long, conflicts_with_all = ["no_overlap", "overlap_prompt", "overlap_auto"])]
     pub overlap: bool,
     /// Overlap expert reads with expert compute in prompt batches only; single-token decodes
     /// stream serially.
-    #[arg(long, conflicts_with = "no_overlap")]
+    #[arg(long, conflicts_with_all = ["no_overlap", "overlap_auto"])]
     pub overlap_prompt: bool,
+    /// Overlap prompt batches, and single-token decodes while no other process keeps the run's
+    /// cores busy (serially while one does).
+    #[arg(long, conflicts_with = "no_overlap")]
+    pub overlap_auto: bool,
     /// Stream serially: read a layer's experts, then compute it.
     #[arg(long)]
     pub no_overlap: bool,
@@ -90,6 +94,8 @@ impl TuningArgs {
                 Some(Overlap::On)
             } else if self.overlap_prompt {
                 Some(Overlap::Prompt)
+            } else if self.overlap_auto {
+                Some(Overlap::Auto)
             } else if self.no_overlap {
                 Some(Overlap::Off)
             } else {
@@ -281,6 +287,7 @@ mod tests {
             verify: true,
             overlap: false,
             overlap_prompt: true,
+            overlap_auto: false,
             no_overlap: false,
             draft: Some(Draft::Ngram),
             cache_policy: Some(sluice::stream::CachePolicy::Frequency),

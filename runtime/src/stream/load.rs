@@ -43,9 +43,9 @@ pub struct StreamConfig {
     /// slices have landed), each wait for one expert bounded by this long; `None` reads each
     /// layer's experts before its products run.
     pub overlap: Option<Duration>,
-    /// With `overlap`: overlap prompt batches only, and read single-token decodes' experts
-    /// before their products run.
-    pub overlap_prompt_only: bool,
+    /// With `overlap`: when single-token decodes overlap (prompt batches always do); the others
+    /// read each layer's experts before its products run.
+    pub overlap_decodes: super::DecodeOverlap,
     /// Opt-in lossy modes (default: exact).
     pub lossy: crate::lossy::Lossy,
     /// The layers RPC workers hold, resident there (`--rpc`); the index then keeps only this

@@ -23,7 +23,7 @@ pub mod trace;
 
 use crate::generate::GenerateError;
 pub use cache::{CacheCounters, CachePolicy};
-pub use engine::Streamer;
+pub use engine::{DecodeOverlap, Streamer};
 pub use index::{ExpertIndex, IndexError};
 pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, SliceCheck, READ_BOUND};
 pub use load::{lazy_pattern, load_configured, load_streamed_model, DensePolicy, ModelLoad, StreamConfig};

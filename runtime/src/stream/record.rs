@@ -39,6 +39,8 @@ pub struct DecodeStats {
     pub lookahead_reads: u64,
     /// Of which the layer's router then chose.
     pub lookahead_used: u64,
+    /// Single-token decodes' layers whose reads overlapped compute.
+    pub overlapped_layers: u64,
 }
 
 /// One decode's telemetry.
@@ -77,6 +79,8 @@ pub struct TokenRow {
     pub lookahead_reads: u64,
     /// Of which the router then chose.
     pub lookahead_used: u64,
+    /// Layers of a single-token decode whose reads overlapped compute.
+    pub overlapped_layers: u64,
     /// Cumulative hit rate.
     pub hit_rate: f64,
     /// Major faults during the decode.
@@ -116,6 +120,7 @@ impl TokenRow {
             passed: stats.passed,
             lookahead_reads: stats.lookahead_reads,
             lookahead_used: stats.lookahead_used,
+            overlapped_layers: stats.overlapped_layers,
             hit_rate: cache.hit_rate(),
             major_faults: after.major_faults.saturating_sub(before.major_faults),
             rss_anon: after.rss_anon,

@@ -115,12 +115,17 @@ impl<'m> StreamedSession<'m> {
         let settings = StreamerSettings {
             cache_budget: config.cache_bytes,
             gpu: config.gpu_layers > 0,
-            overlap: config.overlap.map(|bound| Overlap { bound, prompt_only: config.overlap_prompt_only }),
+            overlap: config.overlap.map(|bound| Overlap { bound, decodes: config.overlap_decodes }),
             substitute: config.lossy.substitute,
             trace: config.trace_routes,
             cache_policy: config.cache_policy,
             expert_pool: config.expert_pool,
             lookahead: config.lookahead,
+            // Unpinned compute threads may run anywhere: then every CPU is watched.
+            cores: match threads.cpus.is_empty() {
+                true => Vec::new(),
+                false => threads.cpus.iter().chain(&config.lanes.cpus).copied().collect(),
+            },
         };
         let streamer = Arc::new(Mutex::new(Streamer::new(index, source, bound, claims.taken(), sums, settings)));
         // Set once, before any decode that streams.

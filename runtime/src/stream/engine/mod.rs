@@ -30,15 +30,18 @@
 //! Lookahead (`--lookahead`, in `ahead`): a single-token decode also reads the experts the
 //! next layer's router is guessed to choose while this layer computes; the next layer's node
 //! drops the wrong guesses. In `collect`: collecting a batch; in `prefill`: the warm start.
+//! In [`idle`]: whether single-token decodes overlap now (`overlap = "auto"`).
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use ggml_sys::{EvalPhase, TensorView};
 
 mod ahead;
 mod collect;
+pub mod idle;
 mod prefill;
+mod schedule;
 
 use super::cache::{CacheCounters, LayerPlan};
 use super::capture::Bound;
@@ -51,35 +54,15 @@ use super::residency::Residency;
 use super::routing::{RouteRecord, Routing};
 use super::trace::RouteTrace;
 use super::StreamError;
+use schedule::Schedule;
+pub use schedule::{DecodeOverlap, Overlap};
 
 /// The smallest batch ggml's scheduler may move from the CPU to a GPU (its `op_offload` of
 /// products over weights in host memory): such a batch's products may not run in the kernel.
 const GPU_OFFLOAD_BATCH: i64 = 32;
 
-/// Overlap settings: the bound of a batch's collection, and whether only prompt batches
-/// overlap.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Overlap {
-    /// The longest a batch's collection (or a compute thread's wait for one expert) may take.
-    pub bound: Duration,
-    /// Overlap prompt batches only; single-token decodes read serially.
-    pub prompt_only: bool,
-}
-
-/// How a layer's reads go out, chosen once per layer.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Schedule {
-    /// Read everything, then let the layer's products run.
-    Serial,
-    /// Hand the reads to the lanes and return: the kernel computes each expert as it lands.
-    Overlapped,
-    /// Beyond the cache and its staging: the reads share the staging window in the products'
-    /// order, and the kernel gives each passing expert back once computed.
-    Waves,
-}
-
 /// How the streamer runs, beyond what the capture bound.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StreamerSettings {
     /// The expert cache's budget, bytes.
     pub cache_budget: u64,
@@ -97,6 +80,9 @@ pub struct StreamerSettings {
     pub expert_pool: Option<u64>,
     /// Guess the next layer's experts in single-token decodes and read them early.
     pub lookahead: bool,
+    /// The cores the run computes and reads on (whose other use [`DecodeOverlap::WhenIdle`]
+    /// watches; empty: every CPU the process may use).
+    pub cores: Vec<usize>,
 }
 
 /// The state the eval callback drives after the capture.
@@ -114,6 +100,8 @@ pub struct Streamer {
     in_kernel: Vec<bool>,
     gpu: bool,
     overlap: Option<Overlap>,
+    /// Whether decodes overlap now ([`DecodeOverlap::WhenIdle`]).
+    idle: Option<idle::IdleCores>,
     /// Whether a batch is out with the lanes (overlap or waves), collected at the next layer.
     in_flight: bool,
     /// How far a layer may run over the cache's budget; the window its passing reads share.
@@ -163,6 +151,10 @@ impl Streamer {
             in_kernel: in_kernel.to_vec(),
             gpu: settings.gpu,
             overlap: settings.overlap,
+            idle: settings
+                .overlap
+                .is_some_and(|o| o.decodes == DecodeOverlap::WhenIdle)
+                .then(|| idle::IdleCores::new(&settings.cores)),
             in_flight: false,
             staging: index.layer_token_demand(),
             plan: LayerPlan::with_capacity(n_expert * index.n_layer as usize),
@@ -359,6 +351,7 @@ impl Streamer {
                 None
             }
             Schedule::Overlapped => {
+                self.stats.overlapped_layers += u64::from(tokens == 1);
                 // The reads ahead go out after the layer's own, and are collected with them.
                 self.jobs.append(&mut self.ahead_jobs);
                 self.source.lanes().submit(&mut self.jobs);
@@ -418,17 +411,5 @@ impl Streamer {
         self.passing.clear();
         self.passing.extend(self.plan.pass.iter().map(|&e| (layer, e)));
         self.stats.passed += self.passing.len() as u64;
-    }
-
-    /// How the planned layer's reads go out: in waves when some pass through, overlapped when
-    /// the kernel computes the whole layer and overlap is on for this batch, else serially.
-    fn schedule(&self, in_kernel: bool, tokens: i64) -> Schedule {
-        if !self.passing.is_empty() {
-            Schedule::Waves
-        } else if self.overlap.is_some_and(|o| in_kernel && (tokens > 1 || !o.prompt_only)) {
-            Schedule::Overlapped
-        } else {
-            Schedule::Serial
-        }
     }
 }

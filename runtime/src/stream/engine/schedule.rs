@@ -1,0 +1,59 @@
+//! How a layer's reads go out: serially, overlapped with the layer's compute, or in waves; and
+//! when single-token decodes overlap.
+
+use std::time::Duration;
+
+use super::{idle, Streamer};
+
+/// Overlap settings: the bound of a batch's collection, and when single-token decodes overlap
+/// (prompt batches always do).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Overlap {
+    /// The longest a batch's collection (or a compute thread's wait for one expert) may take.
+    pub bound: Duration,
+    /// When single-token decodes overlap.
+    pub decodes: DecodeOverlap,
+}
+
+/// When single-token decodes overlap their reads with compute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DecodeOverlap {
+    /// Never: a decode reads each layer's experts, then computes the layer.
+    Never,
+    /// While other processes leave the run's cores idle ([`idle::IdleCores`]).
+    WhenIdle,
+    /// Always.
+    Always,
+}
+
+/// How a layer's reads go out, chosen once per layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Schedule {
+    /// Read everything, then let the layer's products run.
+    Serial,
+    /// Hand the reads to the lanes and return: the kernel computes each expert as it lands.
+    Overlapped,
+    /// Beyond the cache and its staging: the reads share the staging window in the products'
+    /// order, and the kernel gives each passing expert back once computed.
+    Waves,
+}
+
+impl Streamer {
+    /// How the planned layer's reads go out: in waves when some pass through, overlapped when
+    /// the kernel computes the whole layer and overlap is on for this batch, else serially.
+    pub(super) fn schedule(&mut self, in_kernel: bool, tokens: i64) -> Schedule {
+        let overlaps = |o: Overlap, idle: &mut Option<idle::IdleCores>| match o.decodes {
+            _ if tokens > 1 => true,
+            DecodeOverlap::Never => false,
+            DecodeOverlap::WhenIdle => idle.as_mut().is_some_and(idle::IdleCores::overlap),
+            DecodeOverlap::Always => true,
+        };
+        if !self.passing.is_empty() {
+            Schedule::Waves
+        } else if in_kernel && self.overlap.is_some_and(|o| overlaps(o, &mut self.idle)) {
+            Schedule::Overlapped
+        } else {
+            Schedule::Serial
+        }
+    }
+}
