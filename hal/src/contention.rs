@@ -35,11 +35,6 @@ impl CpuContention {
         contention
     }
 
-    /// The CPUs measured.
-    pub fn cpus(&self) -> &[usize] {
-        &self.cpus
-    }
-
     /// Other processes' busy time on the CPUs over the last whole window, in CPUs (0: none, 1:
     /// one CPU kept busy), reading again once a window has passed since the last reading.
     /// `None` before the first window has passed, or where `/proc/stat` cannot be read.
