@@ -5,6 +5,8 @@
 
 use std::time::{Duration, Instant};
 
+use nix::sys::time::{TimeVal, TimeValLike};
+
 /// One reading: when, the CPUs' busy ticks, and this process's CPU time.
 #[derive(Debug, Clone, Copy)]
 struct Reading {
@@ -54,9 +56,7 @@ impl CpuContention {
         let stat = std::fs::read_to_string("/proc/stat").ok()?;
         let busy_ticks = busy_ticks(&stat, &self.cpus)?;
         let usage = nix::sys::resource::getrusage(nix::sys::resource::UsageWho::RUSAGE_SELF).ok()?;
-        let time = |t: nix::sys::time::TimeVal| {
-            Duration::new(t.tv_sec().max(0) as u64, (t.tv_usec().clamp(0, 999_999) as u32) * 1000)
-        };
+        let time = |t: TimeVal| Duration::from_micros(t.num_microseconds().max(0) as u64);
         Some(Reading { at: Instant::now(), busy_ticks, own: time(usage.user_time()) + time(usage.system_time()) })
     }
 }

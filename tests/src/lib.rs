@@ -237,7 +237,7 @@ pub fn stream_generate(
         substituted: rows.iter().map(|r| r.substituted).collect(),
         lookahead: rows.iter().fold((0, 0), |(a, b), r| (a + r.lookahead_reads, b + r.lookahead_used)),
         router_copies: s.lookahead_bytes(),
-        overlapped_layers: rows.iter().filter(|r| !r.prefill).map(|r| r.overlapped_layers).sum(),
+        overlapped_layers: sluice::telemetry::Summary::of(&rows).overlapped_layers,
         slots: s.slots(),
     }
 }

@@ -132,7 +132,7 @@ pub enum Overlap {
     /// single-token decodes read serially; the I/O cores keep computing.
     Prompt,
     /// Prompt batches, and single-token decodes while other processes leave the compute and I/O
-    /// cores idle ([`crate::stream::engine::IdleCores`]); serial decodes while they do not. The
+    /// cores idle ([`crate::stream::engine::idle::IdleCores`]); serial decodes while they do not. The
     /// I/O cores keep computing.
     Auto,
     /// Every decode; the I/O cores compute no more.

@@ -122,9 +122,10 @@ impl<'m> StreamedSession<'m> {
             expert_pool: config.expert_pool,
             lookahead: config.lookahead,
             // Unpinned compute threads may run anywhere: then every CPU is watched.
-            cores: match threads.cpus.is_empty() {
-                true => Vec::new(),
-                false => threads.cpus.iter().chain(&config.lanes.cpus).copied().collect(),
+            cores: if threads.cpus.is_empty() {
+                Vec::new()
+            } else {
+                threads.cpus.iter().chain(&config.lanes.cpus).copied().collect()
             },
         };
         let streamer = Arc::new(Mutex::new(Streamer::new(index, source, bound, claims.taken(), sums, settings)));

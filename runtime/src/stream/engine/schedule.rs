@@ -42,11 +42,13 @@ impl Streamer {
     /// How the planned layer's reads go out: in waves when some pass through, overlapped when
     /// the kernel computes the whole layer and overlap is on for this batch, else serially.
     pub(super) fn schedule(&mut self, in_kernel: bool, tokens: i64) -> Schedule {
-        let overlaps = |o: Overlap, idle: &mut Option<idle::IdleCores>| match o.decodes {
-            _ if tokens > 1 => true,
-            DecodeOverlap::Never => false,
-            DecodeOverlap::WhenIdle => idle.as_mut().is_some_and(idle::IdleCores::overlap),
-            DecodeOverlap::Always => true,
+        let overlaps = |o: Overlap, idle: &mut Option<idle::IdleCores>| {
+            tokens > 1
+                || match o.decodes {
+                    DecodeOverlap::Never => false,
+                    DecodeOverlap::WhenIdle => idle.as_mut().is_some_and(idle::IdleCores::overlap),
+                    DecodeOverlap::Always => true,
+                }
         };
         if !self.passing.is_empty() {
             Schedule::Waves
