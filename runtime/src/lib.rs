@@ -20,6 +20,7 @@ pub mod generate;
 pub mod launch;
 pub mod lossy;
 pub mod metadata;
+pub mod perplexity;
 pub mod replay;
 pub mod scaleout;
 pub mod serve;

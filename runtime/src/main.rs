@@ -32,6 +32,11 @@ enum Command {
     Demo(cli::run::DemoArgs),
     /// Write a deterministic synthetic MoE model in GGUF.
     Synth(cli::synth::SynthArgs),
+    /// Convert a model to another weight type (q8_0, q4_k_m, ...) with llama.cpp's quantizer.
+    Quantize(cli::quantize::QuantizeArgs),
+    /// Measure a model's perplexity on a text file (llama.cpp's definition), streamed or
+    /// resident; with a lossy knob, its cost against the lossless run.
+    Perplexity(cli::perplexity::PerplexityArgs),
     /// Print the versions and the CPU features llama.cpp was compiled with.
     BuildInfo,
     /// Run a model resident and streamed at several cache sizes, back to back, and compare.
@@ -110,6 +115,8 @@ fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
         Command::Run(a) => cli::run::run(&a, board),
         Command::Demo(a) => cli::run::run_demo(&a, board),
         Command::Synth(a) => cli::synth::run_synth(&a),
+        Command::Quantize(a) => cli::quantize::run_quantize(&a),
+        Command::Perplexity(a) => cli::perplexity::run_perplexity(&a, board),
         Command::Bench(a) => cli::bench::run_bench(&a, board),
         Command::Probe(a) => cli::probe::run_probe(&a, board),
         Command::Plan(a) => cli::plan::run_plan(&a, board),

@@ -111,8 +111,10 @@ fn was_closed(stdout: &std::io::Stdout) -> bool {
 
 pub mod args;
 pub mod bench;
+pub mod perplexity;
 pub mod plan;
 pub mod probe;
+pub mod quantize;
 pub mod replay;
 pub mod run;
 pub mod serve;

@@ -379,6 +379,32 @@ impl<'m> Session<'m> {
         Ok(())
     }
 
+    /// Decodes `tokens` into slot 0, started empty, in prompt batches with every position's
+    /// logits kept, and passes `on_logits(pos, logits)` the model's next-token logits after
+    /// `tokens[pos]`: a perplexity window ([`crate::perplexity`]), computed as a prompt is.
+    pub fn evaluate_window<E: DecodeError>(
+        &mut self,
+        tokens: &[Token],
+        on_logits: &mut dyn FnMut(usize, &[f32]),
+        observer: &mut DecodeObserver<'_, E>,
+    ) -> Result<(), E> {
+        self.forget(0)?;
+        let n_batch = self.batch_capacity();
+        for (c, chunk) in tokens.chunks(n_batch).enumerate() {
+            let from = c * n_batch;
+            self.batch.clear();
+            for (i, &t) in chunk.iter().enumerate() {
+                self.batch.push_to(0, t, (from + i) as i32, true)?;
+            }
+            self.timed_decode(true, 1, observer)?;
+            self.hold(0, chunk, false);
+            for i in 0..chunk.len() {
+                on_logits(from + i, self.ctx.logits(i as i32)?);
+            }
+        }
+        Ok(())
+    }
+
     /// The most prompt tokens one decode takes.
     pub fn batch_capacity(&self) -> usize {
         self.batch.capacity()

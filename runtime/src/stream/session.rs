@@ -225,6 +225,17 @@ impl<'m> StreamedSession<'m> {
         Ok(rows)
     }
 
+    /// A perplexity window like [`Session::evaluate_window`], streamed.
+    pub fn evaluate_window(
+        &mut self,
+        tokens: &[Token],
+        on_logits: &mut dyn FnMut(usize, &[f32]),
+    ) -> Result<Vec<TokenRow>, StreamError> {
+        let ((), rows) =
+            self.observed(|_| {}, |session, observer| session.evaluate_window(tokens, on_logits, observer))?;
+        Ok(rows)
+    }
+
     /// Runs `decode` on the session with an observer that ends each decode in the streamer
     /// (its failure becomes the error) and records a telemetry row, passed to `on_row` too.
     fn observed<R>(

@@ -1,0 +1,165 @@
+//! `sluice perplexity`: a model's perplexity on a text file, streamed (default) or resident.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context as _, Result};
+use clap::Args;
+
+use sluice::board::{BoardChoice, ResolvedBoard};
+use sluice::budget::Batch;
+use sluice::generate::{self, ContextShape, Session};
+use sluice::launch::{Launch, Positions};
+use sluice::perplexity::{Scores, Windows};
+
+use super::args::{self, RpcArgs, StreamArgs, TuningArgs};
+
+/// `sluice perplexity` arguments.
+#[derive(Args)]
+#[command(after_help = "\
+Defined as llama.cpp's perplexity tool defines it: windows of --ctx tokens, each computed from an \
+empty memory, the second half of each scored. Streamed and --resident give the same figure.
+
+With a LOSSY knob (--experts-used, --substitute) the lossless streamed run is computed too, and \
+the knob's cost is printed as the perplexity ratio (lossy / lossless) and the top-1 agreement (how \
+often both runs rank the same next token first). On the trained KJV model's held-out chapters \
+(docs/trained-model.md): --experts-used 3 of 4 costs 1.13x and agrees on 88% of tokens; \
+--experts-used 2 costs 1.62x, 70%.")]
+pub struct PerplexityArgs {
+    /// The model: a .gguf file (for a split model, its first file).
+    #[arg(short, long)]
+    model: PathBuf,
+    /// The text to score (UTF-8).
+    #[arg(short, long)]
+    file: PathBuf,
+    /// Tokens per window.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(4..))]
+    ctx: u32,
+    /// Score at most this many windows (default: every whole window of the text).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    chunks: Option<u32>,
+    /// Also record the routes of single-token decodes over the text's first --trace-tokens
+    /// tokens (the text fed as if generated, one token at a time) as a route trace for `sluice
+    /// replay`. Streamed runs only.
+    #[arg(long, value_name = "FILE", conflicts_with = "resident")]
+    trace: Option<PathBuf>,
+    /// Tokens the --trace run decodes (at most --ctx; the trace has one step per layer each).
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(2..))]
+    trace_tokens: u32,
+    #[command(flatten)]
+    tuning: TuningArgs,
+    #[command(flatten)]
+    stream: StreamArgs,
+    #[command(flatten)]
+    rpc: RpcArgs,
+}
+
+/// Reads the text file, with an error that names it and says what is wrong.
+fn read_text(path: &Path) -> Result<String> {
+    let bytes = std::fs::read(path).with_context(|| format!("--file {}: cannot read it", path.display()))?;
+    if bytes.is_empty() {
+        anyhow::bail!("--file {}: the file is empty; give a text to score", path.display());
+    }
+    String::from_utf8(bytes).map_err(|e| {
+        anyhow::anyhow!(
+            "--file {}: not UTF-8 text (invalid bytes at offset {}); convert it, e.g. with iconv",
+            path.display(),
+            e.utf8_error().valid_up_to()
+        )
+    })
+}
+
+/// Runs `sluice perplexity`.
+pub fn run_perplexity(a: &PerplexityArgs, choice: &BoardChoice) -> Result<()> {
+    let text = read_text(&a.file)?;
+    sluice::metadata::check_model_file(&a.model)?;
+    let board = args::board(choice, Some(&a.model), &a.tuning)?;
+    let n_ctx = a.ctx as usize;
+    // The same batches streamed and resident, so that both compute alike.
+    let batch = a.stream.batch.first().min(a.ctx);
+    let chunks = a.chunks.map(|c| c as usize);
+    let progress = |n: usize| move |i: usize, ppl: f64| noteln!("[{i}/{n}] perplexity {ppl:.4}");
+    if a.stream.resident {
+        let model = generate::load_model(&a.model)?;
+        let windows = Windows::of_text(&model, &text, n_ctx, chunks)?;
+        let shape = ContextShape { positions: a.ctx, slots: 1, batch };
+        let mut session = Session::new(&model, shape, &board.threads(), None)?;
+        let scores = windows.score(
+            |w, on| session.evaluate_window::<generate::GenerateError>(w, on, &mut |_| Ok(())),
+            progress(windows.chunks()),
+        )?;
+        report(&windows, &scores, "resident", None);
+        return Ok(());
+    }
+    a.rpc.configure_link()?;
+    let mut launch = a.stream.launch(&a.model, Positions::Fixed(a.ctx), &board, &a.rpc.rpc);
+    launch.batch = Batch::Fixed(batch);
+    let lossy = launch.lossy;
+    let lossless = if !lossy.is_exact() {
+        noteln!("the lossless run first, to compare the lossy one with:");
+        let exact = Launch { lossy: sluice::lossy::Lossy::default(), ..launch.clone() };
+        Some(streamed(&exact, &text, n_ctx, chunks, None, &board, &progress)?)
+    } else {
+        None
+    };
+    let trace = a.trace.as_deref().map(|p| (p, a.trace_tokens.min(a.ctx) as usize));
+    let (windows, scores, how) = streamed(&launch, &text, n_ctx, chunks, trace, &board, &progress)?;
+    report(&windows, &scores, &how, lossless.as_ref().map(|(_, s, _)| s));
+    Ok(())
+}
+
+/// Scores the text streamed through `launch`; with `trace`, first records that many
+/// teacher-forced single-token decodes' routes into the file.
+fn streamed<P: FnMut(usize, f64)>(
+    launch: &Launch,
+    text: &str,
+    n_ctx: usize,
+    chunks: Option<usize>,
+    trace: Option<(&Path, usize)>,
+    board: &ResolvedBoard,
+    progress: &impl Fn(usize) -> P,
+) -> Result<(Windows, Scores, String)> {
+    let loaded = launch.load(&mut |step| log::debug!("{step}"))?;
+    let (mut session, _) = loaded.open()?;
+    let windows = Windows::of_text(session.model(), text, n_ctx, chunks)?;
+    if let Some((path, n)) = trace {
+        let first = windows.window(0);
+        session.streamer().start_trace();
+        session.score_continuation(&first[..1], &first[1..n], |_, _| {})?;
+        let name = launch.model.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        session.streamer().route_trace(name).save(path)?;
+        noteln!("routes of {} single-token decodes written to {}", n - 1, path.display());
+    }
+    let scores = windows.score(|w, on| session.evaluate_window(w, on).map(drop), progress(windows.chunks()))?;
+    let how = format!(
+        "streamed, expert cache {} MiB, board {}{}",
+        loaded.cache_bytes() >> 20,
+        board.selected.id,
+        if launch.lossy.is_exact() {
+            String::new()
+        } else {
+            format!(", LOSSY {}", launch.lossy.describe(loaded.index.n_expert_used))
+        }
+    );
+    Ok((windows, scores, how))
+}
+
+/// Prints the run's figures; the last line is `perplexity: FIGURE`.
+fn report(windows: &Windows, scores: &Scores, how: &str, lossless: Option<&Scores>) {
+    outln!("run: {how}");
+    outln!(
+        "windows: {} of {} tokens ({} of the text's {} tokens), {} tokens scored",
+        windows.chunks(),
+        windows.n_ctx(),
+        windows.chunks() * windows.n_ctx(),
+        windows.text_tokens(),
+        scores.count()
+    );
+    if let Some(exact) = lossless {
+        outln!("lossless perplexity: {:.4}", exact.perplexity());
+        outln!("lossy / lossless: {:.3}x", scores.perplexity() / exact.perplexity());
+        if let Ok(agree) = scores.top1_agreement(exact) {
+            outln!("top-1 agreement with the lossless run: {:.1}%", agree * 100.0);
+        }
+    }
+    outln!("perplexity: {:.4}", scores.perplexity());
+}
