@@ -48,7 +48,11 @@ QEMU_SAMPLE := --test ext --test thread_waits --test mapping_faults --test scale
 QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 	--test cold_load --test boards --test pinning
 
-.PHONY: help deps vendor build demo test aarch64 deb lint bench cuda-check clean
+# The KJV MoE models trained here (trainer/): the trainer's Python packages live in TRAINER_VENV;
+# each model is trained once per machine into sluice's cache directory.
+TRAINER_VENV := $(CURDIR)/target/trainer-venv
+
+.PHONY: help deps vendor build demo test aarch64 deb lint bench cuda-check clean trained-model trained-model-small
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
@@ -70,7 +74,9 @@ BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
 
 help:
-	@echo "make demo     synthesize a small random-weight MoE model and run it"
+	@echo "make demo     run the trained KJV MoE model (the full one if trained, else the small one)"
+	@echo "make trained-model        train the full KJV MoE model once (about 45 min); prints its path"
+	@echo "make trained-model-small  the same recipe at CI's size (about 4 min)"
 	@echo "make test     build and run the whole test suite"
 	@echo "make aarch64  cross-build for $(AARCH64) and run a sample of the tests under qemu-aarch64"
 	@echo "make deb      Debian packages for amd64 and arm64 (release builds) in $(DEB_DIR)"
@@ -87,8 +93,18 @@ vendor: deps
 build: vendor
 	$(CARGO) build --workspace --bins
 
+# The full trained model when it has been made, else the small one (trained on first use).
 demo: build
-	$(CARGO) run --quiet --bin sluice -- demo
+	@model=$$(trainer/make-model --cached full) || { \
+		echo "make demo: using the small trained model; make trained-model trains the full one (about 45 minutes)"; \
+		model=$$(trainer/make-model small | tail -1); }; \
+	$(CARGO) run --quiet --bin sluice -- demo --model "$$model"
+
+trained-model: build
+	@trainer/make-model full
+
+trained-model-small: build
+	@trainer/make-model small
 
 # The package test checks an amd64 package made from the test build's binary (cargo-deb warns
 # that it is not a release build: `make deb` makes those; the files, units and scripts are the
@@ -98,6 +114,8 @@ test: build
 	@scripts/ensure-deps $(CHECK_DEBS) || echo "make test: without $(CHECK_DEBS) the status page and lintian checks are skipped"
 	@scripts/ensure-cargo-deb $(CARGO_DEB_VERSION)
 	$(CARGO) deb -p sluice --no-build --profile dev --strip --quiet -o $(DEB_DIR)/test/
+	trained=$$(trainer/make-model small | tail -1); \
+	export SLUICE_TRAINED_MODEL=$$trained SLUICE_TRAINER_PYTHON=$(TRAINER_VENV)/bin/python; \
 	status=0; \
 	SLUICE_DEB=$$(ls $(CURDIR)/$(DEB_DIR)/test/sluice_*_amd64.deb) $(OPENAI_ENV) \
 		$(CARGO) test --workspace --exclude sluice-tests --no-fail-fast || status=1; \

@@ -28,6 +28,9 @@ pub fn demo_spec() -> SynthSpec {
     }
 }
 
+/// The prompt the demo gives the trained KJV model (`sluice demo --model`).
+pub const TRAINED_PROMPT: &str = "And it came to pass, when the king heard";
+
 /// The prompt the demo runs.
 pub const DEMO_PROMPT: &str = "The board reads each expert from storage when a token needs it.";
 

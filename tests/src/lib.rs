@@ -36,10 +36,14 @@ pub enum Fixture {
     GptOss,
     /// bf16 matrices (through llama_model_quantize).
     Bf16,
+    /// The small KJV model trained by `trainer/make-model small` (Q8_0): a trained router, real
+    /// language. Its path comes from `SLUICE_TRAINED_MODEL` (`make test` trains it, once per
+    /// machine, and sets it); it has no synth parameters.
+    Trained,
 }
 
 impl Fixture {
-    /// Every variant.
+    /// Every synthesized variant.
     pub const ALL: [Fixture; 12] = [
         Fixture::F32,
         Fixture::F16,
@@ -55,7 +59,7 @@ impl Fixture {
         Fixture::Bf16,
     ];
 
-    /// The synth parameters of this variant.
+    /// The synth parameters of this variant (the trained model has none: it panics).
     pub fn spec(self) -> SynthSpec {
         let base = SynthSpec { seed: 7, ..SynthSpec::default() };
         match self {
@@ -79,6 +83,7 @@ impl Fixture {
                 ..base
             },
             Fixture::GptOss => SynthSpec { arch: SynthArch::GptOss, out_type: OutputType::Mxfp4Moe, ..base },
+            Fixture::Trained => panic!("the trained fixture is made by trainer/make-model, not synthesized"),
         }
     }
 
@@ -93,6 +98,12 @@ impl Fixture {
 
     /// Writes the fixture into `dir` and returns every file, the model's entry file first.
     pub fn write(self, dir: &Path) -> Vec<PathBuf> {
+        if self == Fixture::Trained {
+            let from = trained_model().expect("SLUICE_TRAINED_MODEL names the trained model");
+            let to = dir.join(self.file_name());
+            std::fs::copy(&from, &to).unwrap_or_else(|e| panic!("copying {}: {e}", from.display()));
+            return vec![to];
+        }
         let out = synth::synthesize(&self.spec(), &dir.join(self.file_name()), 2)
             .unwrap_or_else(|e| panic!("synthesizing fixture {self:?}: {e}"));
         out.files
@@ -133,10 +144,17 @@ pub fn emulated() -> bool {
     std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty())
 }
 
+/// The trained model `SLUICE_TRAINED_MODEL` names (`make test` sets it), if any.
+pub fn trained_model() -> Option<PathBuf> {
+    std::env::var_os("SLUICE_TRAINED_MODEL").filter(|p| !p.is_empty()).map(PathBuf::from)
+}
+
 /// The fixtures the streaming gates run on: `SLUICE_GATE_FIXTURES` (comma-separated lowercase
-/// names, e.g. `f32,q8_0`) narrows them, as `make aarch64` does under emulation.
+/// names, e.g. `f32,q8_0`) narrows them, as `make aarch64` does under emulation. The trained
+/// model is one of them where `SLUICE_TRAINED_MODEL` names it (`make test` does; a plain `cargo
+/// test` says it runs without).
 pub fn gate_fixtures() -> Vec<Fixture> {
-    let all = [
+    let mut all = vec![
         Fixture::F32,
         Fixture::Q8_0,
         Fixture::Q4KM,
@@ -148,12 +166,17 @@ pub fn gate_fixtures() -> Vec<Fixture> {
         Fixture::GptOss,
         Fixture::Bf16,
     ];
+    if trained_model().is_some() {
+        all.push(Fixture::Trained);
+    } else {
+        eprintln!("gate fixtures: SLUICE_TRAINED_MODEL is not set, so the trained model is left out (make test sets it)");
+    }
     match std::env::var("SLUICE_GATE_FIXTURES") {
         Ok(list) if !list.trim().is_empty() => {
             let wanted: Vec<String> = list.split(',').map(|s| s.trim().to_lowercase()).collect();
             all.into_iter().filter(|f| wanted.contains(&format!("{f:?}").to_lowercase())).collect()
         }
-        _ => all.to_vec(),
+        _ => all,
     }
 }
 

@@ -44,6 +44,10 @@ pub struct RunArgs {
 /// `sluice demo` arguments.
 #[derive(Args)]
 pub struct DemoArgs {
+    /// Run this model instead of the synthetic one, from an English prompt (`make demo` passes
+    /// the KJV model trained by `trainer/make-model`).
+    #[arg(short, long)]
+    model: Option<PathBuf>,
     /// Tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 48, value_parser = clap::value_parser!(u32).range(1..))]
     n_predict: u32,
@@ -295,21 +299,32 @@ fn slot_line(slots: &sluice::stream::SlotUse) -> String {
 
 /// Runs `sluice demo`.
 pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
-    let dir = sluice::dirs::cache_dir();
-    let (path, created) = demo::ensure_demo_model(&dir, sluice_hal::cpu::default_threads())?;
+    let (path, prompt) = match &a.model {
+        Some(path) => {
+            sluice::metadata::check_model_file(path)?;
+            let size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+            noteln!("sluice demo: the trained model at {} ({:.1} MiB)", path.display(), mib(size));
+            (path.clone(), demo::TRAINED_PROMPT)
+        }
+        None => {
+            let dir = sluice::dirs::cache_dir();
+            let (path, created) = demo::ensure_demo_model(&dir, sluice_hal::cpu::default_threads())?;
+            let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
+            noteln!(
+                "sluice demo: {} synthetic MoE model at {} ({:.1} MiB{})",
+                demo::demo_spec().arch.name(),
+                path.display(),
+                mib(size),
+                if created { ", generated just now" } else { ", from the cache" }
+            );
+            noteln!(
+                "The weights are random: the words below are drawn from its vocabulary, not language. It shows the model loading and generating."
+            );
+            (path, demo::DEMO_PROMPT)
+        }
+    };
     let board = args::board(choice, Some(&path), &a.tuning)?;
-    let size = std::fs::metadata(&path).map(|m| m.len()).unwrap_or(0);
-    noteln!(
-        "sluice demo: {} synthetic MoE model at {} ({:.1} MiB{})",
-        demo::demo_spec().arch.name(),
-        path.display(),
-        mib(size),
-        if created { ", generated just now" } else { ", from the cache" }
-    );
-    noteln!(
-        "The weights are random: the words below are drawn from its vocabulary, not language. It shows the model loading and generating."
-    );
-    noteln!("prompt: {:?} (streaming the routed experts from the file, no cache)", demo::DEMO_PROMPT);
+    noteln!("prompt: {prompt:?} (streaming the routed experts from the file, no cache)");
     let params = GenerateParams {
         n_predict: a.n_predict,
         threads: board.threads(),
@@ -326,5 +341,5 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         progress: false,
         lossy: Default::default(),
     };
-    run_streamed(&path, demo::DEMO_PROMPT, &params, &args, &RpcArgs::default(), &board)
+    run_streamed(&path, prompt, &params, &args, &RpcArgs::default(), &board)
 }

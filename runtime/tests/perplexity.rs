@@ -1,0 +1,143 @@
+//! `sluice perplexity` as a user runs it: the figure equals one computed independently from the
+//! model's logits, streamed equals resident exactly (on a synthetic model, and on the trained
+//! KJV model where `SLUICE_TRAINED_MODEL` names it), a lossy knob reports its cost, and a
+//! missing, empty or non-UTF-8 text is a clear error.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+mod common;
+use common::sluice_command;
+
+use sluice::generate::{self, ContextShape, GenerateError, Session};
+
+fn sluice(args: &[&str], cache: &Path) -> Output {
+    sluice_command().args(args).env("SLUICE_CACHE_DIR", cache).output().expect("run sluice")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// The figure on the last line of a successful run's output (`perplexity: X`).
+fn figure(o: &Output) -> f64 {
+    assert!(o.status.success(), "sluice perplexity failed: {}", stderr(o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    let last = out.lines().last().unwrap_or_default();
+    let value = last.strip_prefix("perplexity: ").unwrap_or_else(|| panic!("last line {last:?} of {out}"));
+    value.parse().unwrap_or_else(|e| panic!("{value:?}: {e}"))
+}
+
+/// A synthetic qwen3moe model (byte tokens: a character is about a token) and a text for it.
+fn model_and_text(dir: &Path) -> (PathBuf, PathBuf) {
+    let model = dir.join("m.gguf");
+    let o = sluice(&["synth", "--out", model.to_str().unwrap(), "--type", "f32"], dir);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "In the beginning was the word, and the word was with the board. ".repeat(4)).unwrap();
+    (model, text)
+}
+
+/// `-log softmax(logits)[t]`, all in f64 (written apart from the runtime's own).
+fn nll(logits: &[f32], t: i32) -> f64 {
+    let max = logits.iter().map(|&l| f64::from(l)).fold(f64::NEG_INFINITY, f64::max);
+    let z: f64 = logits.iter().map(|&l| (f64::from(l) - max).exp()).sum();
+    z.ln() + max - f64::from(logits[t as usize])
+}
+
+#[test]
+fn the_figure_equals_the_mean_nll_of_the_second_half_of_each_window() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model_path, text_path) = model_and_text(dir.path());
+    let n_ctx = 32usize;
+    let args = ["perplexity", "-m", model_path.to_str().unwrap(), "-f", text_path.to_str().unwrap(), "--ctx", "32"];
+    let resident = figure(&sluice(&[&args[..], &["--resident"]].concat(), dir.path()));
+
+    // Independently: each window teacher-forced one token at a time from its first half (the
+    // other kernels of single-token decodes), its second half scored against the text.
+    let model = generate::load_model(&model_path).unwrap();
+    let text = std::fs::read_to_string(&text_path).unwrap();
+    let tokens = model.tokenize(&text, true).unwrap();
+    let bos = tokens[0];
+    let mut session = Session::new(&model, ContextShape::one(n_ctx as u32), &ggml_sys::Threads::unpinned(2), None).unwrap();
+    let (mut sum, mut count) = (0.0, 0usize);
+    for w in tokens.chunks_exact(n_ctx) {
+        let mut window = w.to_vec();
+        window[0] = bos;
+        let first = n_ctx / 2;
+        let (prompt, rest) = window.split_at(first + 1);
+        session
+            .score_continuation(prompt, rest, |i, logits| {
+                sum += nll(logits, rest[i]);
+                count += 1;
+            }, &mut |_| Ok::<(), GenerateError>(()))
+            .unwrap();
+    }
+    assert_eq!(count, tokens.len() / n_ctx * (n_ctx - 1 - n_ctx / 2));
+    let independent = (sum / count as f64).exp();
+    let rel = (resident - independent).abs() / independent;
+    assert!(rel < 1e-3, "sluice perplexity {resident}, computed from the logits {independent}");
+    assert!(resident > 1.0);
+}
+
+#[test]
+fn streamed_equals_resident_exactly_and_a_lossy_knob_reports_its_cost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, text) = model_and_text(dir.path());
+    let args = ["perplexity", "-m", model.to_str().unwrap(), "-f", text.to_str().unwrap(), "--ctx", "32"];
+    let resident = figure(&sluice(&[&args[..], &["--resident"]].concat(), dir.path()));
+    for cache in ["0", "1", "1024"] {
+        let streamed = figure(&sluice(&[&args[..], &["--cache-mb", cache, "--force-cache"]].concat(), dir.path()));
+        assert_eq!(streamed.to_bits(), resident.to_bits(), "cache {cache} MiB: streamed {streamed}, resident {resident}");
+    }
+    let lossy = sluice(&[&args[..], &["--experts-used", "1"]].concat(), dir.path());
+    let out = String::from_utf8_lossy(&lossy.stdout).into_owned();
+    assert!(out.contains(&format!("lossless perplexity: {resident:.4}")), "{out}");
+    assert!(out.contains("lossy / lossless: ") && out.contains("top-1 agreement with the lossless run: "), "{out}");
+    assert_ne!(figure(&lossy).to_bits(), resident.to_bits(), "one expert of several changed nothing: {out}");
+}
+
+#[test]
+fn the_trained_model_streams_its_perplexity_exactly_and_records_its_routes() {
+    let Some(model) = std::env::var_os("SLUICE_TRAINED_MODEL").filter(|p| !p.is_empty()) else {
+        eprintln!("SLUICE_TRAINED_MODEL is not set (make test sets it): skipped");
+        return;
+    };
+    let model = PathBuf::from(model);
+    let text = model.with_file_name("held-out.txt");
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("routes.sluice-trace");
+    let args = ["perplexity", "-m", model.to_str().unwrap(), "-f", text.to_str().unwrap(), "--ctx", "128", "--chunks", "8"];
+    let resident = figure(&sluice(&[&args[..], &["--resident"]].concat(), dir.path()));
+    let streamed = figure(&sluice(&[&args[..], &["--cache-mb", "1", "--trace", trace.to_str().unwrap()]].concat(), dir.path()));
+    assert_eq!(streamed.to_bits(), resident.to_bits(), "streamed {streamed}, resident {resident}");
+    // Language, not noise: far below the vocabulary's size (1024) and the unigram model (~300).
+    assert!(resident < 100.0, "the trained model's held-out perplexity is {resident}");
+    let replay = sluice(&["replay", "--trace", trace.to_str().unwrap(), "--cache-mb", "1"], dir.path());
+    assert!(replay.status.success(), "{}", stderr(&replay));
+    assert!(String::from_utf8_lossy(&replay.stdout).contains("belady-min"));
+}
+
+#[test]
+fn a_missing_empty_or_non_utf8_text_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (model, _) = model_and_text(dir.path());
+    let m = model.to_str().unwrap();
+    let empty = dir.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    let latin1 = dir.path().join("latin1.txt");
+    std::fs::write(&latin1, b"caf\xe9 au lait".repeat(20)).unwrap();
+    let short = dir.path().join("short.txt");
+    std::fs::write(&short, "too short").unwrap();
+    let cases = [
+        ("/nonexistent/text.txt", "--file /nonexistent/text.txt: cannot read it"),
+        (empty.to_str().unwrap(), "the file is empty"),
+        (latin1.to_str().unwrap(), "not UTF-8 text (invalid bytes at offset 3)"),
+        (short.to_str().unwrap(), "needs at least 64 (two windows)"),
+    ];
+    for (file, needle) in cases {
+        let o = sluice(&["perplexity", "-m", m, "-f", file, "--ctx", "32", "--resident"], dir.path());
+        let err = stderr(&o);
+        assert!(!o.status.success() && !err.contains("panicked") && err.contains(needle), "{file}: {err}");
+    }
+}
