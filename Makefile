@@ -72,6 +72,10 @@ TRAINER_VENV := $(CURDIR)/target/trainer-venv
 # BENCH_DIR/<routing>-<speed>/.
 BENCH_DIR ?= target/bench
 BENCH_BUDGET_MB ?= 512
+# The trained KJV model's rows (its own router making the routes): a cgroup small enough that
+# the automatic expert cache holds at most a quarter of its experts, a prompt from its held-out
+# chapters, the lossy rows' perplexity on them (at the disk's speed).
+TRAINED_BUDGET_MB ?= 64
 
 help:
 	@echo "make demo     run the trained KJV MoE model (the full one if trained, else the small one)"
@@ -157,6 +161,17 @@ bench: vendor
 			--budget-mb $(BENCH_BUDGET_MB) -n $$n --prompt-tokens 512 $$t $$w \
 			--experts-used 2 --substitute 4 --rpc --verify --trace $$c --out $(BENCH_DIR)/$$r-$$s || exit 1; \
 	done; done
+	@model=$$(SLUICE=target/release/sluice trainer/make-model full | tail -1); \
+	held=$$(dirname $$model)/held-out.txt; \
+	for s in disk sd nvme-gen2; do \
+		t=$$(case $$s in sd) echo "--storage-mbps sd --pace-mbps 85";; \
+			nvme-gen2) echo "--storage-mbps nvme-gen2 --pace-mbps 400";; esac); \
+		p=$$(test $$s = disk && echo "--perplexity-file $$held --perplexity-chunks 60" || true); \
+		echo "== the trained KJV model, $$s"; \
+		target/release/sluice bench --model $$model --budget-mb $(TRAINED_BUDGET_MB) -n 32 \
+			--prompt "$$(head -c 1200 $$held)" --prompt-tokens 200 $$t \
+			--experts-used 2 --substitute 4 --trace $$p --out $(BENCH_DIR)/trained-$$s || exit 1; \
+	done
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.
 cuda-check: vendor

@@ -33,8 +33,8 @@ PRESETS = {
     ),
     "small": dict(
         cfg=Config(vocab=1024, embd=128, layers=4, heads=4, kv_heads=2, head_dim=32,
-                   experts=16, experts_used=4, expert_ff=64, ctx=128),
-        batch=16, steps=400, lr=4e-3,
+                   experts=16, experts_used=4, expert_ff=64, ctx=256),
+        batch=8, steps=400, lr=4e-3,
     ),
 }
 # Tokens an expert computes per batch, as a multiple of its even share. The routers start

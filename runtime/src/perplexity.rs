@@ -238,11 +238,14 @@ mod tests {
         // Scored: positions 2 of each window (predicting tokens 13 and 17): n_ctx - 1 - n_ctx/2.
         assert_eq!(scores.count(), 2);
         assert_eq!(scores.top1, vec![13, 17]);
-        let one = negative_log_likelihood(&{
-            let mut l = vec![0.0f32; 32];
-            l[13] = 10.0;
-            l
-        }, 13);
+        let one = negative_log_likelihood(
+            &{
+                let mut l = vec![0.0f32; 32];
+                l[13] = 10.0;
+                l
+            },
+            13,
+        );
         assert!((scores.perplexity() - one.exp()).abs() < 1e-9);
         assert_eq!(seen.len(), 2);
     }

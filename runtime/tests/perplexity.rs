@@ -59,7 +59,8 @@ fn the_figure_equals_the_mean_nll_of_the_second_half_of_each_window() {
     let text = std::fs::read_to_string(&text_path).unwrap();
     let tokens = model.tokenize(&text, true).unwrap();
     let bos = tokens[0];
-    let mut session = Session::new(&model, ContextShape::one(n_ctx as u32), &ggml_sys::Threads::unpinned(2), None).unwrap();
+    let mut session =
+        Session::new(&model, ContextShape::one(n_ctx as u32), &ggml_sys::Threads::unpinned(2), None).unwrap();
     let (mut sum, mut count) = (0.0, 0usize);
     for w in tokens.chunks_exact(n_ctx) {
         let mut window = w.to_vec();
@@ -67,10 +68,15 @@ fn the_figure_equals_the_mean_nll_of_the_second_half_of_each_window() {
         let first = n_ctx / 2;
         let (prompt, rest) = window.split_at(first + 1);
         session
-            .score_continuation(prompt, rest, |i, logits| {
-                sum += nll(logits, rest[i]);
-                count += 1;
-            }, &mut |_| Ok::<(), GenerateError>(()))
+            .score_continuation(
+                prompt,
+                rest,
+                |i, logits| {
+                    sum += nll(logits, rest[i]);
+                    count += 1;
+                },
+                &mut |_| Ok::<(), GenerateError>(()),
+            )
             .unwrap();
     }
     assert_eq!(count, tokens.len() / n_ctx * (n_ctx - 1 - n_ctx / 2));
@@ -88,7 +94,11 @@ fn streamed_equals_resident_exactly_and_a_lossy_knob_reports_its_cost() {
     let resident = figure(&sluice(&[&args[..], &["--resident"]].concat(), dir.path()));
     for cache in ["0", "1", "1024"] {
         let streamed = figure(&sluice(&[&args[..], &["--cache-mb", cache, "--force-cache"]].concat(), dir.path()));
-        assert_eq!(streamed.to_bits(), resident.to_bits(), "cache {cache} MiB: streamed {streamed}, resident {resident}");
+        assert_eq!(
+            streamed.to_bits(),
+            resident.to_bits(),
+            "cache {cache} MiB: streamed {streamed}, resident {resident}"
+        );
     }
     let lossy = sluice(&[&args[..], &["--experts-used", "1"]].concat(), dir.path());
     let out = String::from_utf8_lossy(&lossy.stdout).into_owned();
@@ -107,9 +117,11 @@ fn the_trained_model_streams_its_perplexity_exactly_and_records_its_routes() {
     let text = model.with_file_name("held-out.txt");
     let dir = tempfile::tempdir().unwrap();
     let trace = dir.path().join("routes.sluice-trace");
-    let args = ["perplexity", "-m", model.to_str().unwrap(), "-f", text.to_str().unwrap(), "--ctx", "128", "--chunks", "8"];
+    let args =
+        ["perplexity", "-m", model.to_str().unwrap(), "-f", text.to_str().unwrap(), "--ctx", "128", "--chunks", "8"];
     let resident = figure(&sluice(&[&args[..], &["--resident"]].concat(), dir.path()));
-    let streamed = figure(&sluice(&[&args[..], &["--cache-mb", "1", "--trace", trace.to_str().unwrap()]].concat(), dir.path()));
+    let streamed =
+        figure(&sluice(&[&args[..], &["--cache-mb", "1", "--trace", trace.to_str().unwrap()]].concat(), dir.path()));
     assert_eq!(streamed.to_bits(), resident.to_bits(), "streamed {streamed}, resident {resident}");
     // Language, not noise: far below the vocabulary's size (1024) and the unigram model (~300).
     assert!(resident < 100.0, "the trained model's held-out perplexity is {resident}");

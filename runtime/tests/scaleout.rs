@@ -82,8 +82,14 @@ fn two_workers_give_the_resident_text_within_their_budgets() {
     let w1 = Worker::start(dir.path(), "w1", WORKER_MIB, None);
     let w2 = Worker::start(dir.path(), "w2", WORKER_MIB, None);
     let rpc = format!("{},{}", w1.endpoint, w2.endpoint);
-    for (name, args) in VARIANTS {
-        let model = fixture(dir.path(), name, args);
+    let mut models: Vec<(&str, PathBuf)> =
+        VARIANTS.iter().map(|(name, args)| (*name, fixture(dir.path(), name, args))).collect();
+    // The small trained KJV model (four layers), where `make test` names it.
+    match std::env::var_os("SLUICE_TRAINED_MODEL").filter(|p| !p.is_empty()) {
+        Some(trained) => models.push(("trained", PathBuf::from(trained))),
+        None => eprintln!("SLUICE_TRAINED_MODEL is not set (make test sets it): the trained model is left out"),
+    }
+    for (name, model) in models {
         let m = model.to_str().unwrap();
         let plan: Value =
             serde_json::from_str(&ok(&sluice(&["plan", "-m", m, "--ctx", "256", "--rpc", &rpc, "--json"]))).unwrap();

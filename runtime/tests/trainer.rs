@@ -34,7 +34,12 @@ fn the_same_seed_trains_the_same_bytes_and_the_model_runs_resident() {
     let a = train(&python, "5", &dir.path().join("a"));
     let b = train(&python, "5", &dir.path().join("b"));
     let (a_bytes, b_bytes) = (std::fs::read(&a).unwrap(), std::fs::read(&b).unwrap());
-    assert!(a_bytes == b_bytes, "two runs of seed 5 wrote different models ({} and {} bytes)", a_bytes.len(), b_bytes.len());
+    assert!(
+        a_bytes == b_bytes,
+        "two runs of seed 5 wrote different models ({} and {} bytes)",
+        a_bytes.len(),
+        b_bytes.len()
+    );
     for f in ["held-out.txt", "baselines.json"] {
         assert_eq!(std::fs::read(a.with_file_name(f)).unwrap(), std::fs::read(b.with_file_name(f)).unwrap(), "{f}");
     }

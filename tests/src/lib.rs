@@ -169,7 +169,9 @@ pub fn gate_fixtures() -> Vec<Fixture> {
     if trained_model().is_some() {
         all.push(Fixture::Trained);
     } else {
-        eprintln!("gate fixtures: SLUICE_TRAINED_MODEL is not set, so the trained model is left out (make test sets it)");
+        eprintln!(
+            "gate fixtures: SLUICE_TRAINED_MODEL is not set, so the trained model is left out (make test sets it)"
+        );
     }
     match std::env::var("SLUICE_GATE_FIXTURES") {
         Ok(list) if !list.trim().is_empty() => {

@@ -72,6 +72,18 @@ pub struct BenchArgs {
     /// services on a board would (the compute threads and lanes then lose their cores at times).
     #[arg(long, default_value_t = 0, requires = "budget_mb", value_parser = clap::value_parser!(u32).range(0..=64))]
     competing: u32,
+    /// With --budget-mb: also measure the perplexity of this text (`sluice perplexity`'s
+    /// definition), streamed with the automatic cache row's cache, exact and in each lossy mode
+    /// given, each with its ratio to the exact figure and its top-1 agreement (printed, and written
+    /// to perplexity.csv): what a lossy knob costs in language, on a trained model.
+    #[arg(long, value_name = "FILE", requires = "budget_mb")]
+    perplexity_file: Option<PathBuf>,
+    /// Tokens per perplexity window.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(4..))]
+    perplexity_ctx: u32,
+    /// Perplexity windows scored at most (default: all of the file's).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    perplexity_chunks: Option<u32>,
     /// With --budget-mb: where to write bench.csv, bench.svg and the trace.
     #[arg(long, default_value = ".")]
     out: PathBuf,
@@ -211,6 +223,11 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     if let Some(path) = &plan.trace {
         write_replay(path, &a.out)?;
     }
+    if let Some(file) = &a.perplexity_file {
+        let cache = report.rows.iter().filter(|r| r.lossy_quality.is_some()).find_map(|r| r.cache_bytes);
+        let cache = cache.or_else(|| report.rows.iter().filter_map(|r| r.cache_bytes).max()).unwrap_or(0);
+        write_perplexity(a, &model, file, &board, cache)?;
+    }
     if !report.sweep.is_empty() {
         outln!(
             "read sweep (O_DIRECT from a cold cache), MiB/s:\n{}",
@@ -284,6 +301,43 @@ fn write_replay(path: &std::path::Path, out: &std::path::Path) -> Result<()> {
     );
     let csv = out.join("replay.csv");
     std::fs::write(&csv, sluice::replay::csv(&outcomes)).with_context(|| format!("writing {}", csv.display()))
+}
+
+/// Measures the perplexity of `file`, exact and in each lossy mode `a` gives, with an expert
+/// cache of `cache` bytes; prints the table and writes `a.out`/perplexity.csv.
+fn write_perplexity(
+    a: &BenchArgs,
+    model: &std::path::Path,
+    file: &std::path::Path,
+    board: &sluice::board::ResolvedBoard,
+    cache: u64,
+) -> Result<()> {
+    let lossy = a.lossy.lossy();
+    let modes: Vec<sluice::lossy::Lossy> = [
+        lossy.experts_used.map(|k| sluice::lossy::Lossy { experts_used: Some(k), substitute: None }),
+        lossy.substitute.map(|n| sluice::lossy::Lossy { experts_used: None, substitute: Some(n) }),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    noteln!("perplexity of {} (windows of {}, cache {:.1} MiB)...", file.display(), a.perplexity_ctx, mib(cache));
+    let costs =
+        super::perplexity::lossy_costs(model, file, a.perplexity_ctx, a.perplexity_chunks, board, cache, &modes)?;
+    let mut w = csv::Writer::from_writer(Vec::new());
+    w.write_record(["mode", "perplexity", "ratio", "top1_agreement"])?;
+    outln!("perplexity of {} (windows of {} tokens):", file.display(), a.perplexity_ctx);
+    for c in &costs {
+        outln!("  {:<48} {:>9.3}  {:.3}x  top-1 {:.1}%", c.mode, c.perplexity, c.ratio, c.top1 * 100.0);
+        w.write_record([
+            c.mode.clone(),
+            format!("{:.4}", c.perplexity),
+            format!("{:.4}", c.ratio),
+            format!("{:.4}", c.top1),
+        ])?;
+    }
+    let path = a.out.join("perplexity.csv");
+    let bytes = w.into_inner().context("writing the perplexity CSV")?;
+    std::fs::write(&path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
 /// The arguments every child gets: the model, the prompt, the tokens, the tuning flags and the

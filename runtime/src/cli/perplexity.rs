@@ -143,6 +143,61 @@ fn streamed<P: FnMut(usize, f64)>(
     Ok((windows, scores, how))
 }
 
+/// One mode's perplexity on a text, and its cost against the exact run's.
+pub struct ModeCost {
+    /// The mode: `exact`, or the lossy setting's description.
+    pub mode: String,
+    /// Its perplexity.
+    pub perplexity: f64,
+    /// Its perplexity over the exact run's.
+    pub ratio: f64,
+    /// The share of scored positions (0 to 1) where its first choice is the exact run's.
+    pub top1: f64,
+}
+
+/// The exact streamed perplexity of `file` (windows of `ctx`, at most `chunks`) on `board` with
+/// an expert cache of `cache_bytes` (the cache a lossy substitution draws on), then each lossy
+/// mode of `modes` with its cost: `sluice bench --perplexity-file`.
+pub fn lossy_costs(
+    model: &Path,
+    file: &Path,
+    ctx: u32,
+    chunks: Option<u32>,
+    board: &ResolvedBoard,
+    cache_bytes: u64,
+    modes: &[sluice::lossy::Lossy],
+) -> Result<Vec<ModeCost>> {
+    let text = read_text(file)?;
+    let launch = Launch {
+        model: model.to_path_buf(),
+        board: board.clone(),
+        positions: Positions::Fixed(ctx),
+        slots: 1,
+        batch: Batch::Fixed(Batch::FromBudget.first().min(ctx)),
+        cache: sluice::launch::Cache::Fixed(cache_bytes),
+        force_cache: true,
+        dense: sluice::stream::DensePolicy::Anon,
+        lossy: sluice::lossy::Lossy::default(),
+        rpc: Vec::new(),
+        kept_bytes: 0,
+    };
+    let quiet = |_: usize| |_: usize, _: f64| {};
+    let chunks = chunks.map(|c| c as usize);
+    let (_, exact, _) = streamed(&launch, &text, ctx as usize, chunks, None, board, &quiet)?;
+    let mut costs = vec![ModeCost { mode: "exact".into(), perplexity: exact.perplexity(), ratio: 1.0, top1: 1.0 }];
+    for &lossy in modes {
+        let run = Launch { lossy, ..launch.clone() };
+        let (_, scores, how) = streamed(&run, &text, ctx as usize, chunks, None, board, &quiet)?;
+        costs.push(ModeCost {
+            mode: how.rsplit("LOSSY ").next().unwrap_or(&how).to_string(),
+            perplexity: scores.perplexity(),
+            ratio: scores.perplexity() / exact.perplexity(),
+            top1: scores.top1_agreement(&exact)?,
+        });
+    }
+    Ok(costs)
+}
+
 /// Prints the run's figures; the last line is `perplexity: FIGURE`.
 fn report(windows: &Windows, scores: &Scores, how: &str, lossless: Option<&Scores>) {
     outln!("run: {how}");
