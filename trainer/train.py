@@ -149,9 +149,12 @@ def main():
 
     flat, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(params))
     np.savez(a.out / "params.npz", **{jax.tree_util.keystr(k): v for k, v in flat})
+    # Written under a temporary name, then renamed: a model-f32.gguf is always a whole one.
     path = a.out / "model-f32.gguf"
-    export.write(path, cfg, jax.device_get(params), tokenizer.vocabulary(tok),
+    partial = a.out / "model-f32.gguf.partial"
+    export.write(partial, cfg, jax.device_get(params), tokenizer.vocabulary(tok),
                  f"sluice KJV MoE ({a.preset}, seed {a.seed})")
+    partial.rename(path)
     log(f"trained in {time.monotonic() - started:.0f} s")
     print(path)
 
