@@ -29,7 +29,7 @@ PRESETS = {
     "full": dict(
         cfg=Config(vocab=4096, embd=256, layers=8, heads=4, kv_heads=2, head_dim=64,
                    experts=32, experts_used=4, expert_ff=128, ctx=256),
-        batch=16, steps=700, lr=3e-3,
+        batch=16, steps=640, lr=3e-3,
     ),
     "small": dict(
         cfg=Config(vocab=1024, embd=128, layers=4, heads=4, kv_heads=2, head_dim=32,
@@ -151,10 +151,10 @@ def main():
     np.savez(a.out / "params.npz", **{jax.tree_util.keystr(k): v for k, v in flat})
     # Written under a temporary name, then renamed: a model-f32.gguf is always a whole one.
     path = a.out / "model-f32.gguf"
-    partial = a.out / "model-f32.gguf.partial"
-    export.write(partial, cfg, jax.device_get(params), tokenizer.vocabulary(tok),
+    unfinished = a.out / "model-f32.gguf.partial"
+    export.write(unfinished, cfg, jax.device_get(params), tokenizer.vocabulary(tok),
                  f"sluice KJV MoE ({a.preset}, seed {a.seed})")
-    partial.rename(path)
+    unfinished.rename(path)
     log(f"trained in {time.monotonic() - started:.0f} s")
     print(path)
 

@@ -6,6 +6,10 @@
 //! from position `n_ctx / 2 + 1` to the window's end, given the tokens before it in its window.
 //! The perplexity is `exp` of their mean.
 //!
+//! A window is computed as one prompt (llama.cpp's way), or, for what acts only on single-token
+//! decodes (the lossy substitution), its first half as a prompt and the rest a token at a time,
+//! as generation computes; the two agree to rounding.
+//!
 //! Besides the figure, a run keeps the model's first choice (arg-max) at every scored position,
 //! so that two runs of the same text (a lossy knob against the lossless run) can say how often
 //! they agree.
@@ -109,8 +113,9 @@ impl Windows {
         self.tokens[i * self.n_ctx + pos + 1]
     }
 
-    /// The first position of a window whose logits are scored.
-    fn first_scored(&self) -> usize {
+    /// The first position of a window whose logits are scored (`n_ctx / 2`): a window can be
+    /// computed as a prompt up to it, then a token at a time.
+    pub fn first_scored(&self) -> usize {
         self.n_ctx / 2
     }
 
