@@ -57,6 +57,14 @@ pub enum Error {
         /// Why.
         reason: String,
     },
+    /// An RPC worker and this head did not admit each other: a missing or different key.
+    #[error("the RPC worker at {endpoint} and this head refused each other: {reason}")]
+    RpcRefused {
+        /// The `host:port`.
+        endpoint: String,
+        /// Why (the key handshake's failure).
+        reason: String,
+    },
     /// The connection to an RPC worker was lost (it stopped, crashed or the link went down).
     #[error("lost the RPC worker at {endpoint}: it stopped answering (stopped, crashed, or the link went down); its layers are gone until it is back and the model is loaded again")]
     RpcLost {
@@ -215,7 +223,9 @@ impl Error {
     /// lost.
     pub fn lost_worker(&self) -> Option<&str> {
         match self {
-            Error::RpcLost { endpoint } | Error::RpcConnect { endpoint, .. } => Some(endpoint),
+            Error::RpcLost { endpoint } | Error::RpcConnect { endpoint, .. } | Error::RpcRefused { endpoint, .. } => {
+                Some(endpoint)
+            }
             _ => None,
         }
     }

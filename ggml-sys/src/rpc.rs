@@ -9,7 +9,7 @@ use std::mem::ManuallyDrop;
 use std::net::TcpStream;
 use std::os::fd::FromRawFd;
 use std::path::Path;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use llama_cpp_sys_2 as sys;
@@ -88,6 +88,9 @@ impl RpcDevice {
             Ok(()) => String::new(),
         };
         if dev.is_null() {
+            if let Some(reason) = take_refusal(endpoint) {
+                return Err(Error::RpcRefused { endpoint: endpoint.into(), reason });
+            }
             return Err(Error::RpcConnect { endpoint: endpoint.into(), reason });
         }
         Ok(RpcDevice { endpoint: endpoint.into(), c_endpoint: c, dev })
@@ -217,11 +220,29 @@ pub fn serve(
 }
 
 /// What this process does with each new connection to a worker, before ggml's handshake: the
-/// stream and the endpoint; `false` fails the connection.
-pub type ConnectHook = dyn Fn(&TcpStream, &str) -> bool + Send + Sync;
+/// stream and the endpoint; an error (why the worker or this head refused the other) fails the
+/// connection, and a failed [`RpcDevice::connect`] then reports it.
+pub type ConnectHook = dyn Fn(&TcpStream, &str) -> std::result::Result<(), String> + Send + Sync;
 
 /// The hook every new connection runs (set by [`set_client_options`]).
 static CONNECT_HOOK: RwLock<Option<Arc<ConnectHook>>> = RwLock::new(None);
+
+/// The last refusal the hook gave each endpoint, until a connect reports it.
+static REFUSALS: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+
+/// Records why the hook refused a connection to `endpoint`.
+fn record_refusal(endpoint: &str, reason: String) {
+    let mut r = REFUSALS.lock().unwrap_or_else(|e| e.into_inner());
+    r.retain(|(e, _)| e != endpoint);
+    r.push((endpoint.to_string(), reason));
+}
+
+/// Why the hook last refused a connection to `endpoint`, if it did (taken: reported once).
+fn take_refusal(endpoint: &str) -> Option<String> {
+    let mut r = REFUSALS.lock().unwrap_or_else(|e| e.into_inner());
+    let i = r.iter().position(|(e, _)| e == endpoint)?;
+    Some(r.remove(i).1)
+}
 
 unsafe extern "C" fn connect_trampoline(fd: c_int, endpoint: *const c_char, _user: *mut c_void) -> bool {
     let hook = CONNECT_HOOK.read().unwrap_or_else(|e| e.into_inner()).clone();
@@ -229,7 +250,15 @@ unsafe extern "C" fn connect_trampoline(fd: c_int, endpoint: *const c_char, _use
     // SAFETY: ggml passes the endpoint it connects to, NUL-terminated, alive for the call.
     let endpoint = unsafe { CStr::from_ptr(endpoint) }.to_string_lossy().into_owned();
     let stream = borrowed_stream(fd);
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&stream, &endpoint))).unwrap_or(false)
+    let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| hook(&stream, &endpoint)))
+        .unwrap_or_else(|_| Err("the connection hook panicked".into()));
+    match outcome {
+        Ok(()) => true,
+        Err(reason) => {
+            record_refusal(&endpoint, reason);
+            false
+        }
+    }
 }
 
 /// Sets how this process connects to RPC workers from now on: a connect that gets no answer

@@ -712,3 +712,18 @@ fn lossy_modes_are_named_in_the_summary_and_refused_where_they_cannot_apply() {
     let o = sluice(&["bench", "-m", &model, "--experts-used", "1"], dir.path());
     assert_clean_error(&o, "give --budget-mb too");
 }
+
+#[test]
+fn a_megabyte_architecture_name_is_quoted_as_an_excerpt() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut g = Gguf::parse(&std::fs::read(small_model(dir.path())).unwrap());
+    g.set("general.architecture", Value::string(&"x".repeat(1 << 20)));
+    let p = dir.path().join("big-arch.gguf");
+    std::fs::write(&p, g.write()).unwrap();
+    let m = p.to_str().unwrap();
+    for args in [&["run", "-m", m, "-p", "hi"][..], &["run", "-m", m, "-p", "hi", "--resident"], &["plan", "-m", m]] {
+        let o = sluice(args, dir.path());
+        assert_clean_error(&o, "more bytes).block_count");
+        assert!(o.stderr.len() < 1024, "{args:?}: a {}-byte message", o.stderr.len());
+    }
+}

@@ -415,11 +415,22 @@ fn silent_unlisted_and_keyless_peers_are_dropped_and_the_head_gets_in() {
         .output()
         .unwrap();
     assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stderr), w.log());
-    // Without it, the head is told what to do.
+    // Without it, the head is told the worker asks for a key, and what to give it.
     let o = sluice_command().args(["plan", "--model", model.to_str().unwrap(), "--rpc", &e]).output().unwrap();
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("cannot use the RPC worker at"), "{err}");
+    assert!(err.contains("asks for a key and this head has none") && err.contains("--rpc-key-file"), "{err}");
+    assert!(!err.contains("no RPC server answers there"), "{err}");
+    // With another key, that the keys differ.
+    let other = dir.path().join("other-key");
+    std::fs::write(&other, "fedcba9876543210fedcba9876543210\n").unwrap();
+    let o = sluice_command()
+        .args(["plan", "--model", model.to_str().unwrap(), "--rpc", &e, "--rpc-key-file", other.to_str().unwrap()])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("refused each other") && !err.contains("no RPC server answers there"), "{err}");
     assert!(w.alive());
 }
 

@@ -32,9 +32,23 @@ pub struct MetadataError {
     pub problem: String,
 }
 
+/// The most of a key an error quotes: keys come from the file (an architecture's name is part of
+/// its keys), and a file may hold megabytes there.
+const MAX_KEY_QUOTED: usize = 128;
+
 impl MetadataError {
+    /// The error about `key`; both the key and the problem (which may quote the file's values)
+    /// are capped, so a hostile file cannot make a message megabytes long.
     fn new(key: impl Into<String>, problem: impl Into<String>) -> MetadataError {
-        MetadataError { key: key.into(), problem: problem.into() }
+        let key = key.into();
+        // The architecture's part cut, the key's own name (after the last dot) kept.
+        let key = match key.rsplit_once('.') {
+            Some((arch, name)) if key.len() > MAX_KEY_QUOTED => {
+                format!("{}.{}", crate::text::excerpt(arch, MAX_KEY_QUOTED), crate::text::excerpt(name, 64))
+            }
+            _ => crate::text::excerpt(&key, MAX_KEY_QUOTED),
+        };
+        MetadataError { key, problem: crate::text::excerpt(&problem.into(), crate::text::MAX_QUOTED) }
     }
 }
 
@@ -222,6 +236,15 @@ fn check_file_now(path: &Path) -> Result<(), ModelFileError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn errors_quote_at_most_an_excerpt_of_the_file() {
+        let arch = "x".repeat(1 << 20);
+        let e = MetadataError::new(format!("{arch}.block_count"), format!("is {arch}"));
+        let text = e.to_string();
+        assert!(text.len() < 1024, "{} bytes", text.len());
+        assert!(text.contains("more bytes).block_count is"), "{text}");
+    }
 
     #[test]
     fn shown_values_are_short() {

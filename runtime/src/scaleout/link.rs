@@ -154,6 +154,19 @@ pub fn head_handshake(mut stream: &TcpStream, key: &LinkKey) -> Result<(), Hands
     Ok(())
 }
 
+/// Whether the worker at `endpoint` asks for the key handshake: a new connection on which it
+/// speaks first with the key's greeting (within [`CONNECT_TIMEOUT`]). For telling a head without
+/// `--rpc-key-file` why it could not connect.
+pub fn asks_for_key(endpoint: &str) -> bool {
+    use std::net::ToSocketAddrs as _;
+    let Some(addr) = endpoint.to_socket_addrs().ok().and_then(|mut a| a.next()) else { return false };
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, CONNECT_TIMEOUT) else { return false };
+    let mut greeting = [0u8; 16];
+    stream.set_read_timeout(Some(CONNECT_TIMEOUT)).is_ok()
+        && stream.read_exact(&mut greeting).is_ok()
+        && &greeting == MAGIC
+}
+
 /// Keepalive probes on `stream`, so a peer that vanished is noticed.
 fn keepalive(stream: &TcpStream) {
     let ka = socket2::TcpKeepalive::new().with_time(KEEPALIVE.0).with_interval(KEEPALIVE.1).with_retries(3);
@@ -213,14 +226,16 @@ pub fn configure_head(key: Option<LinkKey>) {
     let hook: Arc<ggml_sys::ConnectHook> = Arc::new(move |stream: &TcpStream, endpoint: &str| {
         keepalive(stream);
         match &key {
-            None => true,
-            Some(key) => match head_handshake(stream, key) {
-                Ok(()) => true,
-                Err(e) => {
-                    log::error!("RPC worker {endpoint}: {e}");
-                    false
+            None => Ok(()),
+            Some(key) => head_handshake(stream, key).map_err(|e| {
+                log::error!("RPC worker {endpoint}: {e}");
+                match e {
+                    HandshakeError::Io(_) => format!(
+                        "the key handshake failed ({e}): the worker closed the connection, which it does for a head whose proof is wrong (another --key-file) or not in its --allow"
+                    ),
+                    e => e.to_string(),
                 }
-            },
+            }),
         }
     });
     ggml_sys::rpc_client_options(CONNECT_TIMEOUT, CALL_TIMEOUT, Some(hook));

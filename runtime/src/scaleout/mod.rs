@@ -92,7 +92,17 @@ pub fn connect(endpoints: &[String]) -> Result<Vec<Worker>, ScaleError> {
     endpoints
         .iter()
         .map(|e| {
-            let device = RpcDevice::connect(e)?;
+            let device = RpcDevice::connect(e).map_err(|err| match err {
+                // A worker with a key speaks first; a head without one cannot tell that from a
+                // worker that is not there, so it asks.
+                ggml_sys::Error::RpcConnect { .. } if link::asks_for_key(e) => {
+                    ScaleError::from(ggml_sys::Error::RpcRefused {
+                        endpoint: e.clone(),
+                        reason: "the worker asks for a key and this head has none: give the head the worker's key file with --rpc-key-file".into(),
+                    })
+                }
+                err => err.into(),
+            })?;
             let (free, total) = device.memory()?;
             log::info!("RPC worker {e}: {:.1} MiB free of {:.1} MiB", mib(free), mib(total));
             Ok(Worker { device, free, total })
