@@ -23,6 +23,7 @@ mod rpc;
 mod sampler;
 mod services;
 mod shim;
+mod stdio;
 mod tensor;
 mod threadpool;
 mod types;
@@ -49,6 +50,7 @@ pub use rpc::{
 };
 pub use sampler::{GrammarKind, Sampler, SamplerParams};
 pub use services::{backends, extension_services, supports_gpu_offload, ServiceLookup, EXTENSION_SERVICES};
+pub use stdio::stdout_was_closed;
 pub use tensor::{TensorView, WeightTensor};
 pub use threadpool::{SchedPriority, Threads};
 pub use types::GgmlType;

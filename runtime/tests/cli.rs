@@ -571,6 +571,11 @@ fn output_that_cannot_be_written_fails_the_run() {
         .output()
         .unwrap();
     assert_clean_error(&o, "standard output is closed");
+    // A /dev/null opened read-write (Python's subprocess.DEVNULL, supervisors) is a legitimate
+    // place for the text, not a closed descriptor.
+    let devnull = std::fs::File::options().read(true).write(true).open("/dev/null").unwrap();
+    let o = sluice_command().args(["run", "-m", &model, "-p", "Hello", "-n", "4"]).stdout(devnull).output().unwrap();
+    assert!(o.status.success(), "a read-write /dev/null refused: {}", stderr(&o));
     // A standard error that cannot be written loses the messages, not the run.
     let o = sluice_command().args(["run", "-m", &model, "-p", "Hello", "-n", "4"]).stderr(full()).output().unwrap();
     assert!(o.status.success(), "{:?}", o.status);

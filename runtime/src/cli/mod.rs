@@ -60,7 +60,7 @@ impl TextOut {
     /// started (the text would be lost and the command would succeed).
     pub fn new() -> anyhow::Result<TextOut> {
         let stdout = std::io::stdout();
-        if was_closed(&stdout) {
+        if ggml_sys::stdout_was_closed() {
             anyhow::bail!(
                 "standard output is closed: the generated text would be lost; redirect it (`> FILE` or `> /dev/null`)"
             );
@@ -91,22 +91,6 @@ impl TextOut {
             }
         }
     }
-}
-
-/// Whether standard output was closed when the process started. Rust's runtime opens
-/// `/dev/null` read-write on a standard descriptor it finds closed; a shell's `> /dev/null`
-/// opens it write-only, so only the former is read-write.
-fn was_closed(stdout: &std::io::Stdout) -> bool {
-    use nix::fcntl::{fcntl, FcntlArg, OFlag};
-    use std::os::fd::AsFd as _;
-    let fd = stdout.as_fd();
-    let Ok(flags) = fcntl(fd, FcntlArg::F_GETFL) else { return true };
-    let read_write = OFlag::from_bits_truncate(flags) & OFlag::O_ACCMODE == OFlag::O_RDWR;
-    let dev_null = nix::sys::stat::fstat(fd).is_ok_and(|st| {
-        st.st_mode & libc::S_IFMT == libc::S_IFCHR
-            && (nix::sys::stat::major(st.st_rdev), nix::sys::stat::minor(st.st_rdev)) == (1, 3)
-    });
-    read_write && dev_null
 }
 
 pub mod args;
