@@ -288,6 +288,18 @@ fn the_responses_api_answers_streams_calls_and_continues_a_conversation() {
         "the previous response's conversation comes first: {after}"
     );
     assert_eq!(after["previous_response_id"], called["id"]);
+    // Ids are 128 random bits: no client derives another's from its own (a neighbour of an id
+    // is nothing), so none continues another's stored conversation.
+    let (a, b) = (called["id"].as_str().unwrap(), after["id"].as_str().unwrap());
+    for id in [a, b] {
+        assert!(id.len() == 5 + 32 && id[5..].bytes().all(|c| c.is_ascii_hexdigit()), "{id}");
+    }
+    let differing = a[5..].bytes().zip(b[5..].bytes()).filter(|(x, y)| x != y).count();
+    assert!(differing > 16, "consecutive ids {a} and {b} share {} of 32 digits", 32 - differing);
+    let last = u8::from_str_radix(&b[b.len() - 1..], 16).unwrap();
+    let neighbour = format!("{}{:x}", &b[..b.len() - 1], last ^ 1);
+    let r = post(json!({"model": "m", "previous_response_id": neighbour, "input": "x"}));
+    assert_api_error(&r, 404, Some("previous_response_id"), "is kept here");
 
     // The whole conversation as items does the same without the stored one.
     let items = json!([{"role": "user", "content": "Weather in Paris?"}, call, output[0]]);

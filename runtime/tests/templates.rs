@@ -92,3 +92,19 @@ fn a_request_that_drives_the_template_past_its_bounds_is_refused_and_the_server_
     assert_eq!(again.status, 200, "{}", again.body);
     assert_eq!(server.request("GET", "/health", None).json()["status"], "ready");
 }
+
+#[test]
+fn a_template_that_inflates_every_prompt_is_refused_before_tokenizing() {
+    let dir = tempfile::tempdir().unwrap();
+    // 300 KB rendered whatever the request: past what 512 positions can hold.
+    let template = "{{ ('a' * 100000) | replace('', 'bb') }}{% for m in messages %}{{ m.content }}{% endfor %}";
+    let model = model_with_template(dir.path(), "inflating", template);
+    let mut server = Server::start(dir.path(), &model, &["--ctx", "512"]);
+    server.wait_note("READY=1");
+    let r = server.request("POST", "/v1/chat/completions", Some(&chat("hello")));
+    assert_api_error(&r, 400, Some("messages"), "rendered this request into a prompt of");
+    assert_eq!(r.json()["error"]["code"], "context_length_exceeded", "{}", r.body);
+    let again = server.request("POST", "/v1/chat/completions", Some(&chat("hello again")));
+    assert_eq!(again.status, 400, "{}", again.body);
+    assert_eq!(server.request("GET", "/health", None).json()["status"], "ready");
+}

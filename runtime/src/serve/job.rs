@@ -84,6 +84,24 @@ impl PromptBound {
     }
 }
 
+impl PromptBound {
+    /// 400 `context_length_exceeded` when the chat template rendered the request into a prompt
+    /// of more than the bound's bytes: refused before the tokenizer spends seconds on it.
+    pub fn check_rendered(&self, bytes: usize) -> Result<(), ApiError> {
+        match self.bytes() {
+            Some(limit) if bytes > limit => Err(ApiError::invalid(
+                format!(
+                    "This model's maximum context length is {} tokens. However, the model's chat template rendered this request into a prompt of {bytes} bytes, which needs more than that (no token of this model stands for more than {} bytes). Please reduce the messages.",
+                    self.n_ctx, self.max_token_bytes
+                ),
+                Some("messages"),
+            )
+            .with_code("context_length_exceeded")),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// A generation's token counts, as OpenAI's `usage` reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct TokenUsage {

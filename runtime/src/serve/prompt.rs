@@ -11,7 +11,7 @@ use anyhow::Result;
 use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, Model, Token};
 
 use super::error::ApiError;
-use super::job::PromptInput;
+use super::job::{PromptBound, PromptInput};
 use super::shared::{Shared, IDLE_BEAT};
 
 /// A prompt ready to generate from.
@@ -40,7 +40,7 @@ pub(super) struct ChatSetup {
 const PREPARE_STACK: usize = 64 << 20;
 
 /// A prompt to prepare, the flag that abandons it, and where the result goes.
-type TokenizeJob = (PromptInput, Arc<AtomicBool>, Sender<Result<Prepared, ApiError>>);
+type TokenizeJob = (PromptInput, PromptBound, Arc<AtomicBool>, Sender<Result<Prepared, ApiError>>);
 
 /// Renders chat prompts and tokenizes prompts on a thread of its own, so that the engine keeps
 /// beating and notices a cancelled request or a stop while a long prompt is tokenized. A prompt
@@ -85,11 +85,14 @@ fn tokenize(model: &Model, text: &str, abandon: &AtomicBool, field: &str) -> Res
         .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some(field)))
 }
 
-/// Renders `inputs` with the model's template and tokenizes the prompt (until `abandon` is set).
+/// Renders `inputs` with the model's template and tokenizes the prompt (until `abandon` is set);
+/// a rendering over `bound` is refused before it is tokenized (a template can make a prompt far
+/// longer than the request).
 fn prepare_chat(
     model: &Model,
     templates: &ChatTemplates,
     inputs: &ChatInputs,
+    bound: PromptBound,
     abandon: &AtomicBool,
 ) -> Result<Prepared, ApiError> {
     let (prompt, parser) = templates.apply(inputs).map_err(|e| {
@@ -102,6 +105,7 @@ fn prepare_chat(
     if prompt.generic_tools {
         log::debug!("the template has no tool-call syntax: tools offered as generic JSON calls");
     }
+    bound.check_rendered(prompt.prompt.len())?;
     let tokens = tokenize(model, &prompt.prompt, abandon, "messages")?;
     let shown = prompt
         .preserved_tokens
@@ -134,14 +138,14 @@ impl Tokenizer {
                     return;
                 }
             };
-            for (prompt, abandon, reply) in rx {
+            for (prompt, bound, abandon, reply) in rx {
                 let t0 = Instant::now();
                 let prepared = match &prompt {
                     // Control tokens' text is parsed, as llama-server does: the client writes the whole prompt.
                     PromptInput::Text(t) => {
                         tokenize(&model, t, &abandon, "prompt").map(|tokens| Prepared { tokens, chat: None })
                     }
-                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, inputs, &abandon),
+                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, inputs, bound, &abandon),
                 };
                 match &prepared {
                     Ok(p) => {
@@ -175,7 +179,7 @@ impl Tokenizer {
         let (reply, prepared) = channel();
         let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
         let abandon = Arc::new(AtomicBool::new(false));
-        self.jobs.send((prompt, Arc::clone(&abandon), reply)).map_err(|_| gone())?;
+        self.jobs.send((prompt, shared.prompt_bound(), Arc::clone(&abandon), reply)).map_err(|_| gone())?;
         loop {
             match prepared.recv_timeout(IDLE_BEAT) {
                 Ok(t) => return t.map_err(TokenizeError::Invalid),

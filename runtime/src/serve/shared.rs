@@ -267,8 +267,17 @@ impl Shared {
         }
     }
 
-    /// A new response id.
-    pub(super) fn next_id(&self) -> u64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+    /// A new response id after `prefix`: 128 random bits from the OS in hex, so that no client
+    /// can derive another's id from its own (a stored response is continued by its id alone).
+    pub(super) fn new_id(&self, prefix: &str) -> String {
+        let mut bits = [0u8; 16];
+        if let Err(e) = getrandom::fill(&mut bits) {
+            // The OS's generator failing is not a reason to refuse the request: a counter keeps
+            // the ids unique (and says so).
+            log::error!("no random bits for a response id ({e}); falling back to a counter");
+            bits[..8].copy_from_slice(&self.next_id.fetch_add(1, Ordering::Relaxed).to_le_bytes());
+        }
+        let hex: String = bits.iter().map(|b| format!("{b:02x}")).collect();
+        format!("{prefix}{hex}")
     }
 }

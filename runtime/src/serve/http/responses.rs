@@ -45,7 +45,7 @@ pub(super) async fn answer(
         Ok(s) => s,
         Err(r) => return r,
     };
-    let id = format!("resp_{created:x}{:04x}", shared.next_id());
+    let id = shared.new_id("resp_");
     let builder = ResponseBuilder::new(id, created, shared.model_id.clone(), setup);
     let answer = Answering { builder, shared };
     if stream {

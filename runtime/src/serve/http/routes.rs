@@ -391,7 +391,7 @@ async fn generate(
     };
     let reply = Reply {
         kind,
-        id: format!("{}-{:x}{:04x}", kind.id_prefix(), created, shared.next_id()),
+        id: shared.new_id(&format!("{}-", kind.id_prefix())),
         created,
         model: shared.model_id.clone(),
         logprobs,
