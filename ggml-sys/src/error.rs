@@ -22,6 +22,16 @@ pub enum Error {
         /// The file.
         path: PathBuf,
     },
+    /// Reading the file's header failed: the storage, not the format.
+    #[error("{path}: reading its header failed at byte {offset}: {source} (the storage failed, not the file's format: check the disk, `dmesg`, or copy the model elsewhere)")]
+    GgufRead {
+        /// The file.
+        path: PathBuf,
+        /// The first byte whose read failed.
+        offset: u64,
+        /// The read's error.
+        source: std::io::Error,
+    },
     /// A tensor's data runs past the end of the file.
     #[error("{path}: truncated: tensor {tensor} ends at byte {end} but the file has {file_size} bytes (re-copy or re-download it)")]
     Truncated {

@@ -48,6 +48,32 @@ unsafe impl Send for GgufFile {}
 // SAFETY: see Send: all access is read-only.
 unsafe impl Sync for GgufFile {}
 
+/// How much of a file whose header ggml rejected is read again to look for an I/O error.
+const REREAD_BYTES: u64 = 64 << 20;
+
+/// The I/O error that made ggml reject `path`'s header, if reading its first bytes again fails:
+/// ggml's parser says only that it failed, which reads as a malformed file.
+fn read_failure(path: &Path) -> Option<Error> {
+    use std::os::unix::fs::FileExt as _;
+    let file = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(source) => return Some(Error::GgufRead { path: path.into(), offset: 0, source }),
+    };
+    let end = file.metadata().map_or(0, |m| m.len()).min(REREAD_BYTES);
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < end {
+        let want = buf.len().min((end - at) as usize);
+        match file.read_at(&mut buf[..want], at) {
+            Ok(0) => return None,
+            Ok(n) => at += n as u64,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(source) => return Some(Error::GgufRead { path: path.into(), offset: at, source }),
+        }
+    }
+    None
+}
+
 impl GgufFile {
     /// Parses the header of `path`. Checks that every tensor's data lies inside the file, so a
     /// truncated download is reported here, naming the first tensor that runs past the end.
@@ -60,7 +86,7 @@ impl GgufFile {
         let ctx = unsafe { crate::shim::sluice_gguf_init_from_file(c_path.as_ptr(), params) };
         crate::shim::caught("gguf_init_from_file")?;
         if ctx.is_null() {
-            return Err(Error::GgufParse { path: path.into() });
+            return Err(read_failure(path).unwrap_or(Error::GgufParse { path: path.into() }));
         }
         let file_size = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
         let mut file = GgufFile { ctx, path: path.into(), file_size, tensors: Vec::new() };

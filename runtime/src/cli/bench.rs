@@ -38,8 +38,8 @@ pub struct BenchArgs {
     /// Run each configuration (mmap-resident, streamed without cache and with the automatic cache,
     /// serial and overlapped; with n-gram drafting on, two drafting rows) and the storage ceiling
     /// in its own child process inside a memory cgroup of this many MiB: a small board's RAM.
-    /// Needs root. At least 48: the process itself and llama.cpp's buffers take about 50 MiB.
-    #[arg(long, value_parser = clap::value_parser!(u64).range(48..))]
+    /// Needs root.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(64..))]
     budget_mb: Option<u64>,
     /// With --budget-mb: throttle reads from the model's disk for every configuration (the
     /// storage ceiling included), to a board's storage speed: MB/s, a class (sd 85, emmc 250,
