@@ -128,15 +128,15 @@ pub fn board(choice: &BoardChoice, model: Option<&Path>, tuning: &TuningArgs) ->
 pub struct LossyArgs {
     /// LOSSY: route each token to K experts instead of the model's count (fewer expert reads and
     /// products per token; the run summary, /metrics and `sluice bench` show the cost). On the
-    /// trained KJV model (4 of 32 experts) 3 raise its held-out perplexity 1.010x (top-1 agreement
-    /// 92.5%), 2 1.045x (85.5%), 1 1.211x (72.6%): `sluice perplexity --experts-used K` measures
+    /// trained KJV model (4 of 32 experts) 3 raise its held-out perplexity 1.009x (top-1 agreement
+    /// 92.8%), 2 1.046x (86.0%), 1 1.212x (72.4%): `sluice perplexity --experts-used K` measures
     /// a model's own.
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
     pub experts_used: Option<u32>,
     /// LOSSY: when a token's chosen expert is not in the expert cache, run a cached expert the
     /// router ranked at most N places after the token's chosen ones instead. On the trained KJV
-    /// model with a cache of a fifth of its experts, N = 1 raises the held-out perplexity 1.012x
-    /// (top-1 agreement 95.0%), N = 4 1.186x (83.8%): `sluice perplexity --substitute N`
+    /// model with a cache of a fifth of its experts, N = 1 raises the held-out perplexity 1.004x
+    /// (top-1 agreement 96.2%), N = 4 1.192x (84.1%): `sluice perplexity --substitute N`
     /// measures a model's own.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     pub substitute: Option<u32>,

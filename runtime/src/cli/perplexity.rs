@@ -24,9 +24,9 @@ agrees to rounding); --substitute acts only there, so it implies --decode.
 With a LOSSY knob (--experts-used, --substitute) the lossless streamed run is computed too, and \
 the knob's cost is printed as the perplexity ratio (lossy / lossless) and the top-1 agreement (how \
 often both runs rank the same next token first). On the trained KJV model's held-out chapters \
-(docs/trained-model.md): --experts-used 3 of 4 costs 1.010x and agrees on 92.5% of tokens, 2 of 4 \
-1.045x and 85.5%, 1 of 4 1.211x and 72.6%; --substitute 1 with a cache of a fifth of the experts \
-1.012x and 95.0%, --substitute 4 1.186x and 83.8%.")]
+(docs/trained-model.md): --experts-used 3 of 4 costs 1.009x and agrees on 92.8% of tokens, 2 of 4 \
+1.046x and 86.0%, 1 of 4 1.212x and 72.4%; --substitute 1 with a cache of a fifth of the experts \
+1.004x and 96.2%, --substitute 4 1.192x and 84.1%.")]
 pub struct PerplexityArgs {
     /// The model: a .gguf file (for a split model, its first file).
     #[arg(short, long)]
