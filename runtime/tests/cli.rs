@@ -732,3 +732,21 @@ fn a_megabyte_architecture_name_is_quoted_as_an_excerpt() {
         assert!(o.stderr.len() < 1024, "{args:?}: a {}-byte message", o.stderr.len());
     }
 }
+
+#[test]
+fn quantize_writes_a_model_that_runs_and_refuses_what_it_cannot_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let f32_model = dir.path().join("f32.gguf");
+    let o = sluice(&["synth", "--out", f32_model.to_str().unwrap(), "--type", "f32"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let m = f32_model.to_str().unwrap();
+    let out = dir.path().join("q8.gguf");
+    let o = sluice(&["quantize", "-m", m, "-o", out.to_str().unwrap(), "--type", "q8_0"], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), out.to_str().unwrap(), "the last line is the new file");
+    assert!(!dir.path().join("q8.gguf.partial").exists());
+    let o = sluice(&["run", "-m", out.to_str().unwrap(), "-p", "hi", "-n", "4"], dir.path());
+    assert!(o.status.success(), "the quantized model does not run: {}", stderr(&o));
+    assert_clean_error(&sluice(&["quantize", "-m", m, "-o", "x.gguf", "--type", "f16"], dir.path()), "--type f16");
+    assert_clean_error(&sluice(&["quantize", "-m", m, "-o", m, "--type", "q8_0"], dir.path()), "is the --model");
+}

@@ -31,7 +31,7 @@ pub enum OutputType {
 
 impl OutputType {
     /// The quantization that produces this type, if it is a quantized one.
-    pub(super) fn quant(self) -> Option<ggml_sys::QuantType> {
+    pub fn quant(self) -> Option<ggml_sys::QuantType> {
         match self {
             OutputType::F32 | OutputType::F16 => None,
             OutputType::Q8_0 => Some(ggml_sys::QuantType::Q8_0),
