@@ -113,9 +113,8 @@ impl Windows {
         self.tokens[i * self.n_ctx + pos + 1]
     }
 
-    /// The first position of a window whose logits are scored (`n_ctx / 2`): a window can be
-    /// computed as a prompt up to it, then a token at a time.
-    pub fn first_scored(&self) -> usize {
+    /// The first position of a window whose logits are scored (`n_ctx / 2`).
+    fn first_scored(&self) -> usize {
         self.n_ctx / 2
     }
 
@@ -140,6 +139,21 @@ impl Windows {
             progress(i + 1, scores.perplexity());
         }
         Ok(scores)
+    }
+}
+
+impl Windows {
+    /// Scores the windows as [`Windows::score`] does, each computed a token at a time past its
+    /// first half, as generation computes: `eval(prompt, continuation, on_logits)` decodes the
+    /// window's first half as a prompt, then feeds the rest one token at a time, passing
+    /// `on_logits(i, logits)` the logits before `continuation[i]`.
+    pub fn score_decoded<E>(
+        &self,
+        mut eval: impl FnMut(&[Token], &[Token], &mut dyn FnMut(usize, &[f32])) -> Result<(), E>,
+        progress: impl FnMut(usize, f64),
+    ) -> Result<Scores, E> {
+        let first = self.first_scored();
+        self.score(|w, on| eval(&w[..=first], &w[first + 1..], &mut |i, l| on(first + i, l)), progress)
     }
 }
 
@@ -254,6 +268,32 @@ mod tests {
         );
         assert!((scores.perplexity() - one.exp()).abs() < 1e-9);
         assert_eq!(seen.len(), 2);
+    }
+
+    #[test]
+    fn decoded_windows_score_the_same_positions_against_the_same_tokens() {
+        let tokens: Vec<Token> = (10..20).collect();
+        let w = Windows::new(tokens, 4, None, Some(99)).unwrap();
+        let mut halves = Vec::new();
+        // The same model as above: everything on the token after the last one given.
+        let scores = w
+            .score_decoded(
+                |prompt: &[Token], rest: &[Token], on: &mut dyn FnMut(usize, &[f32])| {
+                    halves.push((prompt.to_vec(), rest.to_vec()));
+                    let mut seen = *prompt.last().unwrap();
+                    for (i, &t) in rest.iter().enumerate() {
+                        let mut logits = vec![0.0f32; 32];
+                        logits[(seen as usize + 1).min(31)] = 10.0;
+                        on(i, &logits);
+                        seen = t;
+                    }
+                    Ok::<(), ()>(())
+                },
+                |_, _| {},
+            )
+            .unwrap();
+        assert_eq!(halves, vec![(vec![99, 11, 12], vec![13]), (vec![99, 15, 16], vec![17])]);
+        assert_eq!(scores.top1, vec![13, 17]);
     }
 
     #[test]

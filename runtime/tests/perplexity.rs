@@ -100,6 +100,10 @@ fn streamed_equals_resident_exactly_and_a_lossy_knob_reports_its_cost() {
             "cache {cache} MiB: streamed {streamed}, resident {resident}"
         );
     }
+    // A token at a time past each window's first half: the same positions, the same figure to
+    // rounding (other kernels than a prompt batch's).
+    let decoded = figure(&sluice(&[&args[..], &["--decode"]].concat(), dir.path()));
+    assert!((decoded - resident).abs() / resident < 1e-3, "--decode {decoded}, batched {resident}");
     let lossy = sluice(&[&args[..], &["--experts-used", "1"]].concat(), dir.path());
     let out = String::from_utf8_lossy(&lossy.stdout).into_owned();
     assert!(out.contains(&format!("lossless perplexity: {resident:.4}")), "{out}");

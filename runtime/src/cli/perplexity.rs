@@ -90,13 +90,10 @@ pub fn run_perplexity(a: &PerplexityArgs, choice: &BoardChoice) -> Result<()> {
         let windows = Windows::of_text(&model, &text, n_ctx, chunks)?;
         let shape = ContextShape { positions: a.ctx, slots: 1, batch };
         let mut session = Session::new(&model, shape, &board.threads(), None)?;
-        let first = windows.first_scored();
         let mut no_observer = |_| Ok::<(), generate::GenerateError>(());
         let scores = if a.decode {
-            windows.score(
-                |w, on| {
-                    session.score_continuation(&w[..=first], &w[first + 1..], |i, l| on(first + i, l), &mut no_observer)
-                },
+            windows.score_decoded(
+                |prompt, rest, on| session.score_continuation(prompt, rest, on, &mut no_observer),
                 progress(windows.chunks()),
             )?
         } else {
@@ -118,8 +115,8 @@ pub fn run_perplexity(a: &PerplexityArgs, choice: &BoardChoice) -> Result<()> {
         None
     };
     let trace = a.trace.as_deref().map(|p| (p, a.trace_tokens.min(a.ctx) as usize));
-    let (windows, scores, how) = streamed(&launch, &text, n_ctx, chunks, decode, trace, &board, &progress)?;
-    report(&windows, &scores, &how, lossless.as_ref().map(|(_, s, _)| s));
+    let run = streamed(&launch, &text, n_ctx, chunks, decode, trace, &board, &progress)?;
+    report(&run.windows, &run.scores, &run.how, lossless.as_ref().map(|l| &l.scores));
     Ok(())
 }
 
@@ -136,7 +133,7 @@ fn streamed<P: FnMut(usize, f64)>(
     trace: Option<(&Path, usize)>,
     board: &ResolvedBoard,
     progress: &impl Fn(usize) -> P,
-) -> Result<(Windows, Scores, String)> {
+) -> Result<Scored> {
     let loaded = launch.load(&mut |step| log::debug!("{step}"))?;
     let (mut session, _) = loaded.open()?;
     let windows = Windows::of_text(session.model(), text, n_ctx, chunks)?;
@@ -148,27 +145,33 @@ fn streamed<P: FnMut(usize, f64)>(
         session.streamer().route_trace(name).save(path)?;
         noteln!("routes of {} single-token decodes written to {}", n - 1, path.display());
     }
-    let first = windows.first_scored();
     let scores = if decode {
-        windows.score(
-            |w, on| session.score_continuation(&w[..=first], &w[first + 1..], |i, l| on(first + i, l)).map(drop),
+        windows.score_decoded(
+            |prompt, rest, on| session.score_continuation(prompt, rest, on).map(drop),
             progress(windows.chunks()),
         )?
     } else {
         windows.score(|w, on| session.evaluate_window(w, on).map(drop), progress(windows.chunks()))?
     };
+    let mode = launch.lossy.describe(loaded.index.n_expert_used);
     let how = format!(
         "streamed{}, expert cache {} MiB, board {}{}",
         if decode { ", scored a token at a time" } else { "" },
         loaded.cache_bytes() >> 20,
         board.selected.id,
-        if launch.lossy.is_exact() {
-            String::new()
-        } else {
-            format!(", LOSSY {}", launch.lossy.describe(loaded.index.n_expert_used))
-        }
+        if launch.lossy.is_exact() { String::new() } else { format!(", {mode}") }
     );
-    Ok((windows, scores, how))
+    Ok(Scored { windows, scores, how, mode })
+}
+
+/// A streamed run's scores and how it ran.
+struct Scored {
+    windows: Windows,
+    scores: Scores,
+    /// The run, for the report's first line.
+    how: String,
+    /// The lossy setting's description (`exact (no lossy mode)` for none).
+    mode: String,
 }
 
 /// One mode's perplexity on a text, and its cost against the exact run's.
@@ -211,29 +214,22 @@ pub fn lossy_costs(
     };
     let quiet = |_: usize| |_: usize, _: f64| {};
     let chunks = chunks.map(|c| c as usize);
-    let (_, exact, _) = streamed(&launch, &text, ctx as usize, chunks, false, None, board, &quiet)?;
+    let score =
+        |launch: &Launch, decode: bool| streamed(launch, &text, ctx as usize, chunks, decode, None, board, &quiet);
+    let exact = score(&launch, false)?.scores;
+    // Substitution acts only on single-token decodes: it is scored, and compared, that way.
+    let exact_decoded =
+        if modes.iter().any(|m| m.substitute.is_some()) { Some(score(&launch, true)?.scores) } else { None };
     let mut costs = vec![ModeCost { mode: "exact".into(), perplexity: exact.perplexity(), ratio: 1.0, top1: 1.0 }];
-    let mut exact_decoded = None;
     for &lossy in modes {
-        // Substitution acts only on single-token decodes: it is scored, and compared, that way.
         let decode = lossy.substitute.is_some();
-        let exact = if decode {
-            match &exact_decoded {
-                Some(s) => s,
-                None => {
-                    &*exact_decoded.insert(streamed(&launch, &text, ctx as usize, chunks, true, None, board, &quiet)?.1)
-                }
-            }
-        } else {
-            &exact
-        };
-        let run = Launch { lossy, ..launch.clone() };
-        let (_, scores, how) = streamed(&run, &text, ctx as usize, chunks, decode, None, board, &quiet)?;
+        let exact = if decode { exact_decoded.as_ref().unwrap_or(&exact) } else { &exact };
+        let run = score(&Launch { lossy, ..launch.clone() }, decode)?;
         costs.push(ModeCost {
-            mode: how.rsplit("LOSSY ").next().unwrap_or(&how).to_string(),
-            perplexity: scores.perplexity(),
-            ratio: scores.perplexity() / exact.perplexity(),
-            top1: scores.top1_agreement(exact)?,
+            mode: run.mode,
+            perplexity: run.scores.perplexity(),
+            ratio: run.scores.perplexity() / exact.perplexity(),
+            top1: run.scores.top1_agreement(exact)?,
         });
     }
     Ok(costs)
