@@ -15,6 +15,7 @@ const LAYERS: &[(&str, u32)] = &[
     ("dirs", 1),
     ("metadata", 2),
     ("generate", 3),
+    ("perplexity", 3),
     ("stream", 4),
     ("synth", 4),
     ("board", 5),
