@@ -35,6 +35,7 @@ struct RawServerOpts {
     max_alloc: usize,
     max_buffers: usize,
     cache_max_bytes: u64,
+    max_graph: usize,
     on_accept: Option<unsafe extern "C" fn(c_int, *mut c_void) -> bool>,
     on_listening: Option<unsafe extern "C" fn(*mut c_void)>,
     user: *mut c_void,
@@ -147,17 +148,21 @@ pub struct ServeOptions<'a> {
     pub max_buffers: usize,
     /// Bytes the tensor cache may hold on disk (the oldest files go first).
     pub cache_max_bytes: u64,
-    /// Called with each accepted connection before anything is read from it: `false` closes
-    /// it (not an allowed peer, or its handshake failed).
-    pub on_accept: Box<dyn FnMut(&TcpStream) -> bool + 'a>,
+    /// Bytes a graph to compute may take on the worker, its message and ggml's structures for
+    /// it; a larger one is refused before anything is allocated for it.
+    pub max_graph: u64,
+    /// Called with each accepted connection before anything is read from it, on a thread of its
+    /// own (connections identify themselves at the same time): `false` closes it (not an allowed
+    /// peer, or its handshake failed).
+    pub on_accept: Box<dyn Fn(&TcpStream) -> bool + Send + Sync + 'a>,
     /// Called once the socket listens.
-    pub on_listening: Box<dyn FnOnce() + 'a>,
+    pub on_listening: Box<dyn FnOnce() + Send + 'a>,
 }
 
-/// The hooks [`serve`] hands to C through `user`.
+/// The hooks [`serve`] hands to C through `user`, shared by the threads that admit connections.
 struct ServeHooks<'a> {
-    on_accept: Box<dyn FnMut(&TcpStream) -> bool + 'a>,
-    on_listening: Option<Box<dyn FnOnce() + 'a>>,
+    on_accept: Box<dyn Fn(&TcpStream) -> bool + Send + Sync + 'a>,
+    on_listening: Mutex<Option<Box<dyn FnOnce() + Send + 'a>>>,
 }
 
 /// `fd` as a stream for the duration of a hook, never closed by Rust.
@@ -168,18 +173,20 @@ fn borrowed_stream(fd: c_int) -> ManuallyDrop<TcpStream> {
 }
 
 unsafe extern "C" fn listening_trampoline(user: *mut c_void) {
-    // SAFETY: `user` is the &mut ServeHooks that `serve` passed, alive for the whole call, and
-    // ggml's server calls its hooks from the serving thread only.
-    let hooks = unsafe { &mut *(user as *mut ServeHooks<'_>) };
-    if let Some(f) = hooks.on_listening.take() {
+    // SAFETY: `user` is the ServeHooks that `serve` passed, alive for the whole call (which never
+    // returns once the server listens); it is only ever borrowed shared, and its parts are Sync.
+    let hooks = unsafe { &*(user as *const ServeHooks<'_>) };
+    let once = hooks.on_listening.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(f) = once {
         // A panic must not unwind into C++: it is caught and the server goes on.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
     }
 }
 
 unsafe extern "C" fn accept_trampoline(fd: c_int, user: *mut c_void) -> bool {
-    // SAFETY: as in listening_trampoline.
-    let hooks = unsafe { &mut *(user as *mut ServeHooks<'_>) };
+    // SAFETY: as in listening_trampoline; ggml calls this from several admitting threads at once,
+    // which the shared borrow and the hook's Sync bound allow.
+    let hooks = unsafe { &*(user as *const ServeHooks<'_>) };
     let stream = borrowed_stream(fd);
     std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| (hooks.on_accept)(&stream))).unwrap_or(false)
 }
@@ -187,8 +194,10 @@ unsafe extern "C" fn accept_trampoline(fd: c_int, user: *mut c_void) -> bool {
 /// Serves this process's CPU device over RPC at `endpoint` (`ipv4:port`) with `threads` compute
 /// threads under `opts` (vendor patch 0009 checks every command against its tensors and
 /// buffers); weights sent before are taken from `cache_dir` (ggml's tensor cache, each file
-/// checked against its hash) instead of the network. Serves one client at a time. Returns only
-/// when the server cannot start.
+/// checked against its hash) instead of the network. Connections identify themselves at the same
+/// time (at most 8 from one address, 64 in all, each within 10 s); the identified are served one
+/// at a time, and one idle for 5 s gives way to one that waits. Returns only when the server
+/// cannot start.
 pub fn serve(
     endpoint: &str,
     cache_dir: Option<&Path>,
@@ -201,14 +210,15 @@ pub fn serve(
         Some(d) => Some(CString::new(d.as_os_str().as_encoded_bytes()).map_err(|_| Error::PathNul(d.into()))?),
         None => None,
     };
-    let mut hooks = ServeHooks { on_accept: opts.on_accept, on_listening: Some(opts.on_listening) };
+    let hooks = ServeHooks { on_accept: opts.on_accept, on_listening: Mutex::new(Some(opts.on_listening)) };
     let raw = RawServerOpts {
         max_alloc: usize::try_from(opts.max_alloc).unwrap_or(usize::MAX),
         max_buffers: opts.max_buffers,
         cache_max_bytes: opts.cache_max_bytes,
+        max_graph: usize::try_from(opts.max_graph).unwrap_or(usize::MAX),
         on_accept: Some(accept_trampoline),
         on_listening: Some(listening_trampoline),
-        user: &mut hooks as *mut ServeHooks<'_> as *mut c_void,
+        user: &hooks as *const ServeHooks<'_> as *mut c_void,
     };
     // SAFETY: the strings are NUL-terminated and outlive the call; `hooks` outlives it and the
     // trampolines are the only users of its pointer; the shim catches exceptions.
@@ -263,7 +273,9 @@ unsafe extern "C" fn connect_trampoline(fd: c_int, endpoint: *const c_char, _use
 
 /// Sets how this process connects to RPC workers from now on: a connect that gets no answer
 /// within `connect_timeout` fails, as does any send or wait for an answer longer than
-/// `call_timeout` (the connection is then lost: its requests fail and the next one reconnects);
+/// `call_timeout` (the connection is then lost: its requests, those of a decode running on it
+/// included, complete at once without effect until [`RpcDevice::connect`] or
+/// [`RpcDevice::memory`] connects anew, so one silent worker costs one bound, not one per request);
 /// `on_connect` runs on each new connection before ggml's handshake.
 pub fn set_client_options(connect_timeout: Duration, call_timeout: Duration, on_connect: Option<Arc<ConnectHook>>) {
     crate::init();

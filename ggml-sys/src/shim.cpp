@@ -103,6 +103,7 @@ int32_t sluice_token_to_piece(const struct llama_vocab * vocab, llama_token toke
 // keeps the buffer type, alignment included, for the process), or NULL with the reason recorded.
 ggml_backend_dev_t sluice_rpc_connect(const char * endpoint) {
     try {
+        ggml_backend_rpc_reconnect(endpoint);
         ggml_backend_reg_t reg = ggml_backend_rpc_add_server(endpoint);
         if (reg == nullptr || ggml_backend_reg_dev_count(reg) == 0) {
             sluice_shim_record("no RPC server answers there (refused, unreachable or not a ggml RPC server)");
@@ -125,6 +126,7 @@ ggml_backend_dev_t sluice_rpc_connect(const char * endpoint) {
 // connection was lost); false, with a reason recorded, when it does not answer.
 bool sluice_rpc_memory(const char * endpoint, uint64_t * free, uint64_t * total) {
     try {
+        ggml_backend_rpc_reconnect(endpoint);
         size_t f = 0;
         size_t t = 0;
         ggml_backend_rpc_get_device_memory(endpoint, 0, &f, &t);

@@ -7,6 +7,7 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -17,7 +18,7 @@ mod serving;
 mod workers;
 use common::sluice_command;
 use serving::{synth, PATIENCE};
-use workers::Worker;
+use workers::{SilentProxy, Worker};
 
 /// Budget of the test workers.
 const WORKER_MIB: u64 = 256;
@@ -195,7 +196,7 @@ fn each_malformed_command_closes_its_connection_and_the_worker_serves_on() {
     let e = w.endpoint.clone();
     round_trip(&e);
     type Case = (&'static str, fn(&mut Peer, u64, u64));
-    let cases: [Case; 14] = [
+    let cases: [Case; 17] = [
         ("an unknown tensor type", |p, buf, base| {
             p.set(&Tensor { ty: 9999, ..Tensor::f32(1, buf, base, 4) }, 0, &[0; 16])
         }),
@@ -231,6 +232,15 @@ fn each_malformed_command_closes_its_connection_and_the_worker_serves_on() {
             p.graph(&[1], &[Tensor { op: 100_000, ..Tensor::f32(1, buf, base, 4) }]);
         }),
         ("a graph node of id 0", |p, _, _| p.graph(&[0], &[])),
+        // About 420 bytes of the worker's memory a node: 2^22 of them took 1.7 GiB of a 256 MiB
+        // worker before the graph was bounded (its message is refused unread).
+        ("a graph of 2^22 nodes", |p, _, _| p.graph(&(1..=1u64 << 22).collect::<Vec<_>>(), &[])),
+        // A message within the bound whose graph structures are not.
+        ("a graph of 2^15 nodes over 2^15 tensors", |p, buf, base| {
+            let tensors: Vec<Tensor> = (1..=1u64 << 15).map(|id| Tensor::f32(id, buf, base, 4)).collect();
+            p.graph(&(1..=1u64 << 15).collect::<Vec<_>>(), &tensors)
+        }),
+        ("more graph nodes than tensors", |p, buf, base| p.graph(&[1, 2], &[Tensor::f32(1, buf, base, 4)])),
         ("an add without inputs", |p, buf, base| {
             p.graph(&[1], &[Tensor { op: GGML_OP_ADD, flags: COMPUTE, ..Tensor::f32(1, buf, base, 4) }]);
         }),
@@ -434,6 +444,56 @@ fn silent_unlisted_and_keyless_peers_are_dropped_and_the_head_gets_in() {
     assert!(w.alive());
 }
 
+#[test]
+fn silent_and_idle_connections_never_keep_a_head_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let key = dir.path().join("key");
+    std::fs::write(&key, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let plan = |endpoint: &str, key: Option<&Path>| {
+        let mut cmd = sluice_command();
+        cmd.args(["plan", "--model", model.to_str().unwrap(), "--rpc", endpoint]);
+        if let Some(k) = key {
+            cmd.arg("--rpc-key-file").arg(k);
+        }
+        cmd.output().unwrap()
+    };
+    // With a key: three connections that never say a word are identified (and dropped) beside
+    // the head, not before it (each took the whole handshake bound, one after the other, and three
+    // made the head fail).
+    let mut keyed = start_worker(dir.path(), &["--key-file", key.to_str().unwrap()]);
+    let silent: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&keyed.endpoint).unwrap()).collect();
+    let o = plan(&keyed.endpoint, Some(&key));
+    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stderr), keyed.log());
+    drop(silent);
+    // One address may not hold more than 8 connections that have not identified themselves.
+    let flood: Vec<TcpStream> = (0..12).map(|_| TcpStream::connect(&keyed.endpoint).unwrap()).collect();
+    let mut closed_at_once = 0;
+    for mut s in &flood {
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        // a worker with a key speaks first (its challenge): a refused connection reads its end
+        let mut b = [0u8; 1];
+        if !matches!(s.read(&mut b), Ok(n) if n > 0) {
+            closed_at_once += 1;
+        }
+    }
+    assert!(closed_at_once >= 4, "only {closed_at_once} of 12 pending connections refused\n{}", keyed.log());
+    assert!(keyed.log().contains("still to identify themselves"), "{}", keyed.log());
+    drop(flood);
+    assert!(keyed.alive());
+    // Without a key: a client that says HELLO and then nothing gives way to the head (it held
+    // the worker for good).
+    let mut open = start_worker(dir.path(), &[]);
+    let idle = Peer::hello(&open.endpoint).expect("the first client is served");
+    let silent: Vec<TcpStream> = (0..3).map(|_| TcpStream::connect(&open.endpoint).unwrap()).collect();
+    let o = plan(&open.endpoint, None);
+    assert!(o.status.success(), "{}\n{}", String::from_utf8_lossy(&o.stderr), open.log());
+    assert!(open.log().contains("Giving way to a waiting client"), "{}", open.log());
+    drop((idle, silent));
+    assert!(open.alive());
+    round_trip(&open.endpoint);
+}
+
 /// A command a head sent: its byte and payload; `None` when the connection ended.
 fn read_command(s: &mut TcpStream) -> Option<(u8, Vec<u8>)> {
     let mut head = [0u8; 9];
@@ -502,7 +562,7 @@ fn a_worker_answering_malformed_or_not_at_all_is_an_error_on_the_head() {
     let dir = tempfile::tempdir().unwrap();
     let model = synth(dir.path());
     type Answer = fn(u8, &[u8]) -> Option<Vec<u8>>;
-    let cases: [(&str, Answer); 7] = [
+    let cases: [(&str, Answer); 9] = [
         ("a device count of 2^32-1", |c, p| {
             Some(if c == DEVICE_COUNT { u32::MAX.to_le_bytes().to_vec() } else { honest(c, p) })
         }),
@@ -517,6 +577,13 @@ fn a_worker_answering_malformed_or_not_at_all_is_an_error_on_the_head() {
         }),
         ("a buffer base of 0", |c, p| {
             Some(if c == BUFFER_GET_BASE { 0u64.to_le_bytes().to_vec() } else { honest(c, p) })
+        }),
+        // ggml asserts on a buffer that ends past the address space: both ends are checked first
+        ("a buffer of 2^64-1 bytes", |c, p| {
+            Some(if c == ALLOC_BUFFER { [0x1000u64.to_le_bytes(), u64::MAX.to_le_bytes()].concat() } else { honest(c, p) })
+        }),
+        ("a buffer base of 2^64-4096", |c, p| {
+            Some(if c == BUFFER_GET_BASE { (u64::MAX - 4095).to_le_bytes().to_vec() } else { honest(c, p) })
         }),
     ];
     for (what, answer) in cases {
@@ -537,6 +604,39 @@ fn a_worker_answering_malformed_or_not_at_all_is_an_error_on_the_head() {
     let o = sluice_command().args(["plan", "--model", model.to_str().unwrap(), "--rpc", &endpoint]).output().unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
     assert!(t0.elapsed() < Duration::from_secs(120), "a silent worker held the head {:?}", t0.elapsed());
+}
+
+#[test]
+fn a_worker_that_stops_answering_mid_run_fails_it_within_one_call_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let w = start_worker(dir.path(), &[]);
+    // Silent after the tenth graph: mid-generation.
+    let proxy = SilentProxy::start(&w.endpoint, 10);
+    let t0 = Instant::now();
+    let mut run = sluice_command()
+        .args(["run", "--model", model.to_str().unwrap(), "--prompt", "hi", "-n", "4000", "--rpc", &proxy.endpoint])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // One call bound (60 s) ends the wait; every request after it completes at once instead of
+    // reconnecting (each reconnection took a connect and a handshake bound, for ever).
+    let status = loop {
+        if let Some(status) = run.try_wait().unwrap() {
+            break status;
+        }
+        if t0.elapsed() > Duration::from_secs(150) {
+            let _ = run.kill();
+            panic!("run still waits on the silent worker after {:?}", t0.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let mut err = String::new();
+    run.stderr.take().unwrap().read_to_string(&mut err).unwrap();
+    println!("run failed {:?} after the start:\n{err}", t0.elapsed());
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains(&proxy.endpoint), "the error does not name the worker:\n{err}");
 }
 
 #[test]

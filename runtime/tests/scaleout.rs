@@ -16,7 +16,7 @@ mod serving;
 mod workers;
 use common::sluice_command;
 use serving::{free_port, read_chunk, read_head, send, Server, PATIENCE};
-use workers::Worker;
+use workers::{SilentProxy, Worker};
 
 /// Budget of each test worker (and its cgroup's limit).
 const WORKER_MIB: u64 = 256;
@@ -188,4 +188,42 @@ fn a_worker_lost_mid_generation_fails_the_request_and_the_server_serves_again_on
     let log = server.log();
     assert!(log.contains("answers again: loading the model") && !log.contains("panicked"), "{log}");
     drop(w1);
+}
+
+#[test]
+fn a_worker_that_stops_answering_degrades_the_server_until_it_answers_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = fixture(dir.path(), "m", &[]);
+    let w = Worker::start(dir.path(), "w", WORKER_MIB, None);
+    let proxy = SilentProxy::start(&w.endpoint, usize::MAX);
+    let mut server = Server::start(dir.path(), &model, &["--rpc", &proxy.endpoint, "--ctx", "2048"]);
+    server.wait_note("READY=1");
+    let body =
+        format!(r#"{{"prompt":"hi","max_tokens":2000,"stream":true,"temperature":0,"logit_bias":{{"{EOS}":-100}}}}"#);
+    let mut r = BufReader::new(send(server.addr, "POST", "/v1/completions", Some(&body)));
+    assert_eq!(read_head(&mut r).0, 200);
+    assert!(read_chunk(&mut r).is_some_and(|c| c.contains("data:")), "a first token");
+    // The worker stops answering with its connections open: one call bound (60 s) ends the
+    // generation, and the engine does not wait on the worker again while it is silent.
+    proxy.silence();
+    let rest = rest_of_stream(&mut r);
+    assert!(rest.contains(&format!("lost the RPC worker at {}", proxy.endpoint)), "{rest}");
+    let h = wait_for_health(&server, "degraded");
+    assert!(h["reason"].as_str().unwrap().contains(&proxy.endpoint), "{h}");
+    let status = server.request("GET", "/status", None).json();
+    assert!(status.to_string().contains(&proxy.endpoint), "/status does not name the worker: {status}");
+    let r = server.request("POST", "/v1/completions", Some(r#"{"prompt":"hi","max_tokens":4}"#));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains(&proxy.endpoint), "{}", r.body);
+    // Back: the server loads the model again and serves.
+    proxy.speak();
+    wait_for_health(&server, "ready");
+    let r = server.request(
+        "POST",
+        "/v1/completions",
+        Some(&format!(r#"{{"prompt":"hi","max_tokens":16,"temperature":0,"logit_bias":{{"{EOS}":-100}}}}"#)),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 16, "{}", r.body);
+    assert!(!server.log().contains("panicked"), "{}", server.log());
 }

@@ -132,6 +132,8 @@ pub fn run(cfg: &WorkerConfig) -> Result<std::convert::Infallible, WorkerError> 
         max_alloc: lend,
         max_buffers: MAX_BUFFERS,
         cache_max_bytes: cfg.cache_max_bytes,
+        // a graph's bookkeeping is part of the worker's own overhead, not of what it lends
+        max_graph: OVERHEAD_BYTES,
         on_accept: Box::new(move |stream| admission.admit(stream)),
         on_listening: Box::new(|| {
             log::info!("{status}");
