@@ -32,6 +32,7 @@ unsafe extern "C" {
     ) -> *mut RawTemplates;
     fn sluice_chat_templates_free(t: *mut RawTemplates);
     fn sluice_chat_set_work_limits(max_depth: usize, max_steps: u64, max_value: usize, max_ms: i64);
+    fn sluice_chat_stop_all_work();
     fn sluice_chat_templates_apply(
         t: *const RawTemplates,
         inputs_json: *const c_char,
@@ -67,13 +68,15 @@ pub(crate) fn chat_caught(call: &'static str) -> Result<()> {
 
 /// The bounds of one template parse or render (vendor patch 0010, llama.cpp's Jinja engine):
 /// nesting of statements, expressions, calls and values (a recursive macro overflows no stack),
-/// statements executed, the largest string, array or object, and the time. Real templates use a
+/// steps (statements executed, loop iterations, items made), the largest string, array or
+/// object, and the time. Real templates use a
 /// few dozen levels, thousands of statements and well under a second; a template past a bound
 /// is an error, which `serve` answers as for a template that does not parse.
 pub mod template_bounds {
     /// Levels of nesting.
     pub const DEPTH: usize = 1000;
-    /// Statements and expressions executed.
+    /// Steps: statements and expressions executed, loop iterations, items of arrays and objects
+    /// made.
     pub const STEPS: u64 = 10_000_000;
     /// Bytes of a string (the rendered prompt among them), items of an array or object.
     pub const VALUE: usize = 16 << 20;
@@ -86,6 +89,14 @@ fn bound_template_work() {
     use template_bounds::*;
     // SAFETY: sets plain thread-local values.
     unsafe { sluice_chat_set_work_limits(DEPTH, STEPS, VALUE, TIME_MS) };
+}
+
+/// Stops every template parse and render of this process, on any thread, at its next step: an
+/// error as for a template past its bounds. For a process that is stopping, so that no render
+/// holds it up.
+pub fn stop_template_work() {
+    // SAFETY: sets a process-wide atomic flag.
+    unsafe { sluice_chat_stop_all_work() };
 }
 
 fn c_string(s: &str) -> Result<CString> {

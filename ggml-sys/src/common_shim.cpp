@@ -273,6 +273,11 @@ void sluice_chat_set_work_limits(size_t max_depth, uint64_t max_steps, size_t ma
     jinja::set_work_limits(limits);
 }
 
+// Stops every template parse and render of the process at its next step (see jinja/work.h).
+void sluice_chat_stop_all_work() {
+    jinja::work_stop_all();
+}
+
 void sluice_chat_templates_free(struct sluice_chat_templates * t) {
     delete t;
 }

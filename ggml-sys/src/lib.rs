@@ -31,8 +31,8 @@ mod types;
 pub use backend::{exit_now, init, system_info};
 pub use batch::Batch;
 pub use chat::{
-    ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarTrigger, ParsedMessage, ReasoningFormat, ToolCall,
-    ToolChoice,
+    stop_template_work, ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarTrigger, ParsedMessage,
+    ReasoningFormat, ToolCall, ToolChoice,
 };
 pub use context::{Context, ContextParams, EvalCallback, EvalPhase, MemorySizes, MAX_SEQUENCES};
 pub use draft::NgramDraft;

@@ -38,6 +38,8 @@ fn hostile_templates() -> Vec<(&'static str, String)> {
         ("nesting deeper than a stack", format!("{{{{ {}1{} }}}}", "(".repeat(100_000), ")".repeat(100_000))),
         ("not not not ...", format!("{{{{ {}true }}}}", "not ".repeat(50_000))),
         ("nested loops", "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}".into()),
+        // no statement in the body: every iteration and every item range() makes is a step
+        ("nested empty loops", "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}ok".into()),
         ("string doubling", "{% set s = 'ab' %}{% for i in range(64) %}{% set s = s + s %}{% endfor %}{{ s }}".into()),
         ("a range of 2^40", "{% for i in range(1099511627776) %}{{ i }}{% endfor %}".into()),
         ("string repetition", "{{ 'x' * 10000000000 }}".into()),
@@ -70,6 +72,20 @@ fn hostile_templates_at_start_fall_back_to_chatml_and_the_server_answers() {
         server.stop();
     }
     println!("{}", table.join("\n"));
+}
+
+#[test]
+fn sigterm_stops_a_server_rendering_a_hostile_template_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, template) = hostile_templates().into_iter().find(|(w, _)| *w == "nested empty loops").unwrap();
+    let model = model_with_template(dir.path(), "loops", &template);
+    let server = Server::start(dir.path(), &model, &[]);
+    // Rendering its capability probes (seconds of empty loops) when the signal comes.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let (status, _, notes, log) = server.stop();
+    assert!(status.success(), "{status:?}\n{log}");
+    assert!(notes.iter().any(|n| n == "STOPPING=1"), "{notes:?}\n{log}");
+    assert!(!log.contains("the engine did not stop within the drain bound"), "the render held the stop up:\n{log}");
 }
 
 #[test]

@@ -21,6 +21,7 @@ use super::running::Running;
 use super::saved_slots::SlotStore;
 use super::shared::{Shared, IDLE_BEAT};
 use super::slots::{open_store, Slots};
+use super::state::State;
 use crate::generate::{GenerateError, Generation, Sampler};
 use crate::launch::{Launch, LaunchError};
 use crate::stream::{ExpertIndex, StreamError, StreamedSession};
@@ -84,6 +85,11 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
                 Some(endpoint) if served_once => Served::WorkerLost(endpoint.to_string()),
                 _ => return Err(e.into()),
             },
+            // A stop during the load ends it (its template work, for one, stops at once).
+            Err(LoadFailure::Templates(_)) if shared.state() == State::Draining => {
+                log::info!("stopped while loading the chat templates");
+                return Ok(());
+            }
             Err(LoadFailure::Templates(e)) => return Err(e),
         };
         served_once = true;

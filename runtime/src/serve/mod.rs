@@ -180,6 +180,8 @@ async fn run_until_stopped(
         return Outcome::EngineEnded;
     }
     shared.start_draining();
+    // A template render (a hostile one at start, say) ends at its next step.
+    ggml_sys::stop_template_work();
     notify::stopping(&format!("draining: finishing in-flight requests (at most {} s)", drain.as_secs()));
     log::info!("stopping: draining in-flight requests for at most {:.0} s", drain.as_secs_f64());
     let deadline = Instant::now() + drain;
