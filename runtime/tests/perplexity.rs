@@ -4,7 +4,7 @@
 //! missing, empty or non-UTF-8 text is a clear error.
 
 use std::path::{Path, PathBuf};
-use std::process::Output;
+use std::process::{Command, Output};
 
 mod common;
 use common::sluice_command;
@@ -156,4 +156,49 @@ fn a_missing_empty_or_non_utf8_text_is_a_clear_error() {
         let err = stderr(&o);
         assert!(!o.status.success() && !err.contains("panicked") && err.contains(needle), "{file}: {err}");
     }
+}
+
+/// The bytes `sluice perplexity` asks the allocator for while it reads and tokenizes a text of
+/// `n` times 'a' (measured by `faults/count_alloc.c`, the shared object `so`, preloaded).
+fn bytes_asked_tokenizing(dir: &Path, so: &Path, model: &Path, n: usize) -> u64 {
+    let text = dir.join(format!("run-{n}.txt"));
+    std::fs::write(&text, "a".repeat(n)).unwrap();
+    let report = dir.join(format!("asked-{n}"));
+    let o = sluice_command()
+        .args(["perplexity", "--model", model.to_str().unwrap(), "--file", text.to_str().unwrap()])
+        .args(["--ctx", "64", "--chunks", "1"])
+        .env("LD_PRELOAD", so)
+        .env("SLUICE_ALLOC_REPORT", &report)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::read_to_string(&report).unwrap().trim().parse().unwrap()
+}
+
+#[test]
+fn a_long_run_of_one_character_tokenizes_in_linear_work() {
+    if common::emulated() {
+        println!("skipped: an emulated run (the preloaded counter would load into the emulator)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let so = dir.path().join("count_alloc.so");
+    let src = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/faults/count_alloc.c");
+    match Command::new("cc").args(["-shared", "-fPIC", "-O1", "-o", so.to_str().unwrap(), src]).output() {
+        Ok(o) if o.status.success() => {}
+        other => {
+            println!("skipped: the allocation counter does not build: {other:?}");
+            return;
+        }
+    }
+    // Synthesized models tokenize with SentencePiece (SPM), whose byte fallback reserved the
+    // output one symbol at a time: 512 KiB asked for about 5e11 bytes (18 s).
+    let model = dir.path().join("m.gguf");
+    let o = sluice_command().args(["synth", "--out", model.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let small = bytes_asked_tokenizing(dir.path(), &so, &model, 64 << 10);
+    let large = bytes_asked_tokenizing(dir.path(), &so, &model, 512 << 10);
+    let per_byte = large.saturating_sub(small) / (448 << 10);
+    println!("tokenizing: {small} bytes asked for 64 KiB, {large} for 512 KiB: {per_byte} a byte of text");
+    assert!(per_byte < 1000, "{per_byte} bytes asked a byte of text: not linear ({small} for 64 KiB, {large} for 512 KiB)");
 }
