@@ -1,7 +1,7 @@
 //! A failing disk under `sluice run`: reads of the model's header, of a dense tensor or of an
 //! expert fail with EIO or stall, in every streaming mode (serial, overlapped, waves, no cache,
-//! page-cache reads), through an LD_PRELOAD fault injector (`faults/inject.c`, built here with
-//! the C compiler). Each run must end with exit status 1 and an error naming the file within the
+//! page-cache reads) and resident, through an LD_PRELOAD fault injector (`faults/inject.c`,
+//! built here with the C compiler). Each run must end with exit status 1 and an error naming the file within the
 //! read bound: never a signal, a panic or a wait without end. A same-size rewrite of the file in
 //! place with its modification time restored is caught too.
 
@@ -88,20 +88,24 @@ fn failed_and_stalled_reads_are_errors_within_the_bound_in_every_mode() {
         ("expert", span("blk.1.ffn_up_exps.weight")),
     ];
     let prompt = long_prompt();
-    let modes: [(&str, Vec<&str>); 5] = [
+    let modes: [(&str, Vec<&str>); 6] = [
         ("serial", vec!["-p", "hi", "--no-overlap"]),
         ("overlapped", vec!["-p", "hi", "--overlap"]),
         ("waves", vec!["-p", &prompt, "--cache-mb", "1", "--force-cache", "--overlap-prompt"]),
         ("no cache", vec!["-p", "hi", "--cache-mb", "0"]),
         ("page-cache reads", vec!["-p", "hi", "--no-direct-io"]),
+        // llama.cpp's own load of every weight, read (not mapped) under a watchdog
+        ("resident", vec!["-p", "hi", "--resident"]),
     ];
-    // EIO in every mode; a stall in the serial mode (each waits out the bound). All at once.
+    // EIO in every mode; a stall in the serial and the resident modes (each waits out the
+    // bound). All at once.
     let mut cases = Vec::new();
     for (target, range) in targets {
         for (mode, args) in &modes {
             cases.push((target, range, "eio", *mode, args.clone()));
         }
         cases.push((target, range, "stall", "serial", modes[0].1.clone()));
+        cases.push((target, range, "stall", "resident", modes[5].1.clone()));
     }
     let results: Vec<_> = std::thread::scope(|s| {
         let handles: Vec<_> = cases
@@ -147,4 +151,10 @@ fn a_same_size_rewrite_with_the_modification_time_restored_is_an_error() {
     assert_eq!(std::fs::metadata(&model).unwrap().modified().unwrap(), before, "the injector restores the time");
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("changed since it was opened"), "{err}");
+    // The resident load too: the file changed while it was read.
+    let (o, _) =
+        faulty_run(&so, &model, (t.at, t.at + t.data.len() as u64), "rewrite", &["-p", "hi", "--resident"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("changed while it was loaded"), "{err}");
 }

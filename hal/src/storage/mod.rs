@@ -202,6 +202,14 @@ pub fn drop_cached(path: &Path) -> std::io::Result<()> {
         .map_err(std::io::Error::from)
 }
 
+/// Bytes this process's reads have returned so far, from storage or the page cache (`rchar` of
+/// `/proc/self/io`; each call adds its own read of that file, about a hundred bytes), if the
+/// kernel reports it.
+pub fn process_read_chars() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/io").ok()?;
+    text.lines().find_map(|l| l.strip_prefix("rchar:")).and_then(|v| v.trim().parse().ok())
+}
+
 /// Bytes this process has caused to be read from storage so far (`read_bytes` of
 /// `/proc/self/io`), if the kernel reports it.
 pub fn process_read_bytes() -> Option<u64> {

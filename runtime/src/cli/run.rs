@@ -96,10 +96,10 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     };
     if a.stream.resident {
         if board.verify {
-            log::warn!("storage.verify checks streamed reads; --resident reads through llama.cpp's mapping, unchecked (`sluice verify --check --model MODEL` checks the whole model)");
+            log::warn!("storage.verify checks streamed reads; --resident reads the weights once, unchecked (`sluice verify --check --model MODEL` checks the whole model)");
         }
         let gpu_layers = board.compute.gpu_layers().min(i32::MAX as u32) as i32;
-        let model = generate::load_model_with(
+        let model = sluice::stream::resident::load_resident(
             model_path,
             &ggml_sys::ModelParams { n_gpu_layers: gpu_layers, ..Default::default() },
         )?;

@@ -52,6 +52,10 @@ pub enum GenerateError {
     /// llama.cpp reported an error.
     #[error(transparent)]
     Llama(ggml_sys::Error),
+    /// The model file failed a storage guarantee of the resident load (it cannot be read, or it
+    /// changed while it was read).
+    #[error("{0}")]
+    Storage(String),
 }
 
 impl GenerateError {

@@ -17,6 +17,7 @@ pub mod load;
 pub mod lookahead;
 pub mod record;
 pub mod residency;
+pub mod resident;
 pub mod routing;
 pub mod session;
 pub mod trace;

@@ -11,7 +11,7 @@ use std::path::PathBuf;
 /// modification time (`cp --preserve=timestamps`, `rsync --inplace -t`, `touch -r`), but not
 /// its ctime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) struct FileIdentity {
+pub(crate) struct FileIdentity {
     dev: u64,
     ino: u64,
     pub(super) size: u64,
@@ -20,7 +20,8 @@ pub(super) struct FileIdentity {
 }
 
 impl FileIdentity {
-    pub(super) fn of(m: &std::fs::Metadata) -> FileIdentity {
+    /// The identity `m` describes.
+    pub(crate) fn of(m: &std::fs::Metadata) -> FileIdentity {
         FileIdentity {
             dev: m.dev(),
             ino: m.ino(),
@@ -31,7 +32,7 @@ impl FileIdentity {
     }
 
     /// How `now` differs from `self`, if it does.
-    pub(super) fn change(&self, now: &FileIdentity) -> Option<String> {
+    pub(crate) fn change(&self, now: &FileIdentity) -> Option<String> {
         if (now.dev, now.ino) != (self.dev, self.ino) {
             Some("it was replaced by another file".into())
         } else if now.size < self.size {

@@ -35,6 +35,7 @@
 //! check.
 
 mod identity;
+pub(crate) use identity::FileIdentity;
 mod job;
 mod lane;
 mod pace;
@@ -48,7 +49,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use identity::{verify_direct, FileIdentity};
+use identity::verify_direct;
 pub use job::{FaultKind, ReadFailure, ReadFault, ReadJob, ReadStats, SliceCheck};
 use lane::{lane_loop, open_lane_files, Queue, Shard, Shared};
 use pace::Pace;
