@@ -13,6 +13,7 @@ mod draft;
 mod error;
 pub mod ext;
 mod gguf;
+mod interruptible_read;
 mod mapping_faults;
 mod model;
 mod pagecache;

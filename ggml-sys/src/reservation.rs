@@ -264,27 +264,21 @@ impl Reservation {
         while done < len {
             let off = file_start + done as u64;
             // SAFETY: off - file_base + (len - done) <= map_len (checked above), so the
-            // destination range lies inside this live mapping; pread writes at most len - done
-            // bytes there.
+            // destination range lies inside this mapping, which is never unmapped while the
+            // process runs (a release maps fresh memory over its pages); the read writes at most
+            // len - done bytes there.
             let n = unsafe {
-                libc::pread(
+                crate::interruptible_read::read_at(
                     fd.as_raw_fd(),
-                    self.map_ptr().add((off - self.file_base) as usize).cast(),
+                    self.map_ptr().add((off - self.file_base) as usize),
                     len - done,
-                    off as libc::off_t,
+                    off,
                 )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
-                }
-                return Err(e);
-            }
+            }?;
             if n == 0 {
                 break;
             }
-            done += n as usize;
+            done += n;
         }
         Ok(done)
     }

@@ -118,6 +118,8 @@ pub struct ReadThrottle {
     dir: PathBuf,
     /// The v1 `blkio` cgroup this created (removed on drop); `None` on v2.
     owned: Option<PathBuf>,
+    /// The file and the line that lift the limit (reads it holds back then go at once).
+    lift: (&'static str, String),
 }
 
 impl ReadThrottle {
@@ -134,7 +136,8 @@ impl ReadThrottle {
                 let dir = PathBuf::from(&blkio.point).join(name);
                 make_dir(&dir)?;
                 let setup = |source| CgroupError::Setup { dir: dir.clone(), source };
-                let throttle = ReadThrottle { dir: dir.clone(), owned: Some(dir.clone()) };
+                let lift = ("blkio.throttle.read_bps_device", format!("{major}:{minor} 0"));
+                let throttle = ReadThrottle { dir: dir.clone(), owned: Some(dir.clone()), lift };
                 write(&dir, "blkio.throttle.read_bps_device", &format!("{major}:{minor} {bytes_per_s}"))
                     .map_err(setup)?;
                 Ok(throttle)
@@ -146,7 +149,7 @@ impl ReadThrottle {
                 }
                 write(&dir, "io.max", &format!("{major}:{minor} rbps={bytes_per_s}"))
                     .map_err(|source| CgroupError::Setup { dir: dir.clone(), source })?;
-                Ok(ReadThrottle { dir, owned: None })
+                Ok(ReadThrottle { dir, owned: None, lift: ("io.max", format!("{major}:{minor} rbps=max")) })
             }
         }
     }
@@ -159,6 +162,7 @@ impl ReadThrottle {
 
 impl Drop for ReadThrottle {
     fn drop(&mut self) {
+        let _ = write(&self.dir, self.lift.0, &self.lift.1);
         if let Some(dir) = &self.owned {
             remove_when_empty(dir);
         }

@@ -158,3 +158,67 @@ fn a_same_size_rewrite_with_the_modification_time_restored_is_an_error() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("changed while it was loaded"), "{err}");
 }
+
+#[test]
+fn a_read_the_kernel_holds_back_ends_the_run_within_the_bound() {
+    use sluice_hal::cgroup::{MemoryCgroup, ReadThrottle};
+    use sluice_hal::{root::SysRoot, storage::StorageProbe};
+    if common::emulated() {
+        println!("skipped: under an emulator");
+        return;
+    }
+    // A real stall, where the injector's is in user space: the model's disk throttled to 2 kB/s,
+    // so an O_DIRECT read of a tensor waits in the kernel for a minute. A pread waits there
+    // uninterruptibly and held the exit until the read returned (70 s); through io_uring the
+    // process leaves it behind.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let model = dir.path().join("m.gguf");
+    let o = sluice_command().args(["synth", "--out", model.to_str().unwrap()]).output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let Some(disk) = StorageProbe::disk_of_file(&SysRoot::default(), &model) else {
+        println!("skipped: {} is on no block device", model.display());
+        return;
+    };
+    let cg = match MemoryCgroup::create(&format!("sluice-test-held-read-{}", std::process::id()), 1 << 30) {
+        Ok(cg) => cg,
+        Err(e) => return println!("skipped: {e}"),
+    };
+    let throttle = match ReadThrottle::create(&cg, disk, 2048) {
+        Ok(t) => t,
+        Err(e) => return println!("skipped: {e}"),
+    };
+    // The binary and the model's mapped parts come from the page cache, not through the throttle.
+    let bin = env!("CARGO_BIN_EXE_sluice");
+    for f in [Path::new(bin), &model] {
+        std::io::copy(&mut std::fs::File::open(f).unwrap(), &mut std::io::sink()).unwrap();
+    }
+    let mut dirs = vec![cg.dir().to_path_buf()];
+    if throttle.dir() != cg.dir() {
+        dirs.push(throttle.dir().to_path_buf());
+    }
+    let joins: String = dirs.iter().map(|d| format!("echo $$ > '{}/cgroup.procs' && ", d.display())).collect();
+    let script = format!("{joins}exec '{bin}' run -m '{}' -n 4 -p hi --no-overlap", model.display());
+    let t0 = Instant::now();
+    let mut run = Command::new("sh")
+        .arg("-c")
+        .arg(&script)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let status = loop {
+        if let Some(s) = run.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(150), "the run did not end");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let took = t0.elapsed();
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut err).unwrap();
+    println!("a held read: exit {:?} after {:.1} s", status.code(), took.as_secs_f64());
+    assert_eq!(status.code(), Some(1), "{err}");
+    assert!(err.contains("not read within") && err.contains("m.gguf"), "{err}");
+    assert!(took < BOUND, "the exit waited for the held read: {took:?}\n{err}");
+}

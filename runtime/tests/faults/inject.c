@@ -12,6 +12,8 @@
 
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <stdarg.h>
+#include <sys/syscall.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -113,4 +115,25 @@ size_t fread(void * buf, size_t size, size_t n, FILE * stream) {
         return 0;
     }
     return real_fread(buf, size, n, stream);
+}
+
+// Reads through io_uring would pass the injector by: the process sees a kernel without io_uring
+// (as where `kernel.io_uring_disabled` is set) and reads with pread, where the faults are.
+long syscall(long number, ...) {
+    if (number == SYS_io_uring_setup) {
+        errno = ENOSYS;
+        return -1;
+    }
+    static long (*real)(long, ...) = NULL;
+    if (real == NULL) {
+        real = (long (*)(long, ...)) dlsym(RTLD_NEXT, "syscall");
+    }
+    va_list ap;
+    va_start(ap, number);
+    long a[6];
+    for (int i = 0; i < 6; i++) {
+        a[i] = va_arg(ap, long);
+    }
+    va_end(ap);
+    return real(number, a[0], a[1], a[2], a[3], a[4], a[5]);
 }
