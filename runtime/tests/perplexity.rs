@@ -200,5 +200,8 @@ fn a_long_run_of_one_character_tokenizes_in_linear_work() {
     let large = bytes_asked_tokenizing(dir.path(), &so, &model, 512 << 10);
     let per_byte = large.saturating_sub(small) / (448 << 10);
     println!("tokenizing: {small} bytes asked for 64 KiB, {large} for 512 KiB: {per_byte} a byte of text");
-    assert!(per_byte < 1000, "{per_byte} bytes asked a byte of text: not linear ({small} for 64 KiB, {large} for 512 KiB)");
+    assert!(
+        per_byte < 1000,
+        "{per_byte} bytes asked a byte of text: not linear ({small} for 64 KiB, {large} for 512 KiB)"
+    );
 }

@@ -580,7 +580,11 @@ fn a_worker_answering_malformed_or_not_at_all_is_an_error_on_the_head() {
         }),
         // ggml asserts on a buffer that ends past the address space: both ends are checked first
         ("a buffer of 2^64-1 bytes", |c, p| {
-            Some(if c == ALLOC_BUFFER { [0x1000u64.to_le_bytes(), u64::MAX.to_le_bytes()].concat() } else { honest(c, p) })
+            Some(if c == ALLOC_BUFFER {
+                [0x1000u64.to_le_bytes(), u64::MAX.to_le_bytes()].concat()
+            } else {
+                honest(c, p)
+            })
         }),
         ("a buffer base of 2^64-4096", |c, p| {
             Some(if c == BUFFER_GET_BASE { (u64::MAX - 4095).to_le_bytes().to_vec() } else { honest(c, p) })

@@ -152,8 +152,7 @@ fn a_same_size_rewrite_with_the_modification_time_restored_is_an_error() {
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("changed since it was opened"), "{err}");
     // The resident load too: the file changed while it was read.
-    let (o, _) =
-        faulty_run(&so, &model, (t.at, t.at + t.data.len() as u64), "rewrite", &["-p", "hi", "--resident"]);
+    let (o, _) = faulty_run(&so, &model, (t.at, t.at + t.data.len() as u64), "rewrite", &["-p", "hi", "--resident"]);
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("changed while it was loaded"), "{err}");

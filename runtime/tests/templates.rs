@@ -39,7 +39,10 @@ fn hostile_templates() -> Vec<(&'static str, String)> {
         ("not not not ...", format!("{{{{ {}true }}}}", "not ".repeat(50_000))),
         ("nested loops", "{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}".into()),
         // no statement in the body: every iteration and every item range() makes is a step
-        ("nested empty loops", "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}ok".into()),
+        (
+            "nested empty loops",
+            "{% for i in range(10000) %}{% for j in range(10000) %}{% endfor %}{% endfor %}ok".into(),
+        ),
         ("string doubling", "{% set s = 'ab' %}{% for i in range(64) %}{% set s = s + s %}{% endfor %}{{ s }}".into()),
         ("a range of 2^40", "{% for i in range(1099511627776) %}{{ i }}{% endfor %}".into()),
         ("string repetition", "{{ 'x' * 10000000000 }}".into()),
