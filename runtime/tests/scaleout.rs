@@ -150,6 +150,24 @@ fn wait_for_health(server: &Server, status: &str) -> Value {
     }
 }
 
+/// A degraded server answers a request with 503 naming the worker at `endpoint`.
+fn assert_refused_naming(server: &Server, endpoint: &str) {
+    let r = server.request("POST", "/v1/completions", Some(r#"{"prompt":"hi","max_tokens":4}"#));
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.body.contains(endpoint), "{}", r.body);
+}
+
+/// A server that serves again gives a request its 16 tokens.
+fn assert_serves_16_tokens(server: &Server) {
+    let r = server.request(
+        "POST",
+        "/v1/completions",
+        Some(&format!(r#"{{"prompt":"hi","max_tokens":16,"temperature":0,"logit_bias":{{"{EOS}":-100}}}}"#)),
+    );
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 16, "{}", r.body);
+}
+
 #[test]
 fn a_worker_lost_mid_generation_fails_the_request_and_the_server_serves_again_once_it_is_back() {
     let dir = tempfile::tempdir().unwrap();
@@ -173,18 +191,10 @@ fn a_worker_lost_mid_generation_fails_the_request_and_the_server_serves_again_on
     // Degraded until the worker is back; requests meanwhile get 503 naming it.
     let h = wait_for_health(&server, "degraded");
     assert!(h["reason"].as_str().unwrap().contains(&w2.endpoint), "{h}");
-    let r = server.request("POST", "/v1/completions", Some(r#"{"prompt":"hi","max_tokens":4}"#));
-    assert_eq!(r.status, 503, "{}", r.body);
-    assert!(r.body.contains(&w2.endpoint), "{}", r.body);
+    assert_refused_naming(&server, &w2.endpoint);
     let _w2 = Worker::start(dir.path(), "w2", WORKER_MIB, Some(w2.port()));
     wait_for_health(&server, "ready");
-    let r = server.request(
-        "POST",
-        "/v1/completions",
-        Some(&format!(r#"{{"prompt":"hi","max_tokens":16,"temperature":0,"logit_bias":{{"{EOS}":-100}}}}"#)),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.json()["usage"]["completion_tokens"], 16, "{}", r.body);
+    assert_serves_16_tokens(&server);
     let log = server.log();
     assert!(log.contains("answers again: loading the model") && !log.contains("panicked"), "{log}");
     drop(w1);
@@ -212,18 +222,10 @@ fn a_worker_that_stops_answering_degrades_the_server_until_it_answers_again() {
     assert!(h["reason"].as_str().unwrap().contains(&proxy.endpoint), "{h}");
     let status = server.request("GET", "/status", None).json();
     assert!(status.to_string().contains(&proxy.endpoint), "/status does not name the worker: {status}");
-    let r = server.request("POST", "/v1/completions", Some(r#"{"prompt":"hi","max_tokens":4}"#));
-    assert_eq!(r.status, 503, "{}", r.body);
-    assert!(r.body.contains(&proxy.endpoint), "{}", r.body);
+    assert_refused_naming(&server, &proxy.endpoint);
     // Back: the server loads the model again and serves.
     proxy.speak();
     wait_for_health(&server, "ready");
-    let r = server.request(
-        "POST",
-        "/v1/completions",
-        Some(&format!(r#"{{"prompt":"hi","max_tokens":16,"temperature":0,"logit_bias":{{"{EOS}":-100}}}}"#)),
-    );
-    assert_eq!(r.status, 200, "{}", r.body);
-    assert_eq!(r.json()["usage"]["completion_tokens"], 16, "{}", r.body);
+    assert_serves_16_tokens(&server);
     assert!(!server.log().contains("panicked"), "{}", server.log());
 }
