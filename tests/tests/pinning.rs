@@ -74,10 +74,13 @@ fn compute_threads_and_io_lanes_run_on_the_profile_cores() {
     for snapshot in &seen {
         let new: Vec<_> = snapshot.iter().filter(|(tid, _)| !before.contains(tid)).collect();
         let lanes: Vec<_> = new.iter().filter(|(_, (comm, _))| comm.starts_with("sluice-io")).collect();
-        let workers: Vec<_> = new.iter().filter(|(_, (comm, _))| !comm.starts_with("sluice-io")).collect();
+        // The kernel's io_uring workers of the lanes' rings (`iou-wrk-*`) take their lane's cores.
+        let lane_helpers: Vec<_> = new.iter().filter(|(_, (comm, _))| comm.starts_with("iou-")).collect();
+        let workers: Vec<_> =
+            new.iter().filter(|(_, (comm, _))| !comm.starts_with("sluice-io") && !comm.starts_with("iou-")).collect();
         assert_eq!(lanes.len(), 2, "{new:?}");
         assert!(!workers.is_empty(), "no ggml worker thread found: {new:?}");
-        for (tid, (comm, cpus)) in lanes {
+        for (tid, (comm, cpus)) in lanes.into_iter().chain(lane_helpers) {
             assert_eq!(cpus, &vec![io], "I/O lane {tid} ({comm})");
         }
         for (tid, (comm, cpus)) in workers {
