@@ -69,9 +69,9 @@ pub(crate) fn chat_caught(call: &'static str) -> Result<()> {
 /// The bounds of one template parse or render (vendor patch 0010, llama.cpp's Jinja engine):
 /// nesting of statements, expressions, calls and values (a recursive macro overflows no stack),
 /// steps (statements executed, loop iterations, items made), the largest string, array or
-/// object, and the time. Real templates use a
-/// few dozen levels, thousands of statements and well under a second; a template past a bound
-/// is an error, which `serve` answers as for a template that does not parse.
+/// object, and the time. Real templates use a few dozen levels, thousands of statements and well
+/// under a second; a template past a bound is an error, which `serve` answers as for a template
+/// that does not parse.
 pub mod template_bounds {
     /// Levels of nesting.
     pub const DEPTH: usize = 1000;

@@ -7,7 +7,6 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use rand_chacha::rand_core::{RngCore, SeedableRng};
@@ -16,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 mod common;
 mod serving;
 mod workers;
-use common::sluice_command;
+use common::{run_within, sluice_command};
 use serving::{synth, PATIENCE};
 use workers::{SilentProxy, Worker};
 
@@ -617,28 +616,16 @@ fn a_worker_that_stops_answering_mid_run_fails_it_within_one_call_bound() {
     let w = start_worker(dir.path(), &[]);
     // Silent after the tenth graph: mid-generation.
     let proxy = SilentProxy::start(&w.endpoint, 10);
-    let t0 = Instant::now();
-    let mut run = sluice_command()
-        .args(["run", "--model", model.to_str().unwrap(), "--prompt", "hi", "-n", "4000", "--rpc", &proxy.endpoint])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
     // One call bound (60 s) ends the wait; every request after it completes at once instead of
     // reconnecting (each reconnection took a connect and a handshake bound, for ever).
-    let status = loop {
-        if let Some(status) = run.try_wait().unwrap() {
-            break status;
-        }
-        if t0.elapsed() > Duration::from_secs(150) {
-            let _ = run.kill();
-            panic!("run still waits on the silent worker after {:?}", t0.elapsed());
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let mut err = String::new();
-    run.stderr.take().unwrap().read_to_string(&mut err).unwrap();
-    println!("run failed {:?} after the start:\n{err}", t0.elapsed());
+    let (status, err, took) = run_within(
+        sluice_command()
+            .args(["run", "--model", model.to_str().unwrap(), "--prompt", "hi", "-n", "4000"])
+            .args(["--rpc", &proxy.endpoint]),
+        Duration::from_secs(150),
+    );
+    let status = status.unwrap_or_else(|| panic!("run still waited on the silent worker after {took:?}:\n{err}"));
+    println!("run failed {took:?} after the start:\n{err}");
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(err.contains(&proxy.endpoint), "the error does not name the worker:\n{err}");
 }

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 mod common;
 mod fuzzing;
-use common::sluice_command;
+use common::{run_within, sluice_command};
 use fuzzing::Gguf;
 
 /// The read bound of the lanes and of the header (`stream::READ_BOUND`) and some slack.
@@ -197,25 +197,9 @@ fn a_read_the_kernel_holds_back_ends_the_run_within_the_bound() {
     }
     let joins: String = dirs.iter().map(|d| format!("echo $$ > '{}/cgroup.procs' && ", d.display())).collect();
     let script = format!("{joins}exec '{bin}' run -m '{}' -n 4 -p hi --no-overlap", model.display());
-    let t0 = Instant::now();
-    let mut run = Command::new("sh")
-        .arg("-c")
-        .arg(&script)
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let status = loop {
-        if let Some(s) = run.try_wait().unwrap() {
-            break s;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(150), "the run did not end");
-        std::thread::sleep(Duration::from_millis(100));
-    };
-    let took = t0.elapsed();
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut run.stderr.take().unwrap(), &mut err).unwrap();
+    let (status, err, took) =
+        run_within(Command::new("sh").arg("-c").arg(&script).env_remove("RUST_LOG"), Duration::from_secs(150));
+    let status = status.unwrap_or_else(|| panic!("the run did not end:\n{err}"));
     println!("a held read: exit {:?} after {:.1} s", status.code(), took.as_secs_f64());
     assert_eq!(status.code(), Some(1), "{err}");
     assert!(err.contains("not read within") && err.contains("m.gguf"), "{err}");

@@ -206,15 +206,21 @@ pub fn drop_cached(path: &Path) -> std::io::Result<()> {
 /// `/proc/self/io`; each call adds its own read of that file, about a hundred bytes), if the
 /// kernel reports it.
 pub fn process_read_chars() -> Option<u64> {
-    let text = std::fs::read_to_string("/proc/self/io").ok()?;
-    text.lines().find_map(|l| l.strip_prefix("rchar:")).and_then(|v| v.trim().parse().ok())
+    self_io("rchar")
 }
 
 /// Bytes this process has caused to be read from storage so far (`read_bytes` of
 /// `/proc/self/io`), if the kernel reports it.
 pub fn process_read_bytes() -> Option<u64> {
+    self_io("read_bytes")
+}
+
+/// The counter `field` of `/proc/self/io`, if the kernel reports it.
+fn self_io(field: &str) -> Option<u64> {
     let text = std::fs::read_to_string("/proc/self/io").ok()?;
-    text.lines().find_map(|l| l.strip_prefix("read_bytes:")).and_then(|v| v.trim().parse().ok())
+    text.lines()
+        .find_map(|l| l.strip_prefix(field).and_then(|rest| rest.strip_prefix(':')))
+        .and_then(|v| v.trim().parse().ok())
 }
 
 #[cfg(test)]

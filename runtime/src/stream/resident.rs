@@ -29,8 +29,9 @@ const OWN_READS: u64 = 1024;
 /// says. A stall ends the process with exit status 1 after printing why: the read that stalls
 /// cannot be interrupted, and waiting on it would wait on the storage.
 pub fn load_resident(path: &Path, params: &ModelParams) -> Result<Model, GenerateError> {
-    let identity = |p: &Path| std::fs::metadata(p).map(|m| FileIdentity::of(&m));
-    let before = identity(path).map_err(|e| GenerateError::Storage(format!("{}: {e}", path.display())))?;
+    let identity =
+        || FileIdentity::of_path(path).map_err(|e| GenerateError::Storage(format!("{}: {e}", path.display())));
+    let before = identity()?;
     let done = Arc::new(AtomicBool::new(false));
     let watchdog = {
         let (done, path) = (Arc::clone(&done), path.to_path_buf());
@@ -43,7 +44,7 @@ pub fn load_resident(path: &Path, params: &ModelParams) -> Result<Model, Generat
     done.store(true, Ordering::SeqCst);
     let _ = watchdog.join();
     let model = loaded?;
-    let after = identity(path).map_err(|e| GenerateError::Storage(format!("{}: {e}", path.display())))?;
+    let after = identity()?;
     match before.change(&after) {
         Some(change) => Err(GenerateError::Storage(format!(
             "{} changed while it was loaded: {change}; the weights read are neither the old file nor the new one, run again",

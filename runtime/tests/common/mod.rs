@@ -31,3 +31,34 @@ pub fn sluice_command_at(bin: &Path) -> Command {
 pub fn emulated() -> bool {
     std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty())
 }
+
+/// Runs `cmd` with its standard output discarded, for at most `limit`: its exit status (`None`
+/// when it ran past the limit and was killed), its standard error (read as it comes, so a full
+/// pipe never stops it) and how long it ran.
+pub fn run_within(
+    cmd: &mut Command,
+    limit: std::time::Duration,
+) -> (Option<std::process::ExitStatus>, String, std::time::Duration) {
+    use std::process::Stdio;
+    let t0 = std::time::Instant::now();
+    let mut child = cmd.stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("spawn the command");
+    let mut stderr = child.stderr.take().expect("piped standard error");
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut stderr, &mut s);
+        s
+    });
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait for the command") {
+            break Some(s);
+        }
+        if t0.elapsed() > limit {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let took = t0.elapsed();
+    (status, reader.join().unwrap_or_default(), took)
+}

@@ -20,15 +20,16 @@ pub(crate) struct FileIdentity {
 }
 
 impl FileIdentity {
-    /// The identity `m` describes.
-    pub(crate) fn of(m: &std::fs::Metadata) -> FileIdentity {
-        FileIdentity {
+    /// What the file at `path` is now.
+    pub(crate) fn of_path(path: &std::path::Path) -> io::Result<FileIdentity> {
+        let m = std::fs::metadata(path)?;
+        Ok(FileIdentity {
             dev: m.dev(),
             ino: m.ino(),
             size: m.size(),
             mtime: (m.mtime(), m.mtime_nsec()),
             ctime: (m.ctime(), m.ctime_nsec()),
-        }
+        })
     }
 
     /// How `now` differs from `self`, if it does.

@@ -275,7 +275,7 @@ pub(super) fn read_job(
 /// read is caught too), and with `--verify` the bytes that landed must match their checksum.
 fn check_landed(shared: &Shared, job: &ReadJob) -> io::Result<()> {
     let shard = &shared.shards[job.shard];
-    let now = std::fs::metadata(&shard.path).map(|m| FileIdentity::of(&m));
+    let now = FileIdentity::of_path(&shard.path);
     match now.as_ref().map(|now| shard.identity.change(now)) {
         Ok(None) => {}
         Ok(Some(change)) => {

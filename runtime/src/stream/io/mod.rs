@@ -92,7 +92,7 @@ impl IoLanes {
         let shards = shards
             .iter()
             .map(|p| {
-                let identity = FileIdentity::of(&std::fs::metadata(p)?);
+                let identity = FileIdentity::of_path(p)?;
                 let direct = config.direct
                     && match verify_direct(p) {
                         Ok(()) => true,
