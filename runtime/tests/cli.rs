@@ -750,3 +750,38 @@ fn quantize_writes_a_model_that_runs_and_refuses_what_it_cannot_write() {
     assert_clean_error(&sluice(&["quantize", "-m", m, "-o", "x.gguf", "--type", "f16"], dir.path()), "--type f16");
     assert_clean_error(&sluice(&["quantize", "-m", m, "-o", m, "--type", "q8_0"], dir.path()), "is the --model");
 }
+
+#[test]
+fn replay_reads_a_foreign_trace_at_shares_of_the_experts_and_writes_the_summary() {
+    let dir = tempfile::tempdir().unwrap();
+    // Two layers of four 1 MiB experts, top-1, six decodes of one BigMoeOnEdge turn.
+    let mut text = "# route_trace v1\n# model=/m/Tiny.gguf arch=qwen3moe n_layer=2 n_expert=4 n_expert_used=1\n\
+                    # layer=0 expert_bytes=1048576 dense_bytes=1\n# layer=1 expert_bytes=1048576 dense_bytes=1\n\
+                    turn,phase,step,layer,slot,expert,weight,residency,expert_bytes\n"
+        .to_string();
+    for (step, e) in [0, 1, 0, 1, 0, 2].into_iter().enumerate() {
+        for layer in 0..2 {
+            text += &format!("0,1,{step},{layer},0,{e},1.0,0,1048576\n");
+        }
+    }
+    let trace = dir.path().join("t.route.csv");
+    std::fs::write(&trace, text).unwrap();
+    let csv = dir.path().join("replay.csv");
+    let o = sluice(
+        &["replay", "--trace", trace.to_str().unwrap(), "--cache-share", "25,50", "--csv", csv.to_str().unwrap()],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("12 layer steps (6 single-token decodes) of 2 layers x 4 experts"), "{}", stderr(&o));
+    let csv = std::fs::read_to_string(csv).unwrap();
+    let rows: Vec<&str> = csv.lines().collect();
+    assert_eq!(rows[0], "policy,cache,hit_pct,of_min_pct");
+    // At half the experts (four), every policy keeps 0 and 1 of both layers: 6 hits of 12.
+    for policy in ["lru", "frequency", "adaptive", "default", "best-fixed-set", "belady-min"] {
+        assert!(rows.iter().any(|r| r.starts_with(&format!("{policy},50%,50.0,"))), "{policy}: {csv}");
+    }
+    let o = sluice(&["replay", "--trace", trace.to_str().unwrap(), "--cache-share", "0"], dir.path());
+    assert_clean_error(&o, "give a percentage above 0 and at most 100");
+    let o = sluice(&["replay", "--trace", trace.to_str().unwrap()], dir.path());
+    assert_clean_error(&o, "give --cache-mb or --cache-share");
+}

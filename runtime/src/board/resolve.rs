@@ -16,7 +16,7 @@ use super::BoardError;
 use crate::stream::CachePolicy;
 
 /// The expert cache's policy where neither the profile nor the command line names one.
-const DEFAULT_CACHE_POLICY: CachePolicy = CachePolicy::Frequency;
+const DEFAULT_CACHE_POLICY: CachePolicy = CachePolicy::DEFAULT;
 /// Why.
 const DEFAULT_CACHE_POLICY_WHY: &str =
     "default: frequency, nearer Belady's MIN than lru in replays of the bench models' routes (docs/benchmarks.md)";

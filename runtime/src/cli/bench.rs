@@ -291,8 +291,8 @@ fn note_isolated(
 /// at half and twice that; prints the table and writes `out`/replay.csv.
 fn write_replay(path: &std::path::Path, out: &std::path::Path) -> Result<()> {
     let trace = sluice::stream::RouteTrace::load(path)?;
-    let budgets = [trace.budget / 2, trace.budget, trace.budget * 2];
-    let outcomes = sluice::replay::compare(&trace, &sluice::stream::CachePolicy::ALL, &budgets);
+    let sizes = [trace.budget / 2, trace.budget, trace.budget * 2].map(sluice::replay::CacheSize::bytes);
+    let outcomes = sluice::replay::compare(&trace, &sluice::stream::CachePolicy::ALL, &sizes);
     outln!(
         "replay of the serial automatic-cache row's routes ({} cache; {}):\n{}",
         trace.policy,

@@ -11,12 +11,13 @@
 //! ceiling of online policies when a token's routes do not depend on the tokens before it.
 
 mod belady;
+pub mod formats;
 mod hindsight;
 mod report;
 
 pub use belady::belady;
 pub use hindsight::hindsight;
-pub use report::{csv, table};
+pub use report::{csv, summary_csv, table};
 
 use crate::stream::cache::{ExpertCache, LayerPlan};
 use crate::stream::{CachePolicy, RouteTrace};
@@ -73,6 +74,33 @@ impl Tally {
     }
 }
 
+/// A cache size to replay at: its budget and how it was asked for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheSize {
+    /// The budget, bytes.
+    pub budget: u64,
+    /// The size as asked: MiB, or a share of the experts (for reports).
+    pub label: String,
+}
+
+impl CacheSize {
+    /// `mib` MiB.
+    pub fn mib(mib: u64) -> CacheSize {
+        CacheSize { budget: mib << 20, label: mib.to_string() }
+    }
+
+    /// `budget` bytes, labelled in MiB.
+    pub fn bytes(budget: u64) -> CacheSize {
+        CacheSize { budget, label: format!("{:.1}", crate::units::mib(budget)) }
+    }
+
+    /// `percent` of all of `trace`'s experts' bytes, labelled `percent%`.
+    pub fn share(trace: &RouteTrace, percent: f64) -> CacheSize {
+        let all: u64 = trace.expert_bytes.iter().sum();
+        CacheSize { budget: (all as f64 * percent / 100.0) as u64, label: format!("{percent}%") }
+    }
+}
+
 /// What a replay counted.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Outcome {
@@ -80,6 +108,8 @@ pub struct Outcome {
     pub policy: Replayed,
     /// The budget, bytes.
     pub budget: u64,
+    /// The cache size as asked (for reports).
+    pub cache: String,
     /// Every step (prompt batches included): what the live cache's counters count.
     pub all: Tally,
     /// Single-token decodes only: what decode speed depends on.
@@ -95,6 +125,7 @@ impl Outcome {
         Outcome {
             policy,
             budget,
+            cache: crate::units::mib(budget).to_string(),
             all: Tally::default(),
             decode: Tally::default(),
             per_layer: vec![Tally::default(); n_layer as usize],
@@ -150,13 +181,18 @@ pub fn replay(trace: &RouteTrace, policy: CachePolicy, budget: u64) -> Outcome {
 }
 
 /// Replays `trace` under each online policy of `policies`, the best fixed set in hindsight and
-/// MIN at each of `budgets`.
-pub fn compare(trace: &RouteTrace, policies: &[CachePolicy], budgets: &[u64]) -> Vec<Outcome> {
-    budgets
+/// MIN at each of `sizes`.
+pub fn compare(trace: &RouteTrace, policies: &[CachePolicy], sizes: &[CacheSize]) -> Vec<Outcome> {
+    sizes
         .iter()
-        .flat_map(|&b| {
+        .flat_map(|size| {
+            let b = size.budget;
             let offline = [hindsight(trace, b), belady(trace, b)];
-            policies.iter().map(move |&p| replay(trace, p, b)).chain(offline)
+            policies
+                .iter()
+                .map(move |&p| replay(trace, p, b))
+                .chain(offline)
+                .map(|o| Outcome { cache: size.label.clone(), ..o })
         })
         .collect()
 }

@@ -132,13 +132,14 @@ fn the_replay_of_a_staged_prompt_passes_what_the_live_cache_passes() {
 
 #[test]
 fn the_table_names_each_policy_and_its_share_of_min() {
-    let outcomes = compare(&trace(), &CachePolicy::ALL, &[30]);
+    let outcomes = compare(&trace(), &CachePolicy::ALL, &[CacheSize { budget: 30, label: "30 B".into() }]);
     let policies: Vec<Replayed> = outcomes.iter().map(|o| o.policy).collect();
     assert_eq!(
         policies,
         [
             Replayed::Online(CachePolicy::Lru),
             Replayed::Online(CachePolicy::Frequency),
+            Replayed::Online(CachePolicy::Adaptive),
             Replayed::Hindsight,
             Replayed::Min
         ]
@@ -151,5 +152,9 @@ fn the_table_names_each_policy_and_its_share_of_min() {
     );
     assert!(text.contains("layer 1 %"), "{text}");
     let csv = csv(&outcomes);
-    assert_eq!(csv.lines().count(), 5, "{csv}");
+    assert_eq!(csv.lines().count(), 6, "{csv}");
+    let summary = summary_csv(&outcomes, CachePolicy::Lru);
+    let rows: Vec<&str> = summary.lines().collect();
+    assert_eq!(rows[..3], ["policy,cache,hit_pct,of_min_pct", "lru,30 B,25.0,33.3", "default,30 B,25.0,33.3"]);
+    assert_eq!(rows.last(), Some(&"belady-min,30 B,75.0,100.0"));
 }

@@ -9,38 +9,13 @@
 //! layer lets it shrink back; a layer that needs more than that keeps what the budget holds and
 //! lets the rest pass through (read in waves, given back once computed).
 
+mod adaptive;
+mod policy;
+
 use std::collections::BTreeSet;
 
-/// Which resident expert goes first when room is needed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CachePolicy {
-    /// Least recently used.
-    Lru,
-    /// Least often routed, each routing's weight halving every [`HALF_LIFE_DECODES`] decodes:
-    /// an expert routed in many recent tokens stays over one routed once, and one that stops
-    /// being routed ages out. Ties go to the least recently used.
-    Frequency,
-}
-
-impl CachePolicy {
-    /// Every policy, for comparisons (`sluice replay`, `bench --trace`).
-    pub const ALL: [CachePolicy; 2] = [CachePolicy::Lru, CachePolicy::Frequency];
-
-    /// The policy's name as the command line and the profiles spell it.
-    pub fn name(self) -> &'static str {
-        match self {
-            CachePolicy::Lru => "lru",
-            CachePolicy::Frequency => "frequency",
-        }
-    }
-}
-
-impl std::fmt::Display for CachePolicy {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+use adaptive::{Ghosts, HALF_LIVES};
+pub use policy::CachePolicy;
 
 /// Counters since the cache was created.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -75,6 +50,19 @@ pub const HALF_LIFE_DECODES: u64 = 4;
 /// An eviction key: the smallest goes first.
 type Key = (u64, u64);
 
+/// The half-life of [`HALF_LIVES`] that [`CachePolicy::Frequency`] ranks by.
+const FREQUENCY_HALF_LIFE: usize = 2;
+const _: () = assert!(HALF_LIVES[FREQUENCY_HALF_LIFE] == HALF_LIFE_DECODES as f64);
+
+/// How resident experts are ranked for eviction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ranking {
+    /// By the last routing.
+    Recency,
+    /// By the decayed frequency at half-life `HALF_LIVES[.0]`, then by the last routing.
+    Decayed(usize),
+}
+
 /// Fixed-point scale of a frequency score in a key (32 fractional bits).
 const SCORE_SCALE: f64 = (1u64 << 32) as f64;
 
@@ -89,9 +77,12 @@ struct Slot {
     pinned_epoch: u64,
     /// Times routed (distinct per layer and decode), kept across evictions.
     uses: u64,
-    /// Frequency: log2 of the sum of `2^(t / half-life)` over the plans `t` that routed it (the
-    /// decayed count, scaled by the growing `2^(now / half-life)` so no stored score changes).
-    score: f64,
+    /// At each half-life of [`HALF_LIVES`]: log2 of the sum of `2^(t / half-life)` over the
+    /// plans `t` that routed it (the decayed count, scaled by the growing `2^(now / half-life)`
+    /// so no stored score changes).
+    score: [f64; HALF_LIVES.len()],
+    /// The recency stamp of its last routing.
+    routed: u64,
     key: Key,
 }
 
@@ -108,8 +99,12 @@ pub struct ExpertCache {
     stamp: u64,
     /// The next admitted expert's stamp (counts down).
     admitted: u64,
-    /// Frequency: layer plans per half-life.
-    half_life: f64,
+    /// Layers: plans per decode.
+    plans_per_decode: u64,
+    /// How the resident experts are ranked now.
+    ranking: Ranking,
+    /// Adaptive: the ghost caches of each half-life.
+    ghosts: Option<Box<Ghosts>>,
     budget: u64,
     used: u64,
     epoch: u64,
@@ -148,7 +143,19 @@ impl ExpertCache {
     ) -> ExpertCache {
         let n = (n_layer * n_expert) as usize;
         let sizes = (0..n as u32).map(|i| bytes(i / n_expert, i % n_expert)).collect();
-        let slot = Slot { resident: false, ever_loaded: false, pinned_epoch: 0, uses: 0, score: 0.0, key: (0, 0) };
+        let slot = Slot {
+            resident: false,
+            ever_loaded: false,
+            pinned_epoch: 0,
+            uses: 0,
+            score: [0.0; HALF_LIVES.len()],
+            routed: 0,
+            key: (0, 0),
+        };
+        let ranking = match policy {
+            CachePolicy::Lru => Ranking::Recency,
+            CachePolicy::Frequency | CachePolicy::Adaptive => Ranking::Decayed(FREQUENCY_HALF_LIFE),
+        };
         ExpertCache {
             policy,
             n_expert,
@@ -157,7 +164,9 @@ impl ExpertCache {
             order: BTreeSet::new(),
             stamp: STAMP_ORIGIN,
             admitted: STAMP_ORIGIN,
-            half_life: (HALF_LIFE_DECODES * u64::from(n_layer.max(1))) as f64,
+            plans_per_decode: u64::from(n_layer.max(1)),
+            ranking,
+            ghosts: (policy == CachePolicy::Adaptive).then(|| Box::new(Ghosts::new(n))),
             budget,
             used: 0,
             epoch: 0,
@@ -214,28 +223,37 @@ impl ExpertCache {
         layer * self.n_expert + e
     }
 
-    /// Entry `i` was just routed: its key as the policy ranks it now (recency, or decayed
-    /// frequency with recency breaking ties).
-    fn routed_key(&mut self, i: u32) -> Key {
-        self.stamp += 1;
-        match self.policy {
-            CachePolicy::Lru => (self.stamp, 0),
-            CachePolicy::Frequency => ((self.slots[i as usize].score * SCORE_SCALE) as u64, self.stamp),
+    /// Entry `i`'s key under `ranking`.
+    fn key(&self, i: u32, ranking: Ranking) -> Key {
+        let slot = &self.slots[i as usize];
+        match ranking {
+            Ranking::Recency => (slot.routed, 0),
+            Ranking::Decayed(h) => ((slot.score[h] * SCORE_SCALE) as u64, slot.routed),
         }
     }
 
-    /// Counts a routing of entry `i` in this plan into its decayed frequency.
+    /// Entry `i` was just routed: its key as the cache ranks it now.
+    fn routed_key(&mut self, i: u32) -> Key {
+        self.stamp += 1;
+        self.slots[i as usize].routed = self.stamp;
+        self.key(i, self.ranking)
+    }
+
+    /// Counts a routing of entry `i` in this plan into its decayed frequencies.
     fn count_use(&mut self, i: u32) {
-        let now = self.epoch as f64 / self.half_life;
+        let decodes = self.epoch as f64 / self.plans_per_decode as f64;
         let slot = &mut self.slots[i as usize];
         slot.uses += 1;
-        slot.score = if slot.uses == 1 {
-            now
-        } else {
-            // log2(2^score + 2^now), from the larger term.
-            let (hi, lo) = if slot.score > now { (slot.score, now) } else { (now, slot.score) };
-            hi + (lo - hi).exp2().ln_1p() / std::f64::consts::LN_2
-        };
+        for (score, &h) in slot.score.iter_mut().zip(&HALF_LIVES) {
+            let now = decodes / h;
+            *score = if slot.uses == 1 {
+                now
+            } else {
+                // log2(2^score + 2^now), from the larger term.
+                let (hi, lo) = if *score > now { (*score, now) } else { (now, *score) };
+                hi + (lo - hi).exp2().ln_1p() / std::f64::consts::LN_2
+            };
+        }
     }
 
     /// Re-keys resident entry `i`.
@@ -297,6 +315,39 @@ impl ExpertCache {
                 plan.load.push(e);
             }
         }
+        if let Some(ghosts) = self.ghosts.as_deref_mut() {
+            let entries: Vec<u32> = ids.iter().map(|&e| layer * self.n_expert + e).collect();
+            let decay = (-1.0 / (adaptive::WINDOW_DECODES * self.plans_per_decode) as f64).exp2();
+            let (slots, bytes, epoch) = (&self.slots, &self.bytes, self.epoch);
+            ghosts.plan(
+                &entries,
+                self.budget,
+                decay,
+                |h, i| {
+                    let s = &slots[i as usize];
+                    ((s.score[h] * SCORE_SCALE) as u64, s.routed)
+                },
+                |i| slots[i as usize].pinned_epoch == epoch,
+                |i| bytes[i as usize],
+            );
+        }
+        if self.policy == CachePolicy::Adaptive && staging.is_some() {
+            self.admit_misses(layer, plan);
+        } else {
+            self.evict_for(layer, incoming, plan, staging);
+        }
+        for &e in &plan.load {
+            let i = self.idx(layer, e);
+            let key = self.routed_key(i);
+            self.make_resident(i, key);
+        }
+        self.follow_leader();
+    }
+
+    /// Evicts the lowest-ranked experts of other layers until the layer's misses (`incoming`
+    /// bytes, in `plan.load`) fit; with `staging`, misses beyond the budget and its staging
+    /// allowance move to `plan.pass`.
+    fn evict_for(&mut self, layer: u32, incoming: u64, plan: &mut LayerPlan, staging: Option<u64>) {
         // Evict from the low end, skipping what this layer needs.
         let mut freed = 0u64;
         for &(_, i) in &self.order {
@@ -325,11 +376,6 @@ impl ExpertCache {
                 }
                 fits
             });
-        }
-        for &e in &plan.load {
-            let i = self.idx(layer, e);
-            let key = self.routed_key(i);
-            self.make_resident(i, key);
         }
     }
 

@@ -136,7 +136,7 @@ fn frequency_ages_out_an_expert_no_longer_routed() {
 }
 
 #[test]
-fn both_policies_keep_what_the_layer_needs_and_count_alike() {
+fn every_policy_keeps_what_the_layer_needs_and_counts_alike() {
     for policy in CachePolicy::ALL {
         let mut c = ExpertCache::new(policy, 2, 4, 20, |_, _| 10);
         plan(&mut c, 0, &[0, 1]);
@@ -145,4 +145,44 @@ fn both_policies_keep_what_the_layer_needs_and_count_alike() {
         assert!((0..3).all(|e| c.is_resident(1, e)), "{policy}");
         assert_eq!(c.counters(), CacheCounters { hits: 0, misses: 5, evictions: 2, rereads: 0 }, "{policy}");
     }
+}
+
+#[test]
+fn admission_keeps_out_what_ranks_below_its_victim_and_evicts_what_ranks_below_it() {
+    // Keys (score, stamp): entries 1..=3 resident at keys 10, 20 and 30 (entry 3 pinned); the
+    // misses rank 25 and 5, each 10 bytes, with 10 bytes of room short.
+    let order: BTreeSet<(Key, u32)> = [((10, 0), 1), ((20, 0), 2), ((30, 0), 3)].into();
+    let a = adaptive::admit(&order, |i| i == 3, vec![((5, 0), 8), ((25, 0), 9)], -10, |_| 10);
+    // 9 outranks 1 and 2: both go (10 short, then room for 9). 8 ranks below 3, the only one
+    // left and pinned anyway: it passes through.
+    assert_eq!((a.admitted, a.passed, a.evicted), (vec![9], vec![8], vec![1, 2]));
+    // With room, nothing is evicted and both stay.
+    let a = adaptive::admit(&order, |_| false, vec![((5, 0), 8), ((25, 0), 9)], 20, |_| 10);
+    assert_eq!((a.admitted, a.passed, a.evicted), (vec![9, 8], vec![], vec![]));
+}
+
+#[test]
+fn adaptive_passes_a_newcomer_through_then_follows_the_text_to_its_new_experts() {
+    // One layer (a decode is one plan), room for three: 0, 1 and 2 routed together for twenty
+    // decodes, then 3, 4 and 5 for twenty.
+    let mut c = ExpertCache::new(CachePolicy::Adaptive, 1, 8, 30, |_, _| 10);
+    let plan_staged = |c: &mut ExpertCache, ids: &[u32]| {
+        let mut p = LayerPlan::default();
+        c.plan_layer(0, ids, &mut p, Some(0));
+        p
+    };
+    for _ in 0..20 {
+        plan_staged(&mut c, &[0, 1, 2]);
+    }
+    // The newcomers rank below twenty decodes of use: read, used and given back.
+    let p = plan_staged(&mut c, &[3, 4, 5]);
+    assert_eq!((p.load.len(), p.pass.len(), p.evict.len()), (0, 3, 0));
+    for _ in 0..19 {
+        plan_staged(&mut c, &[3, 4, 5]);
+    }
+    assert!((3..6).all(|e| c.is_resident(0, e)), "the cache followed the text to 3, 4 and 5");
+    // Without a staging allowance (a layer that cannot pass experts through) it keeps them all.
+    let mut p = LayerPlan::default();
+    c.plan_layer(0, &[6], &mut p, None);
+    assert_eq!((p.load, p.pass.len(), p.evict.len()), (vec![6], 0, 1));
 }

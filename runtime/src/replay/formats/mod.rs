@@ -1,0 +1,220 @@
+//! Route traces recorded by other engines, read into a [`RouteTrace`] so `sluice replay` runs
+//! them through the same cache, best fixed set and MIN as its own traces.
+//!
+//! Every format gives, for each token and each MoE layer, the experts the router chose. Tokens
+//! become single-token decode steps, the sequences of a trace (a dataset's problems, a folder's
+//! prompts) one after another with the cache carried over, as a server would run them. A format
+//! that records its prompt's rows can add the prompt first as one batch step per layer
+//! ([`ReadOptions::prompt`]), as the engine would plan it; the decode statistics never count it.
+//!
+//! - [`Format::RouteCsv`]: BigMoeOnEdge's `route_trace v1` CSV (one row per turn, phase, step,
+//!   layer and slot; the header gives the model's shape and each layer's expert bytes).
+//! - [`Format::SpeculativeMoe`]: the JSON lines of speculative-moe's profiler (one row per
+//!   problem, layer and decode token; or, in its `routing_raw` files, per layer and batch
+//!   position, prompt then decode). Rows are indexed per layer and a few are missing near the
+//!   end of a problem, so each problem keeps the tokens every layer has.
+//! - [`Format::MoeBeyond`]: a folder of moe-beyond's `prompt_<n>_data.csv` (one row per layer
+//!   and prompt token of one forward pass: with causal attention each token is routed as a
+//!   decode of the same text would be).
+//! - [`Format::Sluice`]: `sluice bench --trace`'s own file.
+
+mod moe_beyond;
+mod route_csv;
+mod speculative;
+
+#[cfg(test)]
+mod tests;
+
+use std::path::{Path, PathBuf};
+
+use crate::stream::{CachePolicy, RouteRecord, RouteTrace, TraceError};
+
+/// The bytes each expert is given where a format records none: 1 MiB, so a budget in MiB is
+/// a count of experts.
+pub const UNSIZED_EXPERT_BYTES: u64 = 1 << 20;
+
+/// A route trace's file format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// `sluice bench --trace`'s file.
+    Sluice,
+    /// BigMoeOnEdge's `route_trace v1` CSV (`*.route.csv`).
+    RouteCsv,
+    /// speculative-moe's routing JSON lines (`*_routing.jsonl`, `routing_raw`).
+    SpeculativeMoe,
+    /// A folder of moe-beyond's `prompt_<n>_data.csv`.
+    MoeBeyond,
+}
+
+/// How a foreign trace is read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReadOptions {
+    /// Add the prompt's rows, where the format has them, as one batch step per layer before the
+    /// decodes (the engine plans a prompt so).
+    pub prompt: bool,
+}
+
+/// Why a trace could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum FormatError {
+    /// Reading the file or folder failed.
+    #[error("route trace {path}: {source}")]
+    Io {
+        /// The file or folder.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The contents are not the format's.
+    #[error("route trace {path}: {detail}")]
+    Bad {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, and where.
+        detail: String,
+    },
+    /// The format could not be told from the contents.
+    #[error(
+        "route trace {0}: not a format sluice reads (a sluice trace, a BigMoeOnEdge *.route.csv, \
+         speculative-moe JSON lines or a folder of moe-beyond prompt_<n>_data.csv); name it with --format"
+    )]
+    Unknown(PathBuf),
+    /// A sluice trace could not be read.
+    #[error(transparent)]
+    Sluice(#[from] TraceError),
+}
+
+/// The routes of one trace before they become steps: sequences of tokens, each token a list
+/// over MoE layers of the routed experts (`None` where the source has no row for the layer).
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct Routes {
+    /// The model's name, for reports.
+    pub model: String,
+    /// MoE layers.
+    pub n_layer: u32,
+    /// Experts per layer (0: one more than the largest id seen).
+    pub n_expert: u32,
+    /// Each layer's expert bytes where the source records them.
+    pub layer_bytes: Option<Vec<u64>>,
+    /// The prompt rows of each sequence (empty where the format has none, or not asked).
+    pub prompts: Vec<Vec<Token>>,
+    /// The decode rows of each sequence.
+    pub sequences: Vec<Vec<Token>>,
+}
+
+/// One token's routed experts per layer.
+pub(crate) type Token = Vec<Option<Vec<u32>>>;
+
+/// Tells the format of `path` from its contents: a folder is moe-beyond's; a file by its first
+/// bytes.
+pub fn detect(path: &Path) -> Result<Format, FormatError> {
+    let io = |source| FormatError::Io { path: path.into(), source };
+    if std::fs::metadata(path).map_err(io)?.is_dir() {
+        return Ok(Format::MoeBeyond);
+    }
+    let mut head = [0u8; 64];
+    let n = std::io::Read::read(&mut std::fs::File::open(path).map_err(io)?, &mut head).map_err(io)?;
+    let head = &head[..n];
+    if head.starts_with(b"SLUICERT") {
+        Ok(Format::Sluice)
+    } else if head.starts_with(route_csv::MAGIC.as_bytes()) {
+        Ok(Format::RouteCsv)
+    } else if head.trim_ascii_start().starts_with(b"{") {
+        Ok(Format::SpeculativeMoe)
+    } else {
+        Err(FormatError::Unknown(path.into()))
+    }
+}
+
+/// Reads the trace at `path` in `format` (told from the contents when `None`).
+pub fn read(path: &Path, format: Option<Format>, options: ReadOptions) -> Result<RouteTrace, FormatError> {
+    let format = match format {
+        Some(f) => f,
+        None => detect(path)?,
+    };
+    let routes = match format {
+        Format::Sluice => return Ok(RouteTrace::load(path)?),
+        Format::RouteCsv => route_csv::read(path, options)?,
+        Format::SpeculativeMoe => speculative::read(path, options)?,
+        Format::MoeBeyond => moe_beyond::read(path)?,
+    };
+    into_trace(routes).map_err(|detail| FormatError::Bad { path: path.into(), detail })
+}
+
+/// The steps of `routes`: per sequence its prompt as one batch step per layer (the union of its
+/// tokens' experts), then each token's layers as single-token decodes.
+fn into_trace(routes: Routes) -> Result<RouteTrace, String> {
+    let every = routes.prompts.iter().chain(&routes.sequences).flatten().flatten().flatten().flatten();
+    let n_expert = match every.clone().max() {
+        _ if routes.n_expert > 0 => routes.n_expert,
+        Some(&m) => m + 1,
+        None => return Err("no routed experts in it".into()),
+    };
+    if let Some(e) = every.clone().find(|&&e| e >= n_expert) {
+        return Err(format!("expert id {e} is out of range for the {n_expert} experts the header declares"));
+    }
+    if routes.n_layer == 0 || u64::from(routes.n_layer) * u64::from(n_expert) > 1 << 24 {
+        return Err(format!("{} layers of {n_expert} experts is not a model's shape", routes.n_layer));
+    }
+    let expert_bytes = match &routes.layer_bytes {
+        Some(b) => b.iter().flat_map(|&b| std::iter::repeat_n(b, n_expert as usize)).collect(),
+        None => vec![UNSIZED_EXPERT_BYTES; (routes.n_layer * n_expert) as usize],
+    };
+    let mut steps = Vec::new();
+    let mut decode = 0u64;
+    let empty = Vec::new();
+    for (i, sequence) in routes.sequences.iter().enumerate() {
+        let prompt = routes.prompts.get(i).unwrap_or(&empty);
+        if !prompt.is_empty() {
+            for layer in 0..routes.n_layer {
+                let mut experts: Vec<u32> = Vec::new();
+                for e in prompt.iter().filter_map(|t| t[layer as usize].as_ref()).flatten() {
+                    if !experts.contains(e) {
+                        experts.push(*e);
+                    }
+                }
+                if !experts.is_empty() {
+                    let tokens = prompt.len().try_into().unwrap_or(u32::MAX);
+                    steps.push(RouteRecord { decode, layer, tokens, staged: true, experts });
+                }
+            }
+            decode += 1;
+        }
+        for token in sequence {
+            for (layer, experts) in token.iter().enumerate() {
+                if let Some(experts) = experts {
+                    let mut distinct = experts.clone();
+                    let mut seen = vec![false; n_expert as usize];
+                    distinct.retain(|&e| !std::mem::replace(&mut seen[e as usize], true));
+                    steps.push(RouteRecord { decode, layer: layer as u32, tokens: 1, staged: true, experts: distinct });
+                }
+            }
+            decode += 1;
+        }
+    }
+    Ok(RouteTrace {
+        model: routes.model,
+        n_layer: routes.n_layer,
+        n_expert,
+        expert_bytes,
+        staging: 0,
+        budget: 0,
+        policy: CachePolicy::Frequency,
+        steps,
+    })
+}
+
+/// A CSV reader's error as "line N: column `name`: what", naming the column where the error
+/// is in one.
+fn csv_error(e: &csv::Error, headers: Option<&csv::StringRecord>) -> String {
+    match e.kind() {
+        csv::ErrorKind::Deserialize { pos: Some(pos), err } => {
+            let column = err.field().and_then(|i| headers?.get(i as usize));
+            match column {
+                Some(c) => format!("line {}: column `{c}`: {}", pos.line(), err.kind()),
+                None => format!("line {}: {}", pos.line(), err.kind()),
+            }
+        }
+        _ => e.to_string(),
+    }
+}
