@@ -16,6 +16,65 @@ struct Router {
     n_embd: usize,
     weights: Vec<f32>,
     bias: Option<Vec<f32>>,
+    /// The weight of the norm that makes the router's input (`x = rms_norm(h) * norm`), where
+    /// the graph shows it: a guess for the next layer swaps this layer's for the next one's.
+    norm: Option<Vec<f32>>,
+}
+
+/// Decodes a layer is guessed before its record decides whether its guesses are read.
+const TRIAL_DECODES: u64 = 8;
+
+/// The share of a layer's routed experts its guesses must have named for them to be read
+/// ahead: below it, more than half of what the guesses read would be wasted.
+pub const MIN_GUESS_RATE: f64 = 0.5;
+
+/// How well one layer's experts were guessed: over the single-token decodes whose layer
+/// before guessed it, the experts routed and how many of them the guess named.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GuessTally {
+    /// Decodes in which the layer was guessed.
+    pub decodes: u64,
+    /// Experts the layer's router chose in those decodes.
+    pub routed: u64,
+    /// Of them, those the guess named.
+    pub guessed: u64,
+}
+
+impl GuessTally {
+    /// The share of routed experts the guesses named (0 when none was guessed).
+    pub fn rate(&self) -> f64 {
+        if self.routed == 0 {
+            0.0
+        } else {
+            self.guessed as f64 / self.routed as f64
+        }
+    }
+}
+
+/// The guesses per layer as one line: each guessed layer's share of routed experts named, and
+/// all layers' together (empty when no layer was guessed).
+pub fn describe_tally(tally: &[GuessTally]) -> String {
+    let all = tally.iter().fold(GuessTally::default(), |a, t| GuessTally {
+        decodes: a.decodes + t.decodes,
+        routed: a.routed + t.routed,
+        guessed: a.guessed + t.guessed,
+    });
+    if all.routed == 0 {
+        return String::new();
+    }
+    let layers: Vec<String> = tally
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| t.routed > 0)
+        .map(|(l, t)| format!("{l}: {:.1}", 100.0 * t.rate()))
+        .collect();
+    format!(
+        "lookahead guessed {:.1}% of the routed experts ({} of {}); per layer %: {}",
+        100.0 * all.rate(),
+        all.guessed,
+        all.routed,
+        layers.join(", ")
+    )
 }
 
 /// Every layer's router copy and the scratch of a guess.
@@ -24,6 +83,10 @@ pub struct Lookahead {
     routers: Vec<Option<Router>>,
     scores: Vec<(f32, u32)>,
     guess: Vec<u32>,
+    /// Each layer's last guess, until its router has chosen.
+    pending: Vec<Vec<u32>>,
+    /// Each layer's guesses against its router's choices.
+    tally: Vec<GuessTally>,
 }
 
 /// The elements of `t` as f32, for the types routers are stored in (llama.cpp's quantizer
@@ -57,6 +120,11 @@ fn router_product<'a>(topk: &TensorView<'a>) -> Option<(TensorView<'a>, Option<T
     None
 }
 
+/// The layer of a top-k node (`ffn_moe_topk-<il>`).
+fn topk_layer(topk: &TensorView<'_>) -> Option<u32> {
+    topk.name().strip_prefix("ffn_moe_topk-")?.parse().ok()
+}
+
 impl Lookahead {
     /// Lookahead over `n_layer` layers of `n_expert` experts; it knows no router yet.
     pub fn new(n_layer: u32, n_expert: u32) -> Lookahead {
@@ -65,7 +133,37 @@ impl Lookahead {
             routers: (0..n_layer).map(|_| None).collect(),
             scores: Vec::with_capacity(n_expert as usize),
             guess: Vec::new(),
+            pending: vec![Vec::new(); n_layer as usize],
+            tally: vec![GuessTally::default(); n_layer as usize],
         }
+    }
+
+    /// Whether `layer`'s guesses are worth reading: still on trial, or naming at least
+    /// [`MIN_GUESS_RATE`] of what its router chose so far. (A layer below it is still guessed
+    /// and scored, so it is read again once its guesses improve.)
+    pub fn worth_reading(&self, layer: u32) -> bool {
+        self.tally.get(layer as usize).is_some_and(|t| t.decodes < TRIAL_DECODES || t.rate() >= MIN_GUESS_RATE)
+    }
+
+    /// Each layer's guesses against its router's choices so far.
+    pub fn tally(&self) -> &[GuessTally] {
+        &self.tally
+    }
+
+    /// Scores the pending guess of `layer` (if any) against the experts its router `chose`
+    /// for a single token.
+    pub fn score(&mut self, layer: u32, chose: &[u32]) {
+        let (Some(pending), Some(tally)) = (self.pending.get_mut(layer as usize), self.tally.get_mut(layer as usize))
+        else {
+            return;
+        };
+        if pending.is_empty() {
+            return;
+        }
+        tally.decodes += 1;
+        tally.routed += chose.len() as u64;
+        tally.guessed += chose.iter().filter(|e| pending.contains(e)).count() as u64;
+        pending.clear();
     }
 
     /// Bytes of the router copies held.
@@ -90,7 +188,13 @@ impl Lookahead {
         }
         let Some(weights) = floats(&w).filter(|v| v.len() == n_embd * self.n_expert) else { return };
         let bias = bias.and_then(|b| floats(&b)).filter(|b| b.len() == self.n_expert);
-        *slot = Some(Router { n_embd, weights, bias });
+        let norm = product
+            .src(1)
+            .filter(|x| x.op_name() == "MUL")
+            .and_then(|x| x.src(1))
+            .filter(|g| g.name().ends_with("norm.weight") && g.ne()[0] as usize == n_embd && g.ne()[1] == 1)
+            .and_then(|g| floats(&g));
+        *slot = Some(Router { n_embd, weights, bias, norm });
     }
 
     /// The `k` experts `next`'s router would choose for the single token whose router input is
@@ -103,8 +207,18 @@ impl Lookahead {
         if x.ty() != GgmlType::F32 || x.ne()[0] as usize != r.n_embd || x.ne()[1] != 1 {
             return &self.guess;
         }
-        let Some(input) = floats(&x) else { return &self.guess };
-        self.choose(next, &input, k)
+        let Some(mut input) = floats(&x) else { return &self.guess };
+        let this = topk_layer(topk).and_then(|l| self.routers.get(l as usize)).and_then(Option::as_ref);
+        if let (Some(ours), Some(theirs)) = (this.and_then(|r| r.norm.as_ref()), r.norm.as_ref()) {
+            for ((v, &a), &b) in input.iter_mut().zip(ours).zip(theirs) {
+                *v = if a == 0.0 { 0.0 } else { *v / a * b };
+            }
+        }
+        self.choose(next, &input, k);
+        if let Some(pending) = self.pending.get_mut(next as usize) {
+            pending.clone_from(&self.guess);
+        }
+        &self.guess
     }
 
     /// The `k` best-scored experts of `next`'s router for `input`, best first (ties: the lower
@@ -132,7 +246,7 @@ mod tests {
         let mut look = Lookahead::new(3, 4);
         // Layer 2's router over a 2-wide input: expert e scores row_e . x + bias_e.
         let weights = vec![1.0, 0.0, 0.0, 1.0, -1.0, 0.0, 0.5, 0.5];
-        look.routers[2] = Some(Router { n_embd: 2, weights, bias: Some(vec![0.0, 0.0, 0.0, 0.6]) });
+        look.routers[2] = Some(Router { n_embd: 2, weights, bias: Some(vec![0.0, 0.0, 0.0, 0.6]), norm: None });
         let x = [1.0, 0.2];
         // Scores: 1.0, 0.2, -1.0, 0.6 + 0.6 = 1.2.
         assert_eq!(look.choose(2, &x, 2), &[3, 0]);
@@ -143,5 +257,25 @@ mod tests {
         look.routers[2].as_mut().unwrap().bias = None;
         assert_eq!(look.choose(2, &x, 1), &[0]);
         assert_eq!(look.bytes(), 8 * 4);
+    }
+
+    #[test]
+    fn each_layers_guesses_are_scored_against_what_its_router_chose() {
+        let mut look = Lookahead::new(3, 4);
+        // Layer 1 was guessed {3, 0} and chose {0, 2}; then {1, 2} and chose {1, 2}. Layer 2
+        // was never guessed, so what it chose counts nowhere.
+        for (guess, chose) in [([3, 0], [0, 2]), ([1, 2], [2, 1])] {
+            look.pending[1] = guess.to_vec();
+            look.score(1, &chose);
+            look.score(2, &[0, 1]);
+        }
+        look.score(1, &[3, 0]);
+        assert_eq!(look.tally()[1], GuessTally { decodes: 2, routed: 4, guessed: 3 });
+        assert_eq!(look.tally()[2], GuessTally::default());
+        assert_eq!(
+            describe_tally(look.tally()),
+            "lookahead guessed 75.0% of the routed experts (3 of 4); per layer %: 1: 75.0"
+        );
+        assert_eq!(describe_tally(&[GuessTally::default()]), "");
     }
 }

@@ -23,7 +23,8 @@ impl Streamer {
         if index.layer_tensors(next).next().is_none() {
             return;
         }
-        for &e in lookahead.guess(t, next, t.ne()[0] as usize) {
+        let worth = lookahead.worth_reading(next);
+        for &e in lookahead.guess(t, next, t.ne()[0] as usize).iter().take_while(|_| worth) {
             if memory.is_resident(next, e) {
                 continue;
             }

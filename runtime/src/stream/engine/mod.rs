@@ -206,6 +206,11 @@ impl Streamer {
         self.memory.slots()
     }
 
+    /// Each layer's lookahead guesses against its router's choices (`--lookahead` only).
+    pub fn lookahead_tally(&self) -> Option<&[super::lookahead::GuessTally]> {
+        self.lookahead.as_ref().map(Lookahead::tally)
+    }
+
     /// Bytes of the lookahead's router copies (the ledger's `lookahead routers` line bounds it).
     pub fn lookahead_bytes(&self) -> u64 {
         self.lookahead.as_ref().map_or(0, Lookahead::bytes)
@@ -325,6 +330,9 @@ impl Streamer {
         }
         let memory = &self.memory;
         self.stats.substituted += self.routing.read(t, layer, |e| memory.is_resident(layer, e))?;
+        if let Some(lookahead) = self.lookahead.as_mut().filter(|_| t.ne()[1] == 1) {
+            lookahead.score(layer, self.routing.ids());
+        }
         // What was read ahead for this layer and not chosen is dropped, the rest waited for.
         self.collect(Some(layer))?;
         let tokens = t.ne()[1];
