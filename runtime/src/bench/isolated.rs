@@ -29,6 +29,9 @@ use sluice_hal::usage::Usage;
 pub enum ChildKind {
     /// llama.cpp's own mmap load, no streaming.
     Resident,
+    /// The compute bound: llama.cpp's mmap load with the whole model in RAM (read into the page
+    /// cache first; outside the budget's cgroup and unthrottled).
+    Compute,
     /// Serial streaming with no expert cache.
     StreamedNoCache,
     /// Overlapped streaming with no expert cache.
@@ -88,6 +91,7 @@ pub fn kinds(
 ) -> Vec<(ChildKind, u32)> {
     let mut kinds = vec![
         ChildKind::Resident,
+        ChildKind::Compute,
         ChildKind::StreamedNoCache,
         ChildKind::StreamedNoCacheOverlap,
         ChildKind::StreamedAuto,
@@ -166,10 +170,11 @@ pub fn run_child(
             };
             return Ok(ChildOutput::Conversation(rows));
         }
-        ChildKind::Resident => run_resident(model, &index.shards, prompt, &params)?,
+        ChildKind::Resident => run_resident(model, &index.shards, prompt, &params, false)?,
+        ChildKind::Compute => run_resident(model, &index.shards, prompt, &params, true)?,
         ChildKind::ResidentDraft => {
             let params = GenerateParams { draft: Some(NGRAM_DRAFT_MAX), ..params };
-            run_resident(model, &index.shards, prompt, &params)?
+            run_resident(model, &index.shards, prompt, &params, false)?
         }
         _ => {
             let row = StreamedRow::of(kind, lossy);
@@ -335,11 +340,14 @@ pub struct IsolatedReport {
     pub sweep: Vec<SweepPoint>,
     /// The conversation rows (empty unless asked for).
     pub conversations: Vec<BenchRow>,
+    /// The compute bound: tokens per second decoded with every weight in RAM.
+    pub compute_tok_s: f64,
 }
 
 /// Parent side: runs every kind of [`kinds`] in its own child and cgroup.
 pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let (mut rows, mut ceiling, mut sweep, mut conversations) = (Vec::new(), None, Vec::new(), Vec::new());
+    let mut compute_tok_s = 0.0;
     let kinds = kinds(plan.draft, plan.verify, &plan.lossy, plan.sweep, &plan.boards, plan.conversations);
     let _load = super::competing::CompetingLoad::start(plan.competing)?;
     for (i, &(kind, count)) in kinds.iter().enumerate() {
@@ -348,8 +356,13 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
             .map(|w| LoopbackWorker::start(&plan.exe, &plan.global_args, plan.budget, &format!("{i}-worker{w}")))
             .collect::<Result<Vec<_>, _>>()?;
         let rpc: Vec<String> = workers.iter().map(|w| w.endpoint.clone()).collect();
-        let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), plan.budget)?;
-        let throttle = plan.throttle.map(|t| ReadThrottle::create(&cg, t.disk, t.bytes_per_s)).transpose()?;
+        // The compute row has the machine's memory and storage: its cgroup only measures it.
+        let (limit, throttle) = match kind {
+            ChildKind::Compute => (u64::MAX >> 2, None),
+            _ => (plan.budget, plan.throttle),
+        };
+        let cg = MemoryCgroup::create(&format!("sluice-bench-{}-{i}", std::process::id()), limit)?;
+        let throttle = throttle.map(|t| ReadThrottle::create(&cg, t.disk, t.bytes_per_s)).transpose()?;
         let kind_name = format!("{kind:?}");
         log::info!("bench: {kind_name} in {} ({} MiB)", cg.dir().display(), plan.budget >> 20);
         let mut joins = vec![cg.dir().to_path_buf()];
@@ -395,6 +408,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
                 }
                 conversations.extend(turns);
             }
+            ChildOutput::Row(row) if kind == ChildKind::Compute => compute_tok_s = row.tokens_per_s,
             ChildOutput::Row(mut row) => {
                 row.cgroup_peak = cg.peak();
                 // Every board's limit hits: the head's and the workers'.
@@ -416,5 +430,5 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
         status: "no result".into(),
         stderr: String::new(),
     })?;
-    Ok(IsolatedReport { rows, ceiling, sweep, conversations })
+    Ok(IsolatedReport { rows, ceiling, sweep, conversations, compute_tok_s })
 }

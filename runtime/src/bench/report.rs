@@ -13,6 +13,15 @@ fn io_bound(r: &BenchRow, ceiling: f64) -> Option<f64> {
     (r.read_mib_s.is_some() && r.mib_per_token > 0.0).then(|| ceiling / r.mib_per_token)
 }
 
+/// The smaller of the row's I/O bound (`ceiling` MiB/s over its MiB per token, where it read
+/// experts) and the `compute` bound (the all-in-RAM decode, tok/s).
+fn bound(r: &BenchRow, ceiling: Option<f64>, compute: Option<f64>) -> Option<f64> {
+    match (ceiling.and_then(|c| io_bound(r, c)), compute.filter(|&c| c > 0.0)) {
+        (Some(io), Some(c)) => Some(io.min(c)),
+        (io, c) => io.or(c),
+    }
+}
+
 /// One column of a results table: header and the cell of each row.
 pub(crate) struct Column {
     header: String,
@@ -30,8 +39,10 @@ fn opt<T>(v: Option<T>, f: impl Fn(T) -> String) -> String {
 
 /// The results as a table: each row's speed relative to the first (the mmap-resident
 /// reference), whether its tokens equal the first's, and, when `ceiling` (the storage ceiling in
-/// MiB/s) is given, expert reads as a share of it. Cgroup columns appear for isolated runs.
-pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
+/// MiB/s) is given, expert reads as a share of it; with `compute` (the all-in-RAM decode,
+/// tok/s), each row's speed as a share of the smaller of its I/O bound and the compute.
+/// Cgroup columns appear for isolated runs.
+pub fn table(rows: &[BenchRow], ceiling: Option<f64>, compute: Option<f64>) -> String {
     let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
     let first = rows.first().map(|r| r.tokens.clone()).unwrap_or_default();
     let isolated = rows.iter().any(|r| r.cgroup_peak.is_some());
@@ -65,6 +76,12 @@ pub fn table(rows: &[BenchRow], ceiling: Option<f64>) -> String {
         cols.push(column("I/O bound tok/s", rows, |r| opt(io_bound(r, c), |b| format!("{b:.2}"))));
         cols.push(column("% I/O bound", rows, |r| {
             opt(io_bound(r, c), |b| format!("{:.0}", 100.0 * r.tokens_per_s / b))
+        }));
+    }
+    if let Some(c) = compute {
+        cols.push(column("compute tok/s", rows, |_| format!("{c:.2}")));
+        cols.push(column("% min(I/O, compute)", rows, |r| {
+            opt(bound(r, ceiling, compute), |b| format!("{:.0}", 100.0 * r.tokens_per_s / b))
         }));
     }
     cols.push(column("open s", rows, |r| format!("{:.2}", r.open_s)));
@@ -132,9 +149,9 @@ fn conversation_columns(rows: &[BenchRow]) -> Vec<Column> {
 }
 
 /// The results as CSV (one header line, one record per configuration, quoted where a field needs
-/// it; sizes in MiB).
-pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
-    const HEADER: [&str; 22] = [
+/// it; sizes in MiB); bounds as [`table`] has them.
+pub fn csv(rows: &[BenchRow], ceiling: Option<f64>, compute: Option<f64>) -> String {
+    const HEADER: [&str; 25] = [
         "config",
         "cache_mib",
         "tok_s",
@@ -157,6 +174,9 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
         "top1_agreement",
         "mean_kl",
         "same_text",
+        "compute_tok_s",
+        "bound_tok_s",
+        "share_of_bound",
     ];
     let base = rows.first().map_or(0.0, |r| r.tokens_per_s);
     let num = |v: Option<f64>| v.map_or(String::new(), |v| format!("{v:.4}"));
@@ -185,6 +205,9 @@ pub fn csv(rows: &[BenchRow], ceiling: Option<f64>) -> String {
             num(r.lossy_quality.map(|q| q.top1)),
             num(r.lossy_quality.map(|q| q.mean_kl)),
             (r.tokens == rows[0].tokens).to_string(),
+            num(compute),
+            num(bound(r, ceiling, compute)),
+            num(bound(r, ceiling, compute).map(|b| r.tokens_per_s / b)),
         ]
     }));
     for record in records {
@@ -224,10 +247,10 @@ mod tests {
     #[test]
     fn a_standard_reader_reads_the_bench_csv_back_field_for_field() {
         let rows = [row("resident-mmap", 2.0), row("streamed, no cache, serial", 5.0)];
-        let text = csv(&rows, Some(1000.0));
+        let text = csv(&rows, Some(1000.0), Some(4.0));
         let mut reader = ::csv::Reader::from_reader(text.as_bytes());
         let width = reader.headers().unwrap().len();
-        assert_eq!(width, 22);
+        assert_eq!(width, 25);
         let records: Vec<::csv::StringRecord> = reader.records().map(Result::unwrap).collect();
         assert_eq!(records.len(), 2);
         assert!(records.iter().all(|r| r.len() == width), "{text}");
@@ -238,5 +261,10 @@ mod tests {
         assert_eq!(&records[1][14], "0.0125", "5 tok/s of the bound");
         assert_eq!(&records[1][17], "96.0", "prefill MiB");
         assert_eq!(&records[1][18], "0.2500", "draft acceptance");
+        assert_eq!(&records[1][23], "4.0000", "the compute bound is below the I/O bound");
+        assert_eq!(&records[0][23], "4.0000", "a row that read no experts is bound by compute");
+        assert_eq!(&records[1][24], "1.2500");
+        let text = table(&rows, Some(1000.0), Some(4.0));
+        assert!(text.lines().next().is_some_and(|h| h.contains("% min(I/O, compute)")), "{text}");
     }
 }

@@ -179,7 +179,7 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         board.selected.id
     );
     let rows = sluice::bench::run(&plan)?;
-    out!("{}", sluice::bench::table(&rows, None));
+    out!("{}", sluice::bench::table(&rows, None, None));
     if rows.iter().any(|r| r.tokens != rows[0].tokens) {
         anyhow::bail!("a streamed configuration generated different tokens from the resident run");
     }
@@ -209,8 +209,13 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let report = isolated::run_isolated(&plan)?;
     let c = report.ceiling;
-    let table = sluice::bench::table(&report.rows, Some(c.single_mib_s));
+    let compute = Some(report.compute_tok_s);
+    let table = sluice::bench::table(&report.rows, Some(c.single_mib_s), compute);
     out!("{table}");
+    outln!(
+        "compute bound (the model decoded with every weight in RAM, outside the cgroup): {:.2} tok/s",
+        report.compute_tok_s
+    );
     outln!(
         "storage ceiling ({}): 1 reader × {} KiB requests {:.1} MiB/s; {} lanes × {} KiB {:.1} MiB/s",
         if c.direct { "O_DIRECT" } else { "buffered: O_DIRECT refused" },
@@ -247,7 +252,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
             .with_context(|| format!("writing {}", path.display()))?;
     }
     let csv = a.out.join("bench.csv");
-    std::fs::write(&csv, sluice::bench::csv(&report.rows, Some(c.single_mib_s)))
+    std::fs::write(&csv, sluice::bench::csv(&report.rows, Some(c.single_mib_s), compute))
         .with_context(|| format!("writing {}", csv.display()))?;
     let svg = a.out.join("bench.svg");
     let title = format!(

@@ -171,7 +171,9 @@ fn run_streamed(
         noteln!();
     }
     let streamer = session.streamer();
-    if let Some(line) = streamer.lookahead_tally().map(sluice::stream::lookahead::describe_tally).filter(|l| !l.is_empty()) {
+    if let Some(line) =
+        streamer.lookahead_tally().map(sluice::stream::lookahead::describe_tally).filter(|l| !l.is_empty())
+    {
         noteln!("{line}");
     }
     let end = RunEnd {
