@@ -70,8 +70,9 @@ pub struct Context<'m> {
     n_vocab: usize,
     // Sequences kept apart (the context's n_seq_max).
     n_seq: u32,
-    // The thread pool attached to raw; dropped after raw is freed.
-    _pool: Option<ThreadPool>,
+    // The thread pool attached to raw; dropped after raw is freed (a ComputeThreads handle may
+    // keep it alive longer: freeing it then only stops its threads).
+    pool: Option<Arc<ThreadPool>>,
     // The callback cell whose address llama.cpp holds as cb_eval_user_data (from
     // Box::into_raw; freed in Drop after raw).
     callback: Option<*mut CallbackCell<'m>>,
@@ -176,9 +177,14 @@ impl<'m> Context<'m> {
             // SAFETY: raw is live; the pool outlives it (both owned by the returned Context, the
             // pool dropped after llama_free). The same pool serves single-token and batch decodes.
             unsafe { sys::llama_attach_threadpool(raw, pool.raw(), pool.raw()) };
-            Some(pool)
+            Some(Arc::new(pool))
         };
-        Ok(Context { raw, n_vocab: model.n_vocab(), n_seq: params.n_seq, _pool: pool, callback, abort: None, model })
+        Ok(Context { raw, n_vocab: model.n_vocab(), n_seq: params.n_seq, pool, callback, abort: None, model })
+    }
+
+    /// A handle on the context's compute threads (when it has its own pool: pinned threads).
+    pub fn compute_threads(&self) -> Option<crate::ComputeThreads> {
+        self.pool.as_ref().map(|p| crate::ComputeThreads::new(Arc::clone(p)))
     }
 
     /// The context length.

@@ -53,7 +53,7 @@ pub use sampler::{GrammarKind, Sampler, SamplerParams};
 pub use services::{backends, extension_services, supports_gpu_offload, ServiceLookup, EXTENSION_SERVICES};
 pub use stdio::stdout_was_closed;
 pub use tensor::{TensorView, WeightTensor};
-pub use threadpool::{SchedPriority, Threads};
+pub use threadpool::{ComputeThreads, SchedPriority, Threads};
 pub use types::GgmlType;
 
 /// The result type of this crate.

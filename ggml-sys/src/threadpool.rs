@@ -116,3 +116,27 @@ impl Drop for ThreadPool {
 // SAFETY: the pool is driven only through the llama_context that owns it, from one thread at a
 // time; its worker threads are ggml's own.
 unsafe impl Send for ThreadPool {}
+
+// SAFETY: the one call made through a shared pool, ggml_threadpool_pause, takes the pool's own
+// mutex; compute still runs only through the owning context.
+unsafe impl Sync for ThreadPool {}
+
+/// A handle on a context's compute threads, for the code that blocks their work: while the
+/// thread that drives the graph waits for something slow (storage), the others should sleep
+/// instead of polling for the next graph and taking the cores the wait needs.
+#[derive(Clone)]
+pub struct ComputeThreads(std::sync::Arc<ThreadPool>);
+
+impl ComputeThreads {
+    pub(crate) fn new(pool: std::sync::Arc<ThreadPool>) -> ComputeThreads {
+        ComputeThreads(pool)
+    }
+
+    /// Lets the idle compute threads sleep now rather than poll (ggml's pool wakes them when it
+    /// hands out the next graph).
+    pub fn rest(&self) {
+        // SAFETY: the pool is live while this handle holds it; pausing takes its mutex, and a
+        // paused pool resumes itself at the next graph's kickoff.
+        unsafe { sys::ggml_threadpool_pause(self.0.raw()) };
+    }
+}

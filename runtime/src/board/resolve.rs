@@ -19,7 +19,7 @@ use crate::stream::CachePolicy;
 const DEFAULT_CACHE_POLICY: CachePolicy = CachePolicy::DEFAULT;
 /// Why.
 const DEFAULT_CACHE_POLICY_WHY: &str =
-    "default: frequency, nearer Belady's MIN than lru in replays of the bench models' routes (docs/benchmarks.md)";
+    "default: adaptive, nearer Belady's MIN than frequency and lru in replays of trained models' routes (docs/benchmarks.md)";
 
 /// Command-line values that override the profile.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -155,6 +155,7 @@ pub fn resolve(
         (None, None) => sourced(DEFAULT_CACHE_POLICY, DEFAULT_CACHE_POLICY_WHY),
     };
     let (compute, compute_via) = compute_service(p, caps, origin, &mut notes)?;
+    let medium = probe.storage.as_ref().map_or(Medium::Other, |s| s.medium);
     Ok(ResolvedBoard {
         compute_via,
         compute_cores,
@@ -163,7 +164,7 @@ pub fn resolve(
         priority: p.cpu.priority,
         poll: p.cpu.poll,
         strict_cpu: p.cpu.strict_cpu,
-        medium: probe.storage.as_ref().map_or(Medium::Other, |s| s.medium),
+        medium,
         read_bytes,
         lanes,
         direct_io: p.storage.direct_io && !overrides.no_direct_io,
@@ -172,7 +173,7 @@ pub fn resolve(
         draft,
         cache_policy,
         expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
-        lookahead: overrides.lookahead.unwrap_or(p.storage.lookahead),
+        lookahead: overrides.lookahead.or(p.storage.lookahead).unwrap_or(medium == Medium::Nvme),
         pace_mbps: overrides.pace_mbps,
         budget,
         compute,

@@ -73,6 +73,12 @@ pub struct Session<'m> {
 }
 
 impl<'m> Session<'m> {
+    /// A handle on the context's compute threads (when the board pins them: ggml then runs its
+    /// own pool), for a streamer to let them sleep while it waits for storage.
+    pub fn compute_threads(&self) -> Option<ggml_sys::ComputeThreads> {
+        self.ctx.compute_threads()
+    }
+
     /// Creates a context of `shape`, with an optional eval callback.
     pub fn new(
         model: &'m Model,

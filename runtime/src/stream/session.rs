@@ -128,7 +128,9 @@ impl<'m> StreamedSession<'m> {
                 threads.cpus.iter().chain(&config.lanes.cpus).copied().collect()
             },
         };
-        let streamer = Arc::new(Mutex::new(Streamer::new(index, source, bound, claims.taken(), sums, settings)));
+        let mut streamer = Streamer::new(index, source, bound, claims.taken(), sums, settings);
+        streamer.set_compute_threads(session.compute_threads());
+        let streamer = Arc::new(Mutex::new(streamer));
         // Set once, before any decode that streams.
         let _ = stages.streamer.set(Arc::clone(&streamer));
         Ok(StreamedSession { session, _claims: claims, streamer, dense_bytes_read })

@@ -24,7 +24,7 @@ impl CachePolicy {
     pub const ALL: [CachePolicy; 3] = [CachePolicy::Lru, CachePolicy::Frequency, CachePolicy::Adaptive];
 
     /// The policy a run uses where neither its profile nor its command line names one.
-    pub const DEFAULT: CachePolicy = CachePolicy::Frequency;
+    pub const DEFAULT: CachePolicy = CachePolicy::Adaptive;
 
     /// The policy's name as the command line and the profiles spell it.
     pub fn name(self) -> &'static str {

@@ -36,15 +36,19 @@ impl Streamer {
         stats.lookahead_reads += ahead.len() as u64;
     }
 
-    /// Takes the experts of `layer` read ahead whole out of the planned loads: resident from
-    /// now on like any load, without a second read (one passing through is read again, as it
-    /// would be; one not planned at all is spare).
+    /// Takes the experts of `layer` read ahead whole out of the planned reads: a load is
+    /// resident from now on like any load, one passing through is used and given back like any
+    /// passing one (`ready_passing`), neither read a second time; one not planned is spare.
     pub(super) fn take_ready(&mut self, layer: u32) {
         for e in self.ready.drain(..) {
             if let Some(i) = self.plan.load.iter().position(|&x| x == e) {
                 self.plan.load.remove(i);
                 self.stats.lookahead_used += 1;
-            } else if !self.plan.pass.contains(&e) {
+            } else if let Some(i) = self.plan.pass.iter().position(|&x| x == e) {
+                self.plan.pass.remove(i);
+                self.ready_passing.push(e);
+                self.stats.lookahead_used += 1;
+            } else {
                 self.spare.push((layer, e));
             }
         }

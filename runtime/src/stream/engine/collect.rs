@@ -16,6 +16,7 @@ impl Streamer {
     /// dropped first; those that did not land whole are not resident afterwards.
     pub(super) fn collect(&mut self, keep: Option<u32>) -> Result<(), StreamError> {
         if !std::mem::take(&mut self.in_flight) {
+            self.release_passing();
             self.release_stale();
             return Ok(());
         }
@@ -36,12 +37,16 @@ impl Streamer {
                 self.spare.push((l, e));
             }
         }
-        for &(l, e) in &self.passing {
-            self.memory.release_expert(l, e);
-        }
-        self.passing.clear();
+        self.release_passing();
         self.release_stale();
         self.account(result)
+    }
+
+    /// Gives back the experts the last layer read to use once (it has computed them).
+    fn release_passing(&mut self) {
+        for (l, e) in self.passing.drain(..) {
+            self.memory.release_expert(l, e);
+        }
     }
 
     /// Gives back the pages that reads of abandoned batches (a bound passed, a cancel) wrote

@@ -119,6 +119,8 @@ pub struct Streamer {
     decode_no: u64,
     /// The guesser of the next layer's experts (`--lookahead`).
     lookahead: Option<Lookahead>,
+    /// The context's compute threads, told to sleep before a wait for storage.
+    compute_threads: Option<ggml_sys::ComputeThreads>,
     /// The (layer, expert) pairs read ahead in the batch out with the lanes (outside the
     /// cache, in the memory of the ledger's I/O staging).
     ahead: Vec<(u32, u32)>,
@@ -126,6 +128,8 @@ pub struct Streamer {
     ahead_jobs: Vec<ReadJob>,
     /// This layer's experts read ahead whole and then routed: planned as loads, not read again.
     ready: Vec<u32>,
+    /// Of them, those the cache lets pass through this layer: computed, then given back.
+    ready_passing: Vec<u32>,
     /// Experts read ahead (whole or not) that their router did not choose: their memory is given
     /// back once the layer's plan has made the chosen ones resident (they may share pages).
     spare: Vec<(u32, u32)>,
@@ -166,9 +170,11 @@ impl Streamer {
             failure: None,
             decode_no: 0,
             lookahead: settings.lookahead.then(|| Lookahead::new(index.n_layer, index.n_expert)),
+            compute_threads: None,
             ahead: Vec::new(),
             ahead_jobs: Vec::new(),
             ready: Vec::new(),
+            ready_passing: Vec::new(),
             spare: Vec::new(),
             source,
             index,
@@ -204,6 +210,22 @@ impl Streamer {
     /// The expert pool's size and use.
     pub fn slots(&self) -> super::residency::SlotUse {
         self.memory.slots()
+    }
+
+    /// Gives the streamer its context's compute threads: before it blocks on storage (a serial
+    /// layer's reads, an overlapped batch's collection) it lets them sleep, so that their
+    /// polling for the next graph (ggml's `poll`, up to 3.5 ms at the profiles' level 50) does
+    /// not take the cores the lanes and the kernel's completions need. Where nothing is read
+    /// they poll as before: the gaps between a decode's graph splits are short.
+    pub fn set_compute_threads(&mut self, threads: Option<ggml_sys::ComputeThreads>) {
+        self.compute_threads = threads;
+    }
+
+    /// Lets the compute threads sleep (see [`Streamer::set_compute_threads`]).
+    pub(super) fn rest_compute_threads(&self) {
+        if let Some(t) = &self.compute_threads {
+            t.rest();
+        }
     }
 
     /// Each layer's lookahead guesses against its router's choices (`--lookahead` only).
@@ -260,6 +282,7 @@ impl Streamer {
         self.ahead.clear();
         self.ahead_jobs.clear();
         self.ready.clear();
+        self.ready_passing.clear();
         self.spare.clear();
         let _ = self.source.lanes().take_lost();
         self.loading.clear();
@@ -328,6 +351,11 @@ impl Streamer {
             self.release_spare();
             return Ok(());
         }
+        // Pages given back or mapped here make the kernel interrupt every CPU the process runs
+        // on (TLB shootdowns): compute threads polling there for the next graph slow each one.
+        if self.in_flight || !self.passing.is_empty() {
+            self.rest_compute_threads();
+        }
         let memory = &self.memory;
         self.stats.substituted += self.routing.read(t, layer, |e| memory.is_resident(layer, e))?;
         if let Some(lookahead) = self.lookahead.as_mut().filter(|_| t.ne()[1] == 1) {
@@ -339,6 +367,9 @@ impl Streamer {
         let in_kernel = !(self.gpu && tokens >= GPU_OFFLOAD_BATCH)
             && self.index.layer_tensors(layer).all(|(k, x)| self.in_kernel[k] && kernel::computes(x.ty, tokens));
         self.plan_layer(layer, in_kernel, tokens);
+        if !self.reads.is_empty() || !self.plan.evict.is_empty() {
+            self.rest_compute_threads();
+        }
         self.release_spare();
         let schedule = self.schedule(in_kernel, tokens);
         if let Some(lookahead) = self.lookahead.as_mut() {
@@ -370,6 +401,7 @@ impl Streamer {
                 // Nothing computes before the whole batch has landed, so the lanes take it in
                 // file order (the graph's use order only matters to an overlapped kernel).
                 self.jobs.sort_unstable_by_key(|j| (j.shard, j.start));
+                self.rest_compute_threads();
                 Some(self.source.lanes().read_all(&mut self.jobs))
             }
         };
@@ -417,7 +449,8 @@ impl Streamer {
         self.loading.clear();
         self.loading.extend(self.plan.load.iter().map(|&e| (layer, e)));
         self.passing.clear();
-        self.passing.extend(self.plan.pass.iter().map(|&e| (layer, e)));
+        self.passing.extend(self.plan.pass.iter().chain(&self.ready_passing).map(|&e| (layer, e)));
+        self.ready_passing.clear();
         self.stats.passed += self.passing.len() as u64;
     }
 }

@@ -39,8 +39,11 @@ pub(super) enum Schedule {
 }
 
 impl Streamer {
-    /// How the planned layer's reads go out: in waves when some pass through, overlapped when
-    /// the kernel computes the whole layer and overlap is on for this batch, else serially.
+    /// How the planned layer's reads go out: in waves when some of a prompt batch's pass through,
+    /// overlapped when the kernel computes the whole layer and overlap is on for this batch,
+    /// else serially. (A single token's passing experts, those the adaptive cache did not
+    /// admit, fit the staging that every layer's reads have: they are read as loads are, and
+    /// given back at the next layer.)
     pub(super) fn schedule(&mut self, in_kernel: bool, tokens: i64) -> Schedule {
         let overlaps = |o: Overlap, idle: &mut Option<idle::IdleCores>| {
             tokens > 1
@@ -50,7 +53,7 @@ impl Streamer {
                     DecodeOverlap::Always => true,
                 }
         };
-        if !self.passing.is_empty() {
+        if !self.passing.is_empty() && tokens > 1 {
             Schedule::Waves
         } else if in_kernel && self.overlap.is_some_and(|o| overlaps(o, &mut self.idle)) {
             Schedule::Overlapped
