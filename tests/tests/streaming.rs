@@ -227,6 +227,10 @@ fn reads_ahead_on_the_next_layers_guess_change_no_token_and_no_cache_decision() 
                 overlapped(ahead(index.one_token_demand(), CachePolicy::Lru), READ_BOUND),
             ),
             ("1 lane, buffered, fresh pages", StreamConfig { expert_pool: None, ..ahead(half, CachePolicy::Lru) }),
+            // The adaptive cache lets experts pass through a single token's layer: read ahead
+            // or not, their memory must stay until the layer has computed them.
+            ("serial, adaptive cache of one token", ahead(index.one_token_demand(), CachePolicy::Adaptive)),
+            ("overlapped, adaptive cache of half", overlapped(ahead(half, CachePolicy::Adaptive), READ_BOUND)),
         ];
         for (what, config) in configs {
             let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();

@@ -16,11 +16,15 @@ impl Streamer {
     /// nothing differently: at most one token's experts of a layer, the ledger's I/O staging.
     pub(super) fn read_ahead(&mut self, t: &TensorView<'_>, layer: u32) {
         let next = layer + 1;
-        let Streamer { lookahead: Some(lookahead), memory, index, ahead, ahead_jobs, use_order, stats, .. } = self
+        let Streamer {
+            lookahead: Some(lookahead), memory, index, ahead, ahead_jobs, use_order, stats, passing, ..
+        } = self
         else {
             return;
         };
-        if index.layer_tensors(next).next().is_none() {
+        // A layer whose experts pass through holds them in the I/O staging until the next layer
+        // begins: the reads ahead would need the same memory.
+        if index.layer_tensors(next).next().is_none() || !passing.is_empty() {
             return;
         }
         let worth = lookahead.worth_reading(next);
@@ -36,19 +40,16 @@ impl Streamer {
         stats.lookahead_reads += ahead.len() as u64;
     }
 
-    /// Takes the experts of `layer` read ahead whole out of the planned reads: a load is
-    /// resident from now on like any load, one passing through is used and given back like any
-    /// passing one (`ready_passing`), neither read a second time; one not planned is spare.
+    /// Takes the experts of `layer` read ahead whole out of the planned loads: resident from
+    /// now on like any load, without a second read. One passing through is read again: until
+    /// it is resident, the release of a neighbour (evicted, or a wrong guess) may take the pages
+    /// they share. One not planned at all is spare.
     pub(super) fn take_ready(&mut self, layer: u32) {
         for e in self.ready.drain(..) {
             if let Some(i) = self.plan.load.iter().position(|&x| x == e) {
                 self.plan.load.remove(i);
                 self.stats.lookahead_used += 1;
-            } else if let Some(i) = self.plan.pass.iter().position(|&x| x == e) {
-                self.plan.pass.remove(i);
-                self.ready_passing.push(e);
-                self.stats.lookahead_used += 1;
-            } else {
+            } else if !self.plan.pass.contains(&e) {
                 self.spare.push((layer, e));
             }
         }

@@ -128,8 +128,6 @@ pub struct Streamer {
     ahead_jobs: Vec<ReadJob>,
     /// This layer's experts read ahead whole and then routed: planned as loads, not read again.
     ready: Vec<u32>,
-    /// Of them, those the cache lets pass through this layer: computed, then given back.
-    ready_passing: Vec<u32>,
     /// Experts read ahead (whole or not) that their router did not choose: their memory is given
     /// back once the layer's plan has made the chosen ones resident (they may share pages).
     spare: Vec<(u32, u32)>,
@@ -174,7 +172,6 @@ impl Streamer {
             ahead: Vec::new(),
             ahead_jobs: Vec::new(),
             ready: Vec::new(),
-            ready_passing: Vec::new(),
             spare: Vec::new(),
             source,
             index,
@@ -282,7 +279,6 @@ impl Streamer {
         self.ahead.clear();
         self.ahead_jobs.clear();
         self.ready.clear();
-        self.ready_passing.clear();
         self.spare.clear();
         let _ = self.source.lanes().take_lost();
         self.loading.clear();
@@ -449,8 +445,7 @@ impl Streamer {
         self.loading.clear();
         self.loading.extend(self.plan.load.iter().map(|&e| (layer, e)));
         self.passing.clear();
-        self.passing.extend(self.plan.pass.iter().chain(&self.ready_passing).map(|&e| (layer, e)));
-        self.ready_passing.clear();
+        self.passing.extend(self.plan.pass.iter().map(|&e| (layer, e)));
         self.stats.passed += self.passing.len() as u64;
     }
 }
