@@ -155,7 +155,6 @@ pub fn resolve(
         (None, None) => sourced(DEFAULT_CACHE_POLICY, DEFAULT_CACHE_POLICY_WHY),
     };
     let (compute, compute_via) = compute_service(p, caps, origin, &mut notes)?;
-    let medium = probe.storage.as_ref().map_or(Medium::Other, |s| s.medium);
     Ok(ResolvedBoard {
         compute_via,
         compute_cores,
@@ -164,7 +163,7 @@ pub fn resolve(
         priority: p.cpu.priority,
         poll: p.cpu.poll,
         strict_cpu: p.cpu.strict_cpu,
-        medium,
+        medium: probe.storage.as_ref().map_or(Medium::Other, |s| s.medium),
         read_bytes,
         lanes,
         direct_io: p.storage.direct_io && !overrides.no_direct_io,
@@ -173,7 +172,7 @@ pub fn resolve(
         draft,
         cache_policy,
         expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
-        lookahead: overrides.lookahead.or(p.storage.lookahead).unwrap_or(medium == Medium::Nvme),
+        lookahead: overrides.lookahead.unwrap_or(p.storage.lookahead),
         pace_mbps: overrides.pace_mbps,
         budget,
         compute,
