@@ -344,6 +344,29 @@ pub struct IsolatedReport {
     pub compute_tok_s: f64,
 }
 
+/// The command that runs `kind` (with its `count`) in a child that joins the cgroups `joins`,
+/// split over the workers `rpc` lists.
+fn child_command(plan: &IsolatedPlan, kind: ChildKind, count: u32, joins: &[PathBuf], rpc: &[String]) -> Command {
+    let mut c = Command::new(&plan.exe);
+    c.args(&plan.global_args)
+        .arg("bench-child")
+        .args(joins.iter().flat_map(|d| [OsString::from("--join-cgroup"), d.clone().into_os_string()]))
+        .arg("--kind")
+        .arg(
+            clap::ValueEnum::to_possible_value(&kind).map_or_else(|| format!("{kind:?}"), |v| v.get_name().to_string()),
+        )
+        .args(&plan.child_args)
+        .args(["--count", &count.to_string()])
+        .args(if rpc.is_empty() { Vec::new() } else { vec!["--rpc".to_string(), rpc.join(",")] })
+        .args(
+            plan.trace
+                .iter()
+                .filter(|_| kind == ChildKind::StreamedAuto)
+                .flat_map(|t| [OsString::from("--trace"), t.into()]),
+        );
+    c
+}
+
 /// Parent side: runs every kind of [`kinds`] in its own child and cgroup.
 pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let (mut rows, mut ceiling, mut sweep, mut conversations) = (Vec::new(), None, Vec::new(), Vec::new());
@@ -367,21 +390,7 @@ pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
         log::info!("bench: {kind_name} in {} ({} MiB)", cg.dir().display(), plan.budget >> 20);
         let mut joins = vec![cg.dir().to_path_buf()];
         joins.extend(throttle.as_ref().map(|t| t.dir().to_path_buf()).filter(|d| d != cg.dir()));
-        let out = Command::new(&plan.exe)
-            .args(&plan.global_args)
-            .arg("bench-child")
-            .args(joins.iter().flat_map(|d| [OsString::from("--join-cgroup"), d.clone().into_os_string()]))
-            .arg("--kind")
-            .arg(clap::ValueEnum::to_possible_value(&kind).map_or(kind_name.clone(), |v| v.get_name().to_string()))
-            .args(&plan.child_args)
-            .args(["--count", &count.to_string()])
-            .args(if rpc.is_empty() { Vec::new() } else { vec!["--rpc".to_string(), rpc.join(",")] })
-            .args(
-                plan.trace
-                    .iter()
-                    .filter(|_| kind == ChildKind::StreamedAuto)
-                    .flat_map(|t| [OsString::from("--trace"), t.into()]),
-            )
+        let out = child_command(plan, kind, count, &joins, &rpc)
             .output()
             .map_err(|e| BenchError::Io(format!("starting {}", plan.exe.display()), e))?;
         let stdout = String::from_utf8_lossy(&out.stdout);

@@ -213,11 +213,8 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     let table = sluice::bench::table(&report.rows, Some(c.single_mib_s), compute);
     out!("{table}");
     outln!(
-        "compute bound (the model decoded with every weight in RAM, outside the cgroup): {:.2} tok/s",
-        report.compute_tok_s
-    );
-    outln!(
-        "storage ceiling ({}): 1 reader × {} KiB requests {:.1} MiB/s; {} lanes × {} KiB {:.1} MiB/s",
+        "compute bound (every weight in RAM, outside the cgroup): {:.2} tok/s; storage ceiling ({}): 1 reader × {} KiB requests {:.1} MiB/s; {} lanes × {} KiB {:.1} MiB/s",
+        report.compute_tok_s,
         if c.direct { "O_DIRECT" } else { "buffered: O_DIRECT refused" },
         c.single_request >> 10,
         c.single_mib_s,

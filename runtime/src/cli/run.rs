@@ -171,16 +171,12 @@ fn run_streamed(
         noteln!();
     }
     let streamer = session.streamer();
-    if let Some(line) =
-        streamer.lookahead_tally().map(sluice::stream::lookahead::describe_tally).filter(|l| !l.is_empty())
-    {
-        noteln!("{line}");
-    }
     let end = RunEnd {
         direct: (0..loaded.index.shards.len()).all(|s| streamer.lanes().is_direct(s)),
         cache_used: streamer.cache_used(),
         slots: streamer.slots(),
         counters: streamer.cache_counters(),
+        guesses: streamer.lookahead_tally().map(sluice::stream::lookahead::describe_tally).unwrap_or_default(),
         dense_bytes_read: session.dense_bytes_read,
         open,
         generation,
@@ -225,6 +221,8 @@ struct RunEnd {
     /// The expert pool.
     slots: sluice::stream::SlotUse,
     counters: CacheCounters,
+    /// The lookahead's guesses per layer, as a line (empty without the lookahead).
+    guesses: String,
 }
 
 /// Prints the run's summary: open, prompt, drafting, decode telemetry, lossy modes, memory and
@@ -251,6 +249,9 @@ fn report(loaded: &Loaded, end: &RunEnd, rows: &[TokenRow], draft: bool) -> Usag
     }
     let summary = Summary::of_generation(rows, g);
     noteln!("{}", summary.describe());
+    if !end.guesses.is_empty() {
+        noteln!("{}", end.guesses);
+    }
     if summary.lookahead_reads > 0 {
         noteln!(
             "lookahead: {} experts read ahead of their layer, {} of them then chosen ({:.0}%)",

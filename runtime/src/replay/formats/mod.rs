@@ -218,3 +218,16 @@ fn csv_error(e: &csv::Error, headers: Option<&csv::StringRecord>) -> String {
         _ => e.to_string(),
     }
 }
+
+/// Checks that a sequence's layer ids `ids` are those of the first sequence (kept in `first`).
+/// Returns the first sequence's ids where they differ.
+fn same_layers(first: &mut Option<Vec<u32>>, ids: Vec<u32>) -> Result<(), Vec<u32>> {
+    match first {
+        None => {
+            *first = Some(ids);
+            Ok(())
+        }
+        Some(f) if *f != ids => Err(f.clone()),
+        Some(_) => Ok(()),
+    }
+}

@@ -48,13 +48,8 @@ pub(super) fn read(dir: &Path) -> Result<Routes, FormatError> {
             per_layer.entry(r.layer).or_default().push(experts);
         }
         let ids: Vec<u32> = per_layer.keys().copied().collect();
-        match &layer_ids {
-            None => layer_ids = Some(ids),
-            Some(first) if *first != ids => {
-                return Err(bad(format!("its layers {ids:?} are not the first file's {first:?}")));
-            }
-            Some(_) => {}
-        }
+        super::same_layers(&mut layer_ids, ids.clone())
+            .map_err(|first| bad(format!("its layers {ids:?} are not the first file's {first:?}")))?;
         let n = per_layer.values().map(Vec::len).min().unwrap_or(0);
         routes
             .sequences

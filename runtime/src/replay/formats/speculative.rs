@@ -67,13 +67,8 @@ pub(super) fn read(path: &Path, options: ReadOptions) -> Result<Routes, FormatEr
     let mut layer_ids: Option<Vec<u32>> = None;
     for (id, layers) in &problems {
         let ids: Vec<u32> = layers.keys().copied().collect();
-        match &layer_ids {
-            None => layer_ids = Some(ids),
-            Some(first) if *first != ids => {
-                return Err(bad(format!("problem {id} has layers {ids:?}, the first problem {first:?}")));
-            }
-            Some(_) => {}
-        }
+        super::same_layers(&mut layer_ids, ids.clone())
+            .map_err(|first| bad(format!("problem {id} has layers {ids:?}, the first problem {first:?}")))?;
         let tokens = |rows: &dyn Fn(&Phases) -> &Vec<Vec<u32>>| -> Vec<Token> {
             let n = layers.values().map(|l| rows(l).len()).min().unwrap_or(0);
             (0..n).map(|t| layers.values().map(|l| Some(rows(l)[t].clone())).collect()).collect()
