@@ -1,5 +1,5 @@
 //! The benchmark's conversation rows: a five-turn chat (each turn ~300 new tokens after the last
-//! answer) computed from an empty slot every turn, in one slot that keeps whole prompt batches,
+//! answer, fewer where the model's context is shorter) computed from an empty slot every turn, in one slot that keeps whole prompt batches,
 //! and in one that keeps any shared prefix (lossy); the sixth turn warm and again after a restart that reads the saved slot back; and 1, 2 or 4
 //! clients generating at once. Each row's time to first token counts from the request (the model
 //! already open), so the turns compare with each other.
@@ -18,25 +18,34 @@ use crate::units::mib;
 
 /// Turns in the chat (a sixth is the restart's).
 pub const TURNS: usize = 5;
-/// New tokens each turn adds after the last answer.
+/// New tokens each turn adds after the last answer (at most: a model with a shorter context gets
+/// shorter turns).
 pub const TURN_TOKENS: usize = 300;
+/// The shortest turn worth measuring: a model whose context cannot hold six turns of it skips the
+/// chat rows.
+const MIN_TURN_TOKENS: usize = 8;
 /// What a turn says, repeated to its length.
 const TURN_TEXT: &str = "The next part of the story tells how the travellers crossed the river, \
     what they found on the far bank and why they decided to stay there for the winter.";
 
-/// The context a chat of `TURNS + 1` turns of `n_predict` answers needs.
-fn chat_positions(n_predict: u32) -> u32 {
-    ((TURNS + 1) * (TURN_TOKENS + n_predict as usize + 8) + 64) as u32
+/// The context a chat of `TURNS + 1` turns of `turn` new tokens and `n_predict` answers needs.
+fn chat_positions(turn: usize, n_predict: u32) -> u32 {
+    ((TURNS + 1) * (turn + n_predict as usize + 8) + 64) as u32
 }
 
-/// A turn's new tokens: [`TURN_TEXT`] repeated, cut to [`TURN_TOKENS`] (turn `k` starts with its
+/// The longest turn (at most [`TURN_TOKENS`]) whose chat fits `positions`.
+fn turn_length(positions: u32, n_predict: u32) -> usize {
+    ((positions as usize).saturating_sub(64) / (TURNS + 1)).saturating_sub(n_predict as usize + 8).min(TURN_TOKENS)
+}
+
+/// A turn's `len` new tokens: [`TURN_TEXT`] repeated, cut to `len` (turn `k` starts with its
 /// number, so no two turns are alike).
-fn turn_tokens(model: &ggml_sys::Model, k: usize) -> Result<Vec<Token>, LaunchError> {
+fn turn_tokens(model: &ggml_sys::Model, k: usize, len: usize) -> Result<Vec<Token>, LaunchError> {
     let mut tokens = tokenize(model, &format!(" Turn {k}."), false)?;
-    while tokens.len() < TURN_TOKENS {
+    while tokens.len() < len {
         tokens.extend(tokenize(model, &format!(" {TURN_TEXT}"), false)?);
     }
-    tokens.truncate(TURN_TOKENS);
+    tokens.truncate(len);
     Ok(tokens)
 }
 
@@ -49,8 +58,18 @@ fn tokenize(model: &ggml_sys::Model, text: &str, bos: bool) -> Result<Vec<Token>
 /// dropped from memory and the page cache, opened again, the slot saved after turn five read
 /// back).
 pub fn chat(launch: &Launch, n_predict: u32, kept: Option<Reuse>) -> Result<Vec<BenchRow>, LaunchError> {
-    let launch = Launch { positions: Positions::Fixed(chat_positions(n_predict)), slots: 1, ..launch.clone() };
+    let positions = Positions::ModelCapped(chat_positions(TURN_TOKENS, n_predict));
+    let launch = Launch { positions, slots: 1, ..launch.clone() };
     let loaded = launch.load(&mut |_| {})?;
+    let len = turn_length(loaded.shape.positions, n_predict);
+    if len < MIN_TURN_TOKENS {
+        log::warn!(
+            "bench: no chat rows: six turns of {MIN_TURN_TOKENS} tokens and {n_predict}-token answers need {} positions, the model's context is {}",
+            chat_positions(MIN_TURN_TOKENS, n_predict),
+            loaded.shape.positions
+        );
+        return Ok(Vec::new());
+    }
     let (mut session, _) = loaded.open()?;
     session.set_reuse(kept.unwrap_or_default());
     let mut prompt = tokenize(&loaded.model, "", true)?;
@@ -61,7 +80,7 @@ pub fn chat(launch: &Launch, n_predict: u32, kept: Option<Reuse>) -> Result<Vec<
         _ => "",
     };
     for turn in 1..=TURNS {
-        prompt.extend(turn_tokens(&loaded.model, turn)?);
+        prompt.extend(turn_tokens(&loaded.model, turn, len)?);
         let (g, decodes) = answer(&mut session, at, &prompt, n_predict)?;
         let how = if kept.is_some() { format!("{} reused{mode}", g.reused) } else { "from an empty slot".into() };
         rows.push(BenchRow::of_generation(
@@ -73,7 +92,7 @@ pub fn chat(launch: &Launch, n_predict: u32, kept: Option<Reuse>) -> Result<Vec<
     }
     let Some(reuse) = kept else { return Ok(rows) };
     let (held, state) = session.session().save_slot(0)?;
-    prompt.extend(turn_tokens(&loaded.model, TURNS + 1)?);
+    prompt.extend(turn_tokens(&loaded.model, TURNS + 1, len)?);
     let (g, decodes) = answer(&mut session, at, &prompt, n_predict)?;
     rows.push(BenchRow::of_generation(
         format!("chat turn {}, warm, {} reused{mode}", TURNS + 1, g.reused),
@@ -179,4 +198,21 @@ pub fn clients(launch: &Launch, n_predict: u32, clients: u32) -> Result<BenchRow
         lossy_quality: None,
         tokens,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_turns_shrink_to_the_models_context_and_fit_it() {
+        // A long context: the full turn, and the chat needs what chat_positions says.
+        assert_eq!(turn_length(32768, 64), TURN_TOKENS);
+        assert_eq!(turn_length(chat_positions(TURN_TOKENS, 64), 64), TURN_TOKENS);
+        // The trained model's 256 positions: (256 - 64) / 6 = 32 per turn, less a 16-token answer
+        // and 8 for the template: 8 tokens; with 64-token answers nothing fits.
+        assert_eq!(turn_length(256, 16), 8);
+        assert!(chat_positions(8, 16) <= 256);
+        assert_eq!(turn_length(256, 64), 0);
+    }
 }
