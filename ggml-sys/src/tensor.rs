@@ -43,6 +43,12 @@ impl<'a> TensorView<'a> {
         unsafe { CStr::from_ptr(self.t().name.as_ptr()) }.to_str().unwrap_or("")
     }
 
+    /// The layer whose router ranking this is, when it is llama.cpp's top-k node of a MoE layer
+    /// (`ffn_moe_topk-<il>`).
+    pub fn moe_topk_layer(&self) -> Option<u32> {
+        self.name().strip_prefix("ffn_moe_topk-")?.parse().ok()
+    }
+
     /// The operation that produces it (`NONE` for weights, `MUL_MAT_ID`, `VIEW`, ...).
     pub fn op_name(&self) -> &'static str {
         crate::ext::GgmlOp(self.t().op).name()

@@ -153,11 +153,8 @@ fn streamed<P: FnMut(usize, f64)>(
     } else {
         windows.score(|w, on| session.evaluate_window(w, on).map(drop), progress(windows.chunks()))?
     };
-    if let Some(tally) = session.streamer().lookahead_tally() {
-        let line = sluice::stream::lookahead::describe_tally(tally);
-        if !line.is_empty() {
-            noteln!("{line}");
-        }
+    if let Some(line) = session.streamer().lookahead_report() {
+        noteln!("{line}");
     }
     let mode = launch.lossy.describe(loaded.index.n_expert_used);
     let how = format!(

@@ -176,7 +176,7 @@ fn run_streamed(
         cache_used: streamer.cache_used(),
         slots: streamer.slots(),
         counters: streamer.cache_counters(),
-        guesses: streamer.lookahead_tally().map(sluice::stream::lookahead::describe_tally).unwrap_or_default(),
+        guesses: streamer.lookahead_report(),
         dense_bytes_read: session.dense_bytes_read,
         open,
         generation,
@@ -221,8 +221,8 @@ struct RunEnd {
     /// The expert pool.
     slots: sluice::stream::SlotUse,
     counters: CacheCounters,
-    /// The lookahead's guesses per layer, as a line (empty without the lookahead).
-    guesses: String,
+    /// The lookahead's guesses per layer, as a line.
+    guesses: Option<String>,
 }
 
 /// Prints the run's summary: open, prompt, drafting, decode telemetry, lossy modes, memory and
@@ -249,8 +249,8 @@ fn report(loaded: &Loaded, end: &RunEnd, rows: &[TokenRow], draft: bool) -> Usag
     }
     let summary = Summary::of_generation(rows, g);
     noteln!("{}", summary.describe());
-    if !end.guesses.is_empty() {
-        noteln!("{}", end.guesses);
+    if let Some(line) = &end.guesses {
+        noteln!("{line}");
     }
     if summary.lookahead_reads > 0 {
         noteln!(

@@ -52,15 +52,15 @@ impl GuessTally {
 }
 
 /// The guesses per layer as one line: each guessed layer's share of routed experts named, and
-/// all layers' together (empty when no layer was guessed).
-pub fn describe_tally(tally: &[GuessTally]) -> String {
+/// all layers' together (`None` when no layer was guessed).
+pub fn describe_tally(tally: &[GuessTally]) -> Option<String> {
     let all = tally.iter().fold(GuessTally::default(), |a, t| GuessTally {
         decodes: a.decodes + t.decodes,
         routed: a.routed + t.routed,
         guessed: a.guessed + t.guessed,
     });
     if all.routed == 0 {
-        return String::new();
+        return None;
     }
     let layers: Vec<String> = tally
         .iter()
@@ -68,13 +68,13 @@ pub fn describe_tally(tally: &[GuessTally]) -> String {
         .filter(|(_, t)| t.routed > 0)
         .map(|(l, t)| format!("{l}: {:.1}", 100.0 * t.rate()))
         .collect();
-    format!(
+    Some(format!(
         "lookahead guessed {:.1}% of the routed experts ({} of {}); per layer %: {}",
         100.0 * all.rate(),
         all.guessed,
         all.routed,
         layers.join(", ")
-    )
+    ))
 }
 
 /// Every layer's router copy and the scratch of a guess.
@@ -118,11 +118,6 @@ fn router_product<'a>(topk: &TensorView<'a>) -> Option<(TensorView<'a>, Option<T
         node = node.src(0)?;
     }
     None
-}
-
-/// The layer of a top-k node (`ffn_moe_topk-<il>`).
-fn topk_layer(topk: &TensorView<'_>) -> Option<u32> {
-    topk.name().strip_prefix("ffn_moe_topk-")?.parse().ok()
 }
 
 impl Lookahead {
@@ -208,7 +203,7 @@ impl Lookahead {
             return &self.guess;
         }
         let Some(mut input) = floats(&x) else { return &self.guess };
-        let this = topk_layer(topk).and_then(|l| self.routers.get(l as usize)).and_then(Option::as_ref);
+        let this = topk.moe_topk_layer().and_then(|l| self.routers.get(l as usize)).and_then(Option::as_ref);
         if let (Some(ours), Some(theirs)) = (this.and_then(|r| r.norm.as_ref()), r.norm.as_ref()) {
             for ((v, &a), &b) in input.iter_mut().zip(ours).zip(theirs) {
                 *v = if a == 0.0 { 0.0 } else { *v / a * b };
@@ -273,9 +268,9 @@ mod tests {
         assert_eq!(look.tally()[1], GuessTally { decodes: 2, routed: 4, guessed: 3 });
         assert_eq!(look.tally()[2], GuessTally::default());
         assert_eq!(
-            describe_tally(look.tally()),
-            "lookahead guessed 75.0% of the routed experts (3 of 4); per layer %: 1: 75.0"
+            describe_tally(look.tally()).as_deref(),
+            Some("lookahead guessed 75.0% of the routed experts (3 of 4); per layer %: 1: 75.0")
         );
-        assert_eq!(describe_tally(&[GuessTally::default()]), "");
+        assert_eq!(describe_tally(&[GuessTally::default()]), None);
     }
 }

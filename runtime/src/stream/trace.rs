@@ -10,7 +10,7 @@ use super::cache::{CachePolicy, ExpertCache};
 use super::routing::RouteRecord;
 
 /// The trace file's magic.
-const MAGIC: &[u8; 8] = b"SLUICERT";
+pub(crate) const MAGIC: &[u8; 8] = b"SLUICERT";
 
 /// The largest trace file read (about 40 million routed experts).
 const MAX_FILE_BYTES: u64 = 1 << 30;

@@ -84,7 +84,7 @@ pub fn routes(
     // Each layer's last first choice, for pairs that straddle two batches.
     let mut last: Vec<Option<i32>> = vec![None; layers];
     let callback: ggml_sys::EvalCallback<'_> = Box::new(move |t, phase| {
-        let Some(layer) = t.name().strip_prefix("ffn_moe_topk-").and_then(|l| l.parse::<usize>().ok()) else {
+        let Some(layer) = t.moe_topk_layer().map(|l| l as usize) else {
             return phase == EvalPhase::Computed;
         };
         if phase == EvalPhase::Ask {

@@ -115,7 +115,7 @@ pub fn detect(path: &Path) -> Result<Format, FormatError> {
     let mut head = [0u8; 64];
     let n = std::io::Read::read(&mut std::fs::File::open(path).map_err(io)?, &mut head).map_err(io)?;
     let head = &head[..n];
-    if head.starts_with(b"SLUICERT") {
+    if head.starts_with(crate::stream::trace::MAGIC) {
         Ok(Format::Sluice)
     } else if head.starts_with(route_csv::MAGIC.as_bytes()) {
         Ok(Format::RouteCsv)
@@ -167,12 +167,7 @@ fn into_trace(routes: Routes) -> Result<RouteTrace, String> {
         let prompt = routes.prompts.get(i).unwrap_or(&empty);
         if !prompt.is_empty() {
             for layer in 0..routes.n_layer {
-                let mut experts: Vec<u32> = Vec::new();
-                for e in prompt.iter().filter_map(|t| t[layer as usize].as_ref()).flatten() {
-                    if !experts.contains(e) {
-                        experts.push(*e);
-                    }
-                }
+                let experts = distinct(prompt.iter().filter_map(|t| t[layer as usize].as_ref()).flatten(), n_expert);
                 if !experts.is_empty() {
                     let tokens = prompt.len().try_into().unwrap_or(u32::MAX);
                     steps.push(RouteRecord { decode, layer, tokens, staged: true, experts });
@@ -183,10 +178,8 @@ fn into_trace(routes: Routes) -> Result<RouteTrace, String> {
         for token in sequence {
             for (layer, experts) in token.iter().enumerate() {
                 if let Some(experts) = experts {
-                    let mut distinct = experts.clone();
-                    let mut seen = vec![false; n_expert as usize];
-                    distinct.retain(|&e| !std::mem::replace(&mut seen[e as usize], true));
-                    steps.push(RouteRecord { decode, layer: layer as u32, tokens: 1, staged: true, experts: distinct });
+                    let experts = distinct(experts.iter(), n_expert);
+                    steps.push(RouteRecord { decode, layer: layer as u32, tokens: 1, staged: true, experts });
                 }
             }
             decode += 1;
@@ -202,6 +195,12 @@ fn into_trace(routes: Routes) -> Result<RouteTrace, String> {
         policy: CachePolicy::Frequency,
         steps,
     })
+}
+
+/// The ids of `ids` (each below `n_expert`), each once, in the order first seen.
+fn distinct<'a>(ids: impl Iterator<Item = &'a u32>, n_expert: u32) -> Vec<u32> {
+    let mut seen = vec![false; n_expert as usize];
+    ids.copied().filter(|&e| !std::mem::replace(&mut seen[e as usize], true)).collect()
 }
 
 /// A CSV reader's error as "line N: column `name`: what", naming the column where the error

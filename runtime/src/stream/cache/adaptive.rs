@@ -114,16 +114,14 @@ impl Ghosts {
             let mut misses = Vec::new();
             for &i in entries {
                 let k = key(h, i);
-                match g.resident[i as usize].replace(k) {
+                match &mut g.resident[i as usize] {
                     Some(old) => {
                         g.recent += 1.0;
-                        g.order.remove(&(old, i));
+                        g.order.remove(&(*old, i));
                         g.order.insert((k, i));
+                        *old = k;
                     }
-                    None => {
-                        g.resident[i as usize] = None;
-                        misses.push((k, i));
-                    }
+                    None => misses.push((k, i)),
                 }
             }
             let room = i128::from(budget) - i128::from(g.used);

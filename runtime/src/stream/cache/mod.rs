@@ -86,6 +86,16 @@ struct Slot {
     key: Key,
 }
 
+impl Slot {
+    /// The entry's eviction key under `ranking`.
+    fn rank(&self, ranking: Ranking) -> Key {
+        match ranking {
+            Ranking::Recency => (self.routed, 0),
+            Ranking::Decayed(h) => ((self.score[h] * SCORE_SCALE) as u64, self.routed),
+        }
+    }
+}
+
 /// The experts resident under a byte budget, evicted by a [`CachePolicy`].
 #[derive(Debug)]
 pub struct ExpertCache {
@@ -225,11 +235,7 @@ impl ExpertCache {
 
     /// Entry `i`'s key under `ranking`.
     fn key(&self, i: u32, ranking: Ranking) -> Key {
-        let slot = &self.slots[i as usize];
-        match ranking {
-            Ranking::Recency => (slot.routed, 0),
-            Ranking::Decayed(h) => ((slot.score[h] * SCORE_SCALE) as u64, slot.routed),
-        }
+        self.slots[i as usize].rank(ranking)
     }
 
     /// Entry `i` was just routed: its key as the cache ranks it now.
@@ -323,10 +329,7 @@ impl ExpertCache {
                 &entries,
                 self.budget,
                 decay,
-                |h, i| {
-                    let s = &slots[i as usize];
-                    ((s.score[h] * SCORE_SCALE) as u64, s.routed)
-                },
+                |h, i| slots[i as usize].rank(Ranking::Decayed(h)),
                 |i| slots[i as usize].pinned_epoch == epoch,
                 |i| bytes[i as usize],
             );

@@ -209,9 +209,10 @@ impl Streamer {
         self.memory.slots()
     }
 
-    /// Each layer's lookahead guesses against its router's choices (`--lookahead` only).
-    pub fn lookahead_tally(&self) -> Option<&[super::lookahead::GuessTally]> {
-        self.lookahead.as_ref().map(Lookahead::tally)
+    /// The lookahead's guesses per layer against its routers' choices, as a line (`--lookahead`
+    /// only, once a layer has been guessed).
+    pub fn lookahead_report(&self) -> Option<String> {
+        self.lookahead.as_ref().and_then(|l| super::lookahead::describe_tally(l.tally()))
     }
 
     /// Bytes of the lookahead's router copies (the ledger's `lookahead routers` line bounds it).
@@ -298,11 +299,7 @@ impl Streamer {
     /// nothing), and makes each one's routed experts resident once it is computed.
     pub fn on_eval(&mut self, t: TensorView<'_>, phase: EvalPhase) -> bool {
         match phase {
-            EvalPhase::Ask => t
-                .name()
-                .strip_prefix("ffn_moe_topk-")
-                .and_then(|l| l.parse::<u32>().ok())
-                .is_some_and(|l| self.index.layer_tensors(l).next().is_some()),
+            EvalPhase::Ask => t.moe_topk_layer().is_some_and(|l| self.index.layer_tensors(l).next().is_some()),
             EvalPhase::Computed => {
                 if self.failure.is_some() {
                     return false;
@@ -319,11 +316,8 @@ impl Streamer {
     }
 
     fn on_topk(&mut self, t: TensorView<'_>) -> Result<(), StreamError> {
-        let layer: u32 = t
-            .name()
-            .strip_prefix("ffn_moe_topk-")
-            .and_then(|s| s.parse().ok())
-            .ok_or_else(|| StreamError::Graph(format!("unexpected node name {}", t.name())))?;
+        let layer =
+            t.moe_topk_layer().ok_or_else(|| StreamError::Graph(format!("unexpected node name {}", t.name())))?;
         if self.index.layer_tensors(layer).next().is_none() {
             // A router whose layer streams nothing (the capture checked that no expert tensor
             // is used through it).
