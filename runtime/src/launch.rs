@@ -20,7 +20,8 @@ use crate::generate::{self, ContextShape, GenerateError, Session};
 use crate::lossy::Lossy;
 use crate::scaleout::{self, ScaleError, Split};
 use crate::stream::{
-    self, DecodeOverlap, DensePolicy, ExpertIndex, IndexError, ModelLoad, StreamConfig, StreamError, StreamedSession,
+    self, DecodeOverlap, DensePolicy, ExpertIndex, IndexError, ModelLoad, RoutesError, StreamConfig, StreamError,
+    StreamedSession,
 };
 use sluice_hal::usage::PhaseMeter;
 
@@ -359,6 +360,8 @@ impl Launch {
             rpc,
             verify: self.board.verify,
             lookahead: self.board.lookahead,
+            force_routes: None,
+            record_routes: false,
         }
     }
 }
@@ -379,6 +382,15 @@ impl Loaded {
             self.config.cache_bytes >> 20
         );
         Ok((session, self.load.plus(open)))
+    }
+
+    /// Forces `routes` on the session this opens (checked against the model and the lossy
+    /// `--experts-used`); returns the tokens the run may generate of the `n_predict` it wants
+    /// after its prompt.
+    pub fn force_routes(&mut self, routes: &stream::routes::ForcedRoutes, n_predict: u32) -> Result<u32, RoutesError> {
+        let used = self.config.lossy.experts_used.unwrap_or(self.index.n_expert_used);
+        self.config.force_routes = Some(routes.forcer(&self.index, used)?);
+        routes.n_predict(self.prompt.len(), n_predict)
     }
 
     /// The expert cache the session keeps, at most all the experts' bytes.

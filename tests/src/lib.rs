@@ -213,6 +213,8 @@ pub fn stream_config(
         rpc: None,
         verify: false,
         lookahead: false,
+        force_routes: None,
+        record_routes: false,
     }
 }
 

@@ -149,6 +149,55 @@ impl LossyArgs {
     }
 }
 
+/// The file name of `path` (empty for none), for reports and traces.
+pub fn file_name(path: &Path) -> String {
+    path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
+}
+
+/// Recorded routes forced on the model (`run`, `bench`): a measuring tool, never the model's
+/// own text.
+#[derive(Args, Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct RoutesArgs {
+    /// MEASURING, LOSSY: replace every MoE layer's choice of experts, for every token the run
+    /// computes, with the routes recorded in FILE, so the reads, the expert cache, overlap and
+    /// the ledger run as they would on the model that made them (a model of the same shape:
+    /// layers, experts, experts per token). FILE is read as `sluice replay --trace` reads it: a
+    /// `sluice run --record-routes` file, sluice's own trace of single-token decodes,
+    /// BigMoeOnEdge's *.route.csv, speculative-moe JSON lines or a folder of moe-beyond CSVs.
+    /// The file's tokens go to the run's in order, the prompt's first. The text generated is
+    /// not the model's own: this measures speed on a real model's routing (a synthetic model's
+    /// router is random); `serve` has no such option.
+    #[arg(long, value_name = "FILE")]
+    pub routes: Option<PathBuf>,
+    /// The format of --routes (default: told from the contents).
+    #[arg(long, value_enum, value_name = "FORMAT", requires = "routes")]
+    pub routes_format: Option<sluice::replay::formats::Format>,
+    /// When the run needs more tokens than --routes has: stop (generate only as many as the
+    /// routes have after the prompt; the default) or wrap (start them again).
+    #[arg(long, value_enum, requires = "routes")]
+    pub routes_end: Option<sluice::stream::RoutesEnd>,
+}
+
+impl RoutesArgs {
+    /// The routes to force, read from `--routes`.
+    pub fn load(&self) -> Result<Option<sluice::stream::routes::ForcedRoutes>> {
+        let Some(path) = &self.routes else { return Ok(None) };
+        let routes = sluice::replay::formats::read_tokens(path, self.routes_format)?;
+        log::info!(
+            "--routes {}: {} tokens of {} layers recorded from {}",
+            path.display(),
+            routes.tokens.len(),
+            routes.n_layer,
+            if routes.model.is_empty() { "an unnamed model" } else { &routes.model }
+        );
+        Ok(Some(sluice::stream::routes::ForcedRoutes {
+            path: path.clone(),
+            routes: std::sync::Arc::new(routes),
+            end: self.routes_end.unwrap_or_default(),
+        }))
+    }
+}
+
 /// How a streamed run is configured beyond the board.
 #[derive(Args)]
 pub struct StreamArgs {

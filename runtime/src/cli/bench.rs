@@ -252,10 +252,7 @@ fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardC
     std::fs::write(&csv, sluice::bench::csv(&report.rows, Some(c.single_mib_s), compute))
         .with_context(|| format!("writing {}", csv.display()))?;
     let svg = a.out.join("bench.svg");
-    let title = format!(
-        "{} in {budget_mb} MiB",
-        model.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned())
-    );
+    let title = format!("{} in {budget_mb} MiB", args::file_name(&model));
     std::fs::write(&svg, sluice::bench::svg_bar_chart(&report.rows, &title))
         .with_context(|| format!("writing {}", svg.display()))?;
     noteln!("wrote {} and {}", csv.display(), svg.display());

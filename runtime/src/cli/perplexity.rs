@@ -141,7 +141,7 @@ fn streamed<P: FnMut(usize, f64)>(
         let first = windows.window(0);
         session.streamer().start_trace();
         session.score_continuation(&first[..1], &first[1..n], |_, _| {})?;
-        let name = launch.model.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+        let name = args::file_name(&launch.model);
         session.streamer().route_trace(name).save(path)?;
         noteln!("routes of {} single-token decodes written to {}", n - 1, path.display());
     }

@@ -15,7 +15,7 @@ use sluice::units::mib;
 use sluice::{demo, text::DisplayText};
 use sluice_hal::usage::Usage;
 
-use super::args::{self, RpcArgs, StreamArgs, TuningArgs};
+use super::args::{self, RoutesArgs, RpcArgs, StreamArgs, TuningArgs};
 use super::TextOut;
 
 /// `sluice run` arguments.
@@ -36,6 +36,13 @@ pub struct RunArgs {
     stream: StreamArgs,
     #[command(flatten)]
     rpc: RpcArgs,
+    #[command(flatten)]
+    routes: RoutesArgs,
+    /// Record every computed token's routed experts (each MoE layer's, in the router's rank
+    /// order) into FILE as a BigMoeOnEdge `route_trace v1` CSV: the routes `--routes` forces
+    /// and `sluice replay --trace` replays.
+    #[arg(long, value_name = "FILE", conflicts_with = "resident")]
+    record_routes: Option<PathBuf>,
     /// Print the architectures that can be streamed, and exit.
     #[arg(long)]
     list_archs: bool,
@@ -55,11 +62,18 @@ pub struct DemoArgs {
     tuning: TuningArgs,
 }
 
-/// Generates while printing each token as it comes, then prints the timing summary.
-fn generate_and_print(model: &ggml_sys::Model, prompt: &str, params: &GenerateParams) -> Result<Generation> {
+/// Generates while printing each token as it comes (with an eval callback, when given), then
+/// prints the timing summary.
+fn generate_and_print<'m>(
+    model: &'m ggml_sys::Model,
+    prompt: &str,
+    params: &GenerateParams,
+    callback: Option<ggml_sys::EvalCallback<'m>>,
+) -> Result<Generation> {
     let mut display = DisplayText::default();
     let mut out = TextOut::new()?;
-    let generation = generate::generate(model, prompt, params, |_, bytes| out.write(&display.push(bytes)))?;
+    let generation =
+        generate::generate_observed(model, prompt, params, callback, |_, bytes| out.write(&display.push(bytes)))?;
     out.finish(&display.finish())?;
     noteln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s, batches of {}); generated: {} tokens, decode {:.2} tok/s{}",
@@ -88,6 +102,15 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     };
     sluice::metadata::check_model_file(model_path)?;
     let board = args::board(choice, Some(model_path), &a.tuning)?;
+    let routes = RouteUse { forced: a.routes.load()?, record: a.record_routes.clone() };
+    if routes.forced.is_some() && board.draft_max().is_some() {
+        anyhow::bail!(
+            "--routes forces one route per computed token, and drafting computes tokens it may drop; give --draft off"
+        );
+    }
+    if routes.forced.is_some() && !a.rpc.rpc.is_empty() {
+        anyhow::bail!("--routes forces the routes of the layers this board streams only; run it without --rpc");
+    }
     let params = GenerateParams {
         n_predict: a.n_predict,
         threads: board.threads(),
@@ -104,10 +127,29 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
             &ggml_sys::ModelParams { n_gpu_layers: gpu_layers, ..Default::default() },
         )?;
         let batch = resident_batch(a, model_path, prompt, &board);
-        generate_and_print(&model, prompt, &GenerateParams { batch, ..params })?;
+        let mut params = GenerateParams { batch, ..params };
+        let callback = match &routes.forced {
+            Some(forced) => {
+                let index = sluice::stream::ExpertIndex::open(model_path)?;
+                let forcer = forced.forcer(&index, index.n_expert_used)?;
+                let prompt_tokens = generate::Session::prepare(&model, prompt, params.n_predict)?.len();
+                params.n_predict = forced.n_predict(prompt_tokens, params.n_predict)?;
+                Some(forcer.resident_callback())
+            }
+            None => None,
+        };
+        generate_and_print(&model, prompt, &params, callback)?;
         return Ok(());
     }
-    run_streamed(model_path, prompt, &params, &a.stream, &a.rpc, &board)
+    run_streamed(model_path, prompt, &params, &a.stream, &a.rpc, &board, &routes)
+}
+
+/// What a run does with routes: forces recorded ones (`--routes`), records its own
+/// (`--record-routes`).
+#[derive(Default)]
+struct RouteUse {
+    forced: Option<sluice::stream::routes::ForcedRoutes>,
+    record: Option<PathBuf>,
 }
 
 /// The prompt batch of a resident run: the fixed one, or the one the streamed run of the same
@@ -138,6 +180,7 @@ fn run_streamed(
     args: &StreamArgs,
     rpc: &RpcArgs,
     board: &ResolvedBoard,
+    routes: &RouteUse,
 ) -> Result<()> {
     // Created before anything is generated: a path that cannot be written fails at once.
     let csv = args
@@ -148,17 +191,26 @@ fn run_streamed(
     rpc.configure_link()?;
     let positions = Positions::Prompt { text: prompt.to_string(), n_predict: params.n_predict };
     let launch = args.launch(model_path, positions, board, &rpc.rpc);
-    let loaded = launch.load(&mut |step| log::debug!("{step}"))?;
+    let mut loaded = launch.load(&mut |step| log::debug!("{step}"))?;
     if let Some(split) = &loaded.split {
         note!("{}", split.describe());
     }
+    let mut n_predict = params.n_predict;
+    if let Some(forced) = &routes.forced {
+        n_predict = loaded.force_routes(forced, n_predict)?;
+        noteln!(
+            "routes forced from {} (MEASURING: the text is not the model's own); generating {n_predict} tokens",
+            forced.path.display()
+        );
+    }
+    loaded.config.record_routes = routes.record.is_some();
     let (mut session, open) = loaded.open()?;
     let mut display = DisplayText::default();
     let mut out = TextOut::new()?;
     let progress = args.progress;
     let (generation, rows) = session.generate(
         &loaded.prompt,
-        params.n_predict,
+        n_predict,
         |_, bytes| out.write(&display.push(bytes)),
         |row| {
             if progress {
@@ -171,6 +223,16 @@ fn run_streamed(
         noteln!();
     }
     let streamer = session.streamer();
+    if let (Some(path), Some(recorded)) = (&routes.record, streamer.recorded_routes(args::file_name(model_path))) {
+        let header = sluice::stream::routes::record::RouteCsvHeader {
+            arch: &loaded.index.arch,
+            n_expert_used: loaded.index.n_expert_used,
+            layer_bytes: &streamer.layer_expert_bytes(),
+            prompt: loaded.prompt.len(),
+        };
+        sluice::stream::routes::record::write_route_csv(path, &recorded, header)?;
+        noteln!("routes: {} tokens recorded in {}", recorded.tokens.len(), path.display());
+    }
     let end = RunEnd {
         direct: (0..loaded.index.shards.len()).all(|s| streamer.lanes().is_direct(s)),
         cache_used: streamer.cache_used(),
@@ -347,5 +409,5 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         progress: false,
         lossy: Default::default(),
     };
-    run_streamed(&path, prompt, &params, &args, &RpcArgs::default(), &board)
+    run_streamed(&path, prompt, &params, &args, &RpcArgs::default(), &board, &RouteUse::default())
 }

@@ -245,12 +245,23 @@ pub fn generate(
     params: &GenerateParams,
     on_token: impl FnMut(Token, &[u8]),
 ) -> Result<Generation, GenerateError> {
+    generate_observed(model, prompt, params, None, on_token)
+}
+
+/// [`generate`] with an eval callback on the context (forced routes, `--routes`).
+pub fn generate_observed<'m>(
+    model: &'m Model,
+    prompt: &str,
+    params: &GenerateParams,
+    callback: Option<ggml_sys::EvalCallback<'m>>,
+    on_token: impl FnMut(Token, &[u8]),
+) -> Result<Generation, GenerateError> {
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
     let mut session = Session::new(
         model,
         ContextShape { positions: (tokens.len() + params.n_predict as usize) as u32, slots: 1, batch: params.batch },
         &params.threads,
-        None,
+        callback,
     )?;
     session.set_draft(params.draft)?;
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))

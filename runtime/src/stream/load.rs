@@ -57,6 +57,10 @@ pub struct StreamConfig {
     /// Single-token decodes guess the next layer's experts and start their reads while the
     /// layer computes ([`super::lookahead`]).
     pub lookahead: bool,
+    /// Recorded routes forced on the routers (`--routes`, [`super::routes`]).
+    pub force_routes: Option<super::RouteForcer>,
+    /// Record every computed token's routes (`--record-routes`).
+    pub record_routes: bool,
 }
 
 /// A regular expression matching the routed expert tensors of `index`: of every layer, or with

@@ -18,6 +18,7 @@ pub mod lookahead;
 pub mod record;
 pub mod residency;
 pub mod resident;
+pub mod routes;
 pub mod routing;
 pub mod session;
 pub mod trace;
@@ -30,6 +31,7 @@ pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, SliceCheck,
 pub use load::{lazy_pattern, load_configured, load_streamed_model, DensePolicy, ModelLoad, StreamConfig};
 pub use record::{DecodeStats, TokenRow};
 pub use residency::SlotUse;
+pub use routes::{force::RouteForcer, RoutesEnd, RoutesError, TokenRoutes};
 pub use routing::RouteRecord;
 pub use session::{check_cache_budget, StreamedSession};
 pub use trace::{RouteTrace, TraceError};
@@ -97,6 +99,12 @@ pub enum StreamError {
         id: i32,
         /// Experts in the layer.
         n_expert: u32,
+    },
+    /// A run without `--routes-end wrap` needed more tokens than its recorded routes have.
+    #[error("the recorded routes ended after their {tokens} tokens; give --routes-end wrap to start them again")]
+    RoutesEnded {
+        /// Tokens in the routes.
+        tokens: u64,
     },
     /// The cache budget is below one token's demand.
     #[error("expert cache of {budget_mib:.1} MiB is below one token's routed demand of {min_mib:.1} MiB ({layers} MoE layers x their {k} largest experts); give at least --cache-mb {min_mb}, --cache-mb 0 for no cache, or --force-cache to accept a cache that cannot hold a token")]

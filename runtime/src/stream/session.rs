@@ -121,6 +121,8 @@ impl<'m> StreamedSession<'m> {
             cache_policy: config.cache_policy,
             expert_pool: config.expert_pool,
             lookahead: config.lookahead,
+            force_routes: config.force_routes.clone(),
+            record_routes: config.record_routes,
             // Unpinned compute threads may run anywhere: then every CPU is watched.
             cores: if threads.cpus.is_empty() {
                 Vec::new()

@@ -27,14 +27,16 @@ mod tests;
 
 use std::path::{Path, PathBuf};
 
-use crate::stream::{CachePolicy, RouteRecord, RouteTrace, TraceError};
+use crate::stream::routes::TokenLayers;
+use crate::stream::{CachePolicy, RouteRecord, RouteTrace, TokenRoutes, TraceError};
 
 /// The bytes each expert is given where a format records none: 1 MiB, so a budget in MiB is
 /// a count of experts.
 pub const UNSIZED_EXPERT_BYTES: u64 = 1 << 20;
 
 /// A route trace's file format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum Format {
     /// `sluice bench --trace`'s file.
     Sluice,
@@ -141,9 +143,61 @@ pub fn read(path: &Path, format: Option<Format>, options: ReadOptions) -> Result
     into_trace(routes).map_err(|detail| FormatError::Bad { path: path.into(), detail })
 }
 
-/// The steps of `routes`: per sequence its prompt as one batch step per layer (the union of its
-/// tokens' experts), then each token's layers as single-token decodes.
-fn into_trace(routes: Routes) -> Result<RouteTrace, String> {
+/// Reads the trace at `path` in `format` (told from the contents when `None`) as its tokens in
+/// order, each sequence's prompt rows before its decodes, for forcing them on a model
+/// (`--routes`). A sluice trace gives its single-token decodes; one that planned a batch of
+/// tokens as one step (a prompt) has no routes per token and is refused.
+pub fn read_tokens(path: &Path, format: Option<Format>) -> Result<TokenRoutes, FormatError> {
+    let format = match format {
+        Some(f) => f,
+        None => detect(path)?,
+    };
+    let bad = |detail: String| FormatError::Bad { path: path.into(), detail };
+    let with_prompt = ReadOptions { prompt: true };
+    let routes = match format {
+        Format::Sluice => return sluice_tokens(path),
+        Format::RouteCsv => route_csv::read(path, with_prompt)?,
+        Format::SpeculativeMoe => speculative::read(path, with_prompt)?,
+        Format::MoeBeyond => moe_beyond::read(path)?,
+    };
+    n_expert(&routes).map_err(bad)?;
+    let mut tokens = Vec::new();
+    for (i, sequence) in routes.sequences.into_iter().enumerate() {
+        tokens.extend(routes.prompts.get(i).into_iter().flatten().cloned());
+        tokens.extend(sequence);
+    }
+    Ok(TokenRoutes { model: routes.model, n_layer: routes.n_layer, n_expert: routes.n_expert, tokens })
+}
+
+/// A sluice trace's single-token decodes as tokens.
+fn sluice_tokens(path: &Path) -> Result<TokenRoutes, FormatError> {
+    let trace = RouteTrace::load(path)?;
+    let mut tokens: Vec<TokenLayers> = Vec::new();
+    let mut decode = None;
+    for step in &trace.steps {
+        if step.tokens != 1 {
+            return Err(FormatError::Bad {
+                path: path.into(),
+                detail: format!(
+                    "decode {} planned a batch of {} tokens as one step, without each token's experts; record routes per token with `sluice run --record-routes FILE`",
+                    step.decode, step.tokens
+                ),
+            });
+        }
+        if decode != Some(step.decode) {
+            decode = Some(step.decode);
+            tokens.push(vec![None; trace.n_layer as usize]);
+        }
+        if let Some(token) = tokens.last_mut() {
+            token[step.layer as usize] = Some(step.experts.clone());
+        }
+    }
+    Ok(TokenRoutes { model: trace.model, n_layer: trace.n_layer, n_expert: trace.n_expert, tokens })
+}
+
+/// The experts per layer `routes` declares, or one more than the largest id it routes; checks
+/// that every id is below it.
+fn n_expert(routes: &Routes) -> Result<u32, String> {
     let every = routes.prompts.iter().chain(&routes.sequences).flatten().flatten().flatten().flatten();
     let n_expert = match every.clone().max() {
         _ if routes.n_expert > 0 => routes.n_expert,
@@ -153,6 +207,13 @@ fn into_trace(routes: Routes) -> Result<RouteTrace, String> {
     if let Some(e) = every.clone().find(|&&e| e >= n_expert) {
         return Err(format!("expert id {e} is out of range for the {n_expert} experts the header declares"));
     }
+    Ok(n_expert)
+}
+
+/// The steps of `routes`: per sequence its prompt as one batch step per layer (the union of its
+/// tokens' experts), then each token's layers as single-token decodes.
+fn into_trace(routes: Routes) -> Result<RouteTrace, String> {
+    let n_expert = n_expert(&routes)?;
     if routes.n_layer == 0 || u64::from(routes.n_layer) * u64::from(n_expert) > 1 << 24 {
         return Err(format!("{} layers of {n_expert} experts is not a model's shape", routes.n_layer));
     }

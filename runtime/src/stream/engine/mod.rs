@@ -51,6 +51,9 @@ use super::kernel::{self, ExpertSource};
 use super::lookahead::Lookahead;
 use super::record::DecodeStats;
 use super::residency::Residency;
+use super::routes::force::RouteForcer;
+use super::routes::record::RouteRecorder;
+use super::routes::TokenRoutes;
 use super::routing::{RouteRecord, Routing};
 use super::trace::RouteTrace;
 use super::StreamError;
@@ -83,6 +86,10 @@ pub struct StreamerSettings {
     /// The cores the run computes and reads on (whose other use [`DecodeOverlap::WhenIdle`]
     /// watches; empty: every CPU the process may use).
     pub cores: Vec<usize>,
+    /// Recorded routes forced on the routers.
+    pub force_routes: Option<RouteForcer>,
+    /// Record every computed token's routes.
+    pub record_routes: bool,
 }
 
 /// The state the eval callback drives after the capture.
@@ -131,6 +138,10 @@ pub struct Streamer {
     /// Experts read ahead (whole or not) that their router did not choose: their memory is given
     /// back once the layer's plan has made the chosen ones resident (they may share pages).
     spare: Vec<(u32, u32)>,
+    /// Recorded routes forced on the routers (`--routes`).
+    forcer: Option<RouteForcer>,
+    /// Every computed token's routes (`--record-routes`).
+    recorder: Option<RouteRecorder>,
 }
 
 impl Streamer {
@@ -173,6 +184,8 @@ impl Streamer {
             ahead_jobs: Vec::new(),
             ready: Vec::new(),
             spare: Vec::new(),
+            forcer: settings.force_routes,
+            recorder: settings.record_routes.then(|| RouteRecorder::new(String::new(), index.n_layer, index.n_expert)),
             source,
             index,
         }
@@ -192,6 +205,17 @@ impl Streamer {
     /// staging allowance, this cache's budget and policy; `model` names the model.
     pub fn route_trace(&self, model: String) -> RouteTrace {
         RouteTrace::of(model, self.memory.cache(), self.staging, self.routing.trace())
+    }
+
+    /// Every computed token's routes so far (`record_routes`), their model named `model`.
+    pub fn recorded_routes(&self, model: String) -> Option<TokenRoutes> {
+        self.recorder.as_ref().map(|r| TokenRoutes { model, ..r.routes().clone() })
+    }
+
+    /// Each layer's bytes per expert as the cache accounts them (0 for a layer without experts).
+    pub fn layer_expert_bytes(&self) -> Vec<u64> {
+        let cache = self.memory.cache();
+        (0..cache.n_layer()).map(|l| cache.bytes(l, 0)).collect()
     }
 
     /// The I/O lanes.
@@ -318,6 +342,12 @@ impl Streamer {
     fn on_topk(&mut self, t: TensorView<'_>) -> Result<(), StreamError> {
         let layer =
             t.moe_topk_layer().ok_or_else(|| StreamError::Graph(format!("unexpected node name {}", t.name())))?;
+        if let Some(forcer) = self.forcer.as_mut() {
+            forcer.force(t, layer)?;
+        }
+        if let Some(recorder) = self.recorder.as_mut() {
+            recorder.observe(t, layer)?;
+        }
         if self.index.layer_tensors(layer).next().is_none() {
             // A router whose layer streams nothing (the capture checked that no expert tensor
             // is used through it).
