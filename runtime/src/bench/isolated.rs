@@ -21,6 +21,7 @@ use crate::budget::Batch;
 use crate::generate::{GenerateParams, Reuse, NGRAM_DRAFT_MAX};
 use crate::launch::{Cache, Launch, LaunchError, Loaded, Positions};
 use crate::lossy::Lossy;
+use crate::stream::routes::ForcedRoutes;
 use crate::stream::{DensePolicy, ExpertIndex};
 use sluice_hal::usage::Usage;
 
@@ -153,8 +154,10 @@ pub fn run_child(
     lossy: &Lossy,
     rpc: &[String],
     trace: Option<&Path>,
+    routes: Option<&ForcedRoutes>,
 ) -> Result<ChildOutput, BenchError> {
     let index = ExpertIndex::open(model).map_err(LaunchError::from)?;
+    let forcer = || routes.map(|r| r.forcer(&index, index.n_expert_used)).transpose();
     let params =
         GenerateParams { n_predict, threads: board.threads(), draft: None, batch: crate::generate::DEFAULT_BATCH };
     let mut row = match kind {
@@ -170,11 +173,11 @@ pub fn run_child(
             };
             return Ok(ChildOutput::Conversation(rows));
         }
-        ChildKind::Resident => run_resident(model, &index.shards, prompt, &params, false)?,
-        ChildKind::Compute => run_resident(model, &index.shards, prompt, &params, true)?,
+        ChildKind::Resident => run_resident(model, &index.shards, prompt, &params, false, forcer()?)?,
+        ChildKind::Compute => run_resident(model, &index.shards, prompt, &params, true, forcer()?)?,
         ChildKind::ResidentDraft => {
             let params = GenerateParams { draft: Some(NGRAM_DRAFT_MAX), ..params };
-            run_resident(model, &index.shards, prompt, &params, false)?
+            run_resident(model, &index.shards, prompt, &params, false, None)?
         }
         _ => {
             let row = StreamedRow::of(kind, lossy);
@@ -186,8 +189,9 @@ pub fn run_child(
                 });
             }
             let launch = row.launch(model, prompt, n_predict, board, rpc);
-            let mut out = run_streamed(&launch, &index.shards, n_predict, |loaded| row.label(loaded), trace)?;
-            if !row.lossy.is_exact() {
+            let mut out =
+                run_streamed(&launch, &index.shards, n_predict, |loaded| row.label(loaded), trace, routes)?;
+            if !row.lossy.is_exact() && routes.is_none() {
                 out.lossy_quality = Some(super::lossy_quality(&launch, n_predict)?);
             }
             out

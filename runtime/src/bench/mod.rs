@@ -47,6 +47,9 @@ pub enum BenchError {
     /// The route trace could not be written or read.
     #[error(transparent)]
     Trace(#[from] crate::stream::TraceError),
+    /// The recorded routes do not fit the model, or are too short.
+    #[error(transparent)]
+    Routes(#[from] crate::stream::RoutesError),
     /// A child configuration failed.
     #[error("the {kind} run failed ({status}): {stderr}")]
     Child {
@@ -215,6 +218,7 @@ pub(crate) fn run_resident(
     prompt: &str,
     params: &GenerateParams,
     warm: bool,
+    forcer: Option<crate::stream::RouteForcer>,
 ) -> Result<BenchRow, GenerateError> {
     if warm {
         for f in files {
@@ -234,7 +238,7 @@ pub(crate) fn run_resident(
         &model,
         generate::ContextShape::one((tokens.len() + params.n_predict as usize) as u32),
         &params.threads,
-        None,
+        forcer.map(crate::stream::RouteForcer::resident_callback),
     )?;
     session.set_draft(params.draft)?;
     let mut peak_rss = 0u64;
@@ -293,9 +297,13 @@ pub(crate) fn run_streamed(
     n_predict: u32,
     label: impl FnOnce(&Loaded) -> String,
     trace: Option<&Path>,
+    routes: Option<&crate::stream::routes::ForcedRoutes>,
 ) -> Result<BenchRow, BenchError> {
     drop_cached(files);
-    let loaded = launch.load(&mut |_| {})?;
+    let mut loaded = launch.load(&mut |_| {})?;
+    if let Some(routes) = routes {
+        loaded.force_routes(routes, n_predict)?;
+    }
     let (mut session, open) = loaded.open()?;
     let open_s = open.wall.as_secs_f64();
     if trace.is_some() {
@@ -357,7 +365,7 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, BenchError> {
         draft: plan.board.draft_max(),
         batch: generate::DEFAULT_BATCH,
     };
-    let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params, false)?];
+    let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params, false, None)?];
     let all = index.all_expert_window_bytes();
     for &pct in &plan.cache_percents {
         let label = format!(
@@ -366,7 +374,7 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, BenchError> {
             if plan.board.verify { ", verified" } else { "" }
         );
         let launch = plan.launch(all * u64::from(pct) / 100);
-        rows.push(run_streamed(&launch, &index.shards, plan.n_predict, |_| label, None)?);
+        rows.push(run_streamed(&launch, &index.shards, plan.n_predict, |_| label, None, None)?);
     }
     Ok(rows)
 }

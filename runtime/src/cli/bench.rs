@@ -14,7 +14,7 @@ use sluice::generate;
 use sluice::stream::ExpertIndex;
 use sluice::units::mib;
 
-use super::args::{self, LossyArgs, RpcArgs, TuningArgs};
+use super::args::{self, LossyArgs, RoutesArgs, RpcArgs, TuningArgs};
 
 /// `sluice bench` arguments.
 #[derive(Args)]
@@ -93,6 +93,10 @@ pub struct BenchArgs {
     /// speed and its quality against exact decoding of the same prompt.
     #[command(flatten)]
     lossy: LossyArgs,
+    /// With --budget-mb: every row (the mmap and compute rows too) routed by these recorded
+    /// routes; a lossy row then has no quality figure (the text is not the model's own).
+    #[command(flatten)]
+    routes: RoutesArgs,
 }
 
 /// `sluice bench-child` arguments (started by `sluice bench --budget-mb`).
@@ -125,6 +129,8 @@ pub struct BenchChildArgs {
     /// Record the route trace and write it here.
     #[arg(long)]
     trace: Option<PathBuf>,
+    #[command(flatten)]
+    routes: RoutesArgs,
 }
 
 fn model_mib(model: &std::path::Path) -> Result<f64> {
@@ -147,8 +153,12 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
         None => a.prompt.clone(),
     };
     let prompt_tokens = generate::prompt_positions(&a.model, &prompt, 0)?;
+    let n_predict = match a.routes.load()? {
+        Some(routes) => routed_tokens(a, &routes, prompt_tokens, board.draft_max().is_some())?,
+        None => a.n_predict,
+    };
     if let Some(budget_mb) = a.budget_mb {
-        return run_isolated(a, &prompt, prompt_tokens, choice, budget_mb);
+        return run_isolated(a, &prompt, prompt_tokens, n_predict, choice, budget_mb);
     }
     if !a.lossy.lossy().is_exact() {
         anyhow::bail!("--experts-used and --substitute add rows to a --budget-mb run; give --budget-mb too");
@@ -186,15 +196,49 @@ pub fn run_bench(a: &BenchArgs, choice: &BoardChoice) -> Result<()> {
     Ok(())
 }
 
-fn run_isolated(a: &BenchArgs, prompt: &str, prompt_tokens: u32, choice: &BoardChoice, budget_mb: u64) -> Result<()> {
+/// Checks that `routes` can route every row of `a` (a prompt of `prompt_tokens`; `draft`: the
+/// board drafts), and returns the tokens each row generates: `-n`, or what the routes have left
+/// after the prompt.
+fn routed_tokens(
+    a: &BenchArgs,
+    routes: &sluice::stream::routes::ForcedRoutes,
+    prompt_tokens: u32,
+    draft: bool,
+) -> Result<u32> {
+    if a.budget_mb.is_none() {
+        anyhow::bail!("--routes routes the rows of a --budget-mb run; give --budget-mb too");
+    }
+    if a.rpc || a.conversations || a.perplexity_file.is_some() || draft {
+        anyhow::bail!("--routes routes one board's rows of one prompt: leave out --rpc, --conversations and --perplexity-file, and give --draft off");
+    }
+    let index = ExpertIndex::open(&a.model)?;
+    routes.forcer(&index, index.n_expert_used)?;
+    let n = routes.n_predict(prompt_tokens as usize, a.n_predict)?;
+    if n < 2 {
+        anyhow::bail!(
+            "--routes {} leaves {n} tokens after the {prompt_tokens}-token prompt, and a row generates at least 2; give --routes-end wrap or a shorter prompt",
+            routes.path.display()
+        );
+    }
+    Ok(n)
+}
+
+fn run_isolated(
+    a: &BenchArgs,
+    prompt: &str,
+    prompt_tokens: u32,
+    n_predict: u32,
+    choice: &BoardChoice,
+    budget_mb: u64,
+) -> Result<()> {
     let model = std::fs::canonicalize(&a.model).with_context(|| format!("{}", a.model.display()))?;
     let board = args::board(choice, Some(&model), &a.tuning)?;
     let throttle = a.storage_mbps.map(|speed| storage_throttle(speed, &model, &board)).transpose()?;
-    note_isolated(a, &model, &board, throttle.as_ref().map(|(speed, _)| speed), prompt_tokens, budget_mb)?;
+    note_isolated(a, &model, &board, throttle.as_ref().map(|(speed, _)| speed), prompt_tokens, n_predict, budget_mb)?;
     let plan = IsolatedPlan {
         exe: std::env::current_exe().context("locating the sluice binary")?,
         global_args: vec!["--board".into(), choice.to_string().into()],
-        child_args: child_args(a, &model, prompt),
+        child_args: child_args(a, &model, prompt, n_predict),
         budget: budget_mb << 20,
         throttle: throttle.map(|(_, t)| t),
         draft: board.draft_max().is_some(),
@@ -269,15 +313,17 @@ fn note_isolated(
     board: &sluice::board::ResolvedBoard,
     throttle: Option<&StorageSpeed>,
     prompt_tokens: u32,
+    n_predict: u32,
     budget_mb: u64,
 ) -> Result<()> {
     noteln!(
-        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}{}, a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
+        "bench: {} ({:.1} MiB) in memory cgroups of {budget_mb} MiB{}{}{}, a {prompt_tokens}-token prompt and {} tokens per configuration, {} threads, {} lanes, reads of {} KiB (board {})",
         model.display(),
         model_mib(model)?,
         throttle.map_or(String::new(), |speed| format!(", reads throttled to {speed}")),
         if a.competing > 0 { format!(", {} busy threads beside", a.competing) } else { String::new() },
-        a.n_predict,
+        a.routes.routes.as_ref().map_or(String::new(), |p| format!(", routed by {} (MEASURING)", p.display())),
+        n_predict,
         board.threads.value,
         board.lanes.value,
         board.read_bytes.value >> 10,
@@ -341,17 +387,18 @@ fn write_perplexity(
 
 /// The arguments every child gets: the model, the prompt, the tokens, the tuning flags and the
 /// lossy settings.
-fn child_args(a: &BenchArgs, model: &std::path::Path, prompt: &str) -> Vec<OsString> {
+fn child_args(a: &BenchArgs, model: &std::path::Path, prompt: &str, n_predict: u32) -> Vec<OsString> {
     let mut child_args: Vec<OsString> = vec![
         "--model".into(),
         model.into(),
         "--prompt".into(),
         prompt.into(),
         "-n".into(),
-        a.n_predict.to_string().into(),
+        n_predict.to_string().into(),
     ];
     child_args.extend(args::flags_of(&a.tuning));
     child_args.extend(args::flags_of(&a.lossy));
+    child_args.extend(args::flags_of(&a.routes));
     child_args
 }
 
@@ -396,6 +443,7 @@ pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
         &a.lossy.lossy(),
         &a.rpc.rpc,
         a.trace.as_deref(),
+        a.routes.load()?.as_ref(),
     )?;
     outln!("{}", serde_json::to_string(&out)?);
     Ok(())
