@@ -189,8 +189,7 @@ pub fn run_child(
                 });
             }
             let launch = row.launch(model, prompt, n_predict, board, rpc);
-            let mut out =
-                run_streamed(&launch, &index.shards, n_predict, |loaded| row.label(loaded), trace, routes)?;
+            let mut out = run_streamed(&launch, &index.shards, n_predict, |loaded| row.label(loaded), trace, routes)?;
             if !row.lossy.is_exact() && routes.is_none() {
                 out.lossy_quality = Some(super::lossy_quality(&launch, n_predict)?);
             }

@@ -85,6 +85,8 @@ pub fn deepseek_groups(experts: u32) -> (u32, u32) {
 struct Table {
     out: Vec<(TensorSpec, Init)>,
     matrix: TensorType,
+    out_type: super::OutputType,
+    layers: u32,
 }
 
 impl Table {
@@ -96,7 +98,8 @@ impl Table {
     /// dimension.
     fn matrix(&mut self, name: String, ne: Vec<u64>, gain: f32) {
         let fan_in = ne[0];
-        self.push(name, ne, self.matrix, Init::Uniform { gain, fan_in });
+        let ty = self.out_type.type_of(&name, self.layers);
+        self.push(name, ne, ty, Init::Uniform { gain, fan_in });
     }
 
     /// A norm weight (ones, f32).
@@ -116,7 +119,8 @@ impl Table {
 /// table only sized).
 pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec, Init)> {
     let (e, v) = (u64::from(spec.embd), vocab::n_vocab(spec.words, spec.chat_template.as_deref()));
-    let mut t = Table { out: Vec::new(), matrix: spec.out_type.matrix_type() };
+    let mut t =
+        Table { out: Vec::new(), matrix: spec.out_type.matrix_type(), out_type: spec.out_type, layers: spec.layers };
     // Embedding rows of about unit variance.
     t.push("token_embd.weight".into(), vec![e, v], t.matrix, Init::Uniform { gain: 1.0, fan_in: 3 });
     t.norm("output_norm.weight".into(), e);

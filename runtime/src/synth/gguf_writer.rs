@@ -49,6 +49,10 @@ pub enum TensorType {
     F32,
     /// `GGML_TYPE_F16`
     F16,
+    /// `GGML_TYPE_Q4_K`: blocks of 256 in 144 bytes.
+    Q4K,
+    /// `GGML_TYPE_Q6_K`: blocks of 256 in 210 bytes.
+    Q6K,
 }
 
 impl TensorType {
@@ -57,14 +61,26 @@ impl TensorType {
         match self {
             TensorType::F32 => 0,
             TensorType::F16 => 1,
+            TensorType::Q4K => 12,
+            TensorType::Q6K => 14,
         }
     }
 
-    /// Bytes per element.
-    pub fn element_size(self) -> u64 {
+    /// Elements per block (1 for the float types).
+    pub fn block_elements(self) -> u64 {
+        match self {
+            TensorType::F32 | TensorType::F16 => 1,
+            TensorType::Q4K | TensorType::Q6K => 256,
+        }
+    }
+
+    /// Bytes per block.
+    pub fn block_bytes(self) -> u64 {
         match self {
             TensorType::F32 => 4,
             TensorType::F16 => 2,
+            TensorType::Q4K => 144,
+            TensorType::Q6K => 210,
         }
     }
 }
@@ -88,7 +104,7 @@ impl TensorSpec {
 
     /// Size of the tensor's data in bytes.
     pub fn n_bytes(&self) -> u64 {
-        self.n_elements() * self.ty.element_size()
+        self.n_elements() / self.ty.block_elements() * self.ty.block_bytes()
     }
 }
 

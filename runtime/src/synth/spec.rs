@@ -27,13 +27,19 @@ pub enum OutputType {
     /// bfloat16 matrices, f32 for norms (`llama_model_quantize` from f16).
     #[value(name = "bf16")]
     Bf16,
+    /// The Q4_K_M mix's types with their blocks drawn directly, no f16 file quantized: Q6_K for
+    /// the output and for `attn_v` and `ffn_down*` in the layers the mix gives more bits, Q4_K
+    /// for the other matrices, the router f32. A model of tens of GB then needs only its own size
+    /// on disk (`make bench-board`'s Qwen3-30B-A3B shape would need 61 GB of f16 first).
+    #[value(name = "q4_k_m-drawn")]
+    Q4KMDrawn,
 }
 
 impl OutputType {
     /// The quantization that produces this type, if it is a quantized one.
     pub fn quant(self) -> Option<ggml_sys::QuantType> {
         match self {
-            OutputType::F32 | OutputType::F16 => None,
+            OutputType::F32 | OutputType::F16 | OutputType::Q4KMDrawn => None,
             OutputType::Q8_0 => Some(ggml_sys::QuantType::Q8_0),
             OutputType::Q4KM => Some(ggml_sys::QuantType::Q4KM),
             OutputType::Q6K => Some(ggml_sys::QuantType::Q6K),
@@ -47,7 +53,7 @@ impl OutputType {
         match self {
             OutputType::F32 | OutputType::F16 | OutputType::Bf16 => 1,
             OutputType::Q8_0 | OutputType::Mxfp4Moe => 32,
-            OutputType::Q4KM | OutputType::Q6K => 256,
+            OutputType::Q4KM | OutputType::Q6K | OutputType::Q4KMDrawn => 256,
         }
     }
 
@@ -58,7 +64,7 @@ impl OutputType {
             OutputType::F16 | OutputType::Bf16 => 2.0,
             OutputType::Q8_0 => 34.0 / 32.0,
             // Q4_K (144 B / 256) for most matrices, Q6_K (210 B / 256) for some down projections.
-            OutputType::Q4KM => 0.62,
+            OutputType::Q4KM | OutputType::Q4KMDrawn => 0.62,
             OutputType::Q6K => 210.0 / 256.0,
             // MXFP4 (17 B / 32) for the experts, which are most of a MoE model.
             OutputType::Mxfp4Moe => 17.0 / 32.0,
@@ -67,19 +73,41 @@ impl OutputType {
 
     /// The type matrices are written in before any quantization.
     pub(super) fn matrix_type(self) -> TensorType {
-        if self == OutputType::F32 {
+        match self {
+            OutputType::F32 => TensorType::F32,
+            OutputType::Q4KMDrawn => TensorType::Q4K,
+            _ => TensorType::F16,
+        }
+    }
+
+    /// The type of matrix `name` of a model of `layers` layers: the spec's matrix type, or for
+    /// [`OutputType::Q4KMDrawn`] the one llama.cpp's Q4_K_M mix gives it.
+    pub(super) fn type_of(self, name: &str, layers: u32) -> TensorType {
+        if self != OutputType::Q4KMDrawn {
+            return self.matrix_type();
+        }
+        let layer = name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<u32>().ok());
+        // llama.cpp's `use_more_bits`: the first and last eighth of the layers, and every third
+        // one between.
+        let more_bits = |il: u32| il < layers / 8 || il >= 7 * layers / 8 || (il - layers / 8) % 3 == 2;
+        if name.contains("ffn_gate_inp") {
             TensorType::F32
+        } else if name == "output.weight" {
+            TensorType::Q6K
+        } else if (name.contains(".attn_v.") || name.contains(".ffn_down")) && layer.is_some_and(more_bits) {
+            TensorType::Q6K
         } else {
-            TensorType::F16
+            TensorType::Q4K
         }
     }
 
     /// llama.cpp's `general.file_type` for the directly written types.
     pub(super) fn file_type(self) -> u32 {
-        if self == OutputType::F32 {
-            0
-        } else {
-            1
+        match self {
+            OutputType::F32 => 0,
+            // LLAMA_FTYPE_MOSTLY_Q4_K_M
+            OutputType::Q4KMDrawn => 15,
+            _ => 1,
         }
     }
 }

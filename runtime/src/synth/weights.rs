@@ -45,8 +45,11 @@ pub fn write_values(
         Init::Ones | Init::Values(_) => 0.0,
         Init::Uniform { gain, fan_in } => gain * (3.0 / fan_in.max(1) as f32).sqrt(),
     };
+    if ty.block_elements() > 1 {
+        return write_blocks(out, &mut rng, n / ty.block_elements(), ty, bound);
+    }
     let mut given = 0usize;
-    let mut buf = Vec::with_capacity(CHUNK * ty.element_size() as usize);
+    let mut buf = Vec::with_capacity(CHUNK * ty.block_bytes() as usize);
     let mut left = n;
     while left > 0 {
         let take = left.min(CHUNK as u64) as usize;
@@ -63,11 +66,53 @@ pub fn write_values(
             };
             match ty {
                 TensorType::F32 => buf.extend_from_slice(&v.to_le_bytes()),
-                TensorType::F16 => buf.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
+                _ => buf.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),
             }
         }
         out.write_all(&buf)?;
         left -= take as u64;
+    }
+    Ok(())
+}
+
+/// Writes `blocks` k-quant blocks of `ty` whose values are spread evenly over
+/// `[-bound, bound]`: every sub-block's scale the same, the quants drawn from `rng` (no float
+/// values are drawn and quantized: a model of tens of GB is written at the disk's speed).
+///
+/// Q4_K: a value is `d * 32 * q - dmin * 32` for a quant `q` in 0..16, so `dmin = 7.5 d` centres
+/// it and `d = bound / 240` bounds it. Q6_K: `d * 32 * (q - 32)` for `q` in 0..64, `d = bound /
+/// 1024`.
+fn write_blocks(out: &mut dyn Write, rng: &mut ChaCha8Rng, blocks: u64, ty: TensorType, bound: f32) -> io::Result<()> {
+    let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
+    let mut block = vec![0u8; ty.block_bytes() as usize];
+    let quants = match ty {
+        TensorType::Q4K => {
+            let d = half::f16::from_f32(bound / 240.0);
+            block[..2].copy_from_slice(&d.to_le_bytes());
+            block[2..4].copy_from_slice(&f16(7.5 * d.to_f32()));
+            // Six-bit scale and min 32 for all eight sub-blocks, packed as ggml's
+            // `get_scale_min_k4` reads them.
+            block[4..12].fill(0xA0);
+            block[12..16].fill(0);
+            16..144
+        }
+        _ => {
+            block[192..208].fill(32);
+            block[208..210].copy_from_slice(&f16(bound / 1024.0));
+            0..192
+        }
+    };
+    let mut buf = Vec::with_capacity(CHUNK * block.len());
+    let mut left = blocks;
+    while left > 0 {
+        let take = left.min(CHUNK as u64);
+        buf.clear();
+        for _ in 0..take {
+            rng.fill_bytes(&mut block[quants.clone()]);
+            buf.extend_from_slice(&block);
+        }
+        out.write_all(&buf)?;
+        left -= take;
     }
     Ok(())
 }
@@ -95,6 +140,34 @@ mod tests {
         for c in bytes.chunks(4) {
             let v = f32::from_le_bytes(c.try_into().unwrap());
             assert!(v.abs() <= 1.0 + 1e-6, "{v}");
+        }
+    }
+
+    #[test]
+    fn drawn_k_quant_blocks_decode_within_the_bound_and_centred() {
+        let bound = 0.5f32;
+        for (ty, n) in [(TensorType::Q4K, 144), (TensorType::Q6K, 210)] {
+            let mut v = Vec::new();
+            write_values(&mut v, 3, 1, 512, ty, &Init::Uniform { gain: bound / 3f32.sqrt(), fan_in: 1 }).unwrap();
+            assert_eq!(v.len(), 2 * n, "{ty:?}");
+            let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+            let values: Vec<f32> = match ty {
+                TensorType::Q4K => {
+                    let (d, dmin) = (f16(&v[0..2]), f16(&v[2..4]));
+                    v[16..144]
+                        .iter()
+                        .flat_map(|&q| [q & 15, q >> 4])
+                        .map(|q| d * 32.0 * f32::from(q) - dmin * 32.0)
+                        .collect()
+                }
+                _ => {
+                    let d = f16(&v[208..210]);
+                    v[0..128].iter().flat_map(|&q| [q & 15, q >> 4]).map(|q| d * 32.0 * (f32::from(q) - 8.0)).collect()
+                }
+            };
+            assert!(values.iter().all(|x| x.abs() <= bound * 1.01), "{ty:?}");
+            let mean = values.iter().sum::<f32>() / values.len() as f32;
+            assert!(mean.abs() < bound / 4.0, "{ty:?}: mean {mean}");
         }
     }
 }
