@@ -52,7 +52,7 @@ QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 # each model is trained once per machine into sluice's cache directory.
 TRAINER_VENV := $(CURDIR)/target/trainer-venv
 
-.PHONY: help deps vendor build demo test aarch64 deb lint bench cuda-check clean trained-model trained-model-small
+.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board cuda-check clean trained-model trained-model-small
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
@@ -87,6 +87,7 @@ help:
 	@echo "make deb      Debian packages for amd64 and arm64 (release builds) in $(DEB_DIR)"
 	@echo "make lint     rustfmt check and clippy with warnings as errors"
 	@echo "make bench    streamed vs mmap on a model 3x a $(BENCH_BUDGET_MB) MiB memory cgroup (root)"
+	@echo "make bench-board  Qwen3-30B-A3B's shape on its recorded routes in a Pi 5's and an Orin Nano's memory (root; ~18 GB of disk)"
 	@echo "make cuda-check  compile ggml-sys with the CUDA backend against a toolkit from PyPI (no GPU needed; ~25 min)"
 
 deps:
@@ -178,6 +179,19 @@ bench: vendor
 		echo "== the trained KJV model's held-out perplexity, $$k"; \
 		target/release/sluice perplexity --model $$model --file $$held --ctx 256 $$k 2>/dev/null | tail -4 || exit 1; \
 	done
+
+# make bench-board: the board owner's first number, Qwen3-30B-A3B on a Raspberry Pi 5 8 GB (and a
+# Jetson Orin Nano 8 GB), on the routes recorded from the real model (BOARD_ROUTES): see
+# scripts/bench-board. The ~17.9 GB model is made once in BOARD_DIR (the disk's room is checked
+# first). Needs root (memory cgroups, the read throttle); about 40 minutes on a quiet machine. Not
+# in make test; its small shape is (runtime/tests/memory.rs).
+BOARD_DIR ?= $(BENCH_DIR)/board
+BOARD_ROUTES ?= $(CURDIR)/../shared/traces/bigmoeonedge-2026-07-15/qwen.route.csv
+
+bench-board: vendor
+	$(CARGO) build --release --bin sluice
+	@test -f $(BOARD_ROUTES) || { echo "make bench-board: no recorded routes at $(BOARD_ROUTES); set BOARD_ROUTES"; exit 1; }
+	scripts/bench-board target/release/sluice $(BOARD_DIR) $(BOARD_ROUTES)
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.
 cuda-check: vendor

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use llama_cpp_sys_2 as sys;
 
 use crate::threadpool::{ThreadPool, Threads};
-use crate::{Batch, Error, Model, Result, TensorView};
+use crate::{Batch, Error, GgmlType, Model, Result, TensorView};
 
 /// When the eval callback is being called for a graph node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +47,11 @@ pub struct ContextParams {
     pub n_ubatch: u32,
     /// Compute threads: how many, and where they run.
     pub threads: Threads,
+    /// The KV cache's element type for keys (llama.cpp's default: f16).
+    pub type_k: GgmlType,
+    /// The KV cache's element type for values (a quantized one needs flash attention, which
+    /// llama.cpp then turns on).
+    pub type_v: GgmlType,
 }
 
 /// The most sequences a context can keep (llama.cpp's `LLAMA_MAX_SEQ`).
@@ -137,6 +142,8 @@ impl<'m> Context<'m> {
         p.kv_unified = false;
         p.n_threads = params.threads.count.max(1) as i32;
         p.n_threads_batch = p.n_threads;
+        p.type_k = params.type_k.0;
+        p.type_v = params.type_v.0;
         p.no_perf = true;
         let callback = callback.map(|callback| Box::into_raw(Box::new(CallbackCell { callback, panicked: false })));
         if let Some(cell) = callback {
@@ -160,6 +167,9 @@ impl<'m> Context<'m> {
         if raw.is_null() {
             free_callback();
             model.check_workers()?;
+            if (params.type_k, params.type_v) != (GgmlType::F16, GgmlType::F16) {
+                return Err(Error::KvCacheTypes { k: params.type_k.name(), v: params.type_v.name() });
+            }
             return Err(Error::ContextCreate { n_ctx: params.n_ctx, n_batch: params.n_batch });
         }
         let pool = if params.threads.cpus.is_empty() {

@@ -103,6 +103,14 @@ pub enum Error {
         /// Requested batch size.
         n_batch: u32,
     },
+    /// llama.cpp could not create a context with these KV cache types.
+    #[error("llama.cpp could not make a KV cache of K type {k} and V type {v} for this model (its log says why: a head size the type's blocks do not divide, or a model whose K and V must share one type); give --cache-type-k and --cache-type-v f16 or q8_0")]
+    KvCacheTypes {
+        /// The keys' type.
+        k: &'static str,
+        /// The values' type.
+        v: &'static str,
+    },
     /// `llama_decode` returned an error status.
     #[error("llama_decode failed with status {status} ({meaning})")]
     Decode {

@@ -17,6 +17,16 @@ impl GgmlType {
     pub const BF16: GgmlType = GgmlType(sys::GGML_TYPE_BF16);
     /// `GGML_TYPE_Q8_0`.
     pub const Q8_0: GgmlType = GgmlType(sys::GGML_TYPE_Q8_0);
+    /// `GGML_TYPE_Q5_1`.
+    pub const Q5_1: GgmlType = GgmlType(sys::GGML_TYPE_Q5_1);
+    /// `GGML_TYPE_Q5_0`.
+    pub const Q5_0: GgmlType = GgmlType(sys::GGML_TYPE_Q5_0);
+    /// `GGML_TYPE_Q4_1`.
+    pub const Q4_1: GgmlType = GgmlType(sys::GGML_TYPE_Q4_1);
+    /// `GGML_TYPE_Q4_0`.
+    pub const Q4_0: GgmlType = GgmlType(sys::GGML_TYPE_Q4_0);
+    /// `GGML_TYPE_IQ4_NL`.
+    pub const IQ4_NL: GgmlType = GgmlType(sys::GGML_TYPE_IQ4_NL);
     /// `GGML_TYPE_Q4_K`.
     pub const Q4_K: GgmlType = GgmlType(sys::GGML_TYPE_Q4_K);
     /// `GGML_TYPE_Q6_K`.

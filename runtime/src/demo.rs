@@ -25,6 +25,8 @@ pub fn demo_spec() -> SynthSpec {
         routing: synth::Routing::Uniform,
         reuse: None,
         words: true,
+        key_length: None,
+        vocab_size: None,
     }
 }
 

@@ -198,7 +198,7 @@ impl Launch {
         let positions = self.positions_before_load()?;
         let (index, split) = self.index_and_split(Some(positions))?;
         let rpc = split.as_ref().map(Split::rpc);
-        let shape = ContextShape { positions, slots: self.slots, batch: self.batch.first() };
+        let shape = ContextShape { positions, slots: self.slots, batch: self.batch.first(), kv: self.board.kv };
         let ledger = self.plan_ledger(&index, shape, rpc.as_ref());
         Ok(Planned { index, split, ledger })
     }
@@ -229,7 +229,7 @@ impl Launch {
             Positions::ModelCapped(cap) => (model.n_ctx_train().min(*cap), Vec::new()),
         };
         on_step("planning memory");
-        let shape = ContextShape { positions: n_ctx, slots: self.slots, batch: self.batch.first() };
+        let shape = ContextShape { positions: n_ctx, slots: self.slots, batch: self.batch.first(), kv: self.board.kv };
         let ledger = self.plan_ledger(&index, shape, rpc.as_ref())?;
         let shape = match self.batch {
             Batch::FromBudget => ContextShape { batch: ledger.n_batch, ..shape },
@@ -274,7 +274,7 @@ impl Launch {
             &self.rpc,
             &self.model,
             index,
-            ContextShape { positions, slots: self.slots, batch: self.batch.first() },
+            ContextShape { positions, slots: self.slots, batch: self.batch.first(), kv: self.board.kv },
             self.gpu_layers() > 0,
         )?;
         if let Some(split) = &split {

@@ -212,3 +212,40 @@ fn check_conversations(csv: &str) {
         assert!(r[3].parse::<f64>().unwrap() > 0.0, "{} generated nothing:\n{csv}", &r[0]);
     }
 }
+
+/// `make bench-board`'s recipe at CI's size (scripts/bench-board's small shape): a drawn Q4_K_M
+/// model, routed by its own recorded routes, benched in a memory cgroup with its reads throttled;
+/// the results table has every mode with the columns a board owner reads.
+#[test]
+fn bench_board_small_shape_writes_its_results_table() {
+    let Some(probe) = cgroup("sluice-test-board-probe", 64) else { return };
+    drop(probe);
+    // On the build's disk: the throttle needs a block device under the model.
+    let dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scripts/bench-board");
+    let o = Command::new(script)
+        .args([env!("CARGO_BIN_EXE_sluice"), dir.path().to_str().unwrap(), "record", "small"])
+        .env_remove("RUST_LOG")
+        .output()
+        .unwrap();
+    check(&o);
+    let csv = std::fs::read_to_string(dir.path().join("results.csv")).unwrap();
+    let mut reader = csv::Reader::from_reader(csv.as_bytes());
+    let header: Vec<String> = reader.headers().unwrap().iter().map(String::from).collect();
+    assert_eq!(
+        header.join(","),
+        "board,speed_mbs,mode,tok_s,ttft_s,hit_pct,mib_per_token,io_bound_tok_s,compute_tok_s,of_bound_pct,x_mmap"
+    );
+    let rows: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
+    let modes: Vec<&str> = rows.iter().map(|r| &r[2]).collect();
+    assert_eq!(modes, ["mmap", "no-cache", "auto-cache", "default", "lossy"], "{csv}");
+    for r in &rows {
+        let number = |i: usize| r[i].parse::<f64>().unwrap_or_else(|_| panic!("column {} of {r:?}", header[i]));
+        assert!(number(3) > 0.0 && number(8) > 0.0 && number(10) > 0.0, "{r:?}");
+        if &r[2] != "mmap" {
+            assert!(number(6) > 0.0 && number(7) > 0.0 && number(9) > 0.0, "a streamed row reads experts: {r:?}");
+        }
+    }
+    let svg = std::fs::read_to_string(dir.path().join("results.svg")).unwrap();
+    assert_eq!(svg.matches("<rect ").count(), 5, "{svg}");
+}

@@ -134,6 +134,7 @@ pub fn greedy_tokens(model: &ggml_sys::Model, n_predict: u32, n_threads: u32) ->
         threads: ggml_sys::Threads::unpinned(n_threads),
         draft: None,
         batch: sluice::generate::DEFAULT_BATCH,
+        kv: Default::default(),
     };
     generate::generate(model, PROMPT, &params, |_, _| {}).expect("generation").tokens
 }

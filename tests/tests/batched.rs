@@ -17,7 +17,12 @@ use sluice_tests::{gate_fixtures, indexed_fixture, stream_config, PROMPT};
 const N: u32 = 8;
 /// Four slots, prompts in batches of 8: the longer prompts have whole batches, which run alone,
 /// between steps that carry a token of every decoding run.
-const SHAPE: ContextShape = ContextShape { positions: 256, slots: 4, batch: 8 };
+const SHAPE: ContextShape = ContextShape {
+    positions: 256,
+    slots: 4,
+    batch: 8,
+    kv: sluice::generate::KvTypes { k: sluice::generate::KvCacheType::F16, v: sluice::generate::KvCacheType::F16 },
+};
 
 /// The clients' prompts, of different lengths.
 const PROMPTS: [&str; 4] = [

@@ -290,7 +290,7 @@ fn the_prompt_batch_from_the_budget_is_the_largest_that_keeps_enough_of_the_cach
     sluice::synth::synthesize(&wide, &path, 2).unwrap();
     let files = [path];
     let index = ExpertIndex::open(&files[0]).unwrap();
-    let shape = |positions, batch| ContextShape { positions, slots: 1, batch };
+    let shape = |positions, batch| ContextShape { positions, slots: 1, batch, kv: Default::default() };
     let base = PlanRequest {
         model: &files[0],
         index: &index,

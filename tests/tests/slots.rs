@@ -14,7 +14,12 @@ use sluice_tests::{gate_fixtures, indexed_fixture, stream_config, PROMPT};
 const N: u32 = 8;
 /// Two slots, prompts in batches of 8 tokens: what a slot keeps is whole batches, so the short
 /// test prompts keep some.
-const SHAPE: ContextShape = ContextShape { positions: 256, slots: 2, batch: 8 };
+const SHAPE: ContextShape = ContextShape {
+    positions: 256,
+    slots: 2,
+    batch: 8,
+    kv: sluice::generate::KvTypes { k: sluice::generate::KvCacheType::F16, v: sluice::generate::KvCacheType::F16 },
+};
 
 /// The turns of a conversation: the prompt, then each turn's prompt is the last one, its answer
 /// and this text.

@@ -844,6 +844,7 @@ fn ngram_drafting_gives_the_greedy_tokens_resident_and_streamed() {
             threads: ggml_sys::Threads::unpinned(2),
             draft: Some(sluice::generate::NGRAM_DRAFT_MAX),
             batch: sluice::generate::DEFAULT_BATCH,
+            kv: Default::default(),
         };
         let g = sluice::generate::generate(&model, sluice_tests::PROMPT, &params, |_, _| {}).unwrap();
         assert_eq!(g.tokens, reference, "{f:?}: resident with drafting differs from plain greedy");

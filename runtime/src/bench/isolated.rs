@@ -158,8 +158,13 @@ pub fn run_child(
 ) -> Result<ChildOutput, BenchError> {
     let index = ExpertIndex::open(model).map_err(LaunchError::from)?;
     let forcer = || routes.map(|r| r.forcer(&index, index.n_expert_used)).transpose();
-    let params =
-        GenerateParams { n_predict, threads: board.threads(), draft: None, batch: crate::generate::DEFAULT_BATCH };
+    let params = GenerateParams {
+        n_predict,
+        threads: board.threads(),
+        draft: None,
+        batch: crate::generate::DEFAULT_BATCH,
+        kv: board.kv,
+    };
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
         ChildKind::ReadSweep => return Ok(ChildOutput::Sweep(read_sweep(model, &index)?)),

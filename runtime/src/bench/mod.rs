@@ -107,6 +107,12 @@ pub struct BenchRow {
 }
 
 impl BenchRow {
+    /// Whether the row ran a lossy mode (its label says LOSSY): its text may differ from the
+    /// resident run's.
+    pub fn is_lossy(&self) -> bool {
+        self.label.contains("LOSSY")
+    }
+
     /// The row of a streamed generation `g` and the decodes it made, its time to first token the
     /// prompt's; what the caller knows beyond them (cache, stall, open, drafting) left empty.
     pub(crate) fn of_generation(label: String, g: &generate::Generation, rows: &[TokenRow]) -> BenchRow {
@@ -238,8 +244,9 @@ pub(crate) fn run_resident(
         &model,
         generate::ContextShape::one((tokens.len() + params.n_predict as usize) as u32),
         &params.threads,
-        forcer.map(crate::stream::RouteForcer::resident_callback),
+        forcer.clone().map(crate::stream::RouteForcer::resident_callback),
     )?;
+    session.set_ignore_eog(forcer.is_some());
     session.set_draft(params.draft)?;
     let mut peak_rss = 0u64;
     let mut faults = 0u64;
@@ -364,6 +371,7 @@ pub fn run(plan: &BenchPlan) -> Result<Vec<BenchRow>, BenchError> {
         threads: plan.board.threads(),
         draft: plan.board.draft_max(),
         batch: generate::DEFAULT_BATCH,
+        kv: plan.board.kv,
     };
     let mut rows = vec![run_resident(&plan.model, &index.shards, &plan.prompt, &params, false, None)?];
     let all = index.all_expert_window_bytes();

@@ -202,6 +202,10 @@ pub struct MemorySection {
     /// faulted in by every read and given back by every eviction.
     #[serde(default = "default_expert_slots")]
     pub expert_slots: bool,
+    /// The KV cache's type for keys ("f16", "q8_0", "q4_0", ...; llama.cpp's names). Absent: f16.
+    pub cache_type_k: Option<crate::generate::KvCacheType>,
+    /// The KV cache's type for values. Absent: f16.
+    pub cache_type_v: Option<crate::generate::KvCacheType>,
 }
 
 fn default_expert_slots() -> bool {
@@ -215,6 +219,8 @@ impl Default for MemorySection {
             reserve_mib: default_reserve(),
             cache_policy: None,
             expert_slots: default_expert_slots(),
+            cache_type_k: None,
+            cache_type_v: None,
         }
     }
 }

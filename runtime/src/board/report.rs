@@ -158,6 +158,7 @@ pub fn describe_resolved(r: &ResolvedBoard) -> String {
         let _ = writeln!(o, "  reads paced to {mbps} MB/s (--pace-mbps)");
     }
     let _ = writeln!(o, "  expert cache policy: {} ({})", r.cache_policy.value, r.cache_policy.source);
+    let _ = writeln!(o, "  KV cache types: {}", r.kv.describe());
     let _ = writeln!(o, "  budget: {} ({})", mib(r.budget.value), r.budget.source);
     let _ = writeln!(
         o,

@@ -1,6 +1,7 @@
 //! A profile applied to the probed machine and the command line: the concrete cores, read size,
 //! lanes, budget and compute service a run uses, each with where it came from.
 
+use crate::generate::{KvCacheType, KvTypes};
 use sluice_hal::cpulist;
 use sluice_hal::probe::HardwareProbe;
 use sluice_hal::storage::Medium;
@@ -46,6 +47,10 @@ pub struct Overrides {
     pub lookahead: Option<bool>,
     /// `--pace-mbps`.
     pub pace_mbps: Option<u32>,
+    /// `--cache-type-k`.
+    pub cache_type_k: Option<KvCacheType>,
+    /// `--cache-type-v`.
+    pub cache_type_v: Option<KvCacheType>,
 }
 
 /// A value and where it came from (`profile storage.lanes`, `--io-lanes`, `probe`, ...).
@@ -101,6 +106,8 @@ pub struct ResolvedBoard {
     /// Expert and dense reads paced to a slower device of this many MB/s (`--pace-mbps`; never
     /// from a profile: a board reads at its own storage's speed).
     pub pace_mbps: Option<u32>,
+    /// The KV cache's element types (`--cache-type-k/-v`, else the profile's, else f16).
+    pub kv: KvTypes,
     /// The most sluice may hold, bytes.
     pub budget: Sourced<u64>,
     /// The compute service.
@@ -174,6 +181,10 @@ pub fn resolve(
         expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
         lookahead: overrides.lookahead.unwrap_or(p.storage.lookahead),
         pace_mbps: overrides.pace_mbps,
+        kv: KvTypes {
+            k: overrides.cache_type_k.or(p.memory.cache_type_k).unwrap_or_default(),
+            v: overrides.cache_type_v.or(p.memory.cache_type_v).unwrap_or_default(),
+        },
         budget,
         compute,
         notes,

@@ -79,6 +79,16 @@ pub struct TuningArgs {
     /// time spent computing earns no burst of faster reads after it.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub pace_mbps: Option<u32>,
+    /// The KV cache's type for keys, as llama.cpp names them (default: the profile's
+    /// memory.cache_type_k, else f16). q8_0 takes about half of f16's memory, which the expert
+    /// cache gets; LOSSY: attention then computes with rounded keys (`sluice perplexity
+    /// --cache-type-k q8_0` measures what it costs a model).
+    #[arg(long, value_enum, value_name = "TYPE")]
+    pub cache_type_k: Option<sluice::generate::KvCacheType>,
+    /// The KV cache's type for values (default: the profile's memory.cache_type_v, else f16); a
+    /// quantized one turns on llama.cpp's flash attention. LOSSY, as --cache-type-k.
+    #[arg(long, value_enum, value_name = "TYPE")]
+    pub cache_type_v: Option<sluice::generate::KvCacheType>,
 }
 
 impl TuningArgs {
@@ -112,6 +122,8 @@ impl TuningArgs {
                 None
             },
             pace_mbps: self.pace_mbps,
+            cache_type_k: self.cache_type_k,
+            cache_type_v: self.cache_type_v,
         }
     }
 }
@@ -350,6 +362,8 @@ mod tests {
             lookahead: true,
             no_lookahead: false,
             pace_mbps: Some(400),
+            cache_type_k: Some(sluice::generate::KvCacheType::Q8_0),
+            cache_type_v: Some(sluice::generate::KvCacheType::Q4_0),
         };
         let lossy = LossyArgs { experts_used: Some(2), substitute: Some(4) };
         let child = passed_on(&tuning, &lossy);

@@ -300,7 +300,7 @@ fn run_isolated(
     std::fs::write(&svg, sluice::bench::svg_bar_chart(&report.rows, &title))
         .with_context(|| format!("writing {}", svg.display()))?;
     noteln!("wrote {} and {}", csv.display(), svg.display());
-    if report.rows.iter().any(|r| r.lossy_quality.is_none() && r.tokens != report.rows[0].tokens) {
+    if report.rows.iter().any(|r| !r.is_lossy() && r.tokens != report.rows[0].tokens) {
         anyhow::bail!("an exact streamed configuration generated different tokens from the resident run");
     }
     Ok(())

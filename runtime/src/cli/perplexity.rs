@@ -88,7 +88,7 @@ pub fn run_perplexity(a: &PerplexityArgs, choice: &BoardChoice) -> Result<()> {
     if a.stream.resident {
         let model = generate::load_model(&a.model)?;
         let windows = Windows::of_text(&model, &text, n_ctx, chunks)?;
-        let shape = ContextShape { positions: a.ctx, slots: 1, batch };
+        let shape = ContextShape { positions: a.ctx, slots: 1, batch, kv: board.kv };
         let mut session = Session::new(&model, shape, &board.threads(), None)?;
         let mut no_observer = |_| Ok::<(), generate::GenerateError>(());
         let scores = if a.decode {

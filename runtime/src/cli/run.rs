@@ -62,18 +62,18 @@ pub struct DemoArgs {
     tuning: TuningArgs,
 }
 
-/// Generates while printing each token as it comes (with an eval callback, when given), then
+/// Generates while printing each token as it comes (under forced routes, when given), then
 /// prints the timing summary.
-fn generate_and_print<'m>(
-    model: &'m ggml_sys::Model,
+fn generate_and_print(
+    model: &ggml_sys::Model,
     prompt: &str,
     params: &GenerateParams,
-    callback: Option<ggml_sys::EvalCallback<'m>>,
+    forcer: Option<sluice::stream::RouteForcer>,
 ) -> Result<Generation> {
     let mut display = DisplayText::default();
     let mut out = TextOut::new()?;
     let generation =
-        generate::generate_observed(model, prompt, params, callback, |_, bytes| out.write(&display.push(bytes)))?;
+        generate::generate_forced(model, prompt, params, forcer, |_, bytes| out.write(&display.push(bytes)))?;
     out.finish(&display.finish())?;
     noteln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s, batches of {}); generated: {} tokens, decode {:.2} tok/s{}",
@@ -116,6 +116,7 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
         threads: board.threads(),
         draft: board.draft_max(),
         batch: a.stream.batch.first(),
+        kv: board.kv,
     };
     if a.stream.resident {
         if board.verify {
@@ -128,17 +129,17 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
         )?;
         let batch = resident_batch(a, model_path, prompt, &board);
         let mut params = GenerateParams { batch, ..params };
-        let callback = match &routes.forced {
+        let forcer = match &routes.forced {
             Some(forced) => {
                 let index = sluice::stream::ExpertIndex::open(model_path)?;
                 let forcer = forced.forcer(&index, index.n_expert_used)?;
                 let prompt_tokens = generate::Session::prepare(&model, prompt, params.n_predict)?.len();
                 params.n_predict = forced.n_predict(prompt_tokens, params.n_predict)?;
-                Some(forcer.resident_callback())
+                Some(forcer)
             }
             None => None,
         };
-        generate_and_print(&model, prompt, &params, callback)?;
+        generate_and_print(&model, prompt, &params, forcer)?;
         return Ok(());
     }
     run_streamed(model_path, prompt, &params, &a.stream, &a.rpc, &board, &routes)
@@ -398,6 +399,7 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         threads: board.threads(),
         draft: board.draft_max(),
         batch: generate::DEFAULT_BATCH,
+        kv: board.kv,
     };
     let args = StreamArgs {
         resident: false,

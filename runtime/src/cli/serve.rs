@@ -127,7 +127,12 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     let cors_origins = set.cors_origins.clone().unwrap_or_default();
 
     sluice::metadata::check_model_file(&model)?;
-    let board = args::board(&board_choice, Some(&model), &a.tuning)?;
+    let tuning = TuningArgs {
+        cache_type_k: a.tuning.cache_type_k.or(set.cache_type_k),
+        cache_type_v: a.tuning.cache_type_v.or(set.cache_type_v),
+        ..a.tuning.clone()
+    };
+    let board = args::board(&board_choice, Some(&model), &tuning)?;
     let state_dir = a.state_dir.clone().or_else(|| std::env::var_os("STATE_DIRECTORY").map(PathBuf::from));
     if let Some(dir) = &state_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("state directory {}", dir.display()))?;

@@ -94,6 +94,14 @@ pub struct SynthArgs {
     /// weights then generate words).
     #[arg(long)]
     words: bool,
+    /// Width of each attention head (default: --embd / --heads); a real model's gives its KV
+    /// cache's and attention weights' real size.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..))]
+    head_dim: Option<u32>,
+    /// Pad the vocabulary with unused tokens to this many (a real model's: its embedding and
+    /// output matrices' size, and the output product's work).
+    #[arg(long)]
+    vocab: Option<u32>,
     /// Threads for quantizing (default: every CPU this process may run on).
     #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
@@ -139,6 +147,8 @@ impl SynthArgs {
                 RoutingKind::Uniform => self.reuse,
             },
             words: self.words,
+            key_length: self.head_dim,
+            vocab_size: self.vocab,
         };
         if let Some(size) = self.size {
             spec.expert_ff = synth::fit_expert_ff(&spec, size.as_u64())?;

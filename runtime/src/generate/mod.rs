@@ -1,5 +1,6 @@
 //! Text generation over a loaded model: tokenize, prefill, decode (greedy or sampled), timing.
 
+mod kv_types;
 mod run;
 mod sampler;
 mod session;
@@ -9,6 +10,7 @@ use std::time::Duration;
 
 use ggml_sys::{ContextParams, Model, ModelParams, Threads, Token};
 
+pub use kv_types::{KvCacheType, KvTypes};
 pub use run::{Callback, Client, Run};
 pub use sampler::{to_end, Chosen, Sampler};
 pub use session::{DecodeError, DecodeEvent, DecodeObserver, Session, SlotUse};
@@ -114,6 +116,8 @@ pub struct GenerateParams {
     pub draft: Option<usize>,
     /// The most prompt tokens one decode takes.
     pub batch: u32,
+    /// The KV cache's element types.
+    pub kv: KvTypes,
 }
 
 /// The most tokens `--draft ngram` drafts per decode (llama.cpp's lookup decoding drafts fewer
@@ -176,12 +180,14 @@ pub struct ContextShape {
     pub slots: u32,
     /// The most prompt tokens one decode takes (at most the positions).
     pub batch: u32,
+    /// The KV cache's element types.
+    pub kv: KvTypes,
 }
 
 impl ContextShape {
-    /// One slot of `positions`, prompts in batches of [`DEFAULT_BATCH`].
+    /// One slot of `positions`, prompts in batches of [`DEFAULT_BATCH`], an f16 KV cache.
     pub fn one(positions: u32) -> ContextShape {
-        ContextShape { positions, slots: 1, batch: DEFAULT_BATCH }
+        ContextShape { positions, slots: 1, batch: DEFAULT_BATCH, kv: KvTypes::default() }
     }
 }
 
@@ -197,6 +203,8 @@ pub fn context_params(shape: ContextShape, threads: &Threads) -> ContextParams {
         n_batch,
         n_ubatch: n_batch,
         threads: threads.clone(),
+        type_k: shape.kv.k.ggml(),
+        type_v: shape.kv.v.ggml(),
     }
 }
 
@@ -245,24 +253,32 @@ pub fn generate(
     params: &GenerateParams,
     on_token: impl FnMut(Token, &[u8]),
 ) -> Result<Generation, GenerateError> {
-    generate_observed(model, prompt, params, None, on_token)
+    generate_forced(model, prompt, params, None, on_token)
 }
 
-/// [`generate`] with an eval callback on the context (forced routes, `--routes`).
-pub fn generate_observed<'m>(
-    model: &'m Model,
+/// [`generate`] with recorded routes forced on the routers (`--routes`): the run then ends at
+/// `n_predict` only, an end-of-generation token included.
+pub fn generate_forced(
+    model: &Model,
     prompt: &str,
     params: &GenerateParams,
-    callback: Option<ggml_sys::EvalCallback<'m>>,
+    forcer: Option<crate::stream::RouteForcer>,
     on_token: impl FnMut(Token, &[u8]),
 ) -> Result<Generation, GenerateError> {
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
+    let forced = forcer.is_some();
     let mut session = Session::new(
         model,
-        ContextShape { positions: (tokens.len() + params.n_predict as usize) as u32, slots: 1, batch: params.batch },
+        ContextShape {
+            positions: (tokens.len() + params.n_predict as usize) as u32,
+            batch: params.batch,
+            kv: params.kv,
+            ..ContextShape::one(0)
+        },
         &params.threads,
-        callback,
+        forcer.map(crate::stream::RouteForcer::resident_callback),
     )?;
+    session.set_ignore_eog(forced);
     session.set_draft(params.draft)?;
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }

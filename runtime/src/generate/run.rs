@@ -348,7 +348,7 @@ impl<'m> Session<'m> {
     /// Takes a chosen token (its logits at batch output `at`): an end-of-generation token, or the
     /// client's break, or `n_predict` tokens end the run; otherwise it is the run's pending token.
     fn choose(&self, run: &mut Run, client: &mut dyn Client, token: Token, at: i32) -> Result<(), GenerateError> {
-        if self.model.is_eog(token) {
+        if self.model.is_eog(token) && !self.ignore_eog {
             run.out.stopped_at_eog = true;
             run.over = Some(Ok(()));
             return Ok(());

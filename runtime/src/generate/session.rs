@@ -70,6 +70,9 @@ pub struct Session<'m> {
     pub(super) rotation: usize,
     /// What a slot may keep of a later prompt.
     reuse: Reuse,
+    /// An end-of-generation token is a token like any other: the run ends at `n_predict`
+    /// (forced routes, whose run is as long as the routes).
+    pub(super) ignore_eog: bool,
 }
 
 impl<'m> Session<'m> {
@@ -101,7 +104,20 @@ impl<'m> Session<'m> {
             prompt_turn: false,
             rotation: 0,
             reuse: Reuse::Exact,
+            ignore_eog: false,
         })
+    }
+
+    /// The bytes the context holds, as llama.cpp accounts them (its KV cache and compute
+    /// buffers).
+    pub fn memory_sizes(&self) -> ggml_sys::MemorySizes {
+        self.ctx.memory_sizes()
+    }
+
+    /// With `on`, an end-of-generation token no longer ends a run: it ends at its `n_predict`
+    /// (a run under forced routes measures as many tokens as it was given).
+    pub fn set_ignore_eog(&mut self, on: bool) {
+        self.ignore_eog = on;
     }
 
     /// The tokens slot `slot`'s memory holds (empty for a slot that does not exist).

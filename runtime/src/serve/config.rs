@@ -82,6 +82,12 @@ pub struct ServeSettings {
     /// Allow browser requests from this origin (CORS); repeat for several, `*` for any.
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
     pub cors_origins: Option<Vec<String>>,
+    /// The KV cache's type for keys (`--cache-type-k` sets it on the command line).
+    #[arg(skip)]
+    pub cache_type_k: Option<crate::generate::KvCacheType>,
+    /// The KV cache's type for values (`--cache-type-v`).
+    #[arg(skip)]
+    pub cache_type_v: Option<crate::generate::KvCacheType>,
 }
 
 /// The fewest context positions `ctx` may give.
@@ -214,6 +220,8 @@ impl ServeSettings {
             rpc_key_file: self.rpc_key_file.or(file.rpc_key_file),
             metrics_need_key: self.metrics_need_key.or(file.metrics_need_key),
             cors_origins: self.cors_origins.or(file.cors_origins),
+            cache_type_k: self.cache_type_k.or(file.cache_type_k),
+            cache_type_v: self.cache_type_v.or(file.cache_type_v),
         }
     }
 }
@@ -249,6 +257,8 @@ mod tests {
             rpc_key_file: Some("/etc/sluice/rpc.key".into()),
             metrics_need_key: Some(true),
             cors_origins: Some(vec!["https://example.org".into()]),
+            cache_type_k: Some(crate::generate::KvCacheType::Q8_0),
+            cache_type_v: Some(crate::generate::KvCacheType::Q8_0),
         }
     }
 
@@ -267,7 +277,7 @@ mod tests {
     fn every_key_round_trips() {
         let f = full();
         let text = toml::to_string(&f).unwrap();
-        assert_eq!(keys().len(), 16, "{:?}", keys());
+        assert_eq!(keys().len(), 18, "{:?}", keys());
         for key in keys() {
             assert!(text.lines().any(|l| l.starts_with(&format!("{key} = "))), "{key} missing from:\n{text}");
         }

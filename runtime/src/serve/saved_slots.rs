@@ -17,11 +17,11 @@ use serde::{Deserialize, Serialize};
 
 use super::heat::ModelIdentity;
 use crate::framed::{self, FramedError};
-use crate::generate::{kept_prefix, ContextShape, Reuse};
+use crate::generate::{kept_prefix, ContextShape, KvTypes, Reuse};
 
 const MAGIC: &[u8; 8] = b"SLUICESL";
 /// The format version written; files of another version are not used.
-const VERSION: u32 = 2;
+const VERSION: u32 = 3;
 /// The largest header read: the tokens of a slot of a million positions, with room to spare.
 const MAX_HEADER_BYTES: u64 = 8 << 20;
 /// The folder of the state directory the slots are saved in.
@@ -44,6 +44,8 @@ pub struct SlotKey {
     pub batch: u32,
     /// What a slot keeps ([`Reuse::Exact`] slots hold whole batches only).
     pub reuse: Reuse,
+    /// The KV cache's element types (llama.cpp's state holds the cache as they are).
+    pub kv: KvTypes,
 }
 
 impl SlotKey {
@@ -60,7 +62,15 @@ impl SlotKey {
             let mtime = meta.modified()?.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as i128);
             files.push((meta.len(), mtime));
         }
-        Ok(SlotKey { model, files, slots: shape.slots, positions: shape.positions, batch: shape.batch, reuse })
+        Ok(SlotKey {
+            model,
+            files,
+            slots: shape.slots,
+            positions: shape.positions,
+            batch: shape.batch,
+            reuse,
+            kv: shape.kv,
+        })
     }
 }
 
@@ -182,7 +192,16 @@ impl SlotStore {
         };
         let written = h.modified().unwrap_or(SystemTime::UNIX_EPOCH);
         let usable = header.version == VERSION && header.key == self.key;
-        if !usable {
+        if header.version == VERSION && header.key == (SlotKey { kv: header.key.kv, ..self.key.clone() }) && !usable {
+            log::warn!(
+                "{}: saved with a KV cache of {}, and this server's is {}; ignoring it (--cache-type-k {} --cache-type-v {} would use it)",
+                head.display(),
+                header.key.kv.describe(),
+                self.key.kv.describe(),
+                header.key.kv.k.name(),
+                header.key.kv.v.name()
+            );
+        } else if !usable {
             log::warn!("{}: saved for another model, context shape or format version; ignoring it", head.display());
         }
         let usable = usable.then_some((header.tokens, header.state_len, header.state_crc));

@@ -130,6 +130,7 @@ impl<'m> StreamedSession<'m> {
                 threads.cpus.iter().chain(&config.lanes.cpus).copied().collect()
             },
         };
+        session.set_ignore_eog(config.force_routes.is_some());
         let mut streamer = Streamer::new(index, source, bound, claims.taken(), sums, settings);
         streamer.set_compute_threads(session.compute_threads());
         let streamer = Arc::new(Mutex::new(streamer));

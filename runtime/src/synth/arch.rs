@@ -118,7 +118,7 @@ impl Table {
 /// layer permutes into its router bias; `None` draws the bias at random (uniform routing, or a
 /// table only sized).
 pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec, Init)> {
-    let (e, v) = (u64::from(spec.embd), vocab::n_vocab(spec.words, spec.chat_template.as_deref()));
+    let (e, v) = (u64::from(spec.embd), vocab::n_vocab(spec.words, spec.chat_template.as_deref(), spec.vocab_size));
     let mut t =
         Table { out: Vec::new(), matrix: spec.out_type.matrix_type(), out_type: spec.out_type, layers: spec.layers };
     // Embedding rows of about unit variance.

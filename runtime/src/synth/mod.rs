@@ -89,7 +89,7 @@ impl SynthSpec {
         if self.alignment != 32 {
             meta.push(("general.alignment".to_string(), Value::U32(self.alignment as u32)));
         }
-        meta.extend(vocab::metadata(self.words, self.chat_template.as_deref()));
+        meta.extend(vocab::metadata(self.words, self.chat_template.as_deref(), self.vocab_size));
         if let Some(t) = &self.chat_template {
             meta.push(("tokenizer.chat_template".to_string(), Value::Str(t.clone())));
         }

@@ -155,6 +155,13 @@ pub struct SynthSpec {
     /// A thousand common English words in the vocabulary besides the byte tokens (the demo
     /// model: random weights then print words).
     pub words: bool,
+    /// Width of each attention head (`attention.key_length`); `None`: `embd / heads`. A real
+    /// model's (Qwen3-30B-A3B: 128 with 32 heads of a 2048 embedding) gives its KV cache's and
+    /// attention weights' real size.
+    pub key_length: Option<u32>,
+    /// Pad the vocabulary with unused tokens to this many (a real model's, for the size of its
+    /// embedding and output matrices and the output product's work); `None`: none.
+    pub vocab_size: Option<u32>,
 }
 
 impl Default for SynthSpec {
@@ -178,6 +185,8 @@ impl Default for SynthSpec {
             routing: Routing::Uniform,
             reuse: None,
             words: false,
+            key_length: None,
+            vocab_size: None,
         }
     }
 }
@@ -185,7 +194,7 @@ impl Default for SynthSpec {
 impl SynthSpec {
     /// Dimension of each attention head.
     pub fn head_dim(&self) -> u32 {
-        self.embd / self.heads.max(1)
+        self.key_length.unwrap_or(self.embd / self.heads.max(1))
     }
 
     /// Checks the parameters against each other and against the output type's block width.
@@ -205,7 +214,10 @@ impl SynthSpec {
                 return Err(invalid(field, "must be at least 1"));
             }
         }
-        if self.embd % self.heads != 0 || self.head_dim() % 2 != 0 {
+        if self.key_length == Some(0) {
+            return Err(invalid("head-dim", "must be at least 2"));
+        }
+        if (self.key_length.is_none() && self.embd % self.heads != 0) || self.head_dim() % 2 != 0 {
             return Err(invalid(
                 "heads",
                 format!("--embd {} must split into {} heads of an even width", self.embd, self.heads),
@@ -228,6 +240,10 @@ impl SynthSpec {
                     format!("{v} is not a multiple of {w}, the block width of {:?}", self.out_type),
                 ));
             }
+        }
+        let base = super::vocab::n_vocab(self.words, self.chat_template.as_deref(), None);
+        if self.vocab_size.is_some_and(|v| u64::from(v) < base) {
+            return Err(invalid("vocab", format!("is below the {base} tokens the vocabulary has without padding")));
         }
         if self.alignment < 8 || !self.alignment.is_power_of_two() {
             return Err(invalid("alignment", format!("{} is not a power of two of at least 8", self.alignment)));

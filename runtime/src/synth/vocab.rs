@@ -108,8 +108,9 @@ fn words() -> impl Iterator<Item = &'static str> {
 }
 
 /// Number of tokens, with or without the words, with the markers of `template`.
-pub fn n_vocab(with_words: bool, template: Option<&str>) -> u64 {
-    N_BASE + if with_words { words().count() as u64 } else { 0 } + template_markers(template).count() as u64
+pub fn n_vocab(with_words: bool, template: Option<&str>, pad_to: Option<u32>) -> u64 {
+    let n = N_BASE + if with_words { words().count() as u64 } else { 0 } + template_markers(template).count() as u64;
+    n.max(pad_to.map_or(0, u64::from))
 }
 
 // llama.cpp's token attributes (enum llama_token_type).
@@ -117,11 +118,12 @@ const TYPE_NORMAL: i32 = 1;
 const TYPE_UNKNOWN: i32 = 2;
 const TYPE_CONTROL: i32 = 3;
 const TYPE_USER_DEFINED: i32 = 4;
+const TYPE_UNUSED: i32 = 5;
 const TYPE_BYTE: i32 = 6;
 
 /// The `tokenizer.ggml.*` metadata entries, with or without the words, with the markers of
-/// `template`.
-pub fn metadata(with_words: bool, template: Option<&str>) -> Vec<(String, Value)> {
+/// `template`, padded with unused tokens to `pad_to` tokens.
+pub fn metadata(with_words: bool, template: Option<&str>, pad_to: Option<u32>) -> Vec<(String, Value)> {
     let mut tokens = vec!["<unk>".to_string(), "<s>".to_string(), "</s>".to_string()];
     tokens.extend((0..=255u8).map(|b| format!("<0x{b:02X}>")));
     let mut types = vec![TYPE_UNKNOWN, TYPE_CONTROL, TYPE_CONTROL];
@@ -140,6 +142,11 @@ pub fn metadata(with_words: bool, template: Option<&str>) -> Vec<(String, Value)
     for marker in template_markers(template) {
         tokens.push(marker.to_string());
         types.push(TYPE_USER_DEFINED);
+        scores.push(0.0);
+    }
+    for i in tokens.len()..pad_to.map_or(0, |n| n as usize) {
+        tokens.push(format!("<unused_{i}>"));
+        types.push(TYPE_UNUSED);
         scores.push(0.0);
     }
     vec![

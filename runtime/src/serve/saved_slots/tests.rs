@@ -8,6 +8,7 @@ fn key(layout_crc: u32) -> SlotKey {
         positions: 256,
         batch: 64,
         reuse: Reuse::Exact,
+        kv: KvTypes::default(),
     }
 }
 
@@ -59,6 +60,10 @@ fn damaged_truncated_and_foreign_slots_are_not_loaded() {
     assert_eq!(other.entries.len(), 1, "but it stays on disk, within the bound");
     let any = SlotStore::open(dir.path(), SlotKey { reuse: Reuse::Any, ..key(1) }, 1 << 20).unwrap();
     assert_eq!(any.best(&[1, 2, 3, 4], 0, 1), None, "a slot kept in whole batches is not one kept any way");
+    let q8 = crate::generate::KvCacheType::Q8_0;
+    let quantized = SlotStore::open(dir.path(), SlotKey { kv: KvTypes { k: q8, v: q8 }, ..key(1) }, 1 << 20).unwrap();
+    assert_eq!(quantized.best(&[1, 2, 3, 4], 0, 1), None, "an f16 cache's slot is not restored into a q8_0 one");
+    assert_eq!(quantized.entries.len(), 1, "and it stays on disk");
     let head = store.path(&store.entries[0].name, "slot");
     let mut h = std::fs::read(&head).unwrap();
     h[10] ^= 1;
