@@ -785,3 +785,31 @@ fn replay_reads_a_foreign_trace_at_shares_of_the_experts_and_writes_the_summary(
     let o = sluice(&["replay", "--trace", trace.to_str().unwrap()], dir.path());
     assert_clean_error(&o, "give --cache-mb or --cache-share");
 }
+
+#[test]
+fn run_records_its_routes_and_forces_them_back_and_refuses_routes_of_another_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let routes = dir.path().join("own.route.csv");
+    let routes = routes.to_str().unwrap();
+    let o = sluice(&["run", "-m", &model, "-p", "hello there", "-n", "6", "--record-routes", routes], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    let recorded = std::fs::read_to_string(routes).unwrap();
+    assert!(recorded.starts_with("# route_trace v1\n# model=m.gguf arch=qwen3moe n_layer=2 n_expert=8"), "{recorded}");
+    let o = sluice(&["run", "-m", &model, "-p", "hello there", "-n", "64", "--routes", routes], dir.path());
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("generating 5 tokens"), "the routes hold the prompt and 5 decodes: {}", stderr(&o));
+    assert!(text.starts_with(stdout(&o).trim_end()), "its own routes give its own text");
+    let o = sluice(&["run", "-m", &model, "-p", "hello there", "-n", "8", "--routes", routes, "--routes-end", "wrap"], dir.path());
+    assert!(o.status.success() && stderr(&o).contains("generating 8 tokens"), "{}", stderr(&o));
+
+    let other = dir.path().join("other.route.csv");
+    std::fs::write(&other, recorded.replace("n_layer=2", "n_layer=3")).unwrap();
+    let o = sluice(&["run", "-m", &model, "-p", "hi", "--routes", other.to_str().unwrap()], dir.path());
+    assert_clean_error(&o, "it routes 3 layers of 8 experts, and the model has 2 layers of 8");
+    let o = sluice(&["run", "-m", &model, "-p", "hi", "--routes", routes, "--draft", "ngram"], dir.path());
+    assert_clean_error(&o, "give --draft off");
+    let o = sluice(&["serve", "-m", &model, "--routes", routes], dir.path());
+    assert!(!o.status.success() && stderr(&o).contains("--routes"), "{}", stderr(&o));
+}
