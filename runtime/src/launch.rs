@@ -34,6 +34,9 @@ pub enum Positions {
         text: String,
         /// Tokens to generate.
         n_predict: u32,
+        /// At least this many positions (`bench --ctx`: the KV cache of a long conversation);
+        /// 0: the prompt's and `n_predict`'s.
+        reserve: u32,
     },
     /// A fixed count (`--ctx`); beyond the model's own length the plan refuses it.
     Fixed(u32),
@@ -221,9 +224,9 @@ impl Launch {
         on_step("loading the model's metadata and vocabulary");
         let (model, load) = Cost::measure(|| self.load_model(&index, rpc.as_ref()))?;
         let (n_ctx, prompt) = match &self.positions {
-            Positions::Prompt { text, n_predict } => {
+            Positions::Prompt { text, n_predict, reserve } => {
                 let tokens = Session::prepare(&model, text, *n_predict)?;
-                ((tokens.len() + *n_predict as usize) as u32, tokens)
+                (((tokens.len() + *n_predict as usize) as u32).max(*reserve), tokens)
             }
             Positions::Fixed(n) => (*n, Vec::new()),
             Positions::ModelCapped(cap) => (model.n_ctx_train().min(*cap), Vec::new()),
@@ -257,7 +260,9 @@ impl Launch {
     /// The context's positions before the model is loaded, from a metadata-only load.
     fn positions_before_load(&self) -> Result<u32, GenerateError> {
         match &self.positions {
-            Positions::Prompt { text, n_predict } => generate::prompt_positions(&self.model, text, *n_predict),
+            Positions::Prompt { text, n_predict, reserve } => {
+                Ok(generate::prompt_positions(&self.model, text, *n_predict)?.max(*reserve))
+            }
             Positions::Fixed(n) => Ok(*n),
             Positions::ModelCapped(cap) => Ok(generate::context_length(&self.model)?.min(*cap)),
         }

@@ -64,7 +64,7 @@ enum Command {
     Worker(cli::worker::WorkerArgs),
     /// One configuration of `sluice bench --budget-mb`, inside its memory cgroup (internal).
     #[command(hide = true)]
-    BenchChild(cli::bench::BenchChildArgs),
+    BenchChild(cli::bench_child::BenchChildArgs),
 }
 
 fn init_logging(verbose: u8) {
@@ -125,7 +125,7 @@ fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
         Command::Serve(a) => cli::serve::run_serve(&a, given),
         Command::Unit(a) => cli::serve::run_unit(&a, board),
         Command::Worker(a) => cli::worker::run_worker(&a, board),
-        Command::BenchChild(a) => cli::bench::run_bench_child(&a, board),
+        Command::BenchChild(a) => cli::bench_child::run_bench_child(&a, board),
         Command::Boards => {
             cli::probe::run_boards();
             Ok(())

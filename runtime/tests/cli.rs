@@ -801,7 +801,10 @@ fn run_records_its_routes_and_forces_them_back_and_refuses_routes_of_another_sha
     assert!(o.status.success(), "{}", stderr(&o));
     assert!(stderr(&o).contains("generating 5 tokens"), "the routes hold the prompt and 5 decodes: {}", stderr(&o));
     assert!(text.starts_with(stdout(&o).trim_end()), "its own routes give its own text");
-    let o = sluice(&["run", "-m", &model, "-p", "hello there", "-n", "8", "--routes", routes, "--routes-end", "wrap"], dir.path());
+    let o = sluice(
+        &["run", "-m", &model, "-p", "hello there", "-n", "8", "--routes", routes, "--routes-end", "wrap"],
+        dir.path(),
+    );
     assert!(o.status.success() && stderr(&o).contains("generating 8 tokens"), "{}", stderr(&o));
 
     let other = dir.path().join("other.route.csv");

@@ -155,21 +155,18 @@ pub fn run_child(
     rpc: &[String],
     trace: Option<&Path>,
     routes: Option<&ForcedRoutes>,
+    ctx: Option<u32>,
 ) -> Result<ChildOutput, BenchError> {
     let index = ExpertIndex::open(model).map_err(LaunchError::from)?;
+    let positions = Positions::Prompt { text: prompt.to_string(), n_predict, reserve: ctx.unwrap_or(0) };
     let forcer = || routes.map(|r| r.forcer(&index, index.n_expert_used)).transpose();
-    let params = GenerateParams {
-        n_predict,
-        threads: board.threads(),
-        draft: None,
-        batch: crate::generate::DEFAULT_BATCH,
-        kv: board.kv,
-    };
+    let batch = crate::generate::DEFAULT_BATCH;
+    let params = GenerateParams { n_predict, threads: board.threads(), draft: None, batch, kv: board.kv };
     let mut row = match kind {
         ChildKind::Ceiling => return Ok(ChildOutput::Ceiling(ceiling(model, &index, board)?)),
         ChildKind::ReadSweep => return Ok(ChildOutput::Sweep(read_sweep(model, &index)?)),
         ChildKind::ChatFresh | ChildKind::ChatKept | ChildKind::ChatAny | ChildKind::Clients => {
-            let launch = StreamedRow::of(ChildKind::StreamedAuto, lossy).launch(model, prompt, n_predict, board, rpc);
+            let launch = StreamedRow::of(ChildKind::StreamedAuto, lossy).launch(model, &positions, board, rpc);
             let rows = match kind {
                 ChildKind::Clients => vec![conversation::clients(&launch, n_predict, count)?],
                 ChildKind::ChatKept => conversation::chat(&launch, n_predict, Some(Reuse::Exact))?,
@@ -193,7 +190,7 @@ pub fn run_child(
                     stderr: "give --rpc".into(),
                 });
             }
-            let launch = row.launch(model, prompt, n_predict, board, rpc);
+            let launch = row.launch(model, &positions, board, rpc);
             let mut out = run_streamed(&launch, &index.shards, n_predict, |loaded| row.label(loaded), trace, routes)?;
             if !row.lossy.is_exact() && routes.is_none() {
                 out.lossy_quality = Some(super::lossy_quality(&launch, n_predict)?);
@@ -243,7 +240,7 @@ impl StreamedRow {
 
     /// The run: `board` with this row's overlap, drafting and verification, on the CPU service
     /// with dense weights in anonymous memory; split over `rpc` for the several-board kind.
-    fn launch(&self, model: &Path, prompt: &str, n_predict: u32, board: &ResolvedBoard, rpc: &[String]) -> Launch {
+    fn launch(&self, model: &Path, positions: &Positions, board: &ResolvedBoard, rpc: &[String]) -> Launch {
         let source = format!("bench row {:?}", self.kind);
         let mut board = board.clone();
         board.overlap = Sourced { value: self.overlap, source: source.clone() };
@@ -253,7 +250,7 @@ impl StreamedRow {
         Launch {
             model: model.to_path_buf(),
             board,
-            positions: Positions::Prompt { text: prompt.to_string(), n_predict },
+            positions: positions.clone(),
             slots: 1,
             batch: Batch::Fixed(crate::generate::DEFAULT_BATCH),
             cache: if self.auto { Cache::Auto } else { Cache::Fixed(0) },
@@ -326,6 +323,9 @@ pub struct IsolatedPlan {
     pub trace: Option<PathBuf>,
     /// Threads kept busy beside every configuration (other services on the board).
     pub competing: u32,
+    /// Run only the default row (the automatic cache, overlap auto) beside the compute row and
+    /// the ceiling.
+    pub default_only: bool,
 }
 
 /// A read-rate limit on one disk.
@@ -379,7 +379,11 @@ fn child_command(plan: &IsolatedPlan, kind: ChildKind, count: u32, joins: &[Path
 pub fn run_isolated(plan: &IsolatedPlan) -> Result<IsolatedReport, BenchError> {
     let (mut rows, mut ceiling, mut sweep, mut conversations) = (Vec::new(), None, Vec::new(), Vec::new());
     let mut compute_tok_s = 0.0;
-    let kinds = kinds(plan.draft, plan.verify, &plan.lossy, plan.sweep, &plan.boards, plan.conversations);
+    let mut kinds = kinds(plan.draft, plan.verify, &plan.lossy, plan.sweep, &plan.boards, plan.conversations);
+    if plan.default_only {
+        let measured = [ChildKind::Compute, ChildKind::StreamedAutoOverlapAuto, ChildKind::Ceiling];
+        kinds.retain(|(k, _)| measured.contains(k));
+    }
     let _load = super::competing::CompetingLoad::start(plan.competing)?;
     for (i, &(kind, count)) in kinds.iter().enumerate() {
         let boards = if kind == ChildKind::StreamedAutoBoards { count } else { 1 };

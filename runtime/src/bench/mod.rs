@@ -174,7 +174,7 @@ impl BenchPlan {
         Launch {
             model: self.model.clone(),
             board: self.board.clone(),
-            positions: Positions::Prompt { text: self.prompt.clone(), n_predict: self.n_predict },
+            positions: Positions::Prompt { text: self.prompt.clone(), n_predict: self.n_predict, reserve: 0 },
             slots: 1,
             batch: Batch::Fixed(generate::DEFAULT_BATCH),
             cache: Cache::Fixed(cache_bytes),

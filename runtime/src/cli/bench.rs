@@ -7,14 +7,14 @@ use std::path::PathBuf;
 use anyhow::{Context as _, Result};
 use clap::Args;
 
-use sluice::bench::isolated::{self, ChildKind, DiskThrottle, IsolatedPlan};
+use sluice::bench::isolated::{self, DiskThrottle, IsolatedPlan};
 use sluice::bench::throttle::{StorageClass, StorageSpeed};
 use sluice::board::BoardChoice;
 use sluice::generate;
 use sluice::stream::ExpertIndex;
 use sluice::units::mib;
 
-use super::args::{self, LossyArgs, RoutesArgs, RpcArgs, TuningArgs};
+use super::args::{self, LossyArgs, RoutesArgs, TuningArgs};
 
 /// `sluice bench` arguments.
 #[derive(Args)]
@@ -84,6 +84,15 @@ pub struct BenchArgs {
     /// Perplexity windows scored at most (default: all of the file's).
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     perplexity_chunks: Option<u32>,
+    /// With --budget-mb: plan the streamed rows' context for this many positions (the KV cache a
+    /// long conversation holds, which the expert cache then does without) instead of the
+    /// prompt's and -n's: with --cache-type-k/-v, what a smaller KV cache buys.
+    #[arg(long, requires = "budget_mb", value_parser = clap::value_parser!(u32).range(1..))]
+    ctx: Option<u32>,
+    /// With --budget-mb: run only the default row (the automatic cache, overlap auto), with the
+    /// compute row and the storage ceiling: one setting against another (a KV cache type).
+    #[arg(long, requires = "budget_mb")]
+    default_only: bool,
     /// With --budget-mb: where to write bench.csv, bench.svg and the trace.
     #[arg(long, default_value = ".")]
     out: PathBuf,
@@ -95,40 +104,6 @@ pub struct BenchArgs {
     lossy: LossyArgs,
     /// With --budget-mb: every row (the mmap and compute rows too) routed by these recorded
     /// routes; a lossy row then has no quality figure (the text is not the model's own).
-    #[command(flatten)]
-    routes: RoutesArgs,
-}
-
-/// `sluice bench-child` arguments (started by `sluice bench --budget-mb`).
-#[derive(Args)]
-pub struct BenchChildArgs {
-    /// The cgroup directories to join before anything else (memory, and a v1 blkio one).
-    #[arg(long, required = true)]
-    join_cgroup: Vec<PathBuf>,
-    /// The configuration to run.
-    #[arg(long, value_enum)]
-    kind: ChildKind,
-    /// Clients at once (the clients kind).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
-    count: u32,
-    /// The model.
-    #[arg(short, long)]
-    model: PathBuf,
-    /// The prompt.
-    #[arg(short, long)]
-    prompt: String,
-    /// Tokens to generate.
-    #[arg(short = 'n', long = "n-predict")]
-    n_predict: u32,
-    #[command(flatten)]
-    tuning: TuningArgs,
-    #[command(flatten)]
-    lossy: LossyArgs,
-    #[command(flatten)]
-    rpc: RpcArgs,
-    /// Record the route trace and write it here.
-    #[arg(long)]
-    trace: Option<PathBuf>,
     #[command(flatten)]
     routes: RoutesArgs,
 }
@@ -249,6 +224,7 @@ fn run_isolated(
         conversations: a.conversations,
         trace: a.trace.then(|| a.out.join("trace.sluice-trace")),
         competing: a.competing,
+        default_only: a.default_only,
     };
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let report = isolated::run_isolated(&plan)?;
@@ -274,24 +250,7 @@ fn run_isolated(
         let cache = cache.or_else(|| report.rows.iter().filter_map(|r| r.cache_bytes).max()).unwrap_or(0);
         write_perplexity(a, &model, file, &board, cache)?;
     }
-    if !report.sweep.is_empty() {
-        outln!(
-            "read sweep (O_DIRECT from a cold cache), MiB/s:\n{}",
-            sluice::bench::storage::sweep_table(&report.sweep)
-        );
-        let path = a.out.join("read-sweep.csv");
-        std::fs::write(&path, sluice::bench::storage::sweep_csv(&report.sweep))
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    if !report.conversations.is_empty() {
-        outln!(
-            "conversations (time to first token from the request):\n{}",
-            sluice::bench::conversation_table(&report.conversations)
-        );
-        let path = a.out.join("conversations.csv");
-        std::fs::write(&path, sluice::bench::conversation_csv(&report.conversations))
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
+    write_sweep_and_conversations(&report, &a.out)?;
     let csv = a.out.join("bench.csv");
     std::fs::write(&csv, sluice::bench::csv(&report.rows, Some(c.single_mib_s), compute))
         .with_context(|| format!("writing {}", csv.display()))?;
@@ -302,6 +261,30 @@ fn run_isolated(
     noteln!("wrote {} and {}", csv.display(), svg.display());
     if report.rows.iter().any(|r| !r.is_lossy() && r.tokens != report.rows[0].tokens) {
         anyhow::bail!("an exact streamed configuration generated different tokens from the resident run");
+    }
+    Ok(())
+}
+
+/// Prints and writes (into `out`) the read sweep and the conversation rows, where the run has
+/// them.
+fn write_sweep_and_conversations(report: &isolated::IsolatedReport, out: &std::path::Path) -> Result<()> {
+    if !report.sweep.is_empty() {
+        outln!(
+            "read sweep (O_DIRECT from a cold cache), MiB/s:\n{}",
+            sluice::bench::storage::sweep_table(&report.sweep)
+        );
+        let path = out.join("read-sweep.csv");
+        std::fs::write(&path, sluice::bench::storage::sweep_csv(&report.sweep))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    if !report.conversations.is_empty() {
+        outln!(
+            "conversations (time to first token from the request):\n{}",
+            sluice::bench::conversation_table(&report.conversations)
+        );
+        let path = out.join("conversations.csv");
+        std::fs::write(&path, sluice::bench::conversation_csv(&report.conversations))
+            .with_context(|| format!("writing {}", path.display()))?;
     }
     Ok(())
 }
@@ -399,6 +382,9 @@ fn child_args(a: &BenchArgs, model: &std::path::Path, prompt: &str, n_predict: u
     child_args.extend(args::flags_of(&a.tuning));
     child_args.extend(args::flags_of(&a.lossy));
     child_args.extend(args::flags_of(&a.routes));
+    if let Some(ctx) = a.ctx {
+        child_args.extend(["--ctx".into(), ctx.to_string().into()]);
+    }
     child_args
 }
 
@@ -423,28 +409,4 @@ fn storage_throttle(
             )
         })?;
     Ok((speed, DiskThrottle { disk, bytes_per_s: speed.bytes_per_s() }))
-}
-
-/// Runs `sluice bench-child`: joins the cgroup, runs one configuration, prints its result as one
-/// JSON line.
-pub fn run_bench_child(a: &BenchChildArgs, choice: &BoardChoice) -> Result<()> {
-    for dir in &a.join_cgroup {
-        sluice_hal::cgroup::join(dir).with_context(|| format!("joining {}", dir.display()))?;
-    }
-    let board = args::board(choice, Some(&a.model), &a.tuning)?;
-    a.rpc.configure_link()?;
-    let out = isolated::run_child(
-        a.kind,
-        a.count,
-        &a.model,
-        &a.prompt,
-        a.n_predict,
-        &board,
-        &a.lossy.lossy(),
-        &a.rpc.rpc,
-        a.trace.as_deref(),
-        a.routes.load()?.as_ref(),
-    )?;
-    outln!("{}", serde_json::to_string(&out)?);
-    Ok(())
 }

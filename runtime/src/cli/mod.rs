@@ -95,6 +95,7 @@ impl TextOut {
 
 pub mod args;
 pub mod bench;
+pub mod bench_child;
 pub mod perplexity;
 pub mod plan;
 pub mod probe;

@@ -43,6 +43,10 @@ pub struct RunArgs {
     /// and `sluice replay --trace` replays.
     #[arg(long, value_name = "FILE", conflicts_with = "resident")]
     record_routes: Option<PathBuf>,
+    /// Plan the context (its KV cache) for this many positions, at least the prompt's and -n's:
+    /// the memory a long conversation holds, which the expert cache then does without.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), conflicts_with = "resident")]
+    ctx: Option<u32>,
     /// Print the architectures that can be streamed, and exit.
     #[arg(long)]
     list_archs: bool,
@@ -72,8 +76,11 @@ fn generate_and_print(
 ) -> Result<Generation> {
     let mut display = DisplayText::default();
     let mut out = TextOut::new()?;
-    let generation =
-        generate::generate_forced(model, prompt, params, forcer, |_, bytes| out.write(&display.push(bytes)))?;
+    let forced = forcer.is_some();
+    let callback = forcer.map(sluice::stream::RouteForcer::resident_callback);
+    let generation = generate::generate_observed(model, prompt, params, callback, forced, |_, bytes| {
+        out.write(&display.push(bytes))
+    })?;
     out.finish(&display.finish())?;
     noteln!(
         "prompt: {} tokens in {:.3} s ({:.1} tok/s, batches of {}); generated: {} tokens, decode {:.2} tok/s{}",
@@ -142,7 +149,8 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
         generate_and_print(&model, prompt, &params, forcer)?;
         return Ok(());
     }
-    run_streamed(model_path, prompt, &params, &a.stream, &a.rpc, &board, &routes)
+    let positions = Positions::Prompt { text: prompt.clone(), n_predict: a.n_predict, reserve: a.ctx.unwrap_or(0) };
+    run_streamed(model_path, positions, &params, &a.stream, &a.rpc, &board, &routes)
 }
 
 /// What a run does with routes: forces recorded ones (`--routes`), records its own
@@ -153,6 +161,37 @@ struct RouteUse {
     record: Option<PathBuf>,
 }
 
+impl RouteUse {
+    /// Sets up `loaded`'s session to force and record routes as asked; returns the tokens the
+    /// run generates of the `n_predict` asked (the forced routes may have fewer).
+    fn apply(&self, loaded: &mut Loaded, n_predict: u32) -> Result<u32> {
+        loaded.config.record_routes = self.record.is_some();
+        let Some(forced) = &self.forced else { return Ok(n_predict) };
+        let n = loaded.force_routes(forced, n_predict)?;
+        noteln!(
+            "routes forced from {} (MEASURING: the text is not the model's own); generating {n} tokens",
+            forced.path.display()
+        );
+        Ok(n)
+    }
+
+    /// Writes the routes `streamer` recorded (`--record-routes`) for the model at `model_path`.
+    fn write(&self, loaded: &Loaded, streamer: &sluice::stream::Streamer, model_path: &Path) -> Result<()> {
+        let (Some(path), Some(recorded)) = (&self.record, streamer.recorded_routes(args::file_name(model_path))) else {
+            return Ok(());
+        };
+        let header = sluice::stream::routes::record::RouteCsvHeader {
+            arch: &loaded.index.arch,
+            n_expert_used: loaded.index.n_expert_used,
+            layer_bytes: &streamer.layer_expert_bytes(),
+            prompt: loaded.prompt.len(),
+        };
+        sluice::stream::routes::record::write_route_csv(path, &recorded, header)?;
+        noteln!("routes: {} tokens recorded in {}", recorded.tokens.len(), path.display());
+        Ok(())
+    }
+}
+
 /// The prompt batch of a resident run: the fixed one, or the one the streamed run of the same
 /// prompt on `board` would choose (so that both compute alike and give the same text). A model
 /// that cannot stream, or whose streamed run would not fit, takes batches of the default.
@@ -160,7 +199,7 @@ fn resident_batch(a: &RunArgs, model: &Path, prompt: &str, board: &ResolvedBoard
     if a.stream.batch != Batch::FromBudget {
         return a.stream.batch.first();
     }
-    let positions = Positions::Prompt { text: prompt.to_string(), n_predict: a.n_predict };
+    let positions = Positions::Prompt { text: prompt.to_string(), n_predict: a.n_predict, reserve: 0 };
     let planned = a.stream.launch(model, positions, board, &[]).plan();
     match planned.map_err(anyhow::Error::from).and_then(|p| Ok(p.ledger?)) {
         Ok(ledger) => ledger.n_batch,
@@ -176,7 +215,7 @@ fn resident_batch(a: &RunArgs, model: &Path, prompt: &str, board: &ResolvedBoard
 /// continuation, the telemetry summary, and the CSV if asked.
 fn run_streamed(
     model_path: &Path,
-    prompt: &str,
+    positions: Positions,
     params: &GenerateParams,
     args: &StreamArgs,
     rpc: &RpcArgs,
@@ -190,21 +229,12 @@ fn run_streamed(
         .map(|p| std::fs::File::create(p).with_context(|| format!("--csv {}: cannot create it", p.display())))
         .transpose()?;
     rpc.configure_link()?;
-    let positions = Positions::Prompt { text: prompt.to_string(), n_predict: params.n_predict };
     let launch = args.launch(model_path, positions, board, &rpc.rpc);
     let mut loaded = launch.load(&mut |step| log::debug!("{step}"))?;
     if let Some(split) = &loaded.split {
         note!("{}", split.describe());
     }
-    let mut n_predict = params.n_predict;
-    if let Some(forced) = &routes.forced {
-        n_predict = loaded.force_routes(forced, n_predict)?;
-        noteln!(
-            "routes forced from {} (MEASURING: the text is not the model's own); generating {n_predict} tokens",
-            forced.path.display()
-        );
-    }
-    loaded.config.record_routes = routes.record.is_some();
+    let n_predict = routes.apply(&mut loaded, params.n_predict)?;
     let (mut session, open) = loaded.open()?;
     let mut display = DisplayText::default();
     let mut out = TextOut::new()?;
@@ -224,16 +254,7 @@ fn run_streamed(
         noteln!();
     }
     let streamer = session.streamer();
-    if let (Some(path), Some(recorded)) = (&routes.record, streamer.recorded_routes(args::file_name(model_path))) {
-        let header = sluice::stream::routes::record::RouteCsvHeader {
-            arch: &loaded.index.arch,
-            n_expert_used: loaded.index.n_expert_used,
-            layer_bytes: &streamer.layer_expert_bytes(),
-            prompt: loaded.prompt.len(),
-        };
-        sluice::stream::routes::record::write_route_csv(path, &recorded, header)?;
-        noteln!("routes: {} tokens recorded in {}", recorded.tokens.len(), path.display());
-    }
+    routes.write(&loaded, &streamer, model_path)?;
     let end = RunEnd {
         direct: (0..loaded.index.shards.len()).all(|s| streamer.lanes().is_direct(s)),
         cache_used: streamer.cache_used(),
@@ -244,7 +265,6 @@ fn run_streamed(
         open,
         generation,
     };
-    drop(streamer);
     let usage = report(&loaded, &end, &rows, params.draft.is_some());
     if let (Some(path), Some(mut f)) = (&args.csv, csv) {
         let ledger = &loaded.ledger;
@@ -411,5 +431,6 @@ pub fn run_demo(a: &DemoArgs, choice: &BoardChoice) -> Result<()> {
         progress: false,
         lossy: Default::default(),
     };
-    run_streamed(&path, prompt, &params, &args, &RpcArgs::default(), &board, &RouteUse::default())
+    let positions = Positions::Prompt { text: prompt.to_string(), n_predict: params.n_predict, reserve: 0 };
+    run_streamed(&path, positions, &params, &args, &RpcArgs::default(), &board, &RouteUse::default())
 }

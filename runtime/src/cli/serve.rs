@@ -101,6 +101,15 @@ fn settings(a: &ServeArgs) -> Result<Option<(PathBuf, ServeSettings)>> {
     Ok(Some((path, file)))
 }
 
+/// The tuning flags with the settings file's KV cache types where no flag gives them.
+fn tuning_with(tuning: &TuningArgs, set: &ServeSettings) -> TuningArgs {
+    TuningArgs {
+        cache_type_k: tuning.cache_type_k.or(set.cache_type_k),
+        cache_type_v: tuning.cache_type_v.or(set.cache_type_v),
+        ..tuning.clone()
+    }
+}
+
 /// Runs `sluice serve`: the flags, over the settings file's keys, over the defaults. `choice` is
 /// `--board` when given.
 pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
@@ -127,12 +136,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     let cors_origins = set.cors_origins.clone().unwrap_or_default();
 
     sluice::metadata::check_model_file(&model)?;
-    let tuning = TuningArgs {
-        cache_type_k: a.tuning.cache_type_k.or(set.cache_type_k),
-        cache_type_v: a.tuning.cache_type_v.or(set.cache_type_v),
-        ..a.tuning.clone()
-    };
-    let board = args::board(&board_choice, Some(&model), &tuning)?;
+    let board = args::board(&board_choice, Some(&model), &tuning_with(&a.tuning, &set))?;
     let state_dir = a.state_dir.clone().or_else(|| std::env::var_os("STATE_DIRECTORY").map(PathBuf::from));
     if let Some(dir) = &state_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("state directory {}", dir.display()))?;

@@ -253,20 +253,20 @@ pub fn generate(
     params: &GenerateParams,
     on_token: impl FnMut(Token, &[u8]),
 ) -> Result<Generation, GenerateError> {
-    generate_forced(model, prompt, params, None, on_token)
+    generate_observed(model, prompt, params, None, false, on_token)
 }
 
-/// [`generate`] with recorded routes forced on the routers (`--routes`): the run then ends at
-/// `n_predict` only, an end-of-generation token included.
-pub fn generate_forced(
-    model: &Model,
+/// [`generate`] with an eval callback on the context (forced routes, `--routes`); with
+/// `ignore_eog` the run ends at `n_predict` only, an end-of-generation token included.
+pub fn generate_observed<'m>(
+    model: &'m Model,
     prompt: &str,
     params: &GenerateParams,
-    forcer: Option<crate::stream::RouteForcer>,
+    callback: Option<ggml_sys::EvalCallback<'m>>,
+    ignore_eog: bool,
     on_token: impl FnMut(Token, &[u8]),
 ) -> Result<Generation, GenerateError> {
     let tokens = Session::prepare(model, prompt, params.n_predict)?;
-    let forced = forcer.is_some();
     let mut session = Session::new(
         model,
         ContextShape {
@@ -276,9 +276,9 @@ pub fn generate_forced(
             ..ContextShape::one(0)
         },
         &params.threads,
-        forcer.map(crate::stream::RouteForcer::resident_callback),
+        callback,
     )?;
-    session.set_ignore_eog(forced);
+    session.set_ignore_eog(ignore_eog);
     session.set_draft(params.draft)?;
     session.generate(&tokens, params.n_predict, on_token, &mut |_| Ok(()))
 }

@@ -92,9 +92,9 @@ impl OutputType {
         let more_bits = |il: u32| il < layers / 8 || il >= 7 * layers / 8 || (il - layers / 8) % 3 == 2;
         if name.contains("ffn_gate_inp") {
             TensorType::F32
-        } else if name == "output.weight" {
-            TensorType::Q6K
-        } else if (name.contains(".attn_v.") || name.contains(".ffn_down")) && layer.is_some_and(more_bits) {
+        } else if name == "output.weight"
+            || ((name.contains(".attn_v.") || name.contains(".ffn_down")) && layer.is_some_and(more_bits))
+        {
             TensorType::Q6K
         } else {
             TensorType::Q4K

@@ -41,6 +41,7 @@ mod ahead;
 mod collect;
 pub mod idle;
 mod prefill;
+mod routes;
 mod schedule;
 
 use super::cache::{CacheCounters, LayerPlan};
@@ -53,7 +54,6 @@ use super::record::DecodeStats;
 use super::residency::Residency;
 use super::routes::force::RouteForcer;
 use super::routes::record::RouteRecorder;
-use super::routes::TokenRoutes;
 use super::routing::{RouteRecord, Routing};
 use super::trace::RouteTrace;
 use super::StreamError;
@@ -207,17 +207,6 @@ impl Streamer {
         RouteTrace::of(model, self.memory.cache(), self.staging, self.routing.trace())
     }
 
-    /// Every computed token's routes so far (`record_routes`), their model named `model`.
-    pub fn recorded_routes(&self, model: String) -> Option<TokenRoutes> {
-        self.recorder.as_ref().map(|r| TokenRoutes { model, ..r.routes().clone() })
-    }
-
-    /// Each layer's bytes per expert as the cache accounts them (0 for a layer without experts).
-    pub fn layer_expert_bytes(&self) -> Vec<u64> {
-        let cache = self.memory.cache();
-        (0..cache.n_layer()).map(|l| cache.bytes(l, 0)).collect()
-    }
-
     /// The I/O lanes.
     pub fn lanes(&self) -> &Arc<IoLanes> {
         self.source.lanes()
@@ -342,12 +331,7 @@ impl Streamer {
     fn on_topk(&mut self, t: TensorView<'_>) -> Result<(), StreamError> {
         let layer =
             t.moe_topk_layer().ok_or_else(|| StreamError::Graph(format!("unexpected node name {}", t.name())))?;
-        if let Some(forcer) = self.forcer.as_mut() {
-            forcer.force(t, layer)?;
-        }
-        if let Some(recorder) = self.recorder.as_mut() {
-            recorder.observe(t, layer)?;
-        }
+        self.force_and_record(t, layer)?;
         if self.index.layer_tensors(layer).next().is_none() {
             // A router whose layer streams nothing (the capture checked that no expert tensor
             // is used through it).
