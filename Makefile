@@ -183,7 +183,7 @@ bench: vendor
 # make bench-board: the board owner's first number, Qwen3-30B-A3B on a Raspberry Pi 5 8 GB (and a
 # Jetson Orin Nano 8 GB), on the routes recorded from the real model (BOARD_ROUTES): see
 # scripts/bench-board. The ~17.9 GB model is made once in BOARD_DIR (the disk's room is checked
-# first). Needs root (memory cgroups, the read throttle); about 40 minutes on a quiet machine. Not
+# first). Needs root (memory cgroups, the read throttle); about an hour on a quiet machine. Not
 # in make test; its small shape is (runtime/tests/memory.rs).
 BOARD_DIR ?= $(BENCH_DIR)/board
 BOARD_ROUTES ?= $(CURDIR)/../shared/traces/bigmoeonedge-2026-07-15/qwen.route.csv

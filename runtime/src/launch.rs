@@ -20,8 +20,7 @@ use crate::generate::{self, ContextShape, GenerateError, Session};
 use crate::lossy::Lossy;
 use crate::scaleout::{self, ScaleError, Split};
 use crate::stream::{
-    self, DecodeOverlap, DensePolicy, ExpertIndex, IndexError, ModelLoad, RoutesError, StreamConfig, StreamError,
-    StreamedSession,
+    self, DecodeOverlap, DensePolicy, ExpertIndex, IndexError, ModelLoad, StreamConfig, StreamError, StreamedSession,
 };
 use sluice_hal::usage::PhaseMeter;
 
@@ -34,8 +33,7 @@ pub enum Positions {
         text: String,
         /// Tokens to generate.
         n_predict: u32,
-        /// At least this many positions (`bench --ctx`: the KV cache of a long conversation);
-        /// 0: the prompt's and `n_predict`'s.
+        /// At least this many positions (`--ctx`: a long conversation's KV cache; 0: no more).
         reserve: u32,
     },
     /// A fixed count (`--ctx`); beyond the model's own length the plan refuses it.
@@ -387,15 +385,6 @@ impl Loaded {
             self.config.cache_bytes >> 20
         );
         Ok((session, self.load.plus(open)))
-    }
-
-    /// Forces `routes` on the session this opens (checked against the model and the lossy
-    /// `--experts-used`); returns the tokens the run may generate of the `n_predict` it wants
-    /// after its prompt.
-    pub fn force_routes(&mut self, routes: &stream::routes::ForcedRoutes, n_predict: u32) -> Result<u32, RoutesError> {
-        let used = self.config.lossy.experts_used.unwrap_or(self.index.n_expert_used);
-        self.config.force_routes = Some(routes.forcer(&self.index, used)?);
-        routes.n_predict(self.prompt.len(), n_predict)
     }
 
     /// The expert cache the session keeps, at most all the experts' bytes.

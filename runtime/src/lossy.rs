@@ -43,6 +43,16 @@ pub enum LossyError {
 }
 
 impl Lossy {
+    /// A bench row's label suffix (`, LOSSY ...`, which [`crate::bench::BenchRow::is_lossy`]
+    /// looks for; empty for an exact row), of a model that routes `model_used` experts a token.
+    pub fn row_label(&self, model_used: u32) -> String {
+        match (self.experts_used, self.substitute) {
+            (Some(k), _) => format!(", LOSSY {k} of {model_used} experts"),
+            (None, Some(n)) => format!(", LOSSY substitute from {n} ranks"),
+            (None, None) => String::new(),
+        }
+    }
+
     /// Whether nothing lossy is on.
     pub fn is_exact(&self) -> bool {
         self.experts_used.is_none() && self.substitute.is_none()

@@ -275,21 +275,12 @@ impl StreamedRow {
             },
             if self.draft { ", ngram draft" } else { "" },
             if self.verify { ", verified" } else { "" },
-            lossy_label(&self.lossy, loaded.index.n_expert_used),
+            self.lossy.row_label(loaded.index.n_expert_used),
             match &loaded.split {
                 Some(split) => format!(", {} boards", split.shares.len() + 1),
                 None => String::new(),
             }
         )
-    }
-}
-
-/// A lossy row's label suffix (empty for an exact row).
-fn lossy_label(lossy: &Lossy, model_used: u32) -> String {
-    match (lossy.experts_used, lossy.substitute) {
-        (Some(k), _) => format!(", LOSSY {k} of {model_used} experts"),
-        (None, Some(n)) => format!(", LOSSY substitute from {n} ranks"),
-        (None, None) => String::new(),
     }
 }
 

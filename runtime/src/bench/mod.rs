@@ -107,8 +107,8 @@ pub struct BenchRow {
 }
 
 impl BenchRow {
-    /// Whether the row ran a lossy mode (its label says LOSSY): its text may differ from the
-    /// resident run's.
+    /// Whether the row ran a lossy mode (its label says LOSSY, [`crate::lossy::Lossy::row_label`]):
+    /// its text may differ from the resident run's.
     pub fn is_lossy(&self) -> bool {
         self.label.contains("LOSSY")
     }
@@ -309,7 +309,7 @@ pub(crate) fn run_streamed(
     drop_cached(files);
     let mut loaded = launch.load(&mut |_| {})?;
     if let Some(routes) = routes {
-        loaded.force_routes(routes, n_predict)?;
+        routes.apply(&mut loaded.config, &loaded.index, loaded.prompt.len(), n_predict)?;
     }
     let (mut session, open) = loaded.open()?;
     let open_s = open.wall.as_secs_f64();

@@ -167,7 +167,7 @@ impl RouteUse {
     fn apply(&self, loaded: &mut Loaded, n_predict: u32) -> Result<u32> {
         loaded.config.record_routes = self.record.is_some();
         let Some(forced) = &self.forced else { return Ok(n_predict) };
-        let n = loaded.force_routes(forced, n_predict)?;
+        let n = forced.apply(&mut loaded.config, &loaded.index, loaded.prompt.len(), n_predict)?;
         noteln!(
             "routes forced from {} (MEASURING: the text is not the model's own); generating {n} tokens",
             forced.path.display()

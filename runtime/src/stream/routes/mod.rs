@@ -45,6 +45,20 @@ impl ForcedRoutes {
     pub fn n_predict(&self, prompt: usize, wanted: u32) -> Result<u32, RoutesError> {
         self.routes.tokens_after(&self.path, prompt, wanted, self.end)
     }
+
+    /// Sets `config` up to force these routes on the model `index` describes (checked against it
+    /// and `--experts-used`); returns how many of the `n_predict` tokens asked a run of a
+    /// `prompt`-token prompt may generate.
+    pub fn apply(
+        &self,
+        config: &mut super::StreamConfig,
+        index: &ExpertIndex,
+        prompt: usize,
+        n_predict: u32,
+    ) -> Result<u32, RoutesError> {
+        config.force_routes = Some(self.forcer(index, config.lossy.experts_used.unwrap_or(index.n_expert_used))?);
+        self.n_predict(prompt, n_predict)
+    }
 }
 
 /// One token's routed experts per layer, each list in the router's rank order (`None`: the
