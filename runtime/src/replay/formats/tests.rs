@@ -174,3 +174,26 @@ fn damaged_files_are_refused_with_where_and_what() {
         .to_string()
         .contains("no prompt_<n>_data.csv"));
 }
+
+#[test]
+fn a_sluice_trace_gives_its_single_token_decodes_and_refuses_a_batch_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.sluice-trace");
+    let trace = |steps| RouteTrace {
+        model: "m.gguf".into(),
+        n_layer: 2,
+        n_expert: 4,
+        expert_bytes: vec![1; 8],
+        staging: 0,
+        budget: 2,
+        policy: CachePolicy::Lru,
+        steps,
+    };
+    trace(vec![decode(0, 0, &[3, 1]), decode(0, 1, &[2, 0]), decode(1, 1, &[1, 2])]).save(&path).unwrap();
+    let t = read_tokens(&path, None).unwrap();
+    let want = vec![vec![Some(vec![3, 1]), Some(vec![2, 0])], vec![None, Some(vec![1, 2])]];
+    assert_eq!((t.n_layer, t.n_expert, t.tokens), (2, 4, want));
+    trace(vec![prompt(0, 0, 5, &[0, 1, 2]), decode(1, 0, &[3, 1])]).save(&path).unwrap();
+    let e = read_tokens(&path, None).unwrap_err().to_string();
+    assert!(e.contains("t.sluice-trace") && e.contains("a batch of 5 tokens") && e.contains("--record-routes"), "{e}");
+}

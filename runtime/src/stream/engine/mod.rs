@@ -185,7 +185,7 @@ impl Streamer {
             ready: Vec::new(),
             spare: Vec::new(),
             forcer: settings.force_routes,
-            recorder: settings.record_routes.then(|| RouteRecorder::new(String::new(), index.n_layer, index.n_expert)),
+            recorder: settings.record_routes.then(|| RouteRecorder::new(index.n_layer, index.n_expert)),
             source,
             index,
         }

@@ -121,11 +121,6 @@ pub enum RoutesError {
 }
 
 impl TokenRoutes {
-    /// The most experts one token's layer has.
-    pub fn k(&self) -> usize {
-        self.tokens.iter().flatten().flatten().map(Vec::len).max().unwrap_or(0)
-    }
-
     /// Checks that these routes, read from `path`, fit the model `index` describes when each
     /// token routes to `used` experts (the model's count, or the lossy `--experts-used`): the
     /// same layers and experts, a list of at least `used` experts in every routed layer (more

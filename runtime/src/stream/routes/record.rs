@@ -19,9 +19,9 @@ pub struct RouteRecorder {
 
 impl RouteRecorder {
     /// An empty recording of a model of `n_layer` layers of `n_expert` experts.
-    pub fn new(model: String, n_layer: u32, n_expert: u32) -> RouteRecorder {
+    pub fn new(n_layer: u32, n_expert: u32) -> RouteRecorder {
         RouteRecorder {
-            routes: TokenRoutes { model, n_layer, n_expert, tokens: Vec::new() },
+            routes: TokenRoutes { model: String::new(), n_layer, n_expert, tokens: Vec::new() },
             cursor: TokenCursor::default(),
         }
     }
