@@ -248,4 +248,9 @@ fn bench_board_small_shape_writes_its_results_table() {
     }
     let svg = std::fs::read_to_string(dir.path().join("results.svg")).unwrap();
     assert_eq!(svg.matches("<rect ").count(), 5, "{svg}");
+    // The KV cache's rows: the default row at a long context with an f16 and a q8_0 cache.
+    let kv = std::fs::read_to_string(dir.path().join("kv.csv")).unwrap();
+    let types: Vec<String> =
+        csv::Reader::from_reader(kv.as_bytes()).records().map(|r| r.unwrap()[3].to_string()).collect();
+    assert_eq!(types, ["f16", "q8_0"], "{kv}");
 }
