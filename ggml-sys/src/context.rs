@@ -168,7 +168,8 @@ impl<'m> Context<'m> {
             free_callback();
             model.check_workers()?;
             if (params.type_k, params.type_v) != (GgmlType::F16, GgmlType::F16) {
-                return Err(Error::KvCacheTypes { k: params.type_k.name(), v: params.type_v.name() });
+                let (k, v) = (params.type_k.name(), params.type_v.name());
+                return Err(Error::KvCacheTypes { n_ctx: params.n_ctx, n_batch: params.n_batch, k, v });
             }
             return Err(Error::ContextCreate { n_ctx: params.n_ctx, n_batch: params.n_batch });
         }

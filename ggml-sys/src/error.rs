@@ -104,8 +104,12 @@ pub enum Error {
         n_batch: u32,
     },
     /// llama.cpp could not create a context with these KV cache types.
-    #[error("llama.cpp could not make a KV cache of K type {k} and V type {v} for this model (its log says why: a head size the type's blocks do not divide, or a model whose K and V must share one type); give --cache-type-k and --cache-type-v f16 or q8_0")]
+    #[error("llama.cpp could not create a context with n_ctx={n_ctx}, n_batch={n_batch} and a KV cache of K type {k} and V type {v} (its log says why: out of memory, or a head size the type's blocks do not divide, or a model whose K and V must share one type); give --cache-type-k and --cache-type-v f16 or q8_0 if the types are the cause")]
     KvCacheTypes {
+        /// Requested context size.
+        n_ctx: u32,
+        /// Requested batch size.
+        n_batch: u32,
         /// The keys' type.
         k: &'static str,
         /// The values' type.

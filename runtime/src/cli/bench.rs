@@ -187,8 +187,7 @@ fn routed_tokens(
         anyhow::bail!("--routes routes one board's rows of one prompt: leave out --rpc, --conversations and --perplexity-file, and give --draft off");
     }
     let index = ExpertIndex::open(&a.model)?;
-    routes.forcer(&index, index.n_expert_used)?;
-    let n = routes.n_predict(prompt_tokens as usize, a.n_predict)?;
+    let (_, n) = routes.fit(&index, index.n_expert_used, prompt_tokens as usize, a.n_predict)?;
     if n < 2 {
         anyhow::bail!(
             "--routes {} leaves {n} tokens after the {prompt_tokens}-token prompt, and a row generates at least 2; give --routes-end wrap or a shorter prompt",

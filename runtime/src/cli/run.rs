@@ -139,9 +139,9 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
         let forcer = match &routes.forced {
             Some(forced) => {
                 let index = sluice::stream::ExpertIndex::open(model_path)?;
-                let forcer = forced.forcer(&index, index.n_expert_used)?;
                 let prompt_tokens = generate::Session::prepare(&model, prompt, params.n_predict)?.len();
-                params.n_predict = forced.n_predict(prompt_tokens, params.n_predict)?;
+                let (forcer, n) = forced.fit(&index, index.n_expert_used, prompt_tokens, params.n_predict)?;
+                params.n_predict = n;
                 Some(forcer)
             }
             None => None,

@@ -68,11 +68,6 @@ pub struct KvTypes {
 }
 
 impl KvTypes {
-    /// Whether both are f16, llama.cpp's default and the model's own arithmetic.
-    pub fn is_default(self) -> bool {
-        self == KvTypes::default()
-    }
-
     /// `k f16, v q8_0`, for reports.
     pub fn describe(self) -> String {
         format!("k {}, v {}", self.k.name(), self.v.name())
@@ -91,7 +86,6 @@ mod tests {
             assert_eq!(name, t.name(), "{t:?}");
             assert_eq!(serde_json::to_string(t).unwrap(), format!("\"{name}\""), "{t:?}");
         }
-        assert!(KvTypes::default().is_default());
         assert_eq!(KvTypes { k: KvCacheType::Q8_0, v: KvCacheType::Q4_0 }.describe(), "k q8_0, v q4_0");
     }
 }

@@ -84,7 +84,6 @@ pub fn deepseek_groups(experts: u32) -> (u32, u32) {
 /// Builds a tensor table in file order.
 struct Table {
     out: Vec<(TensorSpec, Init)>,
-    matrix: TensorType,
     out_type: super::OutputType,
     layers: u32,
 }
@@ -119,10 +118,10 @@ impl Table {
 /// table only sized).
 pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec, Init)> {
     let (e, v) = (u64::from(spec.embd), vocab::n_vocab(spec.words, spec.chat_template.as_deref(), spec.vocab_size));
-    let mut t =
-        Table { out: Vec::new(), matrix: spec.out_type.matrix_type(), out_type: spec.out_type, layers: spec.layers };
+    let mut t = Table { out: Vec::new(), out_type: spec.out_type, layers: spec.layers };
     // Embedding rows of about unit variance.
-    t.push("token_embd.weight".into(), vec![e, v], t.matrix, Init::Uniform { gain: 1.0, fan_in: 3 });
+    let embd_type = spec.out_type.type_of("token_embd.weight", spec.layers);
+    t.push("token_embd.weight".into(), vec![e, v], embd_type, Init::Uniform { gain: 1.0, fan_in: 3 });
     t.norm("output_norm.weight".into(), e);
     t.matrix("output.weight".into(), vec![e, v], 4.0);
     match spec.arch {

@@ -143,6 +143,48 @@ mod tests {
         }
     }
 
+    /// A Q4_K block's 256 values as ggml's `dequantize_row_q4_K` reads them (its six-bit scales
+    /// and mins unpacked as `get_scale_min_k4` does).
+    fn q4_k_values(b: &[u8]) -> Vec<f32> {
+        let f16 = |x: &[u8]| half::f16::from_le_bytes([x[0], x[1]]).to_f32();
+        let (d, dmin, sc, qs) = (f16(&b[0..2]), f16(&b[2..4]), &b[4..16], &b[16..144]);
+        let scale_min = |j: usize| -> (f32, f32) {
+            let (s, m) = if j < 4 {
+                (sc[j] & 63, sc[j + 4] & 63)
+            } else {
+                ((sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4), (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4))
+            };
+            (f32::from(s), f32::from(m))
+        };
+        let mut out = Vec::new();
+        for (pair, q) in qs.chunks(32).enumerate() {
+            for (half, shift) in [(0, 0), (1, 4)] {
+                let (s, m) = scale_min(2 * pair + half);
+                out.extend(q.iter().map(|&x| d * s * f32::from((x >> shift) & 15) - dmin * m));
+            }
+        }
+        out
+    }
+
+    /// A Q6_K block's 256 values as ggml's `dequantize_row_q6_K` reads them.
+    fn q6_k_values(b: &[u8]) -> Vec<f32> {
+        let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
+        let d = half::f16::from_le_bytes([b[208], b[209]]).to_f32();
+        let mut out = vec![0.0; 256];
+        for n in 0..2 {
+            let (ql, qh, sc) = (&ql[64 * n..], &qh[32 * n..], &sc[8 * n..]);
+            for l in 0..32 {
+                let q = |low: u8, bits: u8| f32::from(low | (bits & 3) << 4) - 32.0;
+                let scale = |k: usize| d * f32::from(sc[l / 16 + k] as i8);
+                out[128 * n + l] = scale(0) * q(ql[l] & 15, qh[l]);
+                out[128 * n + l + 32] = scale(2) * q(ql[l + 32] & 15, qh[l] >> 2);
+                out[128 * n + l + 64] = scale(4) * q(ql[l] >> 4, qh[l] >> 4);
+                out[128 * n + l + 96] = scale(6) * q(ql[l + 32] >> 4, qh[l] >> 6);
+            }
+        }
+        out
+    }
+
     #[test]
     fn drawn_k_quant_blocks_decode_within_the_bound_and_centred() {
         let bound = 0.5f32;
@@ -150,22 +192,15 @@ mod tests {
             let mut v = Vec::new();
             write_values(&mut v, 3, 1, 512, ty, &Init::Uniform { gain: bound / 3f32.sqrt(), fan_in: 1 }).unwrap();
             assert_eq!(v.len(), 2 * n, "{ty:?}");
-            let f16 = |b: &[u8]| half::f16::from_le_bytes([b[0], b[1]]).to_f32();
-            let values: Vec<f32> = match ty {
-                TensorType::Q4K => {
-                    let (d, dmin) = (f16(&v[0..2]), f16(&v[2..4]));
-                    v[16..144]
-                        .iter()
-                        .flat_map(|&q| [q & 15, q >> 4])
-                        .map(|q| d * 32.0 * f32::from(q) - dmin * 32.0)
-                        .collect()
-                }
-                _ => {
-                    let d = f16(&v[208..210]);
-                    v[0..128].iter().flat_map(|&q| [q & 15, q >> 4]).map(|q| d * 32.0 * (f32::from(q) - 8.0)).collect()
-                }
-            };
+            let decode = if ty == TensorType::Q4K { q4_k_values } else { q6_k_values };
+            let values: Vec<f32> = v.chunks(n).flat_map(decode).collect();
+            assert_eq!(values.len(), 512);
             assert!(values.iter().all(|x| x.abs() <= bound * 1.01), "{ty:?}");
+            // Every sub-block's scale reaches the bound (a packing mistake leaves some at 0): the
+            // drawn quants span it, as a uniform init would.
+            for sub in values.chunks(32) {
+                assert!(sub.iter().any(|x| x.abs() >= bound * 0.5), "{ty:?}: a sub-block stays near 0");
+            }
             let mean = values.iter().sum::<f32>() / values.len() as f32;
             assert!(mean.abs() < bound / 4.0, "{ty:?}: mean {mean}");
         }

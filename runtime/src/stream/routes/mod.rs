@@ -40,15 +40,22 @@ impl ForcedRoutes {
         Ok(RouteForcer::new(Arc::clone(&self.routes), self.end))
     }
 
-    /// Tokens a run may generate after a prompt of `prompt` tokens when it wants `wanted`
-    /// ([`TokenRoutes::tokens_after`]).
-    pub fn n_predict(&self, prompt: usize, wanted: u32) -> Result<u32, RoutesError> {
-        self.routes.tokens_after(&self.path, prompt, wanted, self.end)
+    /// The forcer of these routes on a run of the model `index` describes, each token routed to
+    /// `used` experts ([`ForcedRoutes::forcer`]), and how many of the `n_predict` tokens asked
+    /// the run may generate after a prompt of `prompt` tokens ([`TokenRoutes::tokens_after`]).
+    pub fn fit(
+        &self,
+        index: &ExpertIndex,
+        used: u32,
+        prompt: usize,
+        n_predict: u32,
+    ) -> Result<(RouteForcer, u32), RoutesError> {
+        let forcer = self.forcer(index, used)?;
+        Ok((forcer, self.routes.tokens_after(&self.path, prompt, n_predict, self.end)?))
     }
 
-    /// Sets `config` up to force these routes on the model `index` describes (checked against it
-    /// and `--experts-used`); returns how many of the `n_predict` tokens asked a run of a
-    /// `prompt`-token prompt may generate.
+    /// Sets `config` up to force these routes on the model `index` describes (its
+    /// `--experts-used` included); returns the tokens the run may generate ([`ForcedRoutes::fit`]).
     pub fn apply(
         &self,
         config: &mut super::StreamConfig,
@@ -56,8 +63,10 @@ impl ForcedRoutes {
         prompt: usize,
         n_predict: u32,
     ) -> Result<u32, RoutesError> {
-        config.force_routes = Some(self.forcer(index, config.lossy.experts_used.unwrap_or(index.n_expert_used))?);
-        self.n_predict(prompt, n_predict)
+        let used = config.lossy.experts_used.unwrap_or(index.n_expert_used);
+        let (forcer, n) = self.fit(index, used, prompt, n_predict)?;
+        config.force_routes = Some(forcer);
+        Ok(n)
     }
 }
 
