@@ -816,3 +816,19 @@ fn run_records_its_routes_and_forces_them_back_and_refuses_routes_of_another_sha
     let o = sluice(&["serve", "-m", &model, "--routes", routes], dir.path());
     assert!(!o.status.success() && stderr(&o).contains("--routes"), "{}", stderr(&o));
 }
+
+#[test]
+fn a_kv_cache_type_or_a_context_the_model_cannot_take_is_refused_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = small_model(dir.path());
+    let o = sluice(&["run", "-m", &model, "-p", "hi", "--cache-type-k", "q9_0"], dir.path());
+    assert_clean_error(&o, "invalid value 'q9_0' for '--cache-type-k <TYPE>'");
+    assert!(stderr(&o).contains("q8_0"), "the message lists the types: {}", stderr(&o));
+    let o = sluice(&["run", "-m", &model, "-p", "hi", "--ctx", "100000"], dir.path());
+    assert_clean_error(&o, "a context of 100000 positions is more than the model's context length 4096");
+    let o = sluice(
+        &["run", "-m", &model, "-p", "hi", "-n", "4", "--cache-type-k", "q8_0", "--cache-type-v", "q8_0"],
+        dir.path(),
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+}

@@ -337,6 +337,10 @@ fn bad_profiles_name_the_file_the_field_and_the_fix() {
         &["myboard.toml", "cache_policy", "unknown variant `mru`", "lru", "frequency"],
     );
     assert_names(
+        &bad_profile(&format!("{base}[memory]\ncache_type_k = \"q9_0\"\n"), false),
+        &["myboard.toml", "cache_type_k", "unknown variant `q9_0`", "q8_0", "q4_0"],
+    );
+    assert_names(
         &bad_profile(&format!("{base}[memory]\nexpert_slots = \"yes\"\n"), false),
         &["myboard.toml", "expert_slots", "expected a boolean"],
     );

@@ -328,6 +328,8 @@ mod tests {
         assert!(e.starts_with("/etc/sluice/sluice.toml: key `batch`: 1 to 8192"), "{e}");
         let e = parse("slot_save_mib = -1\n").unwrap_err().to_string();
         assert!(e.starts_with("/etc/sluice/sluice.toml: key `slot_save_mib`:"), "{e}");
+        let e = parse("cache_type_v = \"q9_0\"\n").unwrap_err().to_string();
+        assert!(e.starts_with("/etc/sluice/sluice.toml: key `cache_type_v`: unknown variant `q9_0`"), "{e}");
         let e = parse("ctx = 8\n").unwrap_err().to_string();
         assert!(e.starts_with("/etc/sluice/sluice.toml: key `ctx`: at least 16"), "{e}");
         let e = parse("model = \"/m.gguf\"\nctx = \n").unwrap_err().to_string();

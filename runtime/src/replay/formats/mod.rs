@@ -30,6 +30,28 @@ use std::path::{Path, PathBuf};
 use crate::stream::routes::TokenLayers;
 use crate::stream::{CachePolicy, RouteRecord, RouteTrace, TokenRoutes, TraceError};
 
+/// The largest text trace read (a file, or a folder's files together): the public traces are
+/// 143 MB at most, and what a trace's text holds, parsed, takes a few times its size.
+pub const MAX_TEXT_BYTES: u64 = 256 << 20;
+
+/// The most experts a trace's model may have over all its layers (a header saying more is not a
+/// model's, and the per-layer tables would be sized by it).
+const MAX_SHAPE_EXPERTS: u64 = 1 << 24;
+
+/// The text of the trace file at `path`, at most [`MAX_TEXT_BYTES`].
+fn read_text(path: &Path) -> Result<String, FormatError> {
+    sluice_hal::file::read_regular_string(path, MAX_TEXT_BYTES)
+        .map_err(|source| FormatError::Io { path: path.into(), source })
+}
+
+/// Whether `n_layer` layers of `n_expert` experts is a model's shape.
+fn check_shape(n_layer: u32, n_expert: u32) -> Result<(), String> {
+    if n_layer == 0 || u64::from(n_layer) * u64::from(n_expert) > MAX_SHAPE_EXPERTS {
+        return Err(format!("{n_layer} layers of {n_expert} experts is not a model's shape"));
+    }
+    Ok(())
+}
+
 /// The bytes each expert is given where a format records none: 1 MiB, so a budget in MiB is
 /// a count of experts.
 pub const UNSIZED_EXPERT_BYTES: u64 = 1 << 20;
@@ -214,9 +236,7 @@ fn n_expert(routes: &Routes) -> Result<u32, String> {
 /// tokens' experts), then each token's layers as single-token decodes.
 fn into_trace(routes: Routes) -> Result<RouteTrace, String> {
     let n_expert = n_expert(&routes)?;
-    if routes.n_layer == 0 || u64::from(routes.n_layer) * u64::from(n_expert) > 1 << 24 {
-        return Err(format!("{} layers of {n_expert} experts is not a model's shape", routes.n_layer));
-    }
+    check_shape(routes.n_layer, n_expert)?;
     let expert_bytes = match &routes.layer_bytes {
         Some(b) => b.iter().flat_map(|&b| std::iter::repeat_n(b, n_expert as usize)).collect(),
         None => vec![UNSIZED_EXPERT_BYTES; (routes.n_layer * n_expert) as usize],

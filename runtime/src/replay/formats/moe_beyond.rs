@@ -33,6 +33,14 @@ pub(super) fn read(dir: &Path) -> Result<Routes, FormatError> {
         return Err(FormatError::Bad { path: dir.into(), detail: "no prompt_<n>_data.csv in the folder".into() });
     }
     files.sort();
+    let mut total = 0u64;
+    for (_, path) in &files {
+        total += std::fs::metadata(path).map_err(|e| io(path, e))?.len();
+    }
+    if total > super::MAX_TEXT_BYTES {
+        let detail = format!("its CSVs hold {total} bytes, over the {} a trace may have", super::MAX_TEXT_BYTES);
+        return Err(FormatError::Bad { path: dir.into(), detail });
+    }
     let mut routes =
         Routes { model: dir.file_name().unwrap_or_default().to_string_lossy().into(), ..Routes::default() };
     let mut layer_ids: Option<Vec<u32>> = None;

@@ -28,7 +28,7 @@ type Cell = BTreeMap<u32, Vec<(u32, u32)>>;
 /// Reads a `route_trace v1` file: each turn a sequence, its phase-0 rows the prompt.
 pub(super) fn read(path: &Path, options: ReadOptions) -> Result<Routes, FormatError> {
     let bad = |detail: String| FormatError::Bad { path: path.into(), detail };
-    let text = std::fs::read_to_string(path).map_err(|source| FormatError::Io { path: path.into(), source })?;
+    let text = super::read_text(path)?;
     let mut routes = Routes::default();
     let mut layer_bytes = BTreeMap::new();
     for line in text.lines().take_while(|l| l.starts_with('#')) {
@@ -51,6 +51,8 @@ pub(super) fn read(path: &Path, options: ReadOptions) -> Result<Routes, FormatEr
     if routes.n_layer == 0 || routes.n_expert == 0 {
         return Err(bad("no `# model=... n_layer=N n_expert=N` line before the rows".into()));
     }
+    // Every token's row is sized by the header's layers.
+    super::check_shape(routes.n_layer, routes.n_expert).map_err(bad)?;
     if layer_bytes.len() == routes.n_layer as usize && layer_bytes.keys().copied().eq(0..u64::from(routes.n_layer)) {
         routes.layer_bytes = Some(layer_bytes.into_values().collect());
     }

@@ -30,7 +30,7 @@ type Problem = BTreeMap<u32, Phases>;
 /// Reads a speculative-moe routing file: each problem a sequence.
 pub(super) fn read(path: &Path, options: ReadOptions) -> Result<Routes, FormatError> {
     let bad = |detail: String| FormatError::Bad { path: path.into(), detail };
-    let text = std::fs::read_to_string(path).map_err(|source| FormatError::Io { path: path.into(), source })?;
+    let text = super::read_text(path)?;
     let mut problems: BTreeMap<u64, Problem> = BTreeMap::new();
     // (problem, layer) -> the last token_pos seen, to find where a raw file's decode begins.
     let mut last_pos: BTreeMap<(u64, u32), u64> = BTreeMap::new();

@@ -197,3 +197,17 @@ fn a_sluice_trace_gives_its_single_token_decodes_and_refuses_a_batch_step() {
     let e = read_tokens(&path, None).unwrap_err().to_string();
     assert!(e.contains("t.sluice-trace") && e.contains("a batch of 5 tokens") && e.contains("--record-routes"), "{e}");
 }
+
+#[test]
+fn a_header_of_no_model_s_shape_is_refused_before_any_row_is_sized_by_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = ROUTE_CSV.replace("n_layer=2 n_expert=4", "n_layer=4000000000 n_expert=4");
+    let path = write(dir.path(), "huge.route.csv", &text);
+    for e in [read(&path, None, ReadOptions { prompt: true }).unwrap_err(), read_tokens(&path, None).unwrap_err()] {
+        let e = e.to_string();
+        assert!(
+            e.contains("huge.route.csv") && e.contains("4000000000 layers of 4 experts is not a model's shape"),
+            "{e}"
+        );
+    }
+}
