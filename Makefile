@@ -12,7 +12,7 @@ CARGO ?= cargo
 BUILD_DEBS := cmake clang libclang-dev patch make systemd util-linux python3-venv wamerican valgrind
 # Where apt reaches them: chromium, the headless browser that loads the status page; lintian,
 # which checks the Debian package. Without them those checks are skipped with a message.
-CHECK_DEBS := chromium lintian
+CHECK_DEBS := chromium chromium-driver lintian tmux
 ARM_DEBS := gcc-aarch64-linux-gnu g++-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user
 AARCH64 := aarch64-unknown-linux-gnu
 
@@ -117,7 +117,7 @@ trained-model-small: build
 # same).
 test: build
 	@scripts/ensure-openai $(OPENAI_VENV)
-	@scripts/ensure-deps $(CHECK_DEBS) || echo "make test: without $(CHECK_DEBS) the status page and lintian checks are skipped"
+	@scripts/ensure-deps $(CHECK_DEBS) || echo "make test: without $(CHECK_DEBS) the browser page and lintian checks are skipped"
 	@scripts/ensure-cargo-deb $(CARGO_DEB_VERSION)
 	$(CARGO) deb -p sluice --no-build --profile dev --strip --quiet -o $(DEB_DIR)/test/
 	trained=$$(trainer/make-model small | tail -1); \

@@ -3,7 +3,7 @@
 and streamed, greedy, with an API key; the usage chunk, log probabilities, tool calls (required
 and named, plain, streamed, and a round trip with the tool's result), a JSON schema answer and
 `parse` with a pydantic model; the Responses API (plain, streamed, a tool round trip over
-`previous_response_id`, `parse`). Streamed text must equal the plain text. The served model is a
+`previous_response_id`, `parse`; retrieve, input items, delete). Streamed text must equal the plain text. The served model is a
 synthetic one with Qwen3's chat template; nothing pushes the calls but the grammar. Usage:
     openai-check.py BASE_URL API_KEY MODEL
 Prints one line per check and ends with 'openai-check: N passed, M failed'."""
@@ -205,6 +205,18 @@ if fcalls:
     check("responses tool round trip", second.usage.input_tokens > first.usage.input_tokens, repr(second.usage))
 else:
     check("responses tool round trip", False, "no call to answer")
+
+# Stored responses: retrieve, their input items, delete (then gone).
+got = client.responses.retrieve(r.id)
+check("responses retrieve", got.id == r.id and got.output_text == r.output_text, repr(got.output_text))
+items = client.responses.input_items.list(r.id)
+check("responses input_items", [i.type for i in items.data] == ["message"] and items.data[0].role == "user", repr(items.data))
+client.responses.delete(r.id)
+try:
+    client.responses.retrieve(r.id)
+    check("responses delete", False, "still retrievable")
+except openai.NotFoundError:
+    check("responses delete", True)
 
 failed = checks.count(False)
 print(f"openai-check: {len(checks) - failed} passed, {failed} failed")

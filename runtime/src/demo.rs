@@ -27,6 +27,7 @@ pub fn demo_spec() -> SynthSpec {
         words: true,
         key_length: None,
         vocab_size: None,
+        favour: None,
     }
 }
 

@@ -54,8 +54,11 @@ enum Command {
     /// Replay a route trace (`bench --trace`) under each expert cache policy, the best fixed set
     /// of experts in hindsight and Belady's MIN, the offline optimum, at one or more cache sizes.
     Replay(cli::replay::ReplayArgs),
-    /// Serve the model over HTTP (OpenAI-compatible), as a systemd notify service.
+    /// Serve the model over HTTP (OpenAI-, Anthropic- and Ollama-compatible), as a systemd notify
+    /// service.
     Serve(Box<cli::serve::ServeArgs>),
+    /// Chat in the terminal with a model (served for the chat) or a running server (--url).
+    Chat(Box<cli::chat::ChatArgs>),
     /// Print the systemd drop-in (CPUAffinity, MemoryMax, ExecStart) for a board and model, or
     /// for an RPC worker board (--worker).
     Unit(cli::serve::UnitArgs),
@@ -123,6 +126,7 @@ fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
         Command::Verify(a) => cli::verify::run_verify(&a),
         Command::Replay(a) => cli::replay::run_replay(&a),
         Command::Serve(a) => cli::serve::run_serve(&a, given),
+        Command::Chat(a) => cli::chat::run_chat(&a),
         Command::Unit(a) => cli::serve::run_unit(&a, board),
         Command::Worker(a) => cli::worker::run_worker(&a, board),
         Command::BenchChild(a) => cli::bench_child::run_bench_child(&a, board),

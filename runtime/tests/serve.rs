@@ -298,7 +298,7 @@ fn the_official_openai_client_parses_every_response() {
     let dir = tempfile::tempdir().unwrap();
     let model = synth_qwen3(dir.path());
     if let Some(out) = client_script(dir.path(), &model, "openai-check.py", "openai") {
-        assert!(out.contains("20 passed, 0 failed"), "{out}");
+        assert!(out.contains("23 passed, 0 failed"), "{out}");
     }
 }
 

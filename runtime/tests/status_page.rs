@@ -1,7 +1,8 @@
-//! The status page at `/`, loaded in a real headless browser (Debian's chromium; the test is
-//! skipped with a message where it is not installed): it draws one heat-map cell per layer and
-//! expert of the fixture, shows a non-zero decode speed after a request, and logs nothing to the
-//! console. With an API key the page itself is open but its data is not.
+//! The pages in a real headless browser (Debian's chromium; the tests are skipped with a message
+//! where it is not installed). The status page at `/status.html` draws one heat-map cell per layer
+//! and expert of the fixture, shows a non-zero decode speed after a request, and logs nothing to
+//! the console; with an API key the page itself is open but its data is not. The chat page at `/`,
+//! driven by Selenium, streams answers, carries a conversation, stops and starts anew.
 
 use std::path::Path;
 use std::process::Command;
@@ -105,7 +106,7 @@ fn the_status_page_draws_the_heat_map_and_the_speed_without_console_errors() {
     let routed: u64 = status["heat"]["counts"].as_array().unwrap().iter().map(|c| c.as_u64().unwrap()).sum();
     assert!(routed > 0, "the request routed tokens: {status}");
 
-    let page = server.request("GET", "/", None);
+    let page = server.request("GET", "/status.html", None);
     assert_eq!(page.status, 200);
     assert!(page.header("content-type").is_some_and(|t| t.starts_with("text/html")));
     let policy = page.header("content-security-policy").unwrap_or_default();
@@ -116,7 +117,7 @@ fn the_status_page_draws_the_heat_map_and_the_speed_without_console_errors() {
     );
 
     let Some(browser) = chromium() else { return };
-    let shown = render(&browser, &format!("http://{}/", server.addr), dir.path());
+    let shown = render(&browser, &format!("http://{}/status.html", server.addr), dir.path());
     assert!(shown.console.is_empty(), "console messages: {:#?}", shown.console);
     let cells = shown.dom.matches("class=\"cell\"").count();
     assert_eq!(cells, LAYERS * EXPERTS, "one cell per (layer, expert)");
@@ -137,7 +138,8 @@ fn with_an_api_key_the_page_is_open_and_its_data_needs_the_key() {
     let model = fixture(dir.path());
     let mut server = Server::start_with_env(dir.path(), &model, &["--ctx", "256"], &[("SLUICE_API_KEY", "s3cret")]);
     server.wait_note("READY=1");
-    assert_eq!(server.request("GET", "/", None).status, 200);
+    assert_eq!(server.request("GET", "/status.html", None).status, 200);
+    assert_eq!(server.request("GET", "/", None).status, 200, "the chat page is open too");
     let refused = server.request("GET", "/status", None);
     assert_eq!(refused.status, 401, "{}", refused.body);
     let addr = server.addr;
@@ -151,7 +153,28 @@ fn with_an_api_key_the_page_is_open_and_its_data_needs_the_key() {
     assert_eq!(granted.json()["state"], "ready");
 
     let Some(browser) = chromium() else { return };
-    let shown = render(&browser, &format!("http://{addr}/"), dir.path());
+    let shown = render(&browser, &format!("http://{addr}/status.html"), dir.path());
     assert!(shown.dom.contains("id=\"keyform\" style=\"display: block;\""), "the page asks for the key");
     assert_eq!(element_text(&shown.dom, "toks"), "-", "and shows no data without it");
+    let chat = render(&browser, &format!("http://{addr}/"), dir.path());
+    assert!(chat.dom.contains("id=\"keyform\" style=\"display: block;\""), "the chat page asks for the key");
+}
+
+#[test]
+fn the_chat_page_streams_answers_carries_turns_and_stops_in_a_browser() {
+    if chromium().is_none() || !Path::new("/usr/bin/chromedriver").is_file() {
+        eprintln!("SKIPPED: the chat page needs chromium and chromium-driver (make test installs them where apt is reachable)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let model = serving::synth_talkative(dir.path());
+    let shot = dir.path().join("chat.png");
+    let args = [shot.to_str().unwrap()];
+    if let Some(out) = serving::client_script_with(dir.path(), &model, "chat-page-check.py", "selenium", &args) {
+        assert!(out.contains("chat-page-check: 7 passed, 0 failed"), "{out}");
+        assert!(std::fs::read(&shot).unwrap().starts_with(b"\x89PNG"), "a screenshot");
+        if let Ok(keep) = std::env::var("SLUICE_CHAT_SCREENSHOT") {
+            std::fs::copy(&shot, keep).unwrap();
+        }
+    }
 }

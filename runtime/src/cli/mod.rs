@@ -96,6 +96,8 @@ impl TextOut {
 pub mod args;
 pub mod bench;
 pub mod bench_child;
+pub mod chat;
+pub mod chat_link;
 pub mod perplexity;
 pub mod plan;
 pub mod probe;

@@ -181,6 +181,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     serve::serve(ServeConfig {
         engine,
         listen: set.listen.unwrap_or(DEFAULT_LISTEN),
+        ollama_listen: set.ollama_listen,
         queue: set.queue.map_or(DEFAULT_QUEUE, |q| q as usize),
         drain: Duration::from_secs(a.drain_secs),
         model_id,

@@ -1,10 +1,10 @@
-//! Who may use the server: an API key checked as `Authorization: Bearer`, and the browser
+//! Who may use the server: an API key checked as `Authorization: Bearer` (or `x-api-key`), and the browser
 //! origins allowed by CORS.
 //!
 //! The key comes from `--api-key` (or `SLUICE_API_KEY`), `--api-key-file`, or else a file named
 //! `api-key` in systemd's credentials directory (`LoadCredential=api-key:...`) or the state
-//! directory. `/health` and the status page's HTML at `/` (which holds no data: it asks for the
-//! key and sends it with its requests for `/status`) are always open; `/metrics` is open unless
+//! directory. `/health` and the pages' HTML, the chat at `/` and the status at `/status.html`
+//! (which hold no data: they ask for the key and send it with their requests) are always open; `/metrics` is open unless
 //! `--metrics-need-key`.
 
 use std::path::{Path, PathBuf};
@@ -126,19 +126,27 @@ impl Access {
         Ok(Access { key, metrics_keyed, cors, cors_any })
     }
 
-    /// Checks a request for `path` with its `Authorization` header: 401 when a key is
-    /// required and not given, or wrong.
-    pub fn authorize(&self, path: &str, authorization: Option<&HeaderValue>) -> Result<(), ApiError> {
+    /// Checks a request for `path` with its `Authorization` header (or, as Anthropic's clients
+    /// send the key, its `x-api-key` header): 401 when a key is required and not given, or wrong.
+    pub fn authorize(
+        &self,
+        path: &str,
+        authorization: Option<&HeaderValue>,
+        x_api_key: Option<&HeaderValue>,
+    ) -> Result<(), ApiError> {
         let Some(key) = &self.key else { return Ok(()) };
-        if path == "/health" || path == "/" || (path == "/metrics" && !self.metrics_keyed) {
+        if path == "/health" || path == "/" || path == "/status.html" || (path == "/metrics" && !self.metrics_keyed) {
             return Ok(());
         }
-        let given = authorization.and_then(|v| v.to_str().ok()).and_then(|v| {
+        let bearer = authorization.and_then(|v| v.to_str().ok()).and_then(|v| {
             let (scheme, token) = v.trim().split_once(' ')?;
             scheme.eq_ignore_ascii_case("bearer").then(|| token.trim())
         });
+        let given = bearer.or_else(|| x_api_key.and_then(|v| v.to_str().ok()).map(str::trim));
         let message = match given {
-            None => "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY`.",
+            None => {
+                "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY` (or `x-api-key: YOUR_KEY`)."
+            }
             Some(t) if bool::from(t.as_bytes().ct_eq(key.as_bytes())) => return Ok(()),
             Some(_) => "Incorrect API key provided.",
         };
@@ -168,21 +176,23 @@ mod tests {
     }
 
     #[test]
-    fn a_key_is_checked_as_a_bearer_token_except_on_health() {
+    fn a_key_is_checked_as_a_bearer_token_or_x_api_key_except_on_health() {
         let a = keyed("s3cret", false);
-        assert!(a.authorize("/v1/completions", Some(&h("Bearer s3cret"))).is_ok());
-        assert!(a.authorize("/v1/completions", Some(&h("bearer  s3cret "))).is_ok());
-        let e = a.authorize("/v1/completions", Some(&h("Bearer s3cre"))).unwrap_err();
+        assert!(a.authorize("/v1/completions", Some(&h("Bearer s3cret")), None).is_ok());
+        assert!(a.authorize("/v1/completions", Some(&h("bearer  s3cret ")), None).is_ok());
+        let e = a.authorize("/v1/completions", Some(&h("Bearer s3cre")), None).unwrap_err();
         assert_eq!(
             (e.status, e.code, e.message.as_str()),
             (401, Some("invalid_api_key"), "Incorrect API key provided.")
         );
-        assert!(a.authorize("/v1/models", None).unwrap_err().message.contains("didn't provide"));
-        assert!(a.authorize("/v1/models", Some(&h("Basic czNjcmV0"))).is_err());
-        assert!(a.authorize("/health", None).is_ok());
-        assert!(a.authorize("/metrics", None).is_ok());
-        assert!(keyed("s3cret", true).authorize("/metrics", None).is_err());
-        assert!(Access::default().authorize("/v1/completions", None).is_ok());
+        assert!(a.authorize("/v1/models", None, None).unwrap_err().message.contains("didn't provide"));
+        assert!(a.authorize("/v1/models", Some(&h("Basic czNjcmV0")), None).is_err());
+        assert!(a.authorize("/v1/messages", None, Some(&h("s3cret"))).is_ok());
+        assert!(a.authorize("/v1/messages", None, Some(&h("s3cre"))).is_err());
+        assert!(a.authorize("/health", None, None).is_ok());
+        assert!(a.authorize("/metrics", None, None).is_ok());
+        assert!(keyed("s3cret", true).authorize("/metrics", None, None).is_err());
+        assert!(Access::default().authorize("/v1/completions", None, None).is_ok());
     }
 
     #[test]

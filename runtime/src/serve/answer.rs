@@ -110,6 +110,11 @@ impl Answer {
 
     /// Whether a stop sequence ended the text.
     pub(super) fn stopped(&self) -> bool {
+        self.text.stopped().is_some()
+    }
+
+    /// The stop sequence that ended the text, if one did.
+    pub(super) fn stop_sequence(&self) -> Option<&str> {
         self.text.stopped()
     }
 

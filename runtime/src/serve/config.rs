@@ -29,6 +29,10 @@ pub struct ServeSettings {
     /// Address to serve HTTP on (default: 127.0.0.1:8080).
     #[arg(long)]
     pub listen: Option<SocketAddr>,
+    /// A second address to serve the same API on, for clients that assume Ollama's port
+    /// (127.0.0.1:11434, or 0.0.0.0:11434 for the network); off unless given.
+    #[arg(long)]
+    pub ollama_listen: Option<SocketAddr>,
     /// Context positions per request, prompt and completion together (default: 4096, or the
     /// model's length if shorter).
     #[arg(long, value_parser = clap::value_parser!(u32).range(MIN_CTX as i64..))]
@@ -207,6 +211,7 @@ impl ServeSettings {
             model: self.model.or(file.model),
             board: self.board.or(file.board),
             listen: self.listen.or(file.listen),
+            ollama_listen: self.ollama_listen.or(file.ollama_listen),
             ctx: self.ctx.or(file.ctx),
             slots: self.slots.or(file.slots),
             batch: self.batch.or(file.batch),
@@ -244,6 +249,7 @@ mod tests {
             model: Some("/srv/models/model.gguf".into()),
             board: Some("rpi5-8gb".into()),
             listen: Some("0.0.0.0:8080".parse().unwrap()),
+            ollama_listen: Some("0.0.0.0:11434".parse().unwrap()),
             ctx: Some(2048),
             slots: Some(2),
             batch: Some(256),
@@ -277,7 +283,7 @@ mod tests {
     fn every_key_round_trips() {
         let f = full();
         let text = toml::to_string(&f).unwrap();
-        assert_eq!(keys().len(), 18, "{:?}", keys());
+        assert_eq!(keys().len(), 19, "{:?}", keys());
         for key in keys() {
             assert!(text.lines().any(|l| l.starts_with(&format!("{key} = "))), "{key} missing from:\n{text}");
         }

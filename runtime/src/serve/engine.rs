@@ -16,6 +16,7 @@ use super::heat::{self, ModelIdentity};
 use super::job::{Event, EventSender, Finish, Job};
 use super::job::{GenerationRequest, PromptBound, TokenUsage};
 use super::metrics::GenerationCounts;
+use super::model_card::ModelCard;
 use super::prompt::{TokenizeError, Tokenizer};
 use super::running::Running;
 use super::saved_slots::SlotStore;
@@ -136,6 +137,7 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
         store,
         running: Vec::new(),
     };
+    engine.publish_model(model);
     engine.warm_start(index);
     engine.restore_slots();
     engine.publish_heat();
@@ -184,8 +186,7 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
             last_save = Instant::now();
         }
     };
-    engine.save_heat();
-    engine.save_slots();
+    engine.close();
     Ok(served)
 }
 
@@ -209,6 +210,20 @@ pub(super) struct Engine<'m, 's> {
 }
 
 impl<'m> Engine<'m, '_> {
+    /// Hands the HTTP front the model's description and text tools.
+    fn publish_model(&self, model: &ggml_sys::Model) {
+        let card = ModelCard::of(model, self.n_ctx, self.tokenizer.thinks());
+        self.shared.set_loaded(Some((Arc::new(card), self.tokenizer.tools())));
+    }
+
+    /// Ends serving the loaded model: the front's text tools go, the heat map and slots are
+    /// saved.
+    fn close(&mut self) {
+        self.shared.set_loaded(None);
+        self.save_heat();
+        self.save_slots();
+    }
+
     /// Reads the saved heat map (if any) and fills the cache with its hottest experts.
     fn warm_start(&mut self, index: &ExpertIndex) {
         let Some(path) = &self.heat_path else { return };
@@ -335,7 +350,8 @@ impl<'m> Engine<'m, '_> {
         mut answer: Answer,
     ) {
         let (last, message) = answer.finish();
-        let stopped = answer.stopped();
+        let stop_sequence = answer.stop_sequence().map(str::to_string);
+        let stopped = stop_sequence.is_some();
         if let Some(e) = last {
             let _ = events.send(e);
         }
@@ -358,7 +374,7 @@ impl<'m> Engine<'m, '_> {
             Finish::Stop
         };
         let usage = TokenUsage { prompt: prompt_tokens, cached: g.reused, completion: g.tokens.len() };
-        let _ = events.send(Event::Done { finish, usage, message });
+        let _ = events.send(Event::Done { finish, usage, message, stop_sequence });
     }
 
     /// Why a generation failed, for its client: cancelled (503), a grammar too costly for the

@@ -149,7 +149,10 @@ pub enum Piece {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// The prompt fits and generation begins.
-    Started,
+    Started {
+        /// The prompt's tokens.
+        prompt_tokens: usize,
+    },
     /// Output that is final, and the log probabilities of the tokens behind it (when asked).
     Output {
         /// The text or message delta.
@@ -165,6 +168,8 @@ pub enum Event {
         usage: TokenUsage,
         /// A chat's whole answer, parsed.
         message: Option<ParsedMessage>,
+        /// The stop sequence that ended the text, if one did (the request's, or the template's).
+        stop_sequence: Option<String>,
     },
     /// The request failed.
     Failed(ApiError),
@@ -315,6 +320,6 @@ mod tests {
         assert_eq!(tx.send(piece()), Ok(()));
         let (tx, rx) = event_channel();
         drop(rx);
-        assert_eq!(tx.send(Event::Started), Err(Unsent::Gone));
+        assert_eq!(tx.send(Event::Started { prompt_tokens: 1 }), Err(Unsent::Gone));
     }
 }

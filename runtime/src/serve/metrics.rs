@@ -1,5 +1,5 @@
 //! Counters of the server, rendered as Prometheus text for `GET /metrics` and as the JSON of
-//! `GET /status` (which the status page at `/` draws).
+//! `GET /status` (which the status page at `/status.html` draws).
 
 use std::collections::{BTreeMap, VecDeque};
 use std::fmt::Write as _;
@@ -148,6 +148,11 @@ impl Metrics {
         let mut s = self.slots.lock().unwrap_or_else(|e| e.into_inner());
         s.clear();
         s.extend_from_slice(slots);
+    }
+
+    /// The slots, as last recorded.
+    pub fn slots(&self) -> Vec<SlotView> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Records the expert heat map: route counts, `layer * experts + expert`.

@@ -14,6 +14,7 @@
 
 pub mod access;
 mod answer;
+pub mod anthropic;
 pub mod api;
 pub mod chat;
 pub mod config;
@@ -25,8 +26,11 @@ pub mod heat;
 pub mod http;
 pub mod job;
 pub mod limits;
+pub mod llama_server;
 pub mod logprobs;
 pub mod metrics;
+pub mod model_card;
+pub mod ollama;
 pub mod prompt;
 mod running;
 pub mod saved_slots;
@@ -35,6 +39,7 @@ pub mod slots;
 pub mod state;
 pub mod stored;
 pub mod text;
+pub mod text_tools;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -70,6 +75,8 @@ pub struct ServeConfig {
     pub engine: EngineConfig,
     /// Address to listen on.
     pub listen: SocketAddr,
+    /// A second address for clients that assume Ollama's port, if asked for.
+    pub ollama_listen: Option<SocketAddr>,
     /// Generation requests that may wait while one runs; more get 503.
     pub queue: usize,
     /// How long in-flight requests may take to finish after SIGTERM before they are cancelled.
@@ -90,11 +97,16 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         signal_hook::flag::register(signal, Arc::clone(&stop))?;
     }
     let fd_room = http::fd_room(FD_RESERVE);
-    let listener = std::net::TcpListener::bind(cfg.listen).map_err(|e| {
-        anyhow!("cannot listen on {}: {e} (is another server using the port? pick another with --listen)", cfg.listen)
-    })?;
-    listener.set_nonblocking(true)?;
-    log::info!("listening on http://{}", cfg.listen);
+    let bind = |addr: SocketAddr, flag: &str| {
+        let listener = std::net::TcpListener::bind(addr).map_err(|e| {
+            anyhow!("cannot listen on {addr}: {e} (is another server using the port? pick another with {flag})")
+        })?;
+        listener.set_nonblocking(true)?;
+        log::info!("listening on http://{addr}");
+        Ok::<_, anyhow::Error>(listener)
+    };
+    let listener = bind(cfg.listen, "--listen")?;
+    let second = cfg.ollama_listen.map(|a| bind(a, "--ollama-listen")).transpose()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_io()
         .enable_time()
@@ -123,10 +135,15 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     let pinger = pinger.transpose()?;
     let front = Arc::new(Front::new(cfg.limits.clone(), Arc::clone(&shared), fd_room));
     let outcome = runtime.block_on(async {
-        let listener = tokio::net::TcpListener::from_std(listener)?;
-        let acceptor = tokio::spawn(Arc::clone(&front).accept_loop(listener));
+        let mut acceptors = Vec::new();
+        for l in std::iter::once(listener).chain(second) {
+            let l = tokio::net::TcpListener::from_std(l)?;
+            acceptors.push(tokio::spawn(Arc::clone(&front).accept_loop(l)));
+        }
         let outcome = run_until_stopped(&shared, &front, &engine, &stop, cfg.drain).await;
-        acceptor.abort();
+        for a in acceptors {
+            a.abort();
+        }
         Ok::<_, anyhow::Error>(outcome)
     })?;
     pinger_done.store(true, Ordering::SeqCst);

@@ -13,6 +13,7 @@ use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, M
 use super::error::ApiError;
 use super::job::{PromptBound, PromptInput};
 use super::shared::{Shared, IDLE_BEAT};
+use super::text_tools::{answer, TextTools, ToolJob};
 
 /// A prompt ready to generate from.
 pub(super) struct Prepared {
@@ -42,12 +43,21 @@ const PREPARE_STACK: usize = 64 << 20;
 /// A prompt to prepare, the flag that abandons it, and where the result goes.
 type TokenizeJob = (PromptInput, PromptBound, Arc<AtomicBool>, Sender<Result<Prepared, ApiError>>);
 
+/// What the thread takes: the engine's prompts, and the HTTP front's text questions.
+pub(super) enum ThreadJob {
+    /// A prompt to generate from.
+    Prompt(TokenizeJob),
+    /// A question of [`TextTools`].
+    Tool(ToolJob),
+}
+
 /// Renders chat prompts and tokenizes prompts on a thread of its own, so that the engine keeps
 /// beating and notices a cancelled request or a stop while a long prompt is tokenized. A prompt
 /// abandoned that way stops: llama.cpp's tokenizers check the job's flag as they go (vendor
 /// patch 0011), and the thread takes the next prompt.
 pub(super) struct Tokenizer {
-    jobs: Sender<TokenizeJob>,
+    jobs: Sender<ThreadJob>,
+    thinks: bool,
 }
 
 /// Why a prompt has no tokens.
@@ -75,6 +85,12 @@ fn chat_templates(model: &Model) -> Result<ChatTemplates> {
             Ok(ChatTemplates::from_source(Some(model), "chatml", "", "")?)
         }
     }
+}
+
+/// Whether `templates` render a thinking block (their format has a thinking start tag).
+fn thinks(templates: &ChatTemplates) -> bool {
+    let trial = ChatInputs::new(serde_json::json!([{"role": "user", "content": "hello"}]));
+    templates.apply(&trial).is_ok_and(|(p, _)| !p.thinking_start_tag.is_empty())
 }
 
 /// Tokenizes `text` (a completion prompt, or a template's rendering with `field` "messages")
@@ -125,12 +141,12 @@ impl Tokenizer {
     /// The templates are parsed there too (with the capability probes that render them), on
     /// its large stack and within the template bounds; this returns once they are ready.
     pub(super) fn start(model: Arc<Model>) -> Result<Tokenizer> {
-        let (jobs, rx) = channel::<TokenizeJob>();
-        let (ready, parsed) = channel::<Result<()>>();
+        let (jobs, rx) = channel::<ThreadJob>();
+        let (ready, parsed) = channel::<Result<bool>>();
         std::thread::Builder::new().name("sluice-tokenize".into()).stack_size(PREPARE_STACK).spawn(move || {
             let templates = match chat_templates(&model) {
                 Ok(t) => {
-                    let _ = ready.send(Ok(()));
+                    let _ = ready.send(Ok(thinks(&t)));
                     t
                 }
                 Err(e) => {
@@ -138,7 +154,14 @@ impl Tokenizer {
                     return;
                 }
             };
-            for (prompt, bound, abandon, reply) in rx {
+            for job in rx {
+                let (prompt, bound, abandon, reply) = match job {
+                    ThreadJob::Prompt(p) => p,
+                    ThreadJob::Tool((question, bound, reply)) => {
+                        let _ = reply.send(answer(&model, &templates, question, bound));
+                        continue;
+                    }
+                };
                 let t0 = Instant::now();
                 let prepared = match &prompt {
                     // Control tokens' text is parsed, as llama-server does: the client writes the whole prompt.
@@ -162,10 +185,20 @@ impl Tokenizer {
                 let _ = reply.send(prepared);
             }
         })?;
-        parsed
+        let thinks = parsed
             .recv()
             .map_err(|_| anyhow::anyhow!("the tokenizer thread stopped while parsing the chat template"))??;
-        Ok(Tokenizer { jobs })
+        Ok(Tokenizer { jobs, thinks })
+    }
+
+    /// Whether the model's template has a thinking block.
+    pub(super) fn thinks(&self) -> bool {
+        self.thinks
+    }
+
+    /// A handle for the HTTP front's questions, answered on the same thread.
+    pub(super) fn tools(&self) -> TextTools {
+        TextTools::new(self.jobs.clone())
     }
 
     /// The prompt, prepared. While it is computed the engine beats, and gives up when `cancel`
@@ -179,7 +212,9 @@ impl Tokenizer {
         let (reply, prepared) = channel();
         let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
         let abandon = Arc::new(AtomicBool::new(false));
-        self.jobs.send((prompt, shared.prompt_bound(), Arc::clone(&abandon), reply)).map_err(|_| gone())?;
+        self.jobs
+            .send(ThreadJob::Prompt((prompt, shared.prompt_bound(), Arc::clone(&abandon), reply)))
+            .map_err(|_| gone())?;
         loop {
             match prepared.recv_timeout(IDLE_BEAT) {
                 Ok(t) => return t.map_err(TokenizeError::Invalid),

@@ -94,7 +94,7 @@ impl<'m> Engine<'m, '_> {
             }
         };
         sampler.set_guard(Arc::clone(&cancel), GRAMMAR_TOKEN_BOUND);
-        let _ = events.send(Event::Started);
+        let _ = events.send(Event::Started { prompt_tokens: tokens.len() });
         let pick = self.slots.pick(&mut self.session, self.store.as_mut(), &tokens, cache_prompt);
         self.slots.start(pick.slot);
         self.publish_slots();

@@ -9,8 +9,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use super::access::Access;
 use super::job::{Admission, EventSender, GenerationRequest, Job, PromptBound};
 use super::metrics::Metrics;
+use super::model_card::ModelCard;
 use super::state::State;
 use super::stored::StoredResponses;
+use super::text_tools::TextTools;
 use crate::systemd::notify;
 
 /// How long the engine waits for a request before it reports that it is alive.
@@ -48,6 +50,8 @@ pub struct Shared {
     pub created: u64,
     /// API key and CORS.
     pub access: Access,
+    /// The loaded model's description and text tools; `None` while none is loaded.
+    loaded: Mutex<Option<(Arc<ModelCard>, TextTools)>>,
 }
 
 impl Shared {
@@ -79,7 +83,19 @@ impl Shared {
             model_id,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             access,
+            loaded: Mutex::new(None),
         }
+    }
+
+    /// The loaded model's description and text tools, if one is loaded.
+    pub fn loaded(&self) -> Option<(Arc<ModelCard>, TextTools)> {
+        self.loaded.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Sets (or clears, while the model is loaded again) the loaded model's description and
+    /// text tools.
+    pub(super) fn set_loaded(&self, loaded: Option<(Arc<ModelCard>, TextTools)>) {
+        *self.loaded.lock().unwrap_or_else(|e| e.into_inner()) = loaded;
     }
 
     pub(super) fn now_ms(&self) -> u64 {

@@ -11,24 +11,25 @@ pub struct ResponseText {
     stops: Vec<String>,
     bytes: Vec<u8>,
     held: String,
-    stopped: bool,
+    /// The stop sequence seen, once one is.
+    stopped: Option<usize>,
 }
 
 impl ResponseText {
     /// A decoder that ends the text before the first of `stops` (empty strings are ignored).
     pub fn new(stops: &[String]) -> ResponseText {
         let stops = stops.iter().filter(|s| !s.is_empty()).cloned().collect();
-        ResponseText { stops, bytes: Vec::new(), held: String::new(), stopped: false }
+        ResponseText { stops, bytes: Vec::new(), held: String::new(), stopped: None }
     }
 
-    /// Whether a stop sequence has been seen (nothing after it is ever returned).
-    pub fn stopped(&self) -> bool {
-        self.stopped
+    /// The stop sequence seen, if one has been (nothing after it is ever returned).
+    pub fn stopped(&self) -> Option<&str> {
+        self.stopped.map(|i| self.stops[i].as_str())
     }
 
     /// Adds a token's bytes; returns the text that is final now.
     pub fn push(&mut self, bytes: &[u8]) -> String {
-        if self.stopped {
+        if self.stopped.is_some() {
             return String::new();
         }
         self.bytes.extend_from_slice(bytes);
@@ -49,8 +50,9 @@ impl ResponseText {
             consumed += invalid.len();
         }
         self.bytes.drain(..consumed);
-        if let Some(at) = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min() {
-            self.stopped = true;
+        let first = self.stops.iter().enumerate().filter_map(|(i, s)| Some((self.held.find(s.as_str())?, i))).min();
+        if let Some((at, which)) = first {
+            self.stopped = Some(which);
             self.bytes.clear();
             let out = self.held[..at].to_string();
             self.held.clear();
@@ -65,7 +67,7 @@ impl ResponseText {
     /// The text still held at the end of the generation (a partial stop sequence is text after
     /// all; bytes of an unfinished character become U+FFFD).
     pub fn finish(&mut self) -> String {
-        if self.stopped {
+        if self.stopped.is_some() {
             return String::new();
         }
         let mut out = std::mem::take(&mut self.held);
@@ -94,12 +96,12 @@ impl ResponseText {
 mod tests {
     use super::*;
 
-    fn run(stops: &[&str], pieces: &[&[u8]]) -> (Vec<String>, bool) {
+    fn run(stops: &[&str], pieces: &[&[u8]]) -> (Vec<String>, Option<String>) {
         let stops: Vec<String> = stops.iter().map(|s| s.to_string()).collect();
         let mut t = ResponseText::new(&stops);
         let mut out: Vec<String> = pieces.iter().map(|p| t.push(p)).collect();
         out.push(t.finish());
-        (out, t.stopped())
+        (out, t.stopped().map(str::to_string))
     }
 
     #[test]
@@ -117,7 +119,7 @@ mod tests {
     fn a_stop_spanning_tokens_ends_the_text_before_it() {
         let (out, stopped) = run(&["END"], &[b"abE", b"N", b"Dxyz", b"more"]);
         assert_eq!(out, ["ab", "", "", "", ""]);
-        assert!(stopped);
+        assert_eq!(stopped.as_deref(), Some("END"));
     }
 
     #[test]
@@ -125,12 +127,13 @@ mod tests {
         let (out, stopped) = run(&["END"], &[b"xE", b"Nd", b"EN"]);
         assert_eq!(out.concat(), "xENdEN");
         assert_eq!(out, ["x", "ENd", "", "EN"]);
-        assert!(!stopped);
+        assert_eq!(stopped, None);
     }
 
     #[test]
     fn the_earliest_of_several_stops_wins() {
-        let (out, _) = run(&["cd", "b"], &[b"abcd"]);
+        let (out, which) = run(&["cd", "b"], &[b"abcd"]);
         assert_eq!(out.concat(), "a");
+        assert_eq!(which.as_deref(), Some("b"));
     }
 }

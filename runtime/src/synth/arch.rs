@@ -112,6 +112,11 @@ impl Table {
     }
 }
 
+/// The first element of every embedding of a model that favours a token.
+const FAVOUR_EMBEDDING: f32 = 8.0;
+/// The first element of the favoured token's output row.
+const FAVOUR_OUTPUT: f32 = 8.0;
+
 /// The tensor table of `spec`, in file order, with how each tensor's values are drawn.
 /// `router_bias` is skewed routing's bias profile (hottest expert first), which each gpt-oss
 /// layer permutes into its router bias; `None` draws the bias at random (uniform routing, or a
@@ -121,9 +126,26 @@ pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec
     let mut t = Table { out: Vec::new(), out_type: spec.out_type, layers: spec.layers };
     // Embedding rows of about unit variance.
     let embd_type = spec.out_type.type_of("token_embd.weight", spec.layers);
-    t.push("token_embd.weight".into(), vec![e, v], embd_type, Init::Uniform { gain: 1.0, fan_in: 3 });
+    let (embd, output) = match spec.favour {
+        None => (Init::Uniform { gain: 1.0, fan_in: 3 }, Init::Uniform { gain: 4.0, fan_in: e }),
+        // Every embedding shares a large first element, which the favoured token's output row
+        // alone reads: it leads the logits at every position, whatever the layers add.
+        Some(byte) => (
+            Init::Marked { gain: 1.0, fan_in: 3, row_len: e, dim: 0, value: FAVOUR_EMBEDDING, row: None },
+            Init::Marked {
+                gain: 4.0,
+                fan_in: e,
+                row_len: e,
+                dim: 0,
+                value: FAVOUR_OUTPUT,
+                row: Some(vocab::byte_token(byte)),
+            },
+        ),
+    };
+    t.push("token_embd.weight".into(), vec![e, v], embd_type, embd);
     t.norm("output_norm.weight".into(), e);
-    t.matrix("output.weight".into(), vec![e, v], 4.0);
+    let output_type = spec.out_type.type_of("output.weight", spec.layers);
+    t.push("output.weight".into(), vec![e, v], output_type, output);
     match spec.arch {
         SynthArch::Qwen3moe => (0..spec.layers).for_each(|il| qwen3moe_layer(spec, il, &mut t)),
         SynthArch::Deepseek2 => (0..=spec.layers).for_each(|il| deepseek2_layer(spec, il, &mut t)),

@@ -162,6 +162,9 @@ pub struct SynthSpec {
     /// Pad the vocabulary with unused tokens to this many (a real model's, for the size of its
     /// embedding and output matrices and the output product's work); `None`: none.
     pub vocab_size: Option<u32>,
+    /// An ASCII character whose byte token the weights favour at every position (a model that
+    /// keeps writing it, for testing what a grammar bounds); `None`: random weights alone.
+    pub favour: Option<u8>,
 }
 
 impl Default for SynthSpec {
@@ -187,6 +190,7 @@ impl Default for SynthSpec {
             words: false,
             key_length: None,
             vocab_size: None,
+            favour: None,
         }
     }
 }
@@ -244,6 +248,12 @@ impl SynthSpec {
         let base = super::vocab::n_vocab(self.words, self.chat_template.as_deref(), None);
         if self.vocab_size.is_some_and(|v| u64::from(v) < base) {
             return Err(invalid("vocab", format!("is below the {base} tokens the vocabulary has without padding")));
+        }
+        if self.favour.is_some() && !matches!(self.out_type, OutputType::F16 | OutputType::F32) {
+            return Err(invalid("favour", "needs --type f16 or f32 (the marked weights are written as values)"));
+        }
+        if self.favour.is_some_and(|b| !b.is_ascii_graphic()) {
+            return Err(invalid("favour", "must be one printable ASCII character"));
         }
         if self.alignment < 8 || !self.alignment.is_power_of_two() {
             return Err(invalid("alignment", format!("{} is not a power of two of at least 8", self.alignment)));

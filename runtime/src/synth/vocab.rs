@@ -27,6 +27,11 @@ const CHAT_TOKENS: [(&str, i32); 7] = [
     ("<tool_call>", TYPE_USER_DEFINED),
     ("</tool_call>", TYPE_USER_DEFINED),
 ];
+/// The id of byte `b`'s token (`<0xNN>`).
+pub fn byte_token(b: u8) -> u64 {
+    3 + u64::from(b)
+}
+
 /// Token id of `<|im_end|>` (end of a chat turn).
 const IM_END: u32 = 3 + 256 + 2;
 /// Number of tokens without words: three specials, 256 bytes and the chat tokens.

@@ -26,6 +26,23 @@ pub enum Init {
     },
     /// These values, in order (a calibrated router bias).
     Values(std::sync::Arc<[f32]>),
+    /// [`Init::Uniform`], but element `dim` of each row of `row_len` elements (or of row `row`
+    /// alone) is `value`: a direction every token's embedding shares, and the one output row that
+    /// reads it (a model that favours one token).
+    Marked {
+        /// Output scale.
+        gain: f32,
+        /// Input width, for the scale.
+        fan_in: u64,
+        /// Elements of a row (`ne[0]`).
+        row_len: u64,
+        /// The element of a row that is set.
+        dim: u64,
+        /// Its value.
+        value: f32,
+        /// The one row set; `None`: every row.
+        row: Option<u64>,
+    },
 }
 
 const CHUNK: usize = 1 << 16;
@@ -43,12 +60,15 @@ pub fn write_values(
     rng.set_stream(stream);
     let bound = match *init {
         Init::Ones | Init::Values(_) => 0.0,
-        Init::Uniform { gain, fan_in } => gain * (3.0 / fan_in.max(1) as f32).sqrt(),
+        Init::Uniform { gain, fan_in } | Init::Marked { gain, fan_in, .. } => {
+            gain * (3.0 / fan_in.max(1) as f32).sqrt()
+        }
     };
     if ty.block_elements() > 1 {
         return write_blocks(out, &mut rng, n / ty.block_elements(), ty, bound);
     }
     let mut given = 0usize;
+    let mut at = 0u64;
     let mut buf = Vec::with_capacity(CHUNK * ty.block_bytes() as usize);
     let mut left = n;
     while left > 0 {
@@ -63,7 +83,17 @@ pub fn write_values(
                 }
                 // 24 random bits → [0, 1) exactly representable in f32, then → [-bound, bound).
                 Init::Uniform { .. } => ((rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * bound,
+                &Init::Marked { row_len, dim, value, row, .. } => {
+                    let drawn = ((rng.next_u32() >> 8) as f32 / (1u32 << 24) as f32 * 2.0 - 1.0) * bound;
+                    let marked = at % row_len.max(1) == dim && row.is_none_or(|r| at / row_len.max(1) == r);
+                    if marked {
+                        value
+                    } else {
+                        drawn
+                    }
+                }
             };
+            at += 1;
             match ty {
                 TensorType::F32 => buf.extend_from_slice(&v.to_le_bytes()),
                 _ => buf.extend_from_slice(&half::f16::from_f32(v).to_le_bytes()),

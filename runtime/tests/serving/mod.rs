@@ -36,6 +36,48 @@ pub fn synth_qwen3(dir: &Path) -> PathBuf {
     p
 }
 
+/// The chat templates of tests/chat/templates the fixtures carry; `None` is a model without a
+/// template (llama.cpp's ChatML, which has no tool-call syntax: generic JSON calls).
+pub const TEMPLATES: [Option<&str>; 9] = [
+    Some("Qwen-Qwen3-0.6B"),
+    Some("Qwen3.5-4B"),
+    Some("openai-gpt-oss-120b"),
+    Some("deepseek-ai-DeepSeek-V3.1"),
+    Some("GLM-4.6"),
+    Some("LFM2-8B-A1B"),
+    Some("moonshotai-Kimi-K2-Thinking"),
+    Some("MiniMax-M2"),
+    None,
+];
+
+/// A synthetic model carrying `template` (its markers are tokens of its vocabulary).
+pub fn synth_with(dir: &Path, template: Option<&str>) -> PathBuf {
+    let path = dir.join(format!("{}.gguf", template.unwrap_or("chatml")));
+    let mut cmd = sluice_command();
+    cmd.args(["synth", "--out", path.to_str().unwrap()]);
+    if let Some(t) = template {
+        let source = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/chat/templates/");
+        cmd.args(["--chat-template", &std::fs::read_to_string(format!("{source}{t}.jinja")).unwrap()]);
+    }
+    let o = cmd.output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    path
+}
+
+/// A fixture with Qwen3's template whose weights favour the letter `a` at every position: its
+/// answers run until their token bound, for tests that stop an answer midway.
+pub fn synth_talkative(dir: &Path) -> PathBuf {
+    let template = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/chat/templates/Qwen-Qwen3-0.6B.jinja");
+    let p = dir.join("talkative.gguf");
+    let o = sluice_command()
+        .args(["synth", "--out", p.to_str().unwrap(), "--favour", "a", "--chat-template"])
+        .arg(std::fs::read_to_string(template).unwrap())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    p
+}
+
 pub fn free_port() -> SocketAddr {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap()
 }
@@ -315,6 +357,11 @@ pub fn assert_api_error(r: &Response, status: u16, param: Option<&str>, needle: 
 /// when that Python cannot import `modules`, or under an emulator (the clients test the HTTP
 /// API, which the native run covers; the emulated run samples generation itself).
 pub fn client_script(dir: &Path, model: &Path, script: &str, modules: &str) -> Option<String> {
+    client_script_with(dir, model, script, modules, &[])
+}
+
+/// [`client_script`] with more arguments after the model's name.
+pub fn client_script_with(dir: &Path, model: &Path, script: &str, modules: &str, args: &[&str]) -> Option<String> {
     if super::common::emulated() {
         eprintln!("skipped under an emulator: {script} tests the HTTP API, which the native run covers");
         return None;
@@ -328,8 +375,11 @@ pub fn client_script(dir: &Path, model: &Path, script: &str, modules: &str) -> O
     let mut server = Server::start_with_env(dir, model, &["--model-id", "m"], &[("SLUICE_API_KEY", "test-key")]);
     server.wait_note("READY=1");
     let script = format!("{}/../scripts/{script}", env!("CARGO_MANIFEST_DIR"));
-    let o =
-        Command::new(&python).args([&script, &format!("http://{}/v1", server.addr), "test-key", "m"]).output().unwrap();
+    let o = Command::new(&python)
+        .args([&script, &format!("http://{}/v1", server.addr), "test-key", "m"])
+        .args(args)
+        .output()
+        .unwrap();
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
     assert!(o.status.success(), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
     let (status, _, _, log) = server.stop();

@@ -101,7 +101,7 @@ pub const DEFAULT_COMPLETION_TOKENS: u32 = 16;
 const MAX_STOPS: usize = 4;
 
 /// Parses a JSON body into `T`, naming the field at fault.
-fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     let value: serde_json::Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
     if !value.is_object() {

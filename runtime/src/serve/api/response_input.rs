@@ -16,6 +16,30 @@ pub(super) enum InputField {
     Items(Vec<Value>),
 }
 
+/// `input` as the items `input_items` lists: text is a user message; each item gets an id when
+/// it has none.
+pub(super) fn input_items(input: &InputField) -> Vec<Value> {
+    let items = match input {
+        InputField::Text(t) => {
+            vec![json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": t}]})]
+        }
+        InputField::Items(items) => items.clone(),
+    };
+    items
+        .into_iter()
+        .enumerate()
+        .map(|(i, mut item)| {
+            if let Value::Object(o) = &mut item {
+                o.entry("id").or_insert_with(|| json!(format!("in_{i}")));
+                if o.contains_key("role") {
+                    o.entry("type").or_insert_with(|| json!("message"));
+                }
+            }
+            item
+        })
+        .collect()
+}
+
 /// `input` as chat messages: text is a user message; items are messages, function calls (joined
 /// to the assistant message before them), their outputs (tool messages) and reasoning (the next
 /// assistant message's `reasoning_content`).

@@ -8,7 +8,7 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use super::response_input::{input_messages, InputField};
+use super::response_input::{input_items, input_messages, InputField};
 use super::{chat_from, parse, RequestBody};
 use crate::serve::error::ApiError;
 use crate::serve::job::GenerationRequest;
@@ -74,6 +74,8 @@ pub struct ResponseSetup {
     /// The conversation so far as chat messages (the previous response's, then this input),
     /// without the instructions, which a later response does not inherit.
     pub history: Vec<Value>,
+    /// This request's input as items (`GET /v1/responses/{id}/input_items`).
+    pub input_items: Vec<Value>,
 }
 
 /// Parses and checks a `/v1/responses` body for the model `served`; `previous` finds the
@@ -120,6 +122,7 @@ pub fn responses_request(
         })?,
     };
     let input = r.input.take().ok_or_else(|| ApiError::invalid("missing field `input`", Some("input")))?;
+    let input_items = input_items(&input);
     history.extend(input_messages(input)?);
     let mut messages: Vec<Value> = r.instructions.iter().map(|i| json!({"role": "system", "content": i})).collect();
     messages.extend(history.iter().cloned());
@@ -143,7 +146,7 @@ pub fn responses_request(
         ..RequestBody::default()
     };
     let request = chat_from(chat, served)?;
-    Ok((request, ResponseSetup { echo, store: r.store.unwrap_or(true), history }))
+    Ok((request, ResponseSetup { echo, store: r.store.unwrap_or(true), history, input_items }))
 }
 
 /// Says at debug which fields were accepted without effect.

@@ -150,7 +150,7 @@ impl EventSource for EventStream {
                     self.ended = true;
                     event(&e.body())
                 }
-                Event::Started => continue,
+                Event::Started { .. } => continue,
             };
             return Poll::Ready(Some(out));
         }
@@ -165,6 +165,15 @@ pub fn poll_event(gone: &mut Gone, events: &mut EventReceiver, cx: &mut Context<
         return Poll::Ready(None);
     }
     events.poll_recv(cx)
+}
+
+/// Server-sent events, each named for its `type`.
+pub fn typed_events(events: &[serde_json::Value]) -> Bytes {
+    let mut out = String::new();
+    for e in events {
+        out.push_str(&format!("event: {}\ndata: {e}\n\n", e["type"].as_str().unwrap_or("message")));
+    }
+    Bytes::from(out)
 }
 
 /// One server-sent event.

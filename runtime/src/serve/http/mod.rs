@@ -21,11 +21,16 @@
 
 mod body;
 pub mod conn;
+mod exchange;
 mod reply;
 mod response_items;
 mod responses;
 mod routes;
 mod transport;
+
+pub(crate) use body::{poll_event, typed_events, Body, CancelOnDrop, EventSource, Gone};
+pub(crate) use exchange::{enqueue, next_event, queue, read_body, ready_body, started, streamed, Queued};
+pub(crate) use routes::{error_with, json_response};
 
 use std::io;
 use std::sync::Arc;

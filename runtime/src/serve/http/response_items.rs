@@ -239,7 +239,7 @@ mod tests {
     use crate::serve::deltas::ToolCallDelta;
 
     fn builder() -> ResponseBuilder {
-        let setup = ResponseSetup { echo: Map::new(), store: true, history: Vec::new() };
+        let setup = ResponseSetup { echo: Map::new(), store: true, history: Vec::new(), input_items: Vec::new() };
         ResponseBuilder::new("resp_7".into(), 1, "m".into(), setup)
     }
 

@@ -10,19 +10,21 @@ use bytes::Bytes;
 use ggml_sys::ParsedMessage;
 use hyper::body::Incoming;
 use hyper::{Request, Response};
-use serde_json::Value;
+use serde_json::{json, Value};
 use tokio::net::TcpStream;
 
-use super::body::{poll_event, Body, CancelOnDrop, EventSource, Gone};
+use super::body::{poll_event, typed_events, Body, CancelOnDrop, EventSource, Gone};
 use super::conn::ConnState;
+use super::exchange::{enqueue, event_stream, next_event, started, Queued};
 use super::reply::message_json;
 use super::response_items::ResponseBuilder;
-use super::routes::{enqueue, error, event_stream, json_response, next_event, started, Queued};
+use super::routes::{error, json_response};
 use super::Front;
 use crate::serve::api;
 use crate::serve::error::ApiError;
 use crate::serve::job::{Event, EventReceiver, Piece};
 use crate::serve::shared::Shared;
+use crate::serve::stored::Kept;
 
 /// Answers a `/v1/responses` request.
 pub(super) async fn answer(
@@ -42,8 +44,8 @@ pub(super) async fn answer(
         Err(e) => return error(&e),
     };
     let gone = match started(&mut events, tcp).await {
-        Ok(s) => s,
-        Err(r) => return r,
+        Ok((gone, _)) => gone,
+        Err(e) => return error(&e),
     };
     let id = shared.new_id("resp_");
     let builder = ResponseBuilder::new(id, created, shared.model_id.clone(), setup);
@@ -64,19 +66,19 @@ async fn whole(
     loop {
         let e = match next_event(&mut events, &mut gone).await {
             Ok(e) => e,
-            Err(r) => return r,
+            Err(e) => return error(&e),
         };
         match e {
             Some(Event::Output { piece: Piece::Delta(d), .. }) => {
                 answer.builder.push(&d);
             }
-            Some(Event::Done { finish, usage, message }) => {
+            Some(Event::Done { finish, usage, message, .. }) => {
                 let (_, r) = answer.builder.finish(finish, &usage);
-                answer.keep(message);
+                answer.keep(message, &r);
                 return json_response(200, r.to_string());
             }
             Some(Event::Failed(e)) => return error(&e),
-            Some(Event::Output { .. } | Event::Started) => {}
+            Some(Event::Output { .. } | Event::Started { .. }) => {}
             None => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
         }
     }
@@ -89,9 +91,10 @@ struct Answering {
 }
 
 impl Answering {
-    /// Keeps the conversation (this request's and the answer) for `previous_response_id`; a
-    /// call cut off by `max_output_tokens` (its arguments not JSON yet) is not part of it.
-    fn keep(&self, message: Option<ParsedMessage>) {
+    /// Keeps the conversation (this request's and the answer) for `previous_response_id`, and
+    /// the `response` object and input items; a call cut off by `max_output_tokens` (its
+    /// arguments not JSON yet) is not part of the conversation.
+    fn keep(&self, message: Option<ParsedMessage>, response: &Value) {
         let setup = self.builder.setup();
         if !setup.store {
             return;
@@ -101,7 +104,8 @@ impl Answering {
         let mut messages = setup.history.clone();
         messages.push(message_json(&message));
         let id = self.builder.id().to_string();
-        if !self.shared.responses.lock().unwrap_or_else(|e| e.into_inner()).put(id.clone(), messages) {
+        let kept = Kept { messages, response: response.clone(), input_items: setup.input_items.clone() };
+        if !self.shared.responses.lock().unwrap_or_else(|e| e.into_inner()).put(id.clone(), kept) {
             log::warn!("response {id} is not kept: its conversation is over the bound of kept responses");
         }
     }
@@ -125,7 +129,7 @@ impl EventSource for ResponseStream {
         }
         if !self.opened {
             self.opened = true;
-            return Poll::Ready(Some(frames(&self.answer.builder.opening())));
+            return Poll::Ready(Some(typed_events(&self.answer.builder.opening())));
         }
         loop {
             let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
@@ -134,31 +138,65 @@ impl EventSource for ResponseStream {
             };
             let events = match e {
                 Event::Output { piece: Piece::Delta(d), .. } => self.answer.builder.push(&d),
-                Event::Done { finish, usage, message } => {
+                Event::Done { finish, usage, message, .. } => {
                     self.ended = true;
-                    let (events, _) = self.answer.builder.finish(finish, &usage);
-                    self.answer.keep(message);
+                    let (events, response) = self.answer.builder.finish(finish, &usage);
+                    self.answer.keep(message, &response);
                     events
                 }
                 Event::Failed(e) => {
                     self.ended = true;
                     vec![self.answer.builder.failed(&e.message, e.code)]
                 }
-                Event::Output { .. } | Event::Started => continue,
+                Event::Output { .. } | Event::Started { .. } => continue,
             };
             if events.is_empty() {
                 continue;
             }
-            return Poll::Ready(Some(frames(&events)));
+            return Poll::Ready(Some(typed_events(&events)));
         }
     }
 }
 
-/// Server-sent events, each named for its type.
-fn frames(events: &[Value]) -> Bytes {
-    let mut out = String::new();
-    for e in events {
-        out.push_str(&format!("event: {}\ndata: {e}\n\n", e["type"].as_str().unwrap_or("message")));
+/// `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`
+/// of a kept response.
+pub(super) fn kept(method: &hyper::Method, path: &str, shared: &Shared) -> Response<Body> {
+    let rest = &path["/v1/responses/".len()..];
+    let (id, items) = match rest.strip_suffix("/input_items") {
+        Some(id) => (id, true),
+        None => (rest, false),
+    };
+    let mut stored = shared.responses.lock().unwrap_or_else(|e| e.into_inner());
+    let not_found = || {
+        error(
+            &ApiError::new(
+                404,
+                "invalid_request_error",
+                format!("No response with id '{id}' is kept here (sluice keeps a bounded number of recent responses in memory while it runs; store: false responses are not kept)"),
+            )
+            .with_param("response_id"),
+        )
+    };
+    match (method, items) {
+        (&hyper::Method::GET, false) => match stored.kept(id) {
+            Some(k) => json_response(200, k.response.to_string()),
+            None => not_found(),
+        },
+        (&hyper::Method::GET, true) => match stored.kept(id) {
+            Some(k) => {
+                let data = &k.input_items;
+                let first = data.first().map(|i| i["id"].clone()).unwrap_or(Value::Null);
+                let last = data.last().map(|i| i["id"].clone()).unwrap_or(Value::Null);
+                let list =
+                    json!({"object": "list", "data": data, "first_id": first, "last_id": last, "has_more": false});
+                json_response(200, list.to_string())
+            }
+            None => not_found(),
+        },
+        (&hyper::Method::DELETE, false) if stored.delete(id) => {
+            json_response(200, json!({"id": id, "object": "response", "deleted": true}).to_string())
+        }
+        (&hyper::Method::DELETE, false) => not_found(),
+        (m, _) => error(&ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}"))),
     }
-    Bytes::from(out)
 }

@@ -1,37 +1,96 @@
 //! Request handling: routing, access control, CORS, request bodies, and responses (JSON, or
 //! server-sent events).
 
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
-use http_body_util::BodyExt as _;
 use hyper::body::Incoming;
 use hyper::header::{self, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 use serde_json::json;
 use tokio::net::TcpStream;
 
-use super::body::{Body, CancelOnDrop, EventSource, EventStream, Gone};
+use super::body::{Body, EventStream};
 use super::conn::ConnState;
+use super::exchange::{enqueue, event_stream, next_event, started, Queued};
 use super::reply::{Gathered, Kind, Reply};
-use super::transport::peer_gone;
 use super::Front;
-use crate::serve::api;
 use crate::serve::error::ApiError;
-use crate::serve::job::{event_channel, Event, EventReceiver, GenerationRequest, Piece};
+use crate::serve::job::{Event, Piece};
 use crate::serve::shared::Shared;
 use crate::serve::state::State;
+use crate::serve::{anthropic, api, llama_server, ollama};
 
-const ENDPOINTS: [&str; 8] =
-    ["/", "/status", "/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/responses"];
+/// The endpoints counted by name in the metrics (others count as `other`).
+const ENDPOINTS: [&str; 30] = [
+    "/",
+    "/status",
+    "/health",
+    "/metrics",
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/api/chat",
+    "/api/generate",
+    "/api/tags",
+    "/api/show",
+    "/api/ps",
+    "/api/version",
+    "/api/pull",
+    "/api/push",
+    "/api/create",
+    "/api/copy",
+    "/api/delete",
+    "/api/embed",
+    "/api/embeddings",
+    "/api/blobs",
+    "/tokenize",
+    "/detokenize",
+    "/apply-template",
+    "/props",
+    "/slots",
+    "/status.html",
+];
 
-/// The status page: one self-contained HTML file that draws `GET /status`.
+/// Which API a path belongs to: its errors are answered in that API's shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Api {
+    OpenAi,
+    Anthropic,
+    Ollama,
+}
+
+impl Api {
+    fn of(path: &str) -> Api {
+        if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+            Api::Anthropic
+        } else if path.starts_with("/api/") {
+            Api::Ollama
+        } else {
+            Api::OpenAi
+        }
+    }
+
+    fn error(self, e: &ApiError) -> Response<Body> {
+        match self {
+            Api::OpenAi => error(e),
+            Api::Anthropic => error_with(e, anthropic::error_body(e)),
+            Api::Ollama => error_with(e, ollama::error_body(e)),
+        }
+    }
+}
+
+/// The chat page at `/`: one self-contained HTML file that talks to `/v1/chat/completions`.
+const CHAT_PAGE: &str = include_str!("../chat.html");
+/// The status page at `/status.html`: one self-contained HTML file that draws `GET /status`.
 const STATUS_PAGE: &str = include_str!("../status.html");
-/// What the status page may load and do: its own inline script and style, and requests to this
-/// server; nothing from elsewhere, and no framing.
-const STATUS_PAGE_POLICY: &str = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'";
+/// What the pages may load and do: their own inline script and style, and requests to this
+/// server; nothing from elsewhere (a board may be offline), and no framing.
+const PAGE_POLICY: &str = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; frame-ancestors 'none'; base-uri 'none'; form-action 'none'";
 
 /// Answers one request; counts it in the metrics.
 pub async fn handle(
@@ -47,17 +106,28 @@ pub async fn handle(
         path.as_str()
     } else if path.starts_with("/v1/models/") {
         "/v1/models/{id}"
+    } else if path.starts_with("/v1/responses/") {
+        "/v1/responses/{id}"
+    } else if path.starts_with("/slots/") {
+        "/slots/{id}"
     } else {
         "other"
     };
+    let api = Api::of(&path);
     let origin = req.headers().get(header::ORIGIN).cloned();
     let access = &shared.access;
     let mut response = if req.method() == Method::OPTIONS && access.cors_allows(origin.as_ref()).is_some() {
         preflight(&req)
-    } else if let Err(e) = access.authorize(&path, req.headers().get(header::AUTHORIZATION)) {
-        error(&e)
+    } else if let Err(e) =
+        access.authorize(&path, req.headers().get(header::AUTHORIZATION), req.headers().get("x-api-key"))
+    {
+        api.error(&e)
     } else {
-        route(req, &path, endpoint, front, tcp, conn).await
+        match api {
+            Api::OpenAi => route(req, &path, endpoint, front, tcp, conn).await,
+            Api::Anthropic => anthropic::route(req, &path, front, tcp, conn).await,
+            Api::Ollama => ollama::route(req, &path, front, tcp, conn).await,
+        }
     };
     if let Some(allowed) = access.cors_allows(origin.as_ref()) {
         let h = response.headers_mut();
@@ -79,15 +149,8 @@ async fn route(
 ) -> Response<Body> {
     let shared = front.shared();
     match (req.method(), path) {
-        (&Method::GET, "/") => {
-            let mut r = Response::new(Body::full(STATUS_PAGE));
-            let h = r.headers_mut();
-            h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
-            h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(STATUS_PAGE_POLICY));
-            h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-            h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-            r
-        }
+        (&Method::GET, "/") => page(CHAT_PAGE),
+        (&Method::GET, "/status.html") => page(STATUS_PAGE),
         (&Method::GET, "/status") => {
             let state = shared.state();
             let reason = (state == State::Degraded).then(|| shared.degraded_reason());
@@ -125,6 +188,8 @@ async fn route(
         (&Method::POST, "/v1/completions") => generate(req, front, tcp, conn, Kind::Completion).await,
         (&Method::POST, "/v1/chat/completions") => generate(req, front, tcp, conn, Kind::Chat).await,
         (&Method::POST, "/v1/responses") => super::responses::answer(req, front, tcp, conn).await,
+        (_, p) if p.starts_with("/v1/responses/") => super::responses::kept(req.method(), p, shared),
+        (_, p) if llama_server::PATHS.contains(&p) => llama_server::route(req, p, front, conn).await,
         (m, _) if endpoint != "other" => {
             error(&ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}")))
         }
@@ -132,10 +197,21 @@ async fn route(
             404,
             "not_found_error",
             format!(
-                "no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /health, /metrics, /status, and the status page at /)"
+                "no such endpoint: {path} (see /v1/models, /v1/completions, /v1/chat/completions, /v1/responses, /v1/messages, Ollama's /api/..., /tokenize, /detokenize, /apply-template, /props, /slots, /health, /metrics, /status, the chat page at / and the status page at /status.html)"
             ),
         )),
     }
+}
+
+/// One of the self-contained pages.
+fn page(html: &'static str) -> Response<Body> {
+    let mut r = Response::new(Body::full(html));
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/html; charset=utf-8"));
+    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(PAGE_POLICY));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    r
 }
 
 /// `/health`: 200 while ready and the engine makes progress; 503 while loading, degraded,
@@ -176,18 +252,23 @@ fn model_json(shared: &crate::serve::shared::Shared) -> serde_json::Value {
     json!({ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "sluice" })
 }
 
-pub(super) fn json_response(status: u16, body: String) -> Response<Body> {
+pub(crate) fn json_response(status: u16, body: String) -> Response<Body> {
     let mut r = Response::new(Body::full(body));
     *r.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
     r
 }
 
-/// An error response. 503 says when to retry; 401 how to authenticate; a 4xx that may have
-/// left a request body unread closes the connection, so no unread byte is taken for the next
-/// request.
-pub(super) fn error(e: &ApiError) -> Response<Body> {
-    let mut r = json_response(e.status, e.body());
+/// An error response in OpenAI's shape (see [`error_with`]).
+pub(crate) fn error(e: &ApiError) -> Response<Body> {
+    error_with(e, e.body())
+}
+
+/// An error response with `body`, an API's rendering of `e`. 503 says when to retry; 401 how to
+/// authenticate; a 4xx that may have left a request body unread closes the connection, so no
+/// unread byte is taken for the next request.
+pub(crate) fn error_with(e: &ApiError, body: String) -> Response<Body> {
+    let mut r = json_response(e.status, body);
     let h = r.headers_mut();
     match e.status {
         503 => {
@@ -209,7 +290,7 @@ fn preflight(req: &Request<Incoming>) -> Response<Body> {
     let mut r = Response::new(Body::full(Bytes::new()));
     *r.status_mut() = StatusCode::NO_CONTENT;
     let h = r.headers_mut();
-    h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, OPTIONS"));
+    h.insert(header::ACCESS_CONTROL_ALLOW_METHODS, HeaderValue::from_static("GET, POST, DELETE, OPTIONS"));
     let asked = req.headers().get(header::ACCESS_CONTROL_REQUEST_HEADERS).cloned();
     h.insert(
         header::ACCESS_CONTROL_ALLOW_HEADERS,
@@ -217,150 +298,6 @@ fn preflight(req: &Request<Incoming>) -> Response<Body> {
     );
     h.insert(header::ACCESS_CONTROL_MAX_AGE, HeaderValue::from_static("600"));
     r
-}
-
-/// Reads a request body within the limits: `Content-Length` only, at most the body limit,
-/// within the idle timeout, and only while the budget for bodies being read has room.
-async fn read_body(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Result<Vec<u8>, ApiError> {
-    let limit = front.limits().body_bytes;
-    let too_large = || {
-        ApiError::new(
-            413,
-            "invalid_request_error",
-            format!("the request body is over {limit} bytes; send a shorter prompt"),
-        )
-    };
-    if req.headers().contains_key(header::TRANSFER_ENCODING) {
-        return Err(ApiError::invalid(
-            "Transfer-Encoding request bodies are not accepted (with Content-Length too, the request could be smuggled): send the body with Content-Length alone",
-            None,
-        ));
-    }
-    let Some(length) = req.headers().get(header::CONTENT_LENGTH) else {
-        return Err(ApiError::new(
-            411,
-            "invalid_request_error",
-            "the request has no Content-Length; send the JSON body with one",
-        ));
-    };
-    let length: usize = length
-        .to_str()
-        .ok()
-        .and_then(|l| l.parse().ok())
-        .ok_or_else(|| ApiError::invalid("Content-Length is not a number", None))?;
-    if length > limit {
-        return Err(too_large());
-    }
-    let Ok(permit) = Arc::clone(front.body_budget()).try_acquire_many_owned(length as u32) else {
-        return Err(ApiError::new(503, "server_error", "the server is busy reading other requests; retry shortly"));
-    };
-    let _reading = conn.reading_body();
-    let read = async {
-        let mut body = Vec::with_capacity(length);
-        let mut incoming = req.into_body();
-        while let Some(frame) = incoming.frame().await {
-            let frame = frame.map_err(|e| ApiError::invalid(format!("cannot read the request body: {e}"), None))?;
-            if let Ok(data) = frame.into_data() {
-                if body.len() + data.len() > limit {
-                    return Err(too_large());
-                }
-                body.extend_from_slice(&data);
-            }
-        }
-        Ok(body)
-    };
-    let timeout = front.limits().idle_timeout;
-    let body = tokio::time::timeout(timeout, read).await.map_err(|_| {
-        ApiError::new(
-            408,
-            "invalid_request_error",
-            format!("the request body did not arrive within {} s", timeout.as_secs()),
-        )
-    })?;
-    drop(permit);
-    body
-}
-
-/// A queued generation: its options, its events, and the flag that cancels it.
-pub(super) struct Queued {
-    pub(super) stream: bool,
-    pub(super) include_usage: bool,
-    pub(super) logprobs: bool,
-    pub(super) events: EventReceiver,
-    pub(super) cancel: CancelOnDrop,
-}
-
-/// Checks, parses (with `parse`, which returns what else the answer needs) and queues a
-/// generation request.
-pub(super) async fn enqueue<T>(
-    req: Request<Incoming>,
-    front: &Front,
-    conn: &Arc<ConnState>,
-    parse: impl FnOnce(&[u8], &Shared) -> Result<(GenerationRequest, T), ApiError>,
-) -> Result<(Queued, T), ApiError> {
-    let shared = front.shared();
-    match shared.state() {
-        State::Ready => {}
-        State::Loading => return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly")),
-        State::Draining => return Err(ApiError::new(503, "server_error", "the server is shutting down")),
-        State::Degraded => {
-            return Err(ApiError::new(503, "server_error", format!("{}; retry shortly", shared.degraded_reason())))
-        }
-    }
-    let body = read_body(req, front, conn).await?;
-    let (request, more) = parse(&body, shared)?;
-    drop(body);
-    shared.prompt_bound().check(&request)?;
-    let (stream, include_usage, logprobs) = (request.stream, request.include_usage, request.logprobs.is_some());
-    let (tx, events) = event_channel();
-    let cancel = Arc::new(AtomicBool::new(false));
-    shared.enqueue(request, tx, Arc::clone(&cancel)).map_err(|why| ApiError::new(503, "server_error", why))?;
-    Ok((Queued { stream, include_usage, logprobs, events, cancel: CancelOnDrop(cancel) }, more))
-}
-
-/// Waits for the engine to take a queued request: the future that tells when the client on `tcp`
-/// leaves, or the response to send instead (a client that leaves meanwhile drops it).
-pub(super) async fn started(events: &mut EventReceiver, tcp: &Arc<TcpStream>) -> Result<Gone, Response<Body>> {
-    let mut gone = gone(tcp);
-    tokio::select! {
-        e = events.recv() => match e {
-            Some(Event::Started) => Ok(gone),
-            Some(Event::Failed(e)) => Err(error(&e)),
-            Some(other) => Err(error(&ApiError::new(500, "server_error", format!("unexpected engine event {other:?}")))),
-            None => Err(error(&ApiError::new(503, "server_error", "the server is shutting down"))),
-        },
-        () = &mut gone => {
-            log::info!("client went away while its request was queued: dropping it");
-            Err(error(&ApiError::new(499, "invalid_request_error", "client closed the request")))
-        }
-    }
-}
-
-/// The next event of a generation whose whole response is awaited, or the response to send when
-/// the client went away meanwhile (dropping the generation's cancel flag then cancels it).
-pub(super) async fn next_event(events: &mut EventReceiver, gone: &mut Gone) -> Result<Option<Event>, Response<Body>> {
-    tokio::select! {
-        e = events.recv() => Ok(e),
-        () = gone => {
-            log::info!("client went away mid-generation: cancelling it");
-            Err(error(&ApiError::new(499, "invalid_request_error", "client closed the request")))
-        }
-    }
-}
-
-/// A streamed answer: `source`'s server-sent events.
-pub(super) fn event_stream(source: impl EventSource + 'static) -> Response<Body> {
-    let mut r = Response::new(Body::events(source));
-    let h = r.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    r
-}
-
-/// A future that completes when the client on `tcp` has gone away.
-fn gone(tcp: &Arc<TcpStream>) -> Gone {
-    let tcp = Arc::clone(tcp);
-    Box::pin(async move { peer_gone(&tcp).await })
 }
 
 /// A generation request, answered.
@@ -386,8 +323,8 @@ async fn generate(
             Err(e) => return error(&e),
         };
     let mut gone = match started(&mut events, tcp).await {
-        Ok(s) => s,
-        Err(r) => return r,
+        Ok((gone, _)) => gone,
+        Err(e) => return error(&e),
     };
     let reply = Reply {
         kind,
@@ -405,7 +342,7 @@ async fn generate(
     loop {
         let e = match next_event(&mut events, &mut gone).await {
             Ok(e) => e,
-            Err(r) => return r,
+            Err(e) => return error(&e),
         };
         match e {
             Some(Event::Output { piece, logprobs }) => {
@@ -414,12 +351,12 @@ async fn generate(
                 }
                 out.logprobs.extend(logprobs);
             }
-            Some(Event::Done { finish, usage, message }) => {
+            Some(Event::Done { finish, usage, message, .. }) => {
                 out.message = message;
                 return json_response(200, reply.full(&out, finish, &usage).to_string());
             }
             Some(Event::Failed(e)) => return error(&e),
-            Some(Event::Started) => {}
+            Some(Event::Started { .. }) => {}
             None => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
         }
     }

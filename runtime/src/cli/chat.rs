@@ -1,0 +1,228 @@
+//! `sluice chat`: a conversation in the terminal with a local model (served for the chat, with
+//! `serve`'s flags) or a running server (`--url`): line editing and history, streamed answers
+//! (the thinking dimmed), Ctrl-C to stop an answer (not the program), `/reset`, `/save FILE`, and
+//! a status line with the answer's speed.
+
+use std::io::{IsTerminal as _, Write as _};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::RecvTimeoutError;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use rustyline::error::ReadlineError;
+use serde_json::{json, Value};
+
+use super::chat_link::{request, Link, Piece};
+use sluice::serve::config::ServeSettings;
+use sluice::text::DisplayText;
+
+/// `sluice chat` arguments.
+#[derive(clap::Args)]
+pub struct ChatArgs {
+    /// A running server to talk to (such as http://127.0.0.1:8080); without it, `--model` is
+    /// served for the chat, with the other flags as `sluice serve` takes them.
+    #[arg(long, conflicts_with = "model")]
+    url: Option<String>,
+    /// The running server's API key.
+    #[arg(long, env = "SLUICE_API_KEY", hide_env_values = true, requires = "url")]
+    api_key: Option<String>,
+    /// A system prompt for the conversation.
+    #[arg(long)]
+    system: Option<String>,
+    /// Sampling temperature (0: greedy).
+    #[arg(long, default_value_t = 0.7)]
+    temperature: f32,
+    /// The most tokens an answer takes.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    max_tokens: u32,
+    #[command(flatten)]
+    settings: ServeSettings,
+}
+
+const HELP: &str = "commands: /reset (a new conversation), /save FILE (the conversation as JSON), /quit (or Ctrl-D); Ctrl-C stops an answer";
+
+/// Runs `sluice chat`.
+pub fn run_chat(a: &ChatArgs) -> Result<()> {
+    // Ctrl-C stops what runs (a load, an answer); at the prompt the line editor reads it as a key.
+    let interrupted = Arc::new(AtomicBool::new(false));
+    signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted))?;
+    let link = match &a.url {
+        Some(url) => Link::remote(url, a.api_key.clone()),
+        None => {
+            if a.settings.model.is_none() {
+                anyhow::bail!("give --model (a GGUF file to serve for the chat) or --url (a running server)");
+            }
+            noteln!("loading the model...");
+            Link::start(&a.settings, &interrupted)?
+        }
+    };
+    let status = link.get("/status").context("the server does not answer /status")?;
+    noteln!("chatting with {} ({HELP})", status["model"].as_str().unwrap_or("the model"));
+    let mut editor = rustyline::DefaultEditor::new().context("cannot set up line editing")?;
+    let history = history_file();
+    if let Some(h) = &history {
+        let _ = editor.load_history(h);
+    }
+    let mut conversation = Conversation::new(a.system.as_deref());
+    loop {
+        let line = match editor.readline("> ") {
+            Ok(line) => line,
+            Err(ReadlineError::Interrupted) => {
+                noteln!("(Ctrl-D or /quit leaves)");
+                continue;
+            }
+            Err(ReadlineError::Eof) => break,
+            Err(e) => return Err(e).context("cannot read the terminal"),
+        };
+        let text = line.trim();
+        if text.is_empty() {
+            continue;
+        }
+        let _ = editor.add_history_entry(text);
+        match command(text, &mut conversation) {
+            Some(Flow::Quit) => break,
+            Some(Flow::Handled) => continue,
+            None => {}
+        }
+        conversation.messages.push(json!({"role": "user", "content": text}));
+        interrupted.store(false, Ordering::Relaxed);
+        let answer = answer(&link, &conversation.body(a.temperature, a.max_tokens), &interrupted);
+        conversation.messages.push(json!({"role": "assistant", "content": answer}));
+    }
+    if let Some(h) = &history {
+        if let Some(dir) = h.parent() {
+            let _ = std::fs::create_dir_all(dir);
+        }
+        let _ = editor.save_history(h);
+    }
+    Ok(())
+}
+
+/// The conversation so far.
+struct Conversation {
+    system: Option<String>,
+    messages: Vec<Value>,
+}
+
+impl Conversation {
+    fn new(system: Option<&str>) -> Conversation {
+        Conversation { system: system.map(str::to_string), messages: Vec::new() }
+    }
+
+    fn body(&self, temperature: f32, max_tokens: u32) -> Value {
+        let mut all: Vec<Value> = self.system.iter().map(|s| json!({"role": "system", "content": s})).collect();
+        all.extend(self.messages.iter().cloned());
+        request(&all, temperature, max_tokens)
+    }
+}
+
+/// What a command line did.
+enum Flow {
+    Quit,
+    Handled,
+}
+
+/// Runs `text` if it is a command.
+fn command(text: &str, conversation: &mut Conversation) -> Option<Flow> {
+    let (name, rest) = text.split_once(' ').map_or((text, ""), |(n, r)| (n, r.trim()));
+    match name {
+        "/quit" | "/exit" => Some(Flow::Quit),
+        "/reset" => {
+            conversation.messages.clear();
+            noteln!("(a new conversation)");
+            Some(Flow::Handled)
+        }
+        "/save" if rest.is_empty() => {
+            noteln!("/save needs a file name");
+            Some(Flow::Handled)
+        }
+        "/save" => {
+            let all = conversation.body(0.0, 1)["messages"].clone();
+            match std::fs::write(rest, serde_json::to_string_pretty(&all).unwrap_or_default()) {
+                Ok(()) => noteln!("(saved {} messages to {rest})", all.as_array().map_or(0, Vec::len)),
+                Err(e) => noteln!("cannot write {rest}: {e}"),
+            }
+            Some(Flow::Handled)
+        }
+        "/help" => {
+            noteln!("{HELP}");
+            Some(Flow::Handled)
+        }
+        n if n.starts_with('/') => {
+            noteln!("unknown command {n}; {HELP}");
+            Some(Flow::Handled)
+        }
+        _ => None,
+    }
+}
+
+/// Streams one answer to the terminal until it ends or `stop` is set (Ctrl-C). Returns its text
+/// (what came, when stopped).
+fn answer(link: &Link, body: &Value, stop: &Arc<AtomicBool>) -> String {
+    let pieces = link.stream(body, Arc::clone(stop));
+    let dim = std::io::stdout().is_terminal();
+    // Control characters a model writes are shown as escapes, not sent to the terminal.
+    let mut shown = DisplayText::default();
+    let (mut text, mut thinking) = (String::new(), false);
+    let t0 = Instant::now();
+    let mut first: Option<Instant> = None;
+    let end = loop {
+        if stop.load(Ordering::Relaxed) {
+            break "stopped".to_string();
+        }
+        let piece = match pieces.recv_timeout(Duration::from_millis(50)) {
+            Ok(p) => p,
+            Err(RecvTimeoutError::Timeout) => continue,
+            Err(RecvTimeoutError::Disconnected) if stop.load(Ordering::Relaxed) => break "stopped".to_string(),
+            Err(RecvTimeoutError::Disconnected) => break "the answer ended".to_string(),
+        };
+        match piece {
+            Piece::Reasoning(t) => {
+                first.get_or_insert_with(Instant::now);
+                if !thinking && dim {
+                    out!("\x1b[2m");
+                }
+                thinking = true;
+                out!("{}", shown.push(t.as_bytes()));
+            }
+            Piece::Content(t) => {
+                first.get_or_insert_with(Instant::now);
+                if thinking {
+                    out!("{}\n", if dim { "\x1b[0m" } else { "" });
+                    thinking = false;
+                }
+                out!("{}", shown.push(t.as_bytes()));
+                text.push_str(&t);
+            }
+            Piece::Done { finish, tokens } => {
+                let secs = first.map_or(0.0, |f| f.elapsed().as_secs_f64());
+                let speed = if secs > 0.0 { tokens as f64 / secs } else { 0.0 };
+                break format!(
+                    "{tokens} tokens, {speed:.1} tok/s, first after {:.1} s, {finish}",
+                    first.map_or(0.0, |f| (f - t0).as_secs_f64())
+                );
+            }
+            Piece::Failed(m) => break format!("error: {m}"),
+        }
+        let _ = std::io::stdout().flush();
+    };
+    if thinking && dim {
+        out!("\x1b[0m");
+    }
+    let hits = link.get("/status").ok().and_then(|s| s["expert_cache"]["hit_rate"].as_f64());
+    let hits = hits.map_or(String::new(), |h| format!(", {:.1}% expert hits", h * 100.0));
+    out!("\n");
+    noteln!("[{end}{hits}]");
+    text
+}
+
+/// Where the line history is kept: `$XDG_STATE_HOME/sluice/chat_history`, else
+/// `~/.local/state/sluice/chat_history`; none without a home.
+fn history_file() -> Option<PathBuf> {
+    let state = std::env::var_os("XDG_STATE_HOME")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))?;
+    Some(state.join("sluice").join("chat_history"))
+}

@@ -1,0 +1,169 @@
+//! Anthropic's Messages API: `POST /v1/messages` (whole or streamed) and
+//! `POST /v1/messages/count_tokens`, translated to and from the chat request and event stream
+//! every API shares; errors in Anthropic's shape.
+
+mod reply;
+mod request;
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response};
+use serde_json::json;
+use tokio::net::TcpStream;
+
+use super::error::ApiError;
+use super::http::conn::ConnState;
+use super::http::{
+    enqueue, error_with, json_response, next_event, poll_event, read_body, started, streamed, typed_events, Body,
+    CancelOnDrop, EventSource, Front, Gone, Queued,
+};
+use super::job::{Event, EventReceiver, Piece, PromptInput};
+use super::text_tools::{Answer, Question};
+use reply::MessageReply;
+
+/// Answers a request for a path under `/v1/messages`.
+pub async fn route(
+    req: Request<Incoming>,
+    path: &str,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
+    match (req.method(), path) {
+        (&Method::POST, "/v1/messages") => messages(req, front, tcp, conn).await,
+        (&Method::POST, "/v1/messages/count_tokens") => {
+            count_tokens(req, front, conn).await.unwrap_or_else(|e| error(&e))
+        }
+        (m, "/v1/messages" | "/v1/messages/count_tokens") => {
+            error(&ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}; use POST")))
+        }
+        _ => error(&ApiError::new(
+            404,
+            "not_found_error",
+            format!("no such endpoint: {path} (see /v1/messages and /v1/messages/count_tokens)"),
+        )),
+    }
+}
+
+/// Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`, its type named
+/// for the status as Anthropic names them.
+pub fn error_body(e: &ApiError) -> String {
+    let kind = match e.status {
+        400 | 405 | 411 | 499 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        408 => "timeout_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 => "overloaded_error",
+        _ => "api_error",
+    };
+    json!({"type": "error", "error": {"type": kind, "message": e.message}}).to_string()
+}
+
+fn error(e: &ApiError) -> Response<Body> {
+    error_with(e, error_body(e))
+}
+
+/// `POST /v1/messages`.
+async fn messages(
+    req: Request<Incoming>,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
+    let shared = front.shared();
+    let (Queued { stream, mut events, cancel, .. }, setup) =
+        match enqueue(req, front, conn, |body, _| request::parse(body, false)).await {
+            Ok(q) => q,
+            Err(e) => return error(&e),
+        };
+    let (mut gone, prompt_tokens) = match started(&mut events, tcp).await {
+        Ok(s) => s,
+        Err(e) => return error(&e),
+    };
+    let reply = MessageReply::new(shared.new_id("msg_"), shared.model_id.clone(), setup);
+    if stream {
+        let opening = reply.opening(prompt_tokens);
+        let source = MessageEvents { reply, events, gone, _cancel: cancel, opening: Some(opening), ended: false };
+        return streamed(source, "text/event-stream");
+    }
+    let _cancel = cancel;
+    loop {
+        match next_event(&mut events, &mut gone).await {
+            Ok(Some(Event::Done { finish, usage, message, stop_sequence })) => {
+                let message = message.unwrap_or_default();
+                return json_response(200, reply.whole(&message, finish, stop_sequence.as_deref(), &usage).to_string());
+            }
+            Ok(Some(Event::Failed(e))) | Err(e) => return error(&e),
+            Ok(Some(_)) => {}
+            Ok(None) => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
+        }
+    }
+}
+
+/// A message streamed as Anthropic's typed server-sent events; dropping it cancels the generation.
+struct MessageEvents {
+    reply: MessageReply,
+    events: EventReceiver,
+    gone: Gone,
+    _cancel: CancelOnDrop,
+    opening: Option<Vec<serde_json::Value>>,
+    ended: bool,
+}
+
+impl EventSource for MessageEvents {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
+        if let Some(opening) = self.opening.take() {
+            return Poll::Ready(Some(typed_events(&opening)));
+        }
+        while !self.ended {
+            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
+                self.ended = true;
+                break;
+            };
+            let out = match e {
+                Event::Output { piece: Piece::Delta(d), .. } => self.reply.push(&d),
+                Event::Done { finish, usage, stop_sequence, .. } => {
+                    self.ended = true;
+                    self.reply.finish(finish, stop_sequence.as_deref(), &usage)
+                }
+                Event::Failed(e) => {
+                    self.ended = true;
+                    vec![serde_json::from_str(&error_body(&e)).unwrap_or_default()]
+                }
+                Event::Output { .. } | Event::Started { .. } => continue,
+            };
+            if !out.is_empty() {
+                return Poll::Ready(Some(typed_events(&out)));
+            }
+        }
+        Poll::Ready(None)
+    }
+}
+
+/// `POST /v1/messages/count_tokens`: the prompt's tokens as the model's template renders it.
+async fn count_tokens(
+    req: Request<Incoming>,
+    front: &Front,
+    conn: &Arc<ConnState>,
+) -> Result<Response<Body>, ApiError> {
+    let shared = front.shared();
+    let Some((_, tools)) = shared.loaded() else {
+        return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly"));
+    };
+    let body = read_body(req, front, conn).await?;
+    let (request, _) = request::parse(&body, true)?;
+    shared.prompt_bound().check(&request)?;
+    let PromptInput::Chat(inputs) = request.prompt else {
+        return Err(ApiError::new(500, "server_error", "a Messages request made no chat"));
+    };
+    match tools.ask(Question::CountChat(inputs), shared.prompt_bound()).await? {
+        Answer::Count(n) => Ok(json_response(200, json!({"input_tokens": n}).to_string())),
+        other => Err(ApiError::new(500, "server_error", format!("unexpected answer {other:?}"))),
+    }
+}

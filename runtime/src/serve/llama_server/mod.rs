@@ -1,0 +1,163 @@
+//! llama-server's utility endpoints, in its request and response shapes: `POST /tokenize`,
+//! `POST /detokenize`, `POST /apply-template`, `GET /props` and `GET /slots`.
+
+use std::sync::Arc;
+
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::api;
+use super::error::ApiError;
+use super::http::conn::ConnState;
+use super::http::{error_with, json_response, read_body, Body, Front};
+use super::job::PromptInput;
+use super::text_tools::{Answer, Question};
+
+/// The paths answered here.
+pub const PATHS: [&str; 5] = ["/tokenize", "/detokenize", "/apply-template", "/props", "/slots"];
+
+/// `POST /tokenize`'s body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TokenizeBody {
+    content: String,
+    #[serde(default)]
+    add_special: bool,
+    #[serde(default = "yes")]
+    parse_special: bool,
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `POST /detokenize`'s body.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DetokenizeBody {
+    tokens: Vec<i64>,
+}
+
+/// Answers a request for one of [`PATHS`].
+pub async fn route(req: Request<Incoming>, path: &str, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
+    let answer = match (req.method(), path) {
+        (&Method::GET, "/props") => props(front),
+        (&Method::GET, "/slots") => slots(front),
+        (&Method::POST, "/tokenize" | "/detokenize" | "/apply-template") => match read_body(req, front, conn).await {
+            Ok(body) => text(path, &body, front).await,
+            Err(e) => Err(e),
+        },
+        (m, _) => Err(ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}"))),
+    };
+    match answer {
+        Ok(v) => json_response(200, v.to_string()),
+        Err(e) => error_with(&e, e.body()),
+    }
+}
+
+/// `/tokenize`, `/detokenize` and `/apply-template`, answered by the model's tokenizer and
+/// template.
+async fn text(path: &str, body: &[u8], front: &Front) -> Result<Value, ApiError> {
+    let shared = front.shared();
+    let Some((_, tools)) = shared.loaded() else {
+        return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly"));
+    };
+    let bound = shared.prompt_bound();
+    match path {
+        "/tokenize" => {
+            let b: TokenizeBody = api::parse(body)?;
+            if let Some(limit) = bound.bytes().filter(|limit| b.content.len() > *limit) {
+                return Err(ApiError::invalid(
+                    format!("content: {} bytes is over the maximum context length of {} tokens ({limit} bytes at most): a longer text could never be a prompt", b.content.len(), bound.n_ctx),
+                    Some("content"),
+                )
+                .with_code("context_length_exceeded"));
+            }
+            let q = Question::Tokenize { text: b.content, add_special: b.add_special, parse_special: b.parse_special };
+            let Answer::Tokens(tokens) = tools.ask(q, bound).await? else { return Err(unexpected()) };
+            let tokens: Vec<Value> = if b.with_pieces {
+                tokens
+                    .into_iter()
+                    .map(|(id, bytes)| match String::from_utf8(bytes) {
+                        Ok(piece) => json!({"id": id, "piece": piece}),
+                        // A piece that is part of a character: its bytes, as llama-server gives them.
+                        Err(e) => json!({"id": id, "piece": e.into_bytes()}),
+                    })
+                    .collect()
+            } else {
+                tokens.into_iter().map(|(id, _)| json!(id)).collect()
+            };
+            Ok(json!({"tokens": tokens}))
+        }
+        "/detokenize" => {
+            let b: DetokenizeBody = api::parse(body)?;
+            let tokens = b
+                .tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| {
+                    i32::try_from(*t).map_err(|_| {
+                        let param = format!("tokens[{i}]");
+                        ApiError::invalid(format!("{param}: {t} is not a token id"), Some(&param))
+                    })
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            let Answer::Text(content) = tools.ask(Question::Detokenize(tokens), bound).await? else {
+                return Err(unexpected());
+            };
+            Ok(json!({"content": content}))
+        }
+        _ => {
+            let request = api::chat_request(body, &shared.model_id)?;
+            bound.check(&request)?;
+            let PromptInput::Chat(inputs) = request.prompt else { return Err(unexpected()) };
+            let Answer::Text(prompt) = tools.ask(Question::Render(inputs), bound).await? else {
+                return Err(unexpected());
+            };
+            Ok(json!({"prompt": prompt}))
+        }
+    }
+}
+
+fn unexpected() -> ApiError {
+    ApiError::new(500, "server_error", "the tokenizer thread answered another question")
+}
+
+/// `GET /props`: the served model and the server's settings.
+fn props(front: &Front) -> Result<Value, ApiError> {
+    let shared = front.shared();
+    let Some((card, _)) = shared.loaded() else {
+        return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly"));
+    };
+    let slots = shared.metrics.slots().len();
+    Ok(json!({
+        "default_generation_settings": {"n_ctx": card.context, "params": {"temperature": 1.0, "top_p": 1.0, "top_k": 0}},
+        "total_slots": slots,
+        "model_alias": shared.model_id,
+        "model_path": card.path.display().to_string(),
+        "chat_template": card.template,
+        "modalities": {"vision": false, "audio": false},
+        "build_info": format!("sluice {}", env!("CARGO_PKG_VERSION")),
+    }))
+}
+
+/// `GET /slots`: each slot, whether it runs a request, and the tokens its memory holds.
+fn slots(front: &Front) -> Result<Value, ApiError> {
+    let shared = front.shared();
+    let n_ctx = shared.prompt_bound().n_ctx;
+    let slots: Vec<Value> = shared
+        .metrics
+        .slots()
+        .iter()
+        .enumerate()
+        .map(|(id, s)| {
+            json!({"id": id, "n_ctx": n_ctx, "is_processing": s.busy, "n_tokens": s.tokens,
+                "last_prompt_reused": s.reused, "last_prompt_computed": s.computed})
+        })
+        .collect();
+    Ok(Value::Array(slots))
+}

@@ -1,0 +1,152 @@
+//! What the served model is, for the APIs that describe it (Ollama's `/api/tags`, `/api/show`,
+//! `/api/ps`; llama-server's `/props`): read from the GGUF's metadata and the loaded model once,
+//! when it is loaded.
+
+use std::path::PathBuf;
+use std::time::SystemTime;
+
+use ggml_sys::{GgufFile, Model};
+use sha2::{Digest as _, Sha256};
+
+/// The served model's description.
+#[derive(Debug, Clone)]
+pub struct ModelCard {
+    /// The GGUF file.
+    pub path: PathBuf,
+    /// `general.architecture`.
+    pub architecture: String,
+    /// Weights, counted over the tensors.
+    pub parameters: u64,
+    /// The quantization's name (`general.file_type`, as llama.cpp names it).
+    pub quantization: String,
+    /// The chat template's source (`tokenizer.chat_template`; empty when the file has none).
+    pub template: String,
+    /// The context the model was trained for.
+    pub trained_context: u32,
+    /// The context this server runs.
+    pub context: u32,
+    /// Bytes of the file.
+    pub size: u64,
+    /// The file's modification time.
+    pub modified: SystemTime,
+    /// A sha256 of the file's path, size and modification time: a name for this file that
+    /// changes when it does (hashing the whole file would read gigabytes at every start).
+    pub digest: String,
+    /// Whether the template has a thinking block.
+    pub thinks: bool,
+}
+
+impl ModelCard {
+    /// The card of `model`, served with `context` positions.
+    pub fn of(model: &Model, context: u32, thinks: bool) -> ModelCard {
+        let path = model.path().to_path_buf();
+        let meta = std::fs::metadata(&path).ok();
+        let size = meta.as_ref().map_or(0, std::fs::Metadata::len);
+        let modified = meta.and_then(|m| m.modified().ok()).unwrap_or(SystemTime::UNIX_EPOCH);
+        let gguf = GgufFile::open(&path).ok();
+        let get = |key: &str| gguf.as_ref().and_then(|g| g.get_str(key)).unwrap_or_default();
+        let parameters = gguf
+            .as_ref()
+            .map_or(0, |g| g.tensors().iter().map(|t| t.ne.iter().map(|&n| n.max(1) as u64).product::<u64>()).sum());
+        let file_type = gguf.as_ref().and_then(|g| g.get_u64("general.file_type"));
+        let since = modified.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
+        let digest = Sha256::digest(format!("{}\n{size}\n{}", path.display(), since.as_nanos()));
+        ModelCard {
+            architecture: get("general.architecture"),
+            parameters,
+            quantization: file_type.map_or_else(|| "unknown".into(), quantization_name),
+            template: get("tokenizer.chat_template"),
+            trained_context: model.n_ctx_train(),
+            context,
+            size,
+            modified,
+            digest: digest.iter().map(|b| format!("{b:02x}")).collect(),
+            thinks,
+            path,
+        }
+    }
+
+    /// The weights as Ollama writes them (`30.5B`, `494.0M`).
+    pub fn parameter_size(&self) -> String {
+        let p = self.parameters as f64;
+        if p >= 1e9 {
+            format!("{:.1}B", p / 1e9)
+        } else {
+            format!("{:.1}M", p / 1e6)
+        }
+    }
+}
+
+/// llama.cpp's name of a `general.file_type` (`LLAMA_FTYPE_*`).
+fn quantization_name(file_type: u64) -> String {
+    const NAMES: [(u64, &str); 33] = [
+        (0, "F32"),
+        (1, "F16"),
+        (2, "Q4_0"),
+        (3, "Q4_1"),
+        (7, "Q8_0"),
+        (8, "Q5_0"),
+        (9, "Q5_1"),
+        (10, "Q2_K"),
+        (11, "Q3_K_S"),
+        (12, "Q3_K_M"),
+        (13, "Q3_K_L"),
+        (14, "Q4_K_S"),
+        (15, "Q4_K_M"),
+        (16, "Q5_K_S"),
+        (17, "Q5_K_M"),
+        (18, "Q6_K"),
+        (19, "IQ2_XXS"),
+        (20, "IQ2_XS"),
+        (21, "Q2_K_S"),
+        (22, "IQ3_XS"),
+        (23, "IQ3_XXS"),
+        (24, "IQ1_S"),
+        (25, "IQ4_NL"),
+        (26, "IQ3_S"),
+        (27, "IQ3_M"),
+        (28, "IQ2_S"),
+        (29, "IQ2_M"),
+        (30, "IQ4_XS"),
+        (31, "IQ1_M"),
+        (32, "BF16"),
+        (36, "TQ1_0"),
+        (37, "TQ2_0"),
+        (38, "MXFP4_MOE"),
+    ];
+    NAMES.iter().find(|(t, _)| *t == file_type).map_or_else(|| format!("file type {file_type}"), |(_, n)| n.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantizations_and_sizes_are_named_as_ollama_shows_them() {
+        assert_eq!(quantization_name(15), "Q4_K_M");
+        assert_eq!(quantization_name(99), "file type 99");
+        let mut card = ModelCard::of_nothing();
+        card.parameters = 30_532_122_624;
+        assert_eq!(card.parameter_size(), "30.5B");
+        card.parameters = 494_032_768;
+        assert_eq!(card.parameter_size(), "494.0M");
+    }
+
+    impl ModelCard {
+        fn of_nothing() -> ModelCard {
+            ModelCard {
+                path: PathBuf::new(),
+                architecture: String::new(),
+                parameters: 0,
+                quantization: String::new(),
+                template: String::new(),
+                trained_context: 0,
+                context: 0,
+                size: 0,
+                modified: SystemTime::UNIX_EPOCH,
+                digest: String::new(),
+                thinks: false,
+            }
+        }
+    }
+}

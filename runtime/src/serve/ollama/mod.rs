@@ -1,0 +1,221 @@
+//! Ollama's API: `/api/chat` and `/api/generate` (JSON lines, Ollama's default, or one object),
+//! `/api/tags`, `/api/show`, `/api/ps`, `/api/version` and `/api/pull` of the one served model,
+//! translated to and from the chat request and event stream every API shares; what a
+//! single-model server cannot do (push, create, copy, delete, embeddings) answered with a clear
+//! error in Ollama's shape, `{"error": "..."}`.
+
+mod models;
+mod reply;
+mod request;
+
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use bytes::Bytes;
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response};
+use serde_json::{json, Value};
+use tokio::net::TcpStream;
+
+use super::api;
+use super::error::ApiError;
+use super::http::conn::ConnState;
+use super::http::{
+    error_with, json_response, next_event, poll_event, queue, ready_body, started, streamed, Body, CancelOnDrop,
+    EventSource, Front, Gone, Queued,
+};
+use super::job::{Event, EventReceiver, GenerationRequest, Piece};
+use super::shared::Shared;
+use reply::{Endpoint, OllamaReply};
+
+/// Answers a request for a path under `/api/`.
+pub async fn route(
+    req: Request<Incoming>,
+    path: &str,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
+    let shared = front.shared();
+    let answer = match (req.method(), path) {
+        (&Method::POST, "/api/chat") => return generate(req, front, tcp, conn, Endpoint::Chat).await,
+        (&Method::POST, "/api/generate") => return generate(req, front, tcp, conn, Endpoint::Generate).await,
+        (&Method::GET | &Method::HEAD, "/api/tags") => models::tags(shared),
+        (&Method::GET | &Method::HEAD, "/api/ps") => models::ps(shared),
+        (&Method::GET | &Method::HEAD, "/api/version") => Ok(json!({"version": models::VERSION})),
+        (&Method::POST, "/api/show") => match read(req, front, conn).await {
+            Ok(body) => models::show(shared, &body),
+            Err(e) => Err(e),
+        },
+        (&Method::POST, "/api/pull") => match read(req, front, conn).await {
+            Ok(body) => return models::pull(shared, &body).unwrap_or_else(|e| error(&e)),
+            Err(e) => Err(e),
+        },
+        (_, p) if models::UNSUPPORTED.iter().any(|(u, _)| p == *u || p.starts_with(&format!("{u}/"))) => {
+            Err(models::unsupported(p))
+        }
+        (m, p) if models::ENDPOINTS.contains(&p) => {
+            Err(ApiError::new(405, "invalid_request_error", format!("{p} does not take {m}")))
+        }
+        _ => Err(ApiError::new(
+            404,
+            "not_found_error",
+            format!("no such endpoint: {path} (Ollama's API here: {})", models::ENDPOINTS.join(", ")),
+        )),
+    };
+    match answer {
+        Ok(v) => json_response(200, v.to_string()),
+        Err(e) => error(&e),
+    }
+}
+
+/// Ollama's error body: `{"error": "..."}`.
+pub fn error_body(e: &ApiError) -> String {
+    json!({"error": e.message}).to_string()
+}
+
+fn error(e: &ApiError) -> Response<Body> {
+    error_with(e, error_body(e))
+}
+
+/// A body of a model request, parsed.
+async fn read(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Result<models::ModelBody, ApiError> {
+    let body = ready_body(req, front, conn).await?;
+    api::parse(&body)
+}
+
+/// The name a client gave the served model, checked: the served id, `id:latest`, or the name
+/// `/api/tags` lists all reach it.
+fn check_model(shared: &Shared, name: Option<&str>) -> Result<String, ApiError> {
+    let Some(name) = name.filter(|n| !n.is_empty()) else {
+        return Err(ApiError::invalid("model is required", Some("model")));
+    };
+    let listed = models::listed_name(&shared.model_id);
+    if name == shared.model_id || name == listed || name.strip_suffix(":latest") == Some(shared.model_id.as_str()) {
+        Ok(name.to_string())
+    } else {
+        Err(ApiError::new(
+            404,
+            "not_found_error",
+            format!("model \"{name}\" not found, try pulling it first (this server serves \"{listed}\")"),
+        )
+        .with_param("model"))
+    }
+}
+
+/// `/api/chat` or `/api/generate`.
+async fn generate(
+    req: Request<Incoming>,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+    endpoint: Endpoint,
+) -> Response<Body> {
+    let begun = Instant::now();
+    let shared = front.shared();
+    let parsed = match ready_body(req, front, conn).await {
+        Ok(body) => parse(&body, shared, endpoint, begun),
+        Err(e) => Err(e),
+    };
+    let (request, mut reply) = match parsed {
+        Ok(Parsed::Generate(request, reply)) => (*request, reply),
+        Ok(Parsed::Loaded(answer)) => return json_response(200, answer.to_string()),
+        Err(e) => return error(&e),
+    };
+    let Queued { stream, mut events, cancel, .. } = match queue(shared, request) {
+        Ok(q) => q,
+        Err(e) => return error(&e),
+    };
+    let mut gone = match started(&mut events, tcp).await {
+        Ok((gone, _)) => gone,
+        Err(e) => return error(&e),
+    };
+    if stream {
+        return streamed(Lines { reply, events, gone, _cancel: cancel, ended: false }, "application/x-ndjson");
+    }
+    let _cancel = cancel;
+    let mut text = String::new();
+    loop {
+        match next_event(&mut events, &mut gone).await {
+            Ok(Some(Event::Output { piece, .. })) => {
+                if let Piece::Text(t) = &piece {
+                    text.push_str(t);
+                }
+                reply.piece(&piece);
+            }
+            Ok(Some(Event::Done { finish, usage, message, .. })) => {
+                return json_response(200, reply.whole(&text, message.as_ref(), finish, &usage).to_string())
+            }
+            Ok(Some(Event::Failed(e))) | Err(e) => return error(&e),
+            Ok(Some(Event::Started { .. })) => {}
+            Ok(None) => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
+        }
+    }
+}
+
+/// A chat or generate body: a generation, or a request that only loads or unloads the model.
+enum Parsed {
+    Generate(Box<GenerationRequest>, OllamaReply),
+    Loaded(Value),
+}
+
+fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Result<Parsed, ApiError> {
+    let context = shared.prompt_bound().n_ctx;
+    let unload = |keep_alive: &Option<Value>| keep_alive.as_ref().is_some_and(|k| k == 0 || k == "0" || k == "0s");
+    match endpoint {
+        Endpoint::Chat => {
+            let b: request::ChatBody = api::parse(body)?;
+            let reply = OllamaReply::new(endpoint, check_model(shared, b.model.as_deref())?, begun);
+            if b.loads_only() {
+                return Ok(Parsed::Loaded(reply.loaded(unload(&b.keep_alive))));
+            }
+            Ok(Parsed::Generate(Box::new(b.request(context)?), reply))
+        }
+        Endpoint::Generate => {
+            let b: request::GenerateBody = api::parse(body)?;
+            let reply = OllamaReply::new(endpoint, check_model(shared, b.model.as_deref())?, begun);
+            if b.loads_only() {
+                return Ok(Parsed::Loaded(reply.loaded(unload(&b.keep_alive))));
+            }
+            Ok(Parsed::Generate(Box::new(b.request(context)?), reply))
+        }
+    }
+}
+
+/// A generation streamed as JSON lines; dropping it cancels the generation.
+struct Lines {
+    reply: OllamaReply,
+    events: EventReceiver,
+    gone: Gone,
+    _cancel: CancelOnDrop,
+    ended: bool,
+}
+
+impl EventSource for Lines {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
+        while !self.ended {
+            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
+                self.ended = true;
+                break;
+            };
+            let lines: Vec<Value> = match e {
+                Event::Output { piece, .. } => self.reply.piece(&piece).into_iter().collect(),
+                Event::Done { finish, usage, message, .. } => {
+                    self.ended = true;
+                    let calls = message.as_ref().and_then(|m| self.reply.tool_calls(m));
+                    calls.into_iter().chain([self.reply.done(finish, &usage)]).collect()
+                }
+                Event::Failed(e) => {
+                    self.ended = true;
+                    vec![json!({"error": e.message})]
+                }
+                Event::Started { .. } => continue,
+            };
+            if !lines.is_empty() {
+                return Poll::Ready(Some(Bytes::from(lines.iter().map(|l| format!("{l}\n")).collect::<String>())));
+            }
+        }
+        Poll::Ready(None)
+    }
+}

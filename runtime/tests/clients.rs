@@ -1,0 +1,243 @@
+//! The APIs beside OpenAI's, end to end over `sluice serve`: Anthropic's Messages API with the
+//! official `anthropic` SDK (a forced tool on every template the agent tests use), Ollama's API
+//! with the official `ollama` client, LangChain's ChatOllama and Home Assistant's request
+//! sequence, llama-server's utility endpoints, and hostile input to every new route, answered in
+//! each API's own error shape. No logit bias or other push: the grammar alone holds the contract.
+
+use std::io::BufReader;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+mod common;
+mod serving;
+use common::emulated;
+use serving::*;
+
+#[test]
+fn the_official_anthropic_sdk_creates_streams_calls_tools_and_counts_tokens() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_qwen3(dir.path());
+    if let Some(out) = client_script(dir.path(), &model, "anthropic-check.py", "anthropic") {
+        assert!(out.contains("anthropic-check: 11 passed, 0 failed"), "{out}");
+    }
+}
+
+#[test]
+fn a_forced_anthropic_tool_is_always_made_on_every_template() {
+    if emulated() {
+        eprintln!("skipped under an emulator: the SDK tests the HTTP API, which the native run covers");
+        return;
+    }
+    for template in TEMPLATES {
+        let dir = tempfile::tempdir().unwrap();
+        let model = synth_with(dir.path(), template);
+        let args = ["tools-only"];
+        if let Some(out) = client_script_with(dir.path(), &model, "anthropic-check.py", "anthropic", &args) {
+            assert!(out.contains("anthropic-check: 3 passed, 0 failed"), "{template:?}: {out}");
+        }
+    }
+}
+
+#[test]
+fn the_official_ollama_client_langchain_and_home_assistant_work() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_qwen3(dir.path());
+    if let Some(out) = client_script(dir.path(), &model, "ollama-check.py", "ollama, langchain_ollama") {
+        assert!(out.contains("ollama-check: 22 passed, 0 failed"), "{out}");
+    }
+}
+
+#[test]
+fn utility_endpoints_tokenize_detokenize_render_and_describe() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_qwen3(dir.path());
+    let mut server = Server::start(dir.path(), &model, &["--model-id", "m"]);
+    server.wait_note("READY=1");
+    let post = |path: &str, body: Value| server.request("POST", path, Some(&body.to_string()));
+    let t = post("/tokenize", json!({"content": "Hello world", "with_pieces": true})).json();
+    let tokens = t["tokens"].as_array().unwrap();
+    let ids: Vec<Value> = tokens.iter().map(|t| t["id"].clone()).collect();
+    assert!(!ids.is_empty(), "{t}");
+    let pieces: String = tokens.iter().filter_map(|t| t["piece"].as_str()).collect();
+    assert_eq!(pieces, "Hello world");
+    let d = post("/detokenize", json!({"tokens": ids})).json();
+    assert_eq!(d["content"], "Hello world");
+    assert_api_error(
+        &post("/detokenize", json!({"tokens": [1 << 30]})),
+        400,
+        Some("tokens[0]"),
+        "not a token of this model",
+    );
+
+    // The template's rendering, tokenized, is the prompt a chat request counts.
+    let messages = json!([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]);
+    let prompt = post("/apply-template", json!({"messages": messages})).json()["prompt"].as_str().unwrap().to_string();
+    assert!(prompt.contains("Be brief.") && prompt.contains("Hi"), "{prompt}");
+    let counted =
+        post("/tokenize", json!({"content": prompt, "add_special": true})).json()["tokens"].as_array().unwrap().len();
+    let chat = post("/v1/chat/completions", json!({"messages": messages, "max_tokens": 1})).json();
+    assert_eq!(chat["usage"]["prompt_tokens"], counted);
+    let counted_anthropic = post(
+        "/v1/messages/count_tokens",
+        json!({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}),
+    )
+    .json();
+    assert_eq!(counted_anthropic["input_tokens"], counted);
+
+    // Thinking off on Qwen3's template: the prompt closes the empty block itself, and the
+    // answer does not begin with a forced end tag.
+    let off = post(
+        "/v1/chat/completions",
+        json!({"messages": messages, "max_tokens": 4, "temperature": 0, "reasoning_effort": "none"}),
+    );
+    let content = off.json()["choices"][0]["message"]["content"].as_str().unwrap_or_default().to_string();
+    assert!(!content.starts_with("</think>"), "{content:?}");
+
+    let props = server.request("GET", "/props", None).json();
+    assert_eq!(
+        (props["default_generation_settings"]["n_ctx"].as_u64(), props["total_slots"].as_u64()),
+        (Some(4096), Some(1))
+    );
+    assert!(props["chat_template"].as_str().unwrap().contains("<think>"), "{props}");
+    let slots = server.request("GET", "/slots", None).json();
+    assert_eq!(slots[0]["is_processing"], false, "{slots}");
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// Each new route's body: a valid one, for the limits that need a route to reach.
+const ROUTES: [(&str, &str); 8] = [
+    ("/v1/messages", r#"{"max_tokens":4,"messages":[{"role":"user","content":"Hi"}]}"#),
+    ("/v1/messages/count_tokens", r#"{"messages":[{"role":"user","content":"Hi"}]}"#),
+    (
+        "/api/chat",
+        r#"{"model":"m","messages":[{"role":"user","content":"Hi"}],"stream":false,"options":{"num_predict":4}}"#,
+    ),
+    ("/api/generate", r#"{"model":"m","prompt":"Hi","stream":false,"options":{"num_predict":4}}"#),
+    ("/api/show", r#"{"model":"m"}"#),
+    ("/tokenize", r#"{"content":"Hi"}"#),
+    ("/detokenize", r#"{"tokens":[1]}"#),
+    ("/apply-template", r#"{"messages":[{"role":"user","content":"Hi"}]}"#),
+];
+
+/// The message of an error in the shape of the API `path` belongs to.
+fn error_message(path: &str, r: &Response) -> String {
+    let v = r.json();
+    let m = if path.starts_with("/v1/messages") {
+        assert_eq!(v["type"], "error", "{}", r.body);
+        assert!(v["error"]["type"].is_string(), "{}", r.body);
+        &v["error"]["message"]
+    } else if path.starts_with("/api/") {
+        &v["error"]
+    } else {
+        &v["error"]["message"]
+    };
+    m.as_str().unwrap_or_else(|| panic!("{path}: no error message in {}", r.body)).to_string()
+}
+
+#[test]
+fn hostile_input_to_every_new_route_is_refused_in_its_apis_shape() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_qwen3(dir.path());
+    let mut server = Server::start(dir.path(), &model, &["--model-id", "m"]);
+    server.wait_note("READY=1");
+    let addr = server.addr;
+    let raw = |path: &str, headers: &str, body: &str| {
+        read_response(send_raw(
+            addr,
+            format!("POST {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{headers}\r\n{body}").as_bytes(),
+        ))
+    };
+    let huge = "Hi ".repeat(1 << 20);
+    for (path, good) in ROUTES {
+        let ok = server.request("POST", path, Some(good));
+        assert_eq!(ok.status, 200, "{path}: {}", ok.body);
+        let tokenized = server.metric("sluice_prompt_tokens_total");
+        let cases: [(Response, u16, &str); 7] = [
+            (raw(path, &format!("Content-Length: {}\r\n", 9 << 20), ""), 413, "over 8388608 bytes"),
+            (raw(path, "", ""), 411, "no Content-Length"),
+            (raw(path, "Transfer-Encoding: chunked\r\n", "2\r\n{}\r\n0\r\n\r\n"), 400, "Transfer-Encoding"),
+            (server.request("POST", path, Some("{not json")), 400, "not valid JSON"),
+            (server.request("POST", path, Some("[1]")), 400, "must be a JSON object"),
+            (server.request("POST", path, Some(&good.replacen('{', r#"{"bogus_field":1,"#, 1))), 400, "bogus_field"),
+            (server.request("POST", path, Some(&good.replace("Hi", &huge))), 400, "maximum context length"),
+        ];
+        for (i, (r, status, needle)) in cases.into_iter().enumerate() {
+            if i == 6 && (path == "/detokenize" || path == "/api/show") {
+                continue; // no text to make too long
+            }
+            assert_eq!(r.status, status, "{path} case {i}: {}", r.body);
+            let message = error_message(path, &r);
+            assert!(message.contains(needle), "{path} case {i}: {message:?} lacks {needle:?}");
+        }
+        assert_eq!(server.metric("sluice_prompt_tokens_total"), tokenized, "{path}: a refused request was tokenized");
+    }
+    // A client that leaves a stream cancels its generation, on both new streaming APIs.
+    for (path, body) in [
+        (
+            "/v1/messages",
+            r#"{"max_tokens":3000,"stream":true,"messages":[{"role":"user","content":"Hi"}],"thinking":{"type":"disabled"}}"#,
+        ),
+        (
+            "/api/chat",
+            r#"{"model":"m","messages":[{"role":"user","content":"Hi"}],"think":false,"options":{"num_predict":3000}}"#,
+        ),
+    ] {
+        let before = server.metric("sluice_generations_cancelled_total");
+        let mut r = BufReader::new(send(addr, "POST", path, Some(body)));
+        let (status, _) = read_head(&mut r);
+        assert_eq!(status, 200, "{path}");
+        for _ in 0..3 {
+            assert!(read_chunk(&mut r).is_some(), "{path}: the stream ended early");
+        }
+        drop(r);
+        let t0 = Instant::now();
+        while server.metric("sluice_generations_cancelled_total") <= before {
+            assert!(t0.elapsed() < PATIENCE, "{path}: a departed client's generation was not cancelled");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    assert!(server.child.try_wait().unwrap().is_none(), "the server exited; log:\n{}", server.log());
+}
+
+/// A template without a system role: it renders user and assistant turns only.
+const NO_SYSTEM_ROLE: &str = "{% for m in messages %}{% if m['role'] == 'user' %}<|im_start|>user\n{{ m['content'] }}<|im_end|>\n{% elif m['role'] == 'assistant' %}<|im_start|>assistant\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+#[test]
+fn every_system_message_reaches_a_template_without_a_system_role() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("nosys.gguf");
+    let o = common::sluice_command()
+        .args(["synth", "--out", model.to_str().unwrap(), "--chat-template", NO_SYSTEM_ROLE])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut server = Server::start(dir.path(), &model, &[]);
+    server.wait_note("READY=1");
+    for (first, second) in [("system", "system"), ("system", "developer")] {
+        let messages = json!([
+            {"role": first, "content": "Rule one."},
+            {"role": second, "content": "Rule two."},
+            {"role": "user", "content": "Hi"}
+        ]);
+        let r = server.request("POST", "/apply-template", Some(&json!({"messages": messages}).to_string()));
+        let prompt = r.json()["prompt"].as_str().unwrap_or_default().to_string();
+        assert!(
+            prompt.contains("Rule one.") && prompt.contains("Rule two.") && prompt.contains("Hi"),
+            "{first} + {second}: {prompt:?}"
+        );
+    }
+    // The Responses API's instructions and a developer item, counted in the prompt's tokens.
+    let alone = json!({"input": "Hi", "max_output_tokens": 1});
+    let both = json!({"input": [{"role": "developer", "content": "Rule two, which is longer than a word."}, {"role": "user", "content": "Hi"}],
+        "instructions": "Rule one, also a sentence.", "max_output_tokens": 1});
+    let tokens = |body: &Value| {
+        server.request("POST", "/v1/responses", Some(&body.to_string())).json()["usage"]["input_tokens"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(tokens(&both) > tokens(&alone) + 20, "{} vs {}", tokens(&both), tokens(&alone));
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}
