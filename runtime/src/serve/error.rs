@@ -44,6 +44,16 @@ impl ApiError {
         self
     }
 
+    /// The same error about another API's field: when its parameter is one of `names`' first
+    /// names (the chat request's), it and the message's leading `name:` become the second.
+    pub fn renamed(mut self, names: &[(&str, &str)]) -> ApiError {
+        if let Some((from, to)) = self.param.as_deref().and_then(|p| names.iter().find(|(from, _)| p == *from)) {
+            self.message = self.message.replacen(&format!("{from}:"), &format!("{to}:"), 1);
+            self.param = Some((*to).to_string());
+        }
+        self
+    }
+
     /// The JSON body.
     pub fn body(&self) -> String {
         serde_json::json!({

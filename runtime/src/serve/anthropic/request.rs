@@ -133,20 +133,14 @@ pub fn parse(body: &[u8], count_only: bool) -> Result<(GenerationRequest, Messag
 }
 
 /// An error about the translated request, naming the Messages API's fields.
-fn anthropic_names(mut e: ApiError) -> ApiError {
+fn anthropic_names(e: ApiError) -> ApiError {
     const NAMES: [(&str, &str); 4] = [
         ("stop", "stop_sequences"),
         ("thinking_budget_tokens", "thinking.budget_tokens"),
         ("response_format", "output_config.format"),
         ("reasoning_effort", "output_config.effort"),
     ];
-    if let Some(p) = &e.param {
-        if let Some((from, to)) = NAMES.iter().find(|(from, _)| p == from) {
-            e.message = e.message.replacen(&format!("{from}:"), &format!("{to}:"), 1);
-            e.param = Some((*to).to_string());
-        }
-    }
-    e
+    e.renamed(&NAMES)
 }
 
 /// Text given as a string or an array of text blocks (`cache_control` and citations ignored).

@@ -108,8 +108,6 @@ pub async fn handle(
         "/v1/models/{id}"
     } else if path.starts_with("/v1/responses/") {
         "/v1/responses/{id}"
-    } else if path.starts_with("/slots/") {
-        "/slots/{id}"
     } else {
         "other"
     };
@@ -149,7 +147,8 @@ async fn route(
 ) -> Response<Body> {
     let shared = front.shared();
     match (req.method(), path) {
-        (&Method::GET, "/") => page(CHAT_PAGE),
+        // HEAD: Ollama's clients ask whether a server runs.
+        (&Method::GET | &Method::HEAD, "/") => page(CHAT_PAGE),
         (&Method::GET, "/status.html") => page(STATUS_PAGE),
         (&Method::GET, "/status") => {
             let state = shared.state();

@@ -273,7 +273,7 @@ fn translate_options(
 }
 
 /// An error about the translated request, naming Ollama's fields.
-fn ollama_names(mut e: ApiError) -> ApiError {
+fn ollama_names(e: ApiError) -> ApiError {
     const NAMES: [(&str, &str); 11] = [
         ("max_tokens", "options.num_predict"),
         ("temperature", "options.temperature"),
@@ -287,13 +287,7 @@ fn ollama_names(mut e: ApiError) -> ApiError {
         ("frequency_penalty", "options.frequency_penalty"),
         ("response_format", "format"),
     ];
-    if let Some(p) = &e.param {
-        if let Some((from, to)) = NAMES.iter().find(|(from, _)| p == from) {
-            e.message = e.message.replacen(&format!("{from}:"), &format!("{to}:"), 1);
-            e.param = Some((*to).to_string());
-        }
-    }
-    e
+    e.renamed(&NAMES)
 }
 
 /// Ollama's messages as chat messages: tool calls get ids (Ollama's have none, or their own),
