@@ -241,3 +241,40 @@ fn every_system_message_reaches_a_template_without_a_system_role() {
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
 }
+
+#[test]
+fn slot_actions_save_erase_and_restore_a_slot() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_qwen3(dir.path());
+    let state = dir.path().join("state");
+    let args = ["--state-dir", state.to_str().unwrap(), "--reuse", "any"];
+    let mut server = Server::start(dir.path(), &model, &args);
+    server.wait_note("READY=1");
+    let held = |server: &Server| server.request("GET", "/slots", None).json()[0]["n_tokens"].as_u64().unwrap();
+    let chat = json!({"messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 4, "temperature": 0});
+    assert_eq!(server.request("POST", "/v1/chat/completions", Some(&chat.to_string())).status, 200);
+    let tokens = held(&server);
+    assert!(tokens > 0);
+    let saved = server.request("POST", "/slots/0?action=save", Some(r#"{"filename":"mine.bin"}"#)).json();
+    assert_eq!(saved["n_saved"].as_u64(), Some(tokens), "{saved}");
+    let name = saved["filename"].as_str().unwrap().to_string();
+    let erased = server.request("POST", "/slots/0?action=erase", None).json();
+    assert_eq!((erased["n_erased"].as_u64(), held(&server)), (Some(tokens), 0), "{erased}");
+    let body = json!({"filename": name}).to_string();
+    let restored = server.request("POST", "/slots/0?action=restore", Some(&body)).json();
+    assert_eq!((restored["n_restored"].as_u64(), held(&server)), (Some(tokens), tokens), "{restored}");
+    // The restored slot answers the same conversation from memory: its prompt is reused.
+    let again = server.request("POST", "/v1/chat/completions", Some(&chat.to_string())).json();
+    assert!(again["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap() > 0, "{again}");
+    assert_api_error(&server.request("POST", "/slots/7?action=save", None), 400, Some("id_slot"), "0 to 0");
+    assert_api_error(
+        &server.request("POST", "/slots/0?action=fly", None),
+        400,
+        Some("action"),
+        "not save, restore or erase",
+    );
+    let missing = server.request("POST", "/slots/0?action=restore", Some(r#"{"filename":"nothing.slot"}"#));
+    assert_api_error(&missing, 404, Some("filename"), "no saved slot");
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}

@@ -152,6 +152,7 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
     let mut last_job = Instant::now();
     let served = loop {
         shared.beat();
+        engine.run_slot_actions();
         if engine.running.is_empty() {
             match jobs.recv_timeout(IDLE_BEAT) {
                 Ok(job) => {

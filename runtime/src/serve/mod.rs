@@ -35,6 +35,7 @@ pub mod prompt;
 mod running;
 pub mod saved_slots;
 pub mod shared;
+pub mod slot_actions;
 pub mod slots;
 pub mod state;
 pub mod stored;

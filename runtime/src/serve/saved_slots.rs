@@ -275,9 +275,16 @@ impl SlotStore {
         self.remove_files(&e.name);
     }
 
+    /// The usable entry whose file is named `name` (with or without its `.slot`).
+    pub fn find(&self, name: &str) -> Option<usize> {
+        let stem = name.strip_suffix(".slot").unwrap_or(name);
+        self.entries.iter().position(|e| e.name == stem && e.usable.is_some())
+    }
+
     /// Saves a slot holding `tokens` with `state`; saved slots it extends (their tokens a prefix
-    /// of these) are removed, and the oldest go while the files are over the bound.
-    pub fn save(&mut self, tokens: &[Token], state: &[u8]) -> Result<(), SlotFileError> {
+    /// of these) are removed, and the oldest go while the files are over the bound. Returns the
+    /// name of its file.
+    pub fn save(&mut self, tokens: &[Token], state: &[u8]) -> Result<String, SlotFileError> {
         if state.len() as u64 > self.max_bytes {
             return Err(SlotFileError::TooLarge {
                 state_mib: (state.len() as u64).div_ceil(1 << 20),
@@ -302,9 +309,9 @@ impl SlotStore {
         self.entries.retain(|e| !subsumed(e));
         let size = std::fs::metadata(&head).map_or(0, |m| m.len()) + state.len() as u64;
         let usable = Some((tokens.to_vec(), state_len, state_crc));
-        self.entries.push(Entry { name, usable, bytes: size, written: SystemTime::now() });
+        self.entries.push(Entry { name: name.clone(), usable, bytes: size, written: SystemTime::now() });
         self.evict();
-        Ok(())
+        Ok(format!("{name}.slot"))
     }
 
     /// Removes the oldest entries while the files are over the bound.

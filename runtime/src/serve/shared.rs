@@ -10,6 +10,7 @@ use super::access::Access;
 use super::job::{Admission, EventSender, GenerationRequest, Job, PromptBound};
 use super::metrics::Metrics;
 use super::model_card::ModelCard;
+use super::slot_actions::SlotActions;
 use super::state::State;
 use super::stored::StoredResponses;
 use super::text_tools::TextTools;
@@ -52,6 +53,8 @@ pub struct Shared {
     pub access: Access,
     /// The loaded model's description and text tools; `None` while none is loaded.
     loaded: Mutex<Option<(Arc<ModelCard>, TextTools)>>,
+    /// Slot actions clients asked for, which the engine runs between its steps.
+    pub slot_actions: SlotActions,
 }
 
 impl Shared {
@@ -84,6 +87,7 @@ impl Shared {
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             access,
             loaded: Mutex::new(None),
+            slot_actions: SlotActions::default(),
         }
     }
 

@@ -154,7 +154,7 @@ impl Slots {
         }
         match session.session().save_slot(slot) {
             Ok((tokens, state)) => match store.save(&tokens, &state) {
-                Ok(()) => log::info!(
+                Ok(_) => log::info!(
                     "slot {slot} saved: {} tokens, {:.1} MiB of state",
                     tokens.len(),
                     crate::units::mib(state.len() as u64)
@@ -163,6 +163,58 @@ impl Slots {
             },
             Err(e) => log::warn!("slot {slot} not saved: {e}"),
         }
+    }
+
+    /// Whether `slot` runs a request.
+    pub fn busy(&self, slot: u32) -> bool {
+        self.busy.get(slot as usize).copied().unwrap_or(false)
+    }
+
+    /// Saves `slot` to `store` now (a client asked): the saved file's name, the tokens and the
+    /// bytes of state.
+    pub fn save_now(
+        &mut self,
+        session: &StreamedSession<'_>,
+        store: &mut SlotStore,
+        slot: u32,
+    ) -> Result<(String, usize, usize), String> {
+        let inner = session.session();
+        if inner.held(slot).is_empty() {
+            return Err(format!("slot {slot} holds nothing to save"));
+        }
+        if !inner.all_keepable(slot) {
+            return Err(format!(
+                "slot {slot} holds tokens outside whole prompt batches, which a later prompt could not keep (--reuse any keeps them)"
+            ));
+        }
+        let (tokens, state) = inner.save_slot(slot).map_err(|e| e.to_string())?;
+        let name = store.save(&tokens, &state).map_err(|e| e.to_string())?;
+        self.unsaved[slot as usize] = false;
+        Ok((name, tokens.len(), state.len()))
+    }
+
+    /// Reads saved file `name` back into `slot`: the tokens it holds.
+    pub fn restore_named(
+        &mut self,
+        session: &mut StreamedSession<'_>,
+        store: &SlotStore,
+        name: &str,
+        slot: u32,
+    ) -> Result<usize, String> {
+        let entry = store.find(name).ok_or_else(|| format!("no saved slot {name:?} for this model is kept"))?;
+        if !read_back(session, store, entry, slot) {
+            return Err(format!("{} cannot be read back (the log says why)", store.describe(entry)));
+        }
+        self.unsaved[slot as usize] = false;
+        Ok(session.session().held(slot).len())
+    }
+
+    /// Empties `slot`: the tokens it held.
+    pub fn erase(&mut self, session: &mut StreamedSession<'_>, slot: u32) -> Result<usize, String> {
+        let held = session.session().held(slot).len();
+        session.forget(slot).map_err(|e| e.to_string())?;
+        self.unsaved[slot as usize] = false;
+        Ok(held)
     }
 
     /// The slots as the status page and `/metrics` show them.

@@ -108,6 +108,8 @@ pub async fn handle(
         "/v1/models/{id}"
     } else if path.starts_with("/v1/responses/") {
         "/v1/responses/{id}"
+    } else if path.starts_with("/slots/") {
+        "/slots/{id}"
     } else {
         "other"
     };
@@ -188,7 +190,9 @@ async fn route(
         (&Method::POST, "/v1/chat/completions") => generate(req, front, tcp, conn, Kind::Chat).await,
         (&Method::POST, "/v1/responses") => super::responses::answer(req, front, tcp, conn).await,
         (_, p) if p.starts_with("/v1/responses/") => super::responses::kept(req.method(), p, shared),
-        (_, p) if llama_server::PATHS.contains(&p) => llama_server::route(req, p, front, conn).await,
+        (_, p) if llama_server::PATHS.contains(&p) || p.starts_with("/slots/") => {
+            llama_server::route(req, p, front, conn).await
+        }
         (m, _) if endpoint != "other" => {
             error(&ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}")))
         }

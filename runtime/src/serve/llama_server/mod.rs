@@ -1,9 +1,12 @@
 //! llama-server's utility endpoints, in its request and response shapes: `POST /tokenize`,
-//! `POST /detokenize`, `POST /apply-template`, `GET /props` and `GET /slots`.
+//! `POST /detokenize`, `POST /apply-template`, `GET /props`, `GET /slots` and
+//! `POST /slots/{id}?action=save|restore|erase`.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use hyper::body::Incoming;
+use hyper::header;
 use hyper::{Method, Request, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -11,8 +14,10 @@ use serde_json::{json, Value};
 use super::api;
 use super::error::ApiError;
 use super::http::conn::ConnState;
-use super::http::{error_with, json_response, read_body, Body, Front};
+use super::http::{error_with, json_response, read_body, ready_body, Body, Front};
 use super::job::PromptInput;
+use super::slot_actions::SlotAction;
+use super::state::State;
 use super::text_tools::{Answer, Question};
 
 /// The paths answered here.
@@ -47,6 +52,7 @@ pub async fn route(req: Request<Incoming>, path: &str, front: &Front, conn: &Arc
     let answer = match (req.method(), path) {
         (&Method::GET, "/props") => props(front),
         (&Method::GET, "/slots") => slots(front),
+        (&Method::POST, p) if p.starts_with("/slots/") => slot_action(req, p, front, conn).await,
         (&Method::POST, "/tokenize" | "/detokenize" | "/apply-template") => match read_body(req, front, conn).await {
             Ok(body) => text(path, &body, front).await,
             Err(e) => Err(e),
@@ -119,6 +125,61 @@ async fn text(path: &str, body: &[u8], front: &Front) -> Result<Value, ApiError>
                 return Err(unexpected());
             };
             Ok(json!({"prompt": prompt}))
+        }
+    }
+}
+
+/// The body of a slot action: the saved slot's file (a restore needs it; a save is named by
+/// what it holds, and its answer gives the name).
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SlotBody {
+    filename: Option<String>,
+}
+
+/// How long a slot action may wait for the engine (it runs between decodes).
+const SLOT_ACTION_PATIENCE: Duration = Duration::from_secs(60);
+
+/// `POST /slots/{id}?action=save|restore|erase`, run by the engine between its steps.
+async fn slot_action(
+    req: Request<Incoming>,
+    path: &str,
+    front: &Front,
+    conn: &Arc<ConnState>,
+) -> Result<Value, ApiError> {
+    let id = &path["/slots/".len()..];
+    let slot: u32 = id.parse().map_err(|_| {
+        ApiError::invalid(format!("{id:?} is not a slot number (GET /slots lists them)"), Some("id_slot"))
+    })?;
+    let query = req.uri().query().unwrap_or_default().to_string();
+    let asked = query.split('&').find_map(|kv| kv.strip_prefix("action=")).unwrap_or_default().to_string();
+    let sent =
+        req.headers().contains_key(header::CONTENT_LENGTH) || req.headers().contains_key(header::TRANSFER_ENCODING);
+    let raw = if sent { ready_body(req, front, conn).await? } else { Vec::new() };
+    let body: SlotBody = if raw.iter().all(u8::is_ascii_whitespace) { SlotBody::default() } else { api::parse(&raw)? };
+    let action = match (asked.as_str(), body.filename) {
+        ("save", _) => SlotAction::Save,
+        ("erase", _) => SlotAction::Erase,
+        ("restore", Some(f)) => SlotAction::Restore(f),
+        ("restore", None) => {
+            return Err(ApiError::invalid("restore needs {\"filename\": ...}, as a save answered it", Some("filename")))
+        }
+        (other, _) => {
+            return Err(ApiError::invalid(
+                format!("action {other:?} is not save, restore or erase (POST /slots/{{id}}?action=...)"),
+                Some("action"),
+            ))
+        }
+    };
+    let shared = front.shared();
+    if shared.state() != State::Ready {
+        return Err(ApiError::new(503, "server_error", "the model is not ready; retry shortly"));
+    }
+    match tokio::time::timeout(SLOT_ACTION_PATIENCE, shared.slot_actions.ask(slot, action)).await {
+        Ok(Ok(answer)) => answer,
+        Ok(Err(_)) => Err(ApiError::new(503, "server_error", "the engine stopped; retry shortly")),
+        Err(_) => {
+            Err(ApiError::new(503, "server_error", "the engine did not take the slot action in time; retry shortly"))
         }
     }
 }
