@@ -5,8 +5,9 @@ generate, plain and streamed (the streamed text equals the plain one), `format` 
 schema (the answer parses and follows it), tools offered and a tool round trip, `think`, list,
 show, ps, version, pull (of the served model, and of another, refused); ChatOllama invoke, stream
 and bind_tools; then the requests Home Assistant's Ollama integration sends, in its order. Usage:
-    ollama-check.py BASE_URL API_KEY MODEL
-BASE_URL is the OpenAI base (ending /v1). Prints one line per check and ends with
+    ollama-check.py BASE_URL API_KEY MODEL [tools]
+BASE_URL is the OpenAI base (ending /v1); `tools` checks only the tool calls, on a model whose
+weights always open one. Prints one line per check and ends with
 'ollama-check: N passed, M failed'."""
 
 import json
@@ -29,6 +30,69 @@ def check(name, ok, detail=""):
 
 greedy = {"temperature": 0, "num_predict": 8}
 hello = [{"role": "user", "content": "Hello"}]
+
+
+def tool_calls_mode():
+    """On a model whose weights always open a tool call: the calls come back whole, with object
+    arguments, through the client, streamed, LangChain's bind_tools and Home Assistant's flow."""
+    from typing import Literal
+
+    from langchain_core.tools import tool
+    from langchain_ollama import ChatOllama
+
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                           "required": ["city"]},
+        },
+    }
+    ask = [{"role": "user", "content": "Weather in Oslo?"}]
+    opts = {"temperature": 0, "num_predict": 200}
+    plain = client.chat(model=model, messages=ask, tools=[weather], think=False, options=opts)
+    calls = plain.message.tool_calls or []
+    check("a tool call", len(calls) >= 1 and calls[0].function.name == "get_weather"
+          and calls[0].function.arguments.get("city") in ("Paris", "Oslo"), repr(plain.message))
+    chunks = list(client.chat(model=model, messages=ask, tools=[weather], think=False, options=opts, stream=True))
+    streamed = [c for ch in chunks for c in (ch.message.tool_calls or [])]
+    check("a streamed tool call", [c.function.arguments for c in streamed] == [c.function.arguments for c in calls], repr(streamed))
+
+    @tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """Weather in a city."""
+        return "rain"
+
+    llm = ChatOllama(model=model, base_url=root, client_kwargs={"headers": headers}, temperature=0, num_predict=200, reasoning=False)
+    bound = llm.bind_tools([get_weather]).invoke("Weather in Oslo?")
+    check("ChatOllama bind_tools call", [c["name"] for c in bound.tool_calls][:1] == ["get_weather"]
+          and bound.tool_calls[0]["args"].get("city") in ("Paris", "Oslo"), repr(bound.tool_calls))
+
+    light = {
+        "type": "function",
+        "function": {"name": "HassTurnOn", "description": "Turns on a device",
+                     # An enum: the client passes a property's type, description and enum on, not maxLength.
+                     "parameters": {"type": "object", "properties": {"name": {"type": "string", "enum": ["kitchen light", "hall light"]}},
+                                    "required": ["name"]}},
+    }
+    turn = [{"role": "system", "content": "You control a home."}, {"role": "user", "content": "Turn on the kitchen light"}]
+    ha_chunks = list(client.chat(model=f"{model}:latest", messages=turn, tools=[light], stream=True, keep_alive="-1",
+                                 think=False, options={"num_ctx": 8192, "temperature": 0, "num_predict": 200}))
+    ha_calls = [c for ch in ha_chunks for c in (ch.message.tool_calls or [])]
+    check("Home Assistant's streamed call", len(ha_calls) >= 1 and ha_calls[0].function.name == "HassTurnOn"
+          and ha_calls[0].function.arguments.get("name") in ("kitchen light", "hall light"), repr(ha_calls))
+    turn += [{"role": "assistant", "content": "", "tool_calls": [{"function": {"name": c.function.name, "arguments": c.function.arguments}} for c in ha_calls]},
+             {"role": "tool", "content": json.dumps({"success": True})}]
+    after = list(client.chat(model=model, messages=turn, tools=[light], stream=True, think=False, options={"num_predict": 8}))
+    check("Home Assistant's tool result answered", after[-1].done, repr(after[-1]))
+
+
+if len(sys.argv) > 4 and sys.argv[4] == "tools":
+    tool_calls_mode()
+    failed = checks.count(False)
+    print(f"ollama-check: {len(checks) - failed} passed, {failed} failed")
+    sys.exit(1 if failed else 0)
 
 # Names: the served id, `id:latest` (as Open WebUI sends it) and the listed name all reach it.
 listed = client.list()

@@ -25,8 +25,8 @@ pub struct ChatArgs {
     /// served for the chat, with the other flags as `sluice serve` takes them.
     #[arg(long, conflicts_with = "model")]
     url: Option<String>,
-    /// The running server's API key.
-    #[arg(long, env = "SLUICE_API_KEY", hide_env_values = true, requires = "url")]
+    /// The running server's API key (with --url; the server started for a chat has its own).
+    #[arg(long, env = "SLUICE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// A system prompt for the conversation.
     #[arg(long)]

@@ -102,10 +102,11 @@ pub struct SynthArgs {
     /// output matrices' size, and the output product's work).
     #[arg(long)]
     vocab: Option<u32>,
-    /// Make the weights favour this printable ASCII character's byte token at every position: a
-    /// model that keeps writing it, for testing what a grammar bounds (needs --type f16 or f32).
-    #[arg(long, value_name = "CHAR")]
-    favour: Option<char>,
+    /// Make the weights favour a token at every position: a model that keeps writing it, for
+    /// testing what a grammar bounds. One printable ASCII character (its byte token) or a token of
+    /// the vocabulary, such as a chat marker of --chat-template (needs --type f16 or f32).
+    #[arg(long, value_name = "TOKEN")]
+    favour: Option<String>,
     /// Threads for quantizing (default: every CPU this process may run on).
     #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
@@ -153,13 +154,7 @@ impl SynthArgs {
             words: self.words,
             key_length: self.head_dim,
             vocab_size: self.vocab,
-            favour: match self.favour {
-                None => None,
-                Some(c) => Some(
-                    u8::try_from(c)
-                        .map_err(|_| anyhow::anyhow!("--favour {c:?}: must be one printable ASCII character"))?,
-                ),
-            },
+            favour: self.favour.clone(),
         };
         if let Some(size) = self.size {
             spec.expert_ff = synth::fit_expert_ff(&spec, size.as_u64())?;

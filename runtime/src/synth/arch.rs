@@ -126,20 +126,14 @@ pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec
     let mut t = Table { out: Vec::new(), out_type: spec.out_type, layers: spec.layers };
     // Embedding rows of about unit variance.
     let embd_type = spec.out_type.type_of("token_embd.weight", spec.layers);
-    let (embd, output) = match spec.favour {
+    let favoured = spec.favour.as_deref().and_then(|t| vocab::token_id(t, spec.words, spec.chat_template.as_deref()));
+    let (embd, output) = match favoured {
         None => (Init::Uniform { gain: 1.0, fan_in: 3 }, Init::Uniform { gain: 4.0, fan_in: e }),
         // Every embedding shares a large first element, which the favoured token's output row
         // alone reads: it leads the logits at every position, whatever the layers add.
-        Some(byte) => (
+        Some(token) => (
             Init::Marked { gain: 1.0, fan_in: 3, row_len: e, dim: 0, value: FAVOUR_EMBEDDING, row: None },
-            Init::Marked {
-                gain: 4.0,
-                fan_in: e,
-                row_len: e,
-                dim: 0,
-                value: FAVOUR_OUTPUT,
-                row: Some(vocab::byte_token(byte)),
-            },
+            Init::Marked { gain: 4.0, fan_in: e, row_len: e, dim: 0, value: FAVOUR_OUTPUT, row: Some(token) },
         ),
     };
     t.push("token_embd.weight".into(), vec![e, v], embd_type, embd);

@@ -162,9 +162,10 @@ pub struct SynthSpec {
     /// Pad the vocabulary with unused tokens to this many (a real model's, for the size of its
     /// embedding and output matrices and the output product's work); `None`: none.
     pub vocab_size: Option<u32>,
-    /// An ASCII character whose byte token the weights favour at every position (a model that
-    /// keeps writing it, for testing what a grammar bounds); `None`: random weights alone.
-    pub favour: Option<u8>,
+    /// A token the weights favour at every position (a model that keeps writing it, for testing
+    /// what a grammar bounds): one printable ASCII character (its byte token) or a token of the
+    /// vocabulary such as a chat marker; `None`: random weights alone.
+    pub favour: Option<String>,
 }
 
 impl Default for SynthSpec {
@@ -252,8 +253,13 @@ impl SynthSpec {
         if self.favour.is_some() && !matches!(self.out_type, OutputType::F16 | OutputType::F32) {
             return Err(invalid("favour", "needs --type f16 or f32 (the marked weights are written as values)"));
         }
-        if self.favour.is_some_and(|b| !b.is_ascii_graphic()) {
-            return Err(invalid("favour", "must be one printable ASCII character"));
+        if let Some(text) = &self.favour {
+            if super::vocab::token_id(text, self.words, self.chat_template.as_deref()).is_none() {
+                return Err(invalid(
+                    "favour",
+                    format!("{text:?} is neither one printable ASCII character nor a token of the vocabulary (such as a marker of --chat-template)"),
+                ));
+            }
         }
         if self.alignment < 8 || !self.alignment.is_power_of_two() {
             return Err(invalid("alignment", format!("{} is not a power of two of at least 8", self.alignment)));

@@ -27,9 +27,18 @@ const CHAT_TOKENS: [(&str, i32); 7] = [
     ("<tool_call>", TYPE_USER_DEFINED),
     ("</tool_call>", TYPE_USER_DEFINED),
 ];
-/// The id of byte `b`'s token (`<0xNN>`).
-pub fn byte_token(b: u8) -> u64 {
-    3 + u64::from(b)
+/// The id of the token `text` stands for: one printable ASCII character's byte token, or a token
+/// of the vocabulary (with or without the words, with the markers of `template`) spelt `text`.
+pub fn token_id(text: &str, with_words: bool, template: Option<&str>) -> Option<u64> {
+    if let [b] = text.as_bytes() {
+        return b.is_ascii_graphic().then_some(3 + u64::from(*b));
+    }
+    let meta = metadata(with_words, template, None);
+    let tokens = meta.iter().find_map(|(k, v)| match v {
+        Value::StrArray(t) if k == "tokenizer.ggml.tokens" => Some(t),
+        _ => None,
+    })?;
+    tokens.iter().position(|t| t == text).map(|i| i as u64)
 }
 
 /// Token id of `<|im_end|>` (end of a chat turn).
@@ -167,4 +176,20 @@ pub fn metadata(with_words: bool, template: Option<&str>, pad_to: Option<u32>) -
         ("tokenizer.ggml.add_space_prefix".into(), Value::Bool(false)),
         ("tokenizer.ggml.eot_token_id".into(), Value::U32(IM_END)),
     ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_favoured_token_is_a_byte_or_a_token_of_the_vocabulary() {
+        assert_eq!(token_id("1", false, None), Some(3 + 0x31));
+        assert_eq!(token_id("<tool_call>", false, None), Some(N_BASE - 2));
+        let kimi = Some("{{ '<|tool_call_begin|>' }}");
+        assert_eq!(token_id("<|tool_call_begin|>", false, kimi), Some(N_BASE));
+        assert_eq!(token_id("<|tool_call_begin|>", false, None), None, "the marker comes with its template");
+        assert_eq!(token_id("\u{7}", false, None), None);
+        assert_eq!(token_id("nope", false, None), None);
+    }
 }

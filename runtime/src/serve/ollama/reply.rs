@@ -44,10 +44,11 @@ impl OllamaReply {
             Piece::Text(t) => (t.as_str(), ""),
             Piece::Delta(d) => (d.content.as_str(), d.reasoning.as_str()),
         };
+        // The first output starts the evaluation, whether it is text or part of a tool call.
+        self.first.get_or_insert_with(Instant::now);
         if content.is_empty() && thinking.is_empty() {
             return None;
         }
-        self.first.get_or_insert_with(Instant::now);
         Some(self.line(content, thinking, &[], false))
     }
 
