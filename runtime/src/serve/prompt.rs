@@ -70,10 +70,12 @@ pub(super) enum TokenizeError {
 
 /// The model's chat templates; ChatML (llama.cpp's default) when they cannot be parsed or
 /// cannot render a plain conversation within the template bounds (a template that recurses or
-/// loops without end would fail every request).
-fn chat_templates(model: &Model) -> Result<ChatTemplates> {
+/// loops without end would fail every request). With them, whether they render a thinking block
+/// (their format has a thinking start tag), as the trial rendering tells.
+fn chat_templates(model: &Model) -> Result<(ChatTemplates, bool)> {
     let trial = ChatInputs::new(serde_json::json!([{"role": "user", "content": "hello"}]));
-    let usable = ChatTemplates::of_model(model).and_then(|t| t.apply(&trial).map(|_| t));
+    let usable = ChatTemplates::of_model(model)
+        .and_then(|t| t.apply(&trial).map(|(p, _)| (t, !p.thinking_start_tag.is_empty())));
     match usable {
         Ok(t) => Ok(t),
         Err(e) => {
@@ -82,15 +84,9 @@ fn chat_templates(model: &Model) -> Result<ChatTemplates> {
                 model.path().display(),
                 crate::text::excerpt(&e.to_string(), 1000)
             );
-            Ok(ChatTemplates::from_source(Some(model), "chatml", "", "")?)
+            Ok((ChatTemplates::from_source(Some(model), "chatml", "", "")?, false))
         }
     }
-}
-
-/// Whether `templates` render a thinking block (their format has a thinking start tag).
-fn thinks(templates: &ChatTemplates) -> bool {
-    let trial = ChatInputs::new(serde_json::json!([{"role": "user", "content": "hello"}]));
-    templates.apply(&trial).is_ok_and(|(p, _)| !p.thinking_start_tag.is_empty())
 }
 
 /// Tokenizes `text` (a completion prompt, or a template's rendering with `field` "messages")
@@ -145,8 +141,8 @@ impl Tokenizer {
         let (ready, parsed) = channel::<Result<bool>>();
         std::thread::Builder::new().name("sluice-tokenize".into()).stack_size(PREPARE_STACK).spawn(move || {
             let templates = match chat_templates(&model) {
-                Ok(t) => {
-                    let _ = ready.send(Ok(thinks(&t)));
+                Ok((t, thinks)) => {
+                    let _ = ready.send(Ok(thinks));
                     t
                 }
                 Err(e) => {

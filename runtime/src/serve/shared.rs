@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::access::Access;
+use super::error::ApiError;
 use super::job::{Admission, EventSender, GenerationRequest, Job, PromptBound};
 use super::metrics::Metrics;
 use super::model_card::ModelCard;
@@ -91,9 +92,10 @@ impl Shared {
         }
     }
 
-    /// The loaded model's description and text tools, if one is loaded.
-    pub fn loaded(&self) -> Option<(Arc<ModelCard>, TextTools)> {
-        self.loaded.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    /// The loaded model's description and text tools; 503 while none is loaded.
+    pub fn loaded(&self) -> Result<(Arc<ModelCard>, TextTools), ApiError> {
+        let loaded = self.loaded.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        loaded.ok_or_else(|| ApiError::new(503, "server_error", "the model is still loading; retry shortly"))
     }
 
     /// Sets (or clears, while the model is loaded again) the loaded model's description and

@@ -153,9 +153,7 @@ async fn count_tokens(
     conn: &Arc<ConnState>,
 ) -> Result<Response<Body>, ApiError> {
     let shared = front.shared();
-    let Some((_, tools)) = shared.loaded() else {
-        return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly"));
-    };
+    let (_, tools) = shared.loaded()?;
     let body = read_body(req, front, conn).await?;
     let (request, _) = request::parse(&body, true)?;
     shared.prompt_bound().check(&request)?;

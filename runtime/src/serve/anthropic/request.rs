@@ -127,8 +127,7 @@ pub fn parse(body: &[u8], count_only: bool) -> Result<(GenerationRequest, Messag
     if let Some(config) = b.output_config {
         translate_output_config(config, &mut openai)?;
     }
-    let body = serde_json::to_vec(&Value::Object(openai)).unwrap_or_default();
-    let request = api::chat_request(&body, "").map_err(anthropic_names)?;
+    let request = api::chat_request_from(Value::Object(openai), "").map_err(anthropic_names)?;
     Ok((request, MessagesSetup { stop_sequences: b.stop_sequences.unwrap_or_default() }))
 }
 

@@ -100,35 +100,6 @@ pub const DEFAULT_COMPLETION_TOKENS: u32 = 16;
 /// Most stop sequences a request may give (OpenAI's limit).
 const MAX_STOPS: usize = 4;
 
-/// Parses a JSON body into `T`, naming the field at fault.
-pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let value: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-    if !value.is_object() {
-        return Err(ApiError::invalid("the request body must be a JSON object", None));
-    }
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        let msg = e.into_inner().to_string();
-        // serde names an unknown field in its message; report it as the parameter at fault.
-        let unknown = msg.strip_prefix("unknown field `").and_then(|r| r.split('`').next()).map(str::to_string);
-        match unknown {
-            Some(field) => {
-                let param = if path == "." {
-                    field
-                } else if path == field || path.ends_with(&format!(".{field}")) {
-                    path
-                } else {
-                    format!("{path}.{field}")
-                };
-                ApiError::invalid(format!("Unrecognized request argument supplied: {param}"), Some(&param))
-            }
-            None if path == "." => ApiError::invalid(format!("invalid request body: {msg}"), None),
-            None => ApiError::invalid(format!("{path}: {msg}"), Some(&path)),
-        }
-    })
-}
-
 /// Most alternatives `logprobs` may ask for on `/v1/completions` (OpenAI's limit).
 const MAX_COMPLETION_LOGPROBS: u32 = 5;
 /// Most alternatives `top_logprobs` may ask for on `/v1/chat/completions` (OpenAI's limit).
@@ -301,7 +272,16 @@ fn check_max_tokens(v: Option<u32>, param: &str) -> Result<Option<u32>, ApiError
 
 /// Parses and checks a `/v1/completions` body for the model `served`.
 pub fn completion_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiError> {
-    let mut r: RequestBody = parse(body)?;
+    completion_from(parse(body)?, served)
+}
+
+/// [`completion_request`] of a body another API's request was translated into.
+pub fn completion_request_from(body: Value, served: &str) -> Result<GenerationRequest, ApiError> {
+    completion_from(parse_value(body)?, served)
+}
+
+/// Checks a completion request's fields and makes the generation request.
+fn completion_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiError> {
     for (field, sent) in [
         ("messages", r.messages.is_some()),
         ("max_completion_tokens", r.max_completion_tokens.is_some()),
@@ -368,6 +348,11 @@ pub fn chat_request(body: &[u8], served: &str) -> Result<GenerationRequest, ApiE
     chat_from(parse(body)?, served)
 }
 
+/// [`chat_request`] of a body another API's request was translated into.
+pub fn chat_request_from(body: Value, served: &str) -> Result<GenerationRequest, ApiError> {
+    chat_from(parse_value(body)?, served)
+}
+
 /// Checks a chat request's fields and makes the generation request.
 fn chat_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiError> {
     if r.prompt.is_some() {
@@ -427,8 +412,12 @@ fn chat_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiE
     })
 }
 
+mod parse;
 mod response_input;
 mod responses;
+
+pub(crate) use parse::parse;
+use parse::parse_value;
 
 pub use responses::{responses_request, ResponseSetup};
 

@@ -69,9 +69,7 @@ pub async fn route(req: Request<Incoming>, path: &str, front: &Front, conn: &Arc
 /// template.
 async fn text(path: &str, body: &[u8], front: &Front) -> Result<Value, ApiError> {
     let shared = front.shared();
-    let Some((_, tools)) = shared.loaded() else {
-        return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly"));
-    };
+    let (_, tools) = shared.loaded()?;
     let bound = shared.prompt_bound();
     match path {
         "/tokenize" => {
@@ -191,9 +189,7 @@ fn unexpected() -> ApiError {
 /// `GET /props`: the served model and the server's settings.
 fn props(front: &Front) -> Result<Value, ApiError> {
     let shared = front.shared();
-    let Some((card, _)) = shared.loaded() else {
-        return Err(ApiError::new(503, "server_error", "the model is still loading; retry shortly"));
-    };
+    let (card, _) = shared.loaded()?;
     let slots = shared.metrics.slots().len();
     Ok(json!({
         "default_generation_settings": {"n_ctx": card.context, "params": {"temperature": 1.0, "top_p": 1.0, "top_k": 0}},

@@ -55,10 +55,7 @@ pub fn listed_name(id: &str) -> String {
 }
 
 fn card(shared: &Shared) -> Result<std::sync::Arc<ModelCard>, ApiError> {
-    shared
-        .loaded()
-        .map(|(card, _)| card)
-        .ok_or_else(|| ApiError::new(503, "server_error", "the model is still loading; retry shortly"))
+    shared.loaded().map(|(card, _)| card)
 }
 
 fn details(card: &ModelCard) -> Value {

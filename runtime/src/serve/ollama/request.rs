@@ -101,7 +101,7 @@ impl ChatBody {
             openai.insert("tools".into(), Value::Array(tools));
         }
         common(&mut openai, self.format, self.options, self.stream, self.think.as_ref(), context)?;
-        api::chat_request(&serde_json::to_vec(&Value::Object(openai)).unwrap_or_default(), "").map_err(ollama_names)
+        api::chat_request_from(Value::Object(openai), "").map_err(ollama_names)
     }
 }
 
@@ -152,8 +152,8 @@ impl GenerateBody {
         }
         common(&mut openai, self.format, self.options, self.stream, self.think.as_ref(), context)?;
         let bounded = openai.contains_key("max_tokens");
-        let body = serde_json::to_vec(&Value::Object(openai)).unwrap_or_default();
-        let request = if raw { api::completion_request(&body, "") } else { api::chat_request(&body, "") };
+        let body = Value::Object(openai);
+        let request = if raw { api::completion_request_from(body, "") } else { api::chat_request_from(body, "") };
         let mut request = request.map_err(ollama_names)?;
         if !bounded {
             // Ollama generates until the model stops or the context is full, raw prompts too.
