@@ -6,7 +6,6 @@ mod reply;
 mod request;
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use hyper::body::Incoming;
@@ -17,10 +16,10 @@ use tokio::net::TcpStream;
 use super::error::ApiError;
 use super::http::conn::ConnState;
 use super::http::{
-    enqueue, error_with, json_response, next_event, poll_event, read_body, started, streamed, typed_events, Body,
-    CancelOnDrop, EventSource, Front, Gone, Queued,
+    enqueue, error_with, json_response, next_event, read_body, started, streamed, typed_events, Body, Front, Queued,
+    Translate, Translated,
 };
-use super::job::{Event, EventReceiver, Piece, PromptInput};
+use super::job::{Event, Piece, PromptInput};
 use super::text_tools::{Answer, Question};
 use reply::MessageReply;
 
@@ -86,11 +85,9 @@ async fn messages(
         Ok(s) => s,
         Err(e) => return error(&e),
     };
-    let reply = MessageReply::new(shared.new_id("msg_"), shared.model_id.clone(), setup);
+    let reply = MessageReply::new(shared.new_id("msg_"), shared.model_id.clone(), setup, prompt_tokens);
     if stream {
-        let opening = reply.opening(prompt_tokens);
-        let source = MessageEvents { reply, events, gone, _cancel: cancel, opening: Some(opening), ended: false };
-        return streamed(source, "text/event-stream");
+        return streamed(Translated::new(reply, events, cancel, gone), "text/event-stream");
     }
     let _cancel = cancel;
     loop {
@@ -106,43 +103,23 @@ async fn messages(
     }
 }
 
-/// A message streamed as Anthropic's typed server-sent events; dropping it cancels the generation.
-struct MessageEvents {
-    reply: MessageReply,
-    events: EventReceiver,
-    gone: Gone,
-    _cancel: CancelOnDrop,
-    opening: Option<Vec<serde_json::Value>>,
-    ended: bool,
-}
+/// A message as Anthropic's typed server-sent events.
+impl Translate for MessageReply {
+    fn opening(&mut self) -> Vec<serde_json::Value> {
+        self.start_events()
+    }
 
-impl EventSource for MessageEvents {
-    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
-        if let Some(opening) = self.opening.take() {
-            return Poll::Ready(Some(typed_events(&opening)));
+    fn event(&mut self, e: Event) -> Vec<serde_json::Value> {
+        match e {
+            Event::Output { piece: Piece::Delta(d), .. } => self.push(&d),
+            Event::Done { finish, usage, stop_sequence, .. } => self.finish(finish, stop_sequence.as_deref(), &usage),
+            Event::Failed(e) => vec![serde_json::from_str(&error_body(&e)).unwrap_or_default()],
+            Event::Output { .. } | Event::Started { .. } => Vec::new(),
         }
-        while !self.ended {
-            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
-                self.ended = true;
-                break;
-            };
-            let out = match e {
-                Event::Output { piece: Piece::Delta(d), .. } => self.reply.push(&d),
-                Event::Done { finish, usage, stop_sequence, .. } => {
-                    self.ended = true;
-                    self.reply.finish(finish, stop_sequence.as_deref(), &usage)
-                }
-                Event::Failed(e) => {
-                    self.ended = true;
-                    vec![serde_json::from_str(&error_body(&e)).unwrap_or_default()]
-                }
-                Event::Output { .. } | Event::Started { .. } => continue,
-            };
-            if !out.is_empty() {
-                return Poll::Ready(Some(typed_events(&out)));
-            }
-        }
-        Poll::Ready(None)
+    }
+
+    fn frames(&self, values: &[serde_json::Value]) -> Bytes {
+        typed_events(values)
     }
 }
 

@@ -23,23 +23,25 @@ pub struct MessageReply {
     id: String,
     model: String,
     setup: MessagesSetup,
+    /// The prompt's tokens (`message_start` reports them).
+    prompt_tokens: usize,
     /// Blocks started so far, and the kind of the last one while it is open.
     blocks: usize,
     open: Option<Open>,
 }
 
 impl MessageReply {
-    /// The reply `id` of `model` to a request with `setup`.
-    pub fn new(id: String, model: String, setup: MessagesSetup) -> MessageReply {
-        MessageReply { id, model, setup, blocks: 0, open: None }
+    /// The reply `id` of `model` to a request with `setup` and a prompt of `prompt_tokens`.
+    pub fn new(id: String, model: String, setup: MessagesSetup, prompt_tokens: usize) -> MessageReply {
+        MessageReply { id, model, setup, prompt_tokens, blocks: 0, open: None }
     }
 
     /// The events that open a stream: `message_start` (with the prompt's tokens) and a `ping`.
-    pub fn opening(&self, prompt_tokens: usize) -> Vec<Value> {
+    pub fn start_events(&self) -> Vec<Value> {
         let message = json!({
             "id": self.id, "type": "message", "role": "assistant", "content": [], "model": self.model,
             "stop_reason": null, "stop_sequence": null,
-            "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}
+            "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0}
         });
         vec![json!({"type": "message_start", "message": message}), json!({"type": "ping"})]
     }
@@ -155,8 +157,8 @@ mod tests {
     #[test]
     fn a_stream_opens_one_block_per_kind_and_closes_it_before_the_next() {
         let setup = MessagesSetup { stop_sequences: vec!["END".into()] };
-        let mut r = MessageReply::new("msg_1".into(), "m".into(), setup);
-        let mut events = r.opening(7);
+        let mut r = MessageReply::new("msg_1".into(), "m".into(), setup, 7);
+        let mut events = r.start_events();
         let d = |reasoning: &str, content: &str| MessageDelta {
             content: content.into(),
             reasoning: reasoning.into(),
@@ -216,7 +218,7 @@ mod tests {
 
     #[test]
     fn only_the_requests_own_stop_sequence_is_reported() {
-        let r = MessageReply::new("m".into(), "m".into(), MessagesSetup { stop_sequences: vec!["END".into()] });
+        let r = MessageReply::new("m".into(), "m".into(), MessagesSetup { stop_sequences: vec!["END".into()] }, 0);
         let m = ParsedMessage { content: "a".into(), ..Default::default() };
         let u = TokenUsage::default();
         let own = r.whole(&m, Finish::Stop, Some("END"), &u);

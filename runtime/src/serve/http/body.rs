@@ -157,6 +157,65 @@ impl EventSource for EventStream {
     }
 }
 
+/// What a stream makes of a generation's events, in one API's shapes.
+pub trait Translate: Send {
+    /// What the stream opens with (nothing by default).
+    fn opening(&mut self) -> Vec<serde_json::Value> {
+        Vec::new()
+    }
+
+    /// What an event of the generation (never `Started`) adds; after `Done` or `Failed` none
+    /// comes.
+    fn event(&mut self, e: Event) -> Vec<serde_json::Value>;
+
+    /// The bytes that carry `values` (server-sent events, JSON lines, ...).
+    fn frames(&self, values: &[serde_json::Value]) -> Bytes;
+}
+
+/// A generation streamed by a [`Translate`]: it ends after `Done` or `Failed`, or when the client
+/// goes away; dropping it cancels the generation.
+pub struct Translated<T> {
+    translate: T,
+    events: EventReceiver,
+    gone: Gone,
+    _cancel: CancelOnDrop,
+    opened: bool,
+    ended: bool,
+}
+
+impl<T: Translate> Translated<T> {
+    /// The stream of `events` through `translate`, cancelled through `cancel`.
+    pub fn new(translate: T, events: EventReceiver, cancel: CancelOnDrop, gone: Gone) -> Translated<T> {
+        Translated { translate, events, gone, _cancel: cancel, opened: false, ended: false }
+    }
+}
+
+impl<T: Translate> EventSource for Translated<T> {
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
+        if !std::mem::replace(&mut self.opened, true) {
+            let opening = self.translate.opening();
+            if !opening.is_empty() {
+                return Poll::Ready(Some(self.translate.frames(&opening)));
+            }
+        }
+        while !self.ended {
+            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
+                self.ended = true;
+                break;
+            };
+            if matches!(e, Event::Started { .. }) {
+                continue;
+            }
+            self.ended = matches!(e, Event::Done { .. } | Event::Failed(_));
+            let out = self.translate.event(e);
+            if !out.is_empty() {
+                return Poll::Ready(Some(self.translate.frames(&out)));
+            }
+        }
+        Poll::Ready(None)
+    }
+}
+
 /// The next event of a streamed generation; `None` when it is over or its client went away (the
 /// stream then ends, and dropping it cancels the generation).
 pub fn poll_event(gone: &mut Gone, events: &mut EventReceiver, cx: &mut Context<'_>) -> Poll<Option<Event>> {

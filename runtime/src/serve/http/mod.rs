@@ -28,7 +28,7 @@ mod responses;
 mod routes;
 mod transport;
 
-pub(crate) use body::{poll_event, typed_events, Body, CancelOnDrop, EventSource, Gone};
+pub(crate) use body::{typed_events, Body, Translate, Translated};
 pub(crate) use exchange::{enqueue, next_event, queue, read_body, ready_body, started, streamed, Queued};
 pub(crate) use routes::{error_with, json_response};
 

@@ -3,7 +3,6 @@
 //! `previous_response_id` (unless the request said `store: false`).
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -13,7 +12,7 @@ use hyper::{Request, Response};
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
 
-use super::body::{poll_event, typed_events, Body, CancelOnDrop, EventSource, Gone};
+use super::body::{typed_events, Body, CancelOnDrop, Gone, Translate, Translated};
 use super::conn::ConnState;
 use super::exchange::{enqueue, event_stream, next_event, started, Queued};
 use super::reply::message_json;
@@ -51,7 +50,7 @@ pub(super) async fn answer(
     let builder = ResponseBuilder::new(id, created, shared.model_id.clone(), setup);
     let answer = Answering { builder, shared };
     if stream {
-        return event_stream(ResponseStream { answer, events, gone, _cancel: cancel, opened: false, ended: false });
+        return event_stream(Translated::new(answer, events, cancel, gone));
     }
     whole(answer, events, gone, cancel).await
 }
@@ -111,50 +110,27 @@ impl Answering {
     }
 }
 
-/// A response streamed as typed server-sent events. It ends when the client goes away;
-/// dropping it cancels the generation.
-struct ResponseStream {
-    answer: Answering,
-    events: EventReceiver,
-    gone: Gone,
-    _cancel: CancelOnDrop,
-    opened: bool,
-    ended: bool,
-}
+/// A response as its stream of typed server-sent events.
+impl Translate for Answering {
+    fn opening(&mut self) -> Vec<Value> {
+        self.builder.opening()
+    }
 
-impl EventSource for ResponseStream {
-    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
-        if self.ended {
-            return Poll::Ready(None);
-        }
-        if !self.opened {
-            self.opened = true;
-            return Poll::Ready(Some(typed_events(&self.answer.builder.opening())));
-        }
-        loop {
-            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
-                self.ended = true;
-                return Poll::Ready(None);
-            };
-            let events = match e {
-                Event::Output { piece: Piece::Delta(d), .. } => self.answer.builder.push(&d),
-                Event::Done { finish, usage, message, .. } => {
-                    self.ended = true;
-                    let (events, response) = self.answer.builder.finish(finish, &usage);
-                    self.answer.keep(message, &response);
-                    events
-                }
-                Event::Failed(e) => {
-                    self.ended = true;
-                    vec![self.answer.builder.failed(&e.message, e.code)]
-                }
-                Event::Output { .. } | Event::Started { .. } => continue,
-            };
-            if events.is_empty() {
-                continue;
+    fn event(&mut self, e: Event) -> Vec<Value> {
+        match e {
+            Event::Output { piece: Piece::Delta(d), .. } => self.builder.push(&d),
+            Event::Done { finish, usage, message, .. } => {
+                let (events, response) = self.builder.finish(finish, &usage);
+                self.keep(message, &response);
+                events
             }
-            return Poll::Ready(Some(typed_events(&events)));
+            Event::Failed(e) => vec![self.builder.failed(&e.message, e.code)],
+            Event::Output { .. } | Event::Started { .. } => Vec::new(),
         }
+    }
+
+    fn frames(&self, values: &[Value]) -> Bytes {
+        typed_events(values)
     }
 }
 

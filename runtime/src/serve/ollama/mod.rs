@@ -9,7 +9,6 @@ mod reply;
 mod request;
 
 use std::sync::Arc;
-use std::task::{Context, Poll};
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -22,10 +21,10 @@ use super::api;
 use super::error::ApiError;
 use super::http::conn::ConnState;
 use super::http::{
-    error_with, json_response, next_event, poll_event, queue, ready_body, started, streamed, Body, CancelOnDrop,
-    EventSource, Front, Gone, Queued,
+    error_with, json_response, next_event, queue, ready_body, started, streamed, Body, Front, Queued, Translate,
+    Translated,
 };
-use super::job::{Event, EventReceiver, GenerationRequest, Piece};
+use super::job::{Event, GenerationRequest, Piece};
 use super::shared::Shared;
 use reply::{Endpoint, OllamaReply};
 
@@ -132,7 +131,7 @@ async fn generate(
         Err(e) => return error(&e),
     };
     if stream {
-        return streamed(Lines { reply, events, gone, _cancel: cancel, ended: false }, "application/x-ndjson");
+        return streamed(Translated::new(reply, events, cancel, gone), "application/x-ndjson");
     }
     let _cancel = cancel;
     let mut text = String::new();
@@ -183,39 +182,21 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
     }
 }
 
-/// A generation streamed as JSON lines; dropping it cancels the generation.
-struct Lines {
-    reply: OllamaReply,
-    events: EventReceiver,
-    gone: Gone,
-    _cancel: CancelOnDrop,
-    ended: bool,
-}
-
-impl EventSource for Lines {
-    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
-        while !self.ended {
-            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
-                self.ended = true;
-                break;
-            };
-            let lines: Vec<Value> = match e {
-                Event::Output { piece, .. } => self.reply.piece(&piece).into_iter().collect(),
-                Event::Done { finish, usage, message, .. } => {
-                    self.ended = true;
-                    let calls = message.as_ref().and_then(|m| self.reply.tool_calls(m));
-                    calls.into_iter().chain([self.reply.done(finish, &usage)]).collect()
-                }
-                Event::Failed(e) => {
-                    self.ended = true;
-                    vec![json!({"error": e.message})]
-                }
-                Event::Started { .. } => continue,
-            };
-            if !lines.is_empty() {
-                return Poll::Ready(Some(Bytes::from(lines.iter().map(|l| format!("{l}\n")).collect::<String>())));
+/// A generation as Ollama's JSON lines.
+impl Translate for OllamaReply {
+    fn event(&mut self, e: Event) -> Vec<Value> {
+        match e {
+            Event::Output { piece, .. } => self.piece(&piece).into_iter().collect(),
+            Event::Done { finish, usage, message, .. } => {
+                let calls = message.as_ref().and_then(|m| self.tool_calls(m));
+                calls.into_iter().chain([self.done(finish, &usage)]).collect()
             }
+            Event::Failed(e) => vec![json!({"error": e.message})],
+            Event::Started { .. } => Vec::new(),
         }
-        Poll::Ready(None)
+    }
+
+    fn frames(&self, values: &[Value]) -> Bytes {
+        Bytes::from(values.iter().map(|l| format!("{l}\n")).collect::<String>())
     }
 }
