@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 mod common;
 mod serving;
-use common::{emulated, sluice_command};
+use common::emulated;
 use serving::*;
 
 /// The templates a run covers: all of them natively, Qwen3's under an emulator (where a token
@@ -134,14 +134,7 @@ fn a_required_or_named_call_is_always_made_first_on_every_template() {
 #[test]
 fn a_forced_call_comes_within_its_bound_on_a_model_that_keeps_writing_digits() {
     let dir = tempfile::tempdir().unwrap();
-    let model = dir.path().join("kimi-digits.gguf");
-    let source = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/chat/templates/moonshotai-Kimi-K2-Thinking.jinja");
-    let o = sluice_command()
-        .args(["synth", "--out", model.to_str().unwrap(), "--favour", "1"])
-        .args(["--chat-template", &std::fs::read_to_string(source).unwrap()])
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let model = synth_favouring(dir.path(), "kimi-digits", "moonshotai-Kimi-K2-Thinking", "1");
     let mut server = Server::start(dir.path(), &model, &[]);
     server.wait_note("READY=1");
     let ask = json!([{"role": "user", "content": "Weather in Paris?"}]);

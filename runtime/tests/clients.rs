@@ -284,14 +284,7 @@ fn tool_calls_reach_the_ollama_client_langchain_and_home_assistant() {
     let dir = tempfile::tempdir().unwrap();
     // A model whose weights always begin a call (Kimi-K2's call marker, which wakes the lazy
     // grammar): every answer with tools offered calls one, with no tool_choice to force it.
-    let model = dir.path().join("calls.gguf");
-    let template = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/chat/templates/moonshotai-Kimi-K2-Thinking.jinja");
-    let o = common::sluice_command()
-        .args(["synth", "--out", model.to_str().unwrap(), "--favour", "<|tool_call_begin|>", "--chat-template"])
-        .arg(std::fs::read_to_string(template).unwrap())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let model = synth_favouring(dir.path(), "calls", "moonshotai-Kimi-K2-Thinking", "<|tool_call_begin|>");
     let args = ["tools"];
     if let Some(out) = client_script_with(dir.path(), &model, "ollama-check.py", "ollama, langchain_ollama", &args) {
         assert!(out.contains("ollama-check: 5 passed, 0 failed"), "{out}");

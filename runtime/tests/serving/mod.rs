@@ -64,18 +64,24 @@ pub fn synth_with(dir: &Path, template: Option<&str>) -> PathBuf {
     path
 }
 
-/// A fixture with Qwen3's template whose weights favour the letter `a` at every position: its
-/// answers run until their token bound, for tests that stop an answer midway.
-pub fn synth_talkative(dir: &Path) -> PathBuf {
-    let template = concat!(env!("CARGO_MANIFEST_DIR"), "/../tests/chat/templates/Qwen-Qwen3-0.6B.jinja");
-    let p = dir.join("talkative.gguf");
+/// A fixture `name`.gguf carrying `template` (of tests/chat/templates) whose weights favour
+/// `token` at every position (`synth --favour`).
+pub fn synth_favouring(dir: &Path, name: &str, template: &str, token: &str) -> PathBuf {
+    let source = format!("{}/../tests/chat/templates/{template}.jinja", env!("CARGO_MANIFEST_DIR"));
+    let p = dir.join(format!("{name}.gguf"));
     let o = sluice_command()
-        .args(["synth", "--out", p.to_str().unwrap(), "--favour", "a", "--chat-template"])
-        .arg(std::fs::read_to_string(template).unwrap())
+        .args(["synth", "--out", p.to_str().unwrap(), "--favour", token, "--chat-template"])
+        .arg(std::fs::read_to_string(source).unwrap())
         .output()
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     p
+}
+
+/// A fixture with Qwen3's template whose weights favour the letter `a` at every position: its
+/// answers run until their token bound, for tests that stop an answer midway.
+pub fn synth_talkative(dir: &Path) -> PathBuf {
+    synth_favouring(dir, "talkative", "Qwen-Qwen3-0.6B", "a")
 }
 
 pub fn free_port() -> SocketAddr {
