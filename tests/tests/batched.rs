@@ -11,7 +11,9 @@ use ggml_sys::{Model, Token};
 use sluice::generate::{
     Callback, Client, ContextShape, DecodeEvent, DecodeObserver, Generation, Run, Sampler, Session, SlotUse,
 };
-use sluice::stream::{load_streamed_model, DensePolicy, StreamedSession};
+use sluice::stream::{
+    load_streamed_model, CachePolicy, DensePolicy, ExpertIndex, StreamConfig, StreamedSession, READ_BOUND,
+};
 use sluice_tests::{gate_fixtures, indexed_fixture, stream_config, PROMPT};
 
 const N: u32 = 8;
@@ -168,6 +170,28 @@ fn schedules() -> Vec<(&'static str, Vec<Arrival>)> {
     vec![("2 together", together(2)), ("4 together", together(4)), ("4 staggered", staggered)]
 }
 
+/// The streamed configurations of the shared decodes: no cache, and the adaptive cache of one
+/// token's experts, serial and overlapped (under an emulator, that cache serial only). With that
+/// cache a decode carrying several runs lets experts pass through: within the staging they are
+/// read as loads and given back at the next layer, beyond it they go in waves.
+fn stream_configs(index: &ExpertIndex) -> Vec<(&'static str, StreamConfig)> {
+    let one_token = index.one_token_demand();
+    let adaptive = StreamConfig {
+        cache_policy: CachePolicy::Adaptive,
+        expert_pool: Some(one_token + index.layer_token_demand()),
+        ..stream_config(one_token, 2, true, DensePolicy::Anon)
+    };
+    let overlapped = StreamConfig { overlap: Some(READ_BOUND), ..adaptive.clone() };
+    if sluice_tests::emulated() {
+        return vec![("adaptive cache of one token", adaptive)];
+    }
+    vec![
+        ("no cache", stream_config(0, 2, true, DensePolicy::Anon)),
+        ("adaptive cache of one token", adaptive),
+        ("adaptive cache of one token, overlapped", overlapped),
+    ]
+}
+
 #[test]
 fn runs_together_give_the_same_tokens_resident_and_streamed_and_share_decodes() {
     let dir = tempfile::tempdir().unwrap();
@@ -185,19 +209,21 @@ fn runs_together_give_the_same_tokens_resident_and_streamed_and_share_decodes() 
         let expected: Vec<Outcome> = schedules().iter().map(|(_, c)| run_schedule(&mut resident, c)).collect();
         drop(resident);
         drop(model);
-        let config = stream_config(0, 2, true, DensePolicy::Anon);
-        let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
-        let mut streamed = StreamedSession::open(&model, Arc::clone(&index), &config, SHAPE, &threads).unwrap();
-        for ((what, clients), want) in schedules().iter().zip(&expected) {
-            let got = run_schedule(&mut streamed, clients);
-            assert_eq!(got, *want, "{f:?}, {what}: streamed differs from resident under the same schedule");
-            assert!(got.shared_decodes > 0, "{f:?}, {what}: no decode carried several runs");
-            for (i, t) in got.tokens.iter().enumerate() {
-                let t = t.as_ref().expect("every client finishes");
-                assert_eq!(t.len(), N as usize, "{f:?}, {what}: client {i} made {} tokens", t.len());
-                if let Some(a) = alone.get(i) {
-                    runs += 1;
-                    same_as_alone += usize::from(t == a);
+        for (cache, config) in stream_configs(&index) {
+            let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
+            let mut streamed = StreamedSession::open(&model, Arc::clone(&index), &config, SHAPE, &threads).unwrap();
+            for ((what, clients), want) in schedules().iter().zip(&expected) {
+                let got = run_schedule(&mut streamed, clients);
+                let what = format!("{f:?}, {cache}, {what}");
+                assert_eq!(got, *want, "{what}: streamed differs from resident under the same schedule");
+                assert!(got.shared_decodes > 0, "{what}: no decode carried several runs");
+                for (i, t) in got.tokens.iter().enumerate() {
+                    let t = t.as_ref().expect("every client finishes");
+                    assert_eq!(t.len(), N as usize, "{what}: client {i} made {} tokens", t.len());
+                    if let Some(a) = alone.get(i) {
+                        runs += 1;
+                        same_as_alone += usize::from(t == a);
+                    }
                 }
             }
         }

@@ -193,19 +193,21 @@ fn rpi5_with(overrides: &Overrides) -> ResolvedBoard {
 }
 
 #[test]
-fn lookahead_is_off_unless_the_profile_or_the_command_line_turns_it_on() {
-    let root = tree("rpi5-8gb");
-    let probe = HardwareProbe::run(&root, None);
+fn lookahead_follows_the_storage_unless_the_profile_or_the_command_line_decides() {
     let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
-    let with = |on: bool, overrides: &Overrides| {
-        let mut selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
-        selected.profile.storage.lookahead = on;
-        resolve(selected, &probe, overrides, None, caps).unwrap().lookahead
-    };
-    assert!(!with(false, &Overrides::default()), "off by default");
-    assert!(with(false, &Overrides { lookahead: Some(true), ..Overrides::default() }), "--lookahead");
-    assert!(with(true, &Overrides::default()), "storage.lookahead = true");
-    assert!(!with(true, &Overrides { lookahead: Some(false), ..Overrides::default() }), "--no-lookahead");
+    for (board, nvme) in [("rpi5-8gb", false), ("orin-nano-8gb-4core", true)] {
+        let probe = HardwareProbe::run(&tree(board), None);
+        let with = |on: Option<bool>, overrides: &Overrides| {
+            let mut selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
+            selected.profile.storage.lookahead = on;
+            resolve(selected, &probe, overrides, None, caps).unwrap().lookahead
+        };
+        assert_eq!(with(None, &Overrides::default()), nvme, "{board}: on for NVMe storage only");
+        assert!(with(Some(false), &Overrides { lookahead: Some(true), ..Overrides::default() }), "--lookahead");
+        assert!(with(Some(true), &Overrides::default()), "storage.lookahead = true");
+        assert!(!with(None, &Overrides { lookahead: Some(false), ..Overrides::default() }), "--no-lookahead");
+        assert!(!with(Some(false), &Overrides::default()), "storage.lookahead = false");
+    }
 }
 
 #[test]

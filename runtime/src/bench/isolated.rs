@@ -66,7 +66,7 @@ pub enum ChildKind {
     /// The same chat in a slot that keeps whole prompt batches, then its sixth turn warm and
     /// after a restart that reads the saved slot back.
     ChatKept,
-    /// [`ChildKind::ChatKept`] keeping any shared prefix (`--reuse any`, lossy).
+    /// The kept chat (`chat-kept`) keeping any shared prefix (`--reuse any`, lossy).
     ChatAny,
     /// Clients generating at once (how many: the kind's count).
     Clients,

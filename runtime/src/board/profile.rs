@@ -118,9 +118,10 @@ pub struct StorageSection {
     pub verify: bool,
     /// In single-token decodes, guess the next layer's experts (its router applied to this
     /// layer's router input) and read those not resident while this layer computes; a wrong
-    /// guess costs a read, never a different token.
+    /// guess costs a read, never a different token. Absent: on where the model's storage is
+    /// NVMe (where a read's latency, not its bytes, is what a decode waits for).
     #[serde(default)]
-    pub lookahead: bool,
+    pub lookahead: Option<bool>,
 }
 
 /// `storage.overlap`: when expert reads overlap expert compute.
@@ -182,7 +183,7 @@ impl Default for StorageSection {
             direct_io: true,
             overlap: None,
             verify: false,
-            lookahead: false,
+            lookahead: None,
         }
     }
 }

@@ -162,6 +162,7 @@ pub fn resolve(
         (None, None) => sourced(DEFAULT_CACHE_POLICY, DEFAULT_CACHE_POLICY_WHY),
     };
     let (compute, compute_via) = compute_service(p, caps, origin, &mut notes)?;
+    let medium = probe.storage.as_ref().map_or(Medium::Other, |s| s.medium);
     Ok(ResolvedBoard {
         compute_via,
         compute_cores,
@@ -170,7 +171,7 @@ pub fn resolve(
         priority: p.cpu.priority,
         poll: p.cpu.poll,
         strict_cpu: p.cpu.strict_cpu,
-        medium: probe.storage.as_ref().map_or(Medium::Other, |s| s.medium),
+        medium,
         read_bytes,
         lanes,
         direct_io: p.storage.direct_io && !overrides.no_direct_io,
@@ -179,7 +180,7 @@ pub fn resolve(
         draft,
         cache_policy,
         expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
-        lookahead: overrides.lookahead.unwrap_or(p.storage.lookahead),
+        lookahead: overrides.lookahead.or(p.storage.lookahead).unwrap_or(medium == Medium::Nvme),
         pace_mbps: overrides.pace_mbps,
         kv: KvTypes {
             k: overrides.cache_type_k.or(p.memory.cache_type_k).unwrap_or_default(),

@@ -13,11 +13,21 @@ impl Streamer {
     /// Guesses the next layer's experts from this layer's router input under its top-k node
     /// `t` (a single-token decode) and queues the reads of those not resident in `ahead_jobs`,
     /// in the order the graph uses the tensors. They land outside the cache, which decides
-    /// nothing differently: at most one token's experts of a layer, the ledger's I/O staging.
+    /// nothing differently, within the ledger's I/O staging (one token's experts of a layer):
+    /// the best-ranked first, so a spare guess is read only where the staging has room left.
     pub(super) fn read_ahead(&mut self, t: &TensorView<'_>, layer: u32) {
         let next = layer + 1;
         let Streamer {
-            lookahead: Some(lookahead), memory, index, ahead, ahead_jobs, use_order, stats, passing, ..
+            lookahead: Some(lookahead),
+            memory,
+            index,
+            ahead,
+            ahead_jobs,
+            use_order,
+            stats,
+            passing,
+            staging,
+            ..
         } = self
         else {
             return;
@@ -28,10 +38,14 @@ impl Streamer {
             return;
         }
         let worth = lookahead.worth_reading(next);
+        // The guesses best first, as far as the staging holds them (a spare guess may not fit).
+        let mut room = *staging;
         for &e in lookahead.guess(t, next, t.ne()[0] as usize).iter().take_while(|_| worth) {
             if memory.is_resident(next, e) {
                 continue;
             }
+            let Some(left) = room.checked_sub(index.expert_window_bytes(next, e)) else { break };
+            room = left;
             ahead.push((next, e));
             for &k in &use_order[next as usize] {
                 ahead_jobs.push(ReadJob { speculative: true, ..memory.slice_read(k, e, false) });

@@ -39,11 +39,12 @@ pub(super) enum Schedule {
 }
 
 impl Streamer {
-    /// How the planned layer's reads go out: in waves when some of a prompt batch's pass through,
-    /// overlapped when the kernel computes the whole layer and overlap is on for this batch,
-    /// else serially. (A single token's passing experts, those the adaptive cache did not
-    /// admit, fit the staging that every layer's reads have: they are read as loads are, and
-    /// given back at the next layer.)
+    /// How the planned layer's reads go out: in waves when the experts a batch passes through
+    /// do not fit the staging, overlapped when the kernel computes the whole layer and overlap
+    /// is on for this batch, else serially. (Passing experts that fit the staging every layer's
+    /// reads have, as a single token's always do and those of a few clients' tokens decoded
+    /// together mostly do, are read as loads are and given back at the next layer: waves would
+    /// make their reads wait for the products a window at a time.)
     pub(super) fn schedule(&mut self, in_kernel: bool, tokens: i64) -> Schedule {
         let overlaps = |o: Overlap, idle: &mut Option<idle::IdleCores>| {
             tokens > 1
@@ -53,7 +54,8 @@ impl Streamer {
                     DecodeOverlap::Always => true,
                 }
         };
-        if !self.passing.is_empty() && tokens > 1 {
+        let passing: u64 = self.passing.iter().map(|&(l, e)| self.index.expert_window_bytes(l, e)).sum();
+        if tokens > 1 && passing > self.staging {
             Schedule::Waves
         } else if in_kernel && self.overlap.is_some_and(|o| overlaps(o, &mut self.idle)) {
             Schedule::Overlapped
