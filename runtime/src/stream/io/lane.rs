@@ -1,5 +1,6 @@
 //! The lane threads: each takes the batch's next read (a passing read only while the waves'
-//! window has room), reads it in chunks into its reservation, checks that the file is still the
+//! window has room) with the reads that follow it in the file ([`run_end`]), reads them in
+//! chunks into their reservation, checks that the file is still the
 //! one opened and, with `--verify`, the checksum of what landed, and records the outcome. A read
 //! that lands after its batch was given up is recorded as stale for the engine to release.
 
@@ -126,59 +127,63 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
             }
             shared.done.notify_all();
         } else if q.next < q.jobs.len() && has_room(&q) {
-            let (i, batch) = (q.next, q.batch);
-            let job = q.jobs[i].clone();
-            q.next += 1;
+            let (first, batch) = (q.next, q.batch);
+            let end = run_end(&q, first, shared.max_request);
+            let run: Vec<ReadJob> = q.jobs[first..end].to_vec();
+            q.next = end;
             q.busy += 1;
-            if job.pass {
-                q.held += job.len as u64;
+            if run[0].pass {
+                q.held += run[0].len as u64;
             }
             drop(q);
-            let result =
-                catch_unwind(AssertUnwindSafe(|| read_job(shared, files, &job, (batch, i)))).unwrap_or_else(|p| {
+            let result = catch_unwind(AssertUnwindSafe(|| read_run(shared, files, &run, (batch, first))))
+                .unwrap_or_else(|p| {
                     let what =
                         p.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| p.downcast_ref::<String>().cloned());
-                    Err(io::Error::other(format!("the reader thread panicked: {}", what.unwrap_or_default())))
+                    Err((0, io::Error::other(format!("the reader thread panicked: {}", what.unwrap_or_default()))))
                 });
             q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.busy -= 1;
             if q.batch != batch {
                 // Its batch was abandoned after a timeout or a cancel, and the engine has
                 // released what it was loading: the pages this read wrote are its to give back.
-                if job.tensor != usize::MAX {
-                    q.stale.push(job.tag);
-                }
-                if job.speculative {
-                    q.lost.push(job.tag);
+                for job in &run {
+                    if job.tensor != usize::MAX {
+                        q.stale.push(job.tag);
+                    }
+                    if job.speculative {
+                        q.lost.push(job.tag);
+                    }
                 }
                 continue;
             }
+            let job = &run[0];
             match result {
                 Ok((bytes, direct)) => {
                     q.stats.bytes += bytes;
                     if direct {
                         q.stats.direct_bytes += bytes;
                     }
-                    if q.dropped[i] {
+                    if q.dropped[first] {
                         // Read whole, then dropped: its bytes were read, its expert is not kept.
                         q.lost.push(job.tag);
                     }
                 }
-                Err(source) if job.speculative => {
-                    if !q.dropped[i] {
-                        log::debug!("{} (a lookahead read, dropped)", shared.failure(&job, source));
+                Err((_, source)) if job.speculative => {
+                    if !q.dropped[first] {
+                        log::debug!("{} (a lookahead read, dropped)", shared.failure(job, source));
                     }
                     q.lost.push(job.tag);
                 }
-                Err(source) => {
+                Err((blamed, source)) => {
                     if q.failure.is_none() {
-                        q.failure = Some(shared.failure(&job, source));
+                        q.failure = Some(shared.failure(&run[blamed], source));
                     }
                 }
             }
-            q.finished += 1;
-            q.landed[i] = true;
-            // Compute threads may be waiting for this very expert.
+            q.finished += run.len();
+            q.landed[first..end].fill(true);
+            // Compute threads may be waiting for these very experts.
             shared.done.notify_all();
         } else {
             q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
@@ -193,6 +198,58 @@ pub(super) fn has_room(q: &Queue) -> bool {
         (Some(window), true) => q.held == 0 || q.held + q.jobs[q.next].len as u64 <= window,
         _ => true,
     }
+}
+
+/// Where the run of jobs that one request reads, beginning with job `first`, ends (exclusive):
+/// the slices of one tensor whose windows follow each other in the file (a layer's adjacent
+/// experts, queued in file order), as long as the request stays within `max_request` bytes.
+/// A passing, speculative or dense read is a run of its own (each is given back, dropped or
+/// accounted alone), and so is a job dropped meanwhile.
+pub(super) fn run_end(q: &Queue, first: usize, max_request: usize) -> usize {
+    let head = &q.jobs[first];
+    let alone = |j: &ReadJob| j.pass || j.speculative || j.slice.is_none();
+    if alone(head) {
+        return first + 1;
+    }
+    let mut end = head.start + head.len as u64;
+    let mut next = first + 1;
+    while let Some(j) = q.jobs.get(next) {
+        let follows = j.shard == head.shard
+            && Arc::ptr_eq(&j.target, &head.target)
+            && (head.start..=end).contains(&j.start)
+            && (j.start + j.len as u64).max(end) - head.start <= max_request as u64;
+        if alone(j) || q.dropped[next] || !follows {
+            break;
+        }
+        end = end.max(j.start + j.len as u64);
+        next += 1;
+    }
+    next
+}
+
+/// Reads a run of jobs ([`run_end`]) as one request: each slice's pool pages placed first, the
+/// windows' union read once, then each slice's checksum checked (`--verify`). Returns the bytes
+/// read and whether through `O_DIRECT`, or the error with the job it belongs to (the run's
+/// first for the read itself).
+pub(super) fn read_run(
+    shared: &Shared,
+    files: &[LaneFiles],
+    run: &[ReadJob],
+    at: (u64, usize),
+) -> Result<(u64, bool), (usize, io::Error)> {
+    let [head, rest @ ..] = run else { return Ok((0, false)) };
+    if rest.is_empty() {
+        return read_job(shared, files, head, at).map_err(|e| (0, e));
+    }
+    // Held until the read is done: pool pages released meanwhile are not reused under it.
+    let _placed: Vec<_> = run.iter().filter_map(|j| j.slice.and_then(|(from, to)| j.target.place(from, to))).collect();
+    let end = run.iter().map(|j| j.start + j.len as u64).max().unwrap_or(head.start);
+    let union = ReadJob { len: (end - head.start) as usize, slice: None, check: None, ..head.clone() };
+    let read = read_job(shared, files, &union, at).map_err(|e| (0, e))?;
+    for (i, job) in run.iter().enumerate() {
+        verify_landed(shared, job).map_err(|e| (i, e))?;
+    }
+    Ok(read)
 }
 
 /// Reads one job (`at`: its batch and its place in it) in chunks of at most `max_request`
@@ -283,6 +340,11 @@ fn check_landed(shared: &Shared, job: &ReadJob) -> io::Result<()> {
         }
         Err(e) => return Err(io::Error::new(e.kind(), format!("the file changed since it was opened: {e}"))),
     }
+    verify_landed(shared, job)
+}
+
+/// With `--verify`, whether the bytes of `job` that landed match their checksum.
+fn verify_landed(shared: &Shared, job: &ReadJob) -> io::Result<()> {
     if let Some(check) = job.check {
         let sum = crate::stream::checksums::sum_of_landed(&job.target, check.from, check.to);
         if sum != Some(check.sum) {

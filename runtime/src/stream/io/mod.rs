@@ -4,7 +4,10 @@
 //! buffered). A layer's reads are handed to all lanes at once: [`IoLanes::read_all`] returns when
 //! every one has landed; with overlap, [`IoLanes::submit`] returns at once, compute threads wait
 //! for just the experts they need with [`IoLanes::wait_any`], and [`IoLanes::wait`] collects the
-//! batch. Reads are split at the device's maximum request size.
+//! batch. Reads are split at the device's maximum request size, and a lane reads the slices of
+//! one tensor that follow each other in the file (adjacent experts, queued in file order) as one
+//! request up to that size: a small expert's slice costs a request's overhead otherwise (a
+//! prompt batch or several clients' tokens route many neighbours).
 //!
 //! Waves ([`IoLanes::submit_waves`]): a batch whose experts do not all fit in memory at once
 //! marks the reads it does not keep as passing through; those take a share of a byte window,

@@ -118,3 +118,74 @@ fn speculative_reads_are_dropped_or_lost_never_failing_their_batch() {
     assert_eq!(lanes.take_lost(), vec![(6, 1), (6, 4)], "the failed and the dropped guesses");
     assert!(lanes.take_lost().is_empty());
 }
+
+#[test]
+fn adjacent_slices_of_a_tensor_are_read_in_one_request_each_landing_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let page = ggml_sys::page_size() as usize;
+    let path = dir.path().join("f");
+    // Page p of the file holds the byte p + 1.
+    let data: Vec<u8> = (0..10 * page).map(|i| (i / page) as u8 + 1).collect();
+    std::fs::write(&path, &data).unwrap();
+    let config = |max_request| LaneConfig {
+        lanes: 1,
+        direct: false,
+        max_request,
+        cpus: Vec::new(),
+        bound: READ_BOUND,
+        fault: None,
+        pace: None,
+    };
+    let tensor = Arc::new(Reservation::new(0, 8 * page as u64).unwrap());
+    let other = Arc::new(Reservation::new(8 * page as u64, 2 * page as u64).unwrap());
+    // Expert e of layer 5 is page e of the tensor (of the other tensor from 8 on).
+    let slice = |e: u32, target: &Arc<Reservation>| {
+        let from = u64::from(e) * page as u64;
+        let start = if Arc::ptr_eq(target, &tensor) { from } else { from - 8 * page as u64 };
+        ReadJob {
+            target: Arc::clone(target),
+            shard: 0,
+            start: from,
+            len: page,
+            tag: (5, e),
+            tensor: usize::from(!Arc::ptr_eq(target, &tensor)),
+            slice: Some((start, start + page as u64)),
+            pass: false,
+            speculative: false,
+            check: None,
+        }
+    };
+    let batch = || {
+        vec![
+            slice(0, &tensor),
+            slice(1, &tensor),
+            slice(2, &tensor),
+            ReadJob { speculative: true, ..slice(3, &tensor) },
+            slice(4, &tensor),
+            slice(5, &tensor),
+            ReadJob { pass: true, ..slice(6, &tensor) },
+            slice(8, &other),
+            slice(9, &other),
+        ]
+    };
+    // Requests: 0-2, the read ahead 3 alone, 4-5, the passing 6 alone, 8-9 (another tensor).
+    let lanes = IoLanes::new(&[path.clone()], &config(1 << 20)).unwrap();
+    let mut jobs = batch();
+    let stats = lanes.read_all(&mut jobs).unwrap();
+    assert_eq!(stats.bytes, 9 * page as u64, "each page read once");
+    assert_eq!(lanes.reads_begun(), 5);
+    for e in [0u32, 1, 2, 3, 4, 5, 6] {
+        assert!(lanes.is_landed(0, e), "expert {e}");
+        let mut got = vec![0u8; page];
+        assert!(tensor.copy_to(u64::from(e) * page as u64, &mut got));
+        assert!(got.iter().all(|&b| b == e as u8 + 1), "expert {e} landed whole, in its place");
+    }
+    let mut got = vec![0u8; 2 * page];
+    assert!(other.copy_to(0, &mut got));
+    assert_eq!(got, &data[8 * page..]);
+    // A request holds at most max_request: two pages, so 0-2 go as 0-1 and 2, 4-5 and 8-9 whole.
+    let lanes = IoLanes::new(&[path], &config(2 * page)).unwrap();
+    let mut jobs = batch();
+    lanes.read_all(&mut jobs).unwrap();
+    assert_eq!(lanes.reads_begun(), 6);
+}
