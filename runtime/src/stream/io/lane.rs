@@ -1,8 +1,8 @@
 //! The lane threads: each takes the batch's next read (a passing read only while the waves'
 //! window has room) with the reads that follow it in the file ([`run_end`]), reads them in
-//! chunks into their reservation, checks that the file is still the
-//! one opened and, with `--verify`, the checksum of what landed, and records the outcome. A read
-//! that lands after its batch was given up is recorded as stale for the engine to release.
+//! chunks into their reservation, checks that the file is still the one opened and, with
+//! `--verify`, the checksum of what landed, and records the outcome. A read that lands after
+//! its batch was given up is recorded as stale for the engine to release.
 
 use std::fs::File;
 use std::io;
