@@ -459,9 +459,12 @@ fn a_model_file_changed_under_a_session_fails_its_reads_and_never_gives_wrong_to
     }
 }
 
-/// The bytes of expert `e`'s page-aligned windows in `layer`, clipped to the file's end,
-/// computed straight from the GGUF headers (independently of the engine's index).
-fn window_bytes(files: &[std::path::PathBuf], layer: u32, e: u32) -> u64 {
+/// The bytes the lanes read for `experts` of `layer` in one batch, computed straight from the
+/// GGUF headers (independently of the engine's index): each expert's page-aligned window of each
+/// expert tensor, where windows of one tensor that follow each other in the file go as one
+/// request of at most `max_request` bytes (a page two neighbours share read once), clipped to
+/// the file's end.
+fn read_bytes(files: &[std::path::PathBuf], layer: u32, experts: &[u32], max_request: u64) -> u64 {
     let page = ggml_sys::page_size();
     let mut sum = 0;
     for f in files {
@@ -472,9 +475,26 @@ fn window_bytes(files: &[std::path::PathBuf], layer: u32, e: u32) -> u64 {
             .filter(|t| t.name.starts_with(&format!("blk.{layer}.")) && t.name.ends_with("_exps.weight"))
         {
             let stride = t.nb()[2];
-            let start = (t.offset + u64::from(e) * stride) / page * page;
-            let end = ((t.offset + u64::from(e + 1) * stride).div_ceil(page) * page).min(g.file_size());
-            sum += end - start;
+            let mut windows: Vec<(u64, u64)> = experts
+                .iter()
+                .map(|&e| {
+                    let start = (t.offset + u64::from(e) * stride) / page * page;
+                    (start, (t.offset + u64::from(e + 1) * stride).div_ceil(page) * page)
+                })
+                .collect();
+            windows.sort_unstable();
+            let mut run: Option<(u64, u64)> = None;
+            for (start, end) in windows {
+                run = match run {
+                    Some((s, e)) if start <= e && end.max(e) - s <= max_request => Some((s, end.max(e))),
+                    Some((s, e)) => {
+                        sum += e.min(g.file_size()) - s;
+                        Some((start, end))
+                    }
+                    None => Some((start, end)),
+                };
+            }
+            sum += run.map_or(0, |(s, e)| e.min(g.file_size()) - s);
         }
     }
     sum
@@ -487,12 +507,23 @@ fn bytes_read_match_the_routes_exactly() {
         let (files, index) = indexed_fixture(f, dir.path());
         // No cache: every decode reads each layer's distinct routed experts once.
         let model = load_streamed_model(&files[0], &index, DensePolicy::Anon, 0).unwrap();
-        let run = streamed(&model, Arc::clone(&index), &stream_config(0, 2, true, DensePolicy::Anon), N);
+        let config = stream_config(0, 2, true, DensePolicy::Anon);
+        let max_request = config.lanes.max_request as u64;
+        let run = streamed(&model, Arc::clone(&index), &config, N);
+        let staging = index.layer_token_demand();
         let expected: u64 = run
             .trace
             .iter()
-            .flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e)))
-            .map(|(l, e)| window_bytes(&files, l, e))
+            .map(|r| {
+                let incoming: u64 = r.experts.iter().map(|&e| index.expert_window_bytes(r.layer, e)).sum();
+                if r.staged && incoming > staging {
+                    // Beyond the staging with no cache every expert passes through, each read
+                    // alone (given back once computed).
+                    r.experts.iter().map(|&e| read_bytes(&files, r.layer, &[e], max_request)).sum()
+                } else {
+                    read_bytes(&files, r.layer, &r.experts, max_request)
+                }
+            })
             .sum();
         assert_eq!(run.bytes_read, expected, "{f:?}: cache off");
         let routed: usize = run.trace.iter().map(|r| r.experts.len()).sum();
@@ -511,7 +542,16 @@ fn bytes_read_match_the_routes_exactly() {
             run.trace.iter().flat_map(|r| r.experts.iter().map(move |&e| (r.layer, e))).collect();
         assert_eq!(run.counters.rereads, 0, "{f:?}");
         assert_eq!(run.counters.misses as usize, distinct.len(), "{f:?}");
-        let expected: u64 = distinct.iter().map(|&(l, e)| window_bytes(&files, l, e)).sum();
+        // Each batch reads the experts its layer had not routed before.
+        let mut seen = std::collections::BTreeSet::new();
+        let expected: u64 = run
+            .trace
+            .iter()
+            .map(|r| {
+                let new: Vec<u32> = r.experts.iter().copied().filter(|&e| seen.insert((r.layer, e))).collect();
+                read_bytes(&files, r.layer, &new, max_request)
+            })
+            .sum();
         assert_eq!(run.bytes_read, expected, "{f:?}: unbounded cache");
     }
 }

@@ -144,51 +144,62 @@ pub(super) fn lane_loop(shared: &Shared, files: &[LaneFiles]) {
                 });
             q = shared.queue.lock().unwrap_or_else(|e| e.into_inner());
             q.busy -= 1;
-            if q.batch != batch {
-                // Its batch was abandoned after a timeout or a cancel, and the engine has
-                // released what it was loading: the pages this read wrote are its to give back.
-                for job in &run {
-                    if job.tensor != usize::MAX {
-                        q.stale.push(job.tag);
-                    }
-                    if job.speculative {
-                        q.lost.push(job.tag);
-                    }
-                }
-                continue;
-            }
-            let job = &run[0];
-            match result {
-                Ok((bytes, direct)) => {
-                    q.stats.bytes += bytes;
-                    if direct {
-                        q.stats.direct_bytes += bytes;
-                    }
-                    if q.dropped[first] {
-                        // Read whole, then dropped: its bytes were read, its expert is not kept.
-                        q.lost.push(job.tag);
-                    }
-                }
-                Err((_, source)) if job.speculative => {
-                    if !q.dropped[first] {
-                        log::debug!("{} (a lookahead read, dropped)", shared.failure(job, source));
-                    }
-                    q.lost.push(job.tag);
-                }
-                Err((blamed, source)) => {
-                    if q.failure.is_none() {
-                        q.failure = Some(shared.failure(&run[blamed], source));
-                    }
-                }
-            }
-            q.finished += run.len();
-            q.landed[first..end].fill(true);
-            // Compute threads may be waiting for these very experts.
-            shared.done.notify_all();
+            record(shared, &mut q, &run, (batch, first), result);
         } else {
             q = shared.work.wait(q).unwrap_or_else(|e| e.into_inner());
         }
     }
+}
+
+/// Records how the run of jobs from `first` of batch `batch` ended: landed (its bytes counted), a
+/// read ahead dropped or failed (its expert lost), or the batch's failure; a run whose batch was
+/// abandoned meanwhile is stale instead (the engine gives back the pages it wrote).
+fn record(
+    shared: &Shared,
+    q: &mut Queue,
+    run: &[ReadJob],
+    (batch, first): (u64, usize),
+    result: Result<(u64, bool), (usize, io::Error)>,
+) {
+    if q.batch != batch {
+        for job in run {
+            if job.tensor != usize::MAX {
+                q.stale.push(job.tag);
+            }
+            if job.speculative {
+                q.lost.push(job.tag);
+            }
+        }
+        return;
+    }
+    let job = &run[0];
+    match result {
+        Ok((bytes, direct)) => {
+            q.stats.bytes += bytes;
+            if direct {
+                q.stats.direct_bytes += bytes;
+            }
+            if q.dropped[first] {
+                // Read whole, then dropped: its bytes were read, its expert is not kept.
+                q.lost.push(job.tag);
+            }
+        }
+        Err((_, source)) if job.speculative => {
+            if !q.dropped[first] {
+                log::debug!("{} (a lookahead read, dropped)", shared.failure(job, source));
+            }
+            q.lost.push(job.tag);
+        }
+        Err((blamed, source)) => {
+            if q.failure.is_none() {
+                q.failure = Some(shared.failure(&run[blamed], source));
+            }
+        }
+    }
+    q.finished += run.len();
+    q.landed[first..first + run.len()].fill(true);
+    // Compute threads may be waiting for these very experts.
+    shared.done.notify_all();
 }
 
 /// Whether the next job may begin: a passing read only while the window has room for it (or

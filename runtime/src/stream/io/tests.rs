@@ -169,7 +169,7 @@ fn adjacent_slices_of_a_tensor_are_read_in_one_request_each_landing_whole() {
         ]
     };
     // Requests: 0-2, the read ahead 3 alone, 4-5, the passing 6 alone, 8-9 (another tensor).
-    let lanes = IoLanes::new(&[path.clone()], &config(1 << 20)).unwrap();
+    let lanes = IoLanes::new(std::slice::from_ref(&path), &config(1 << 20)).unwrap();
     let mut jobs = batch();
     let stats = lanes.read_all(&mut jobs).unwrap();
     assert_eq!(stats.bytes, 9 * page as u64, "each page read once");
