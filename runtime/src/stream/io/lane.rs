@@ -216,7 +216,7 @@ pub(super) fn has_room(q: &Queue) -> bool {
 /// experts, queued in file order), as long as the request stays within `max_request` bytes.
 /// A passing, speculative or dense read is a run of its own (each is given back, dropped or
 /// accounted alone), and so is a job dropped meanwhile.
-pub(super) fn run_end(q: &Queue, first: usize, max_request: usize) -> usize {
+fn run_end(q: &Queue, first: usize, max_request: usize) -> usize {
     let head = &q.jobs[first];
     let alone = |j: &ReadJob| j.pass || j.speculative || j.slice.is_none();
     if alone(head) {
@@ -242,7 +242,7 @@ pub(super) fn run_end(q: &Queue, first: usize, max_request: usize) -> usize {
 /// windows' union read once, then each slice's checksum checked (`--verify`). Returns the bytes
 /// read and whether through `O_DIRECT`, or the error with the job it belongs to (the run's
 /// first for the read itself).
-pub(super) fn read_run(
+fn read_run(
     shared: &Shared,
     files: &[LaneFiles],
     run: &[ReadJob],
