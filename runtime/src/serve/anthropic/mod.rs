@@ -16,8 +16,8 @@ use tokio::net::TcpStream;
 use super::error::ApiError;
 use super::http::conn::ConnState;
 use super::http::{
-    enqueue, error_with, json_response, next_event, read_body, started, streamed, typed_events, Body, Front, Queued,
-    Translate, Translated,
+    enqueue, error_with, json_response, read_body, started, streamed, typed_events, whole_generation, Body, Ended,
+    Front, Queued, Translate, Translated,
 };
 use super::job::{Event, Piece, PromptInput};
 use super::text_tools::{Answer, Question};
@@ -90,16 +90,12 @@ async fn messages(
         return streamed(Translated::new(reply, events, cancel, gone), "text/event-stream");
     }
     let _cancel = cancel;
-    loop {
-        match next_event(&mut events, &mut gone).await {
-            Ok(Some(Event::Done { finish, usage, message, stop_sequence })) => {
-                let message = message.unwrap_or_default();
-                return json_response(200, reply.whole(&message, finish, stop_sequence.as_deref(), &usage).to_string());
-            }
-            Ok(Some(Event::Failed(e))) | Err(e) => return error(&e),
-            Ok(Some(_)) => {}
-            Ok(None) => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
+    match whole_generation(&mut events, &mut gone, |_, _| {}).await {
+        Ok(Ended { finish, usage, message, stop_sequence }) => {
+            let message = message.unwrap_or_default();
+            json_response(200, reply.whole(&message, finish, stop_sequence.as_deref(), &usage).to_string())
         }
+        Err(e) => error(&e),
     }
 }
 

@@ -16,9 +16,11 @@ use super::conn::ConnState;
 use super::transport::peer_gone;
 use super::Front;
 use crate::serve::error::ApiError;
-use crate::serve::job::{event_channel, Event, EventReceiver, GenerationRequest};
+use crate::serve::job::{event_channel, Event, EventReceiver, Finish, GenerationRequest, Piece, TokenUsage};
+use crate::serve::logprobs::TokenLogprob;
 use crate::serve::shared::Shared;
 use crate::serve::state::State;
+use ggml_sys::ParsedMessage;
 
 /// Reads a request body within the limits: `Content-Length` only, at most the body limit,
 /// within the idle timeout, and only while the budget for bodies being read has room.
@@ -156,14 +158,43 @@ pub(crate) async fn started(events: &mut EventReceiver, tcp: &Arc<TcpStream>) ->
     }
 }
 
-/// The next event of a generation whose whole response is awaited, or the error to answer when
-/// the client went away meanwhile (dropping the generation's cancel flag then cancels it).
-pub(crate) async fn next_event(events: &mut EventReceiver, gone: &mut Gone) -> Result<Option<Event>, ApiError> {
-    tokio::select! {
-        e = events.recv() => Ok(e),
-        () = gone => {
-            log::info!("client went away mid-generation: cancelling it");
-            Err(ApiError::new(499, "invalid_request_error", "client closed the request"))
+/// How a generation ended: its [`Event::Done`].
+pub(crate) struct Ended {
+    /// Why.
+    pub finish: Finish,
+    /// What it counted.
+    pub usage: TokenUsage,
+    /// A chat's whole answer, parsed.
+    pub message: Option<ParsedMessage>,
+    /// The stop sequence that ended the text, if one did.
+    pub stop_sequence: Option<String>,
+}
+
+/// Waits for the whole of a generation whose response is not streamed, handing each output
+/// (its piece and log probabilities) to `output`; its end, or the error to answer: the
+/// generation's failure, the client gone meanwhile (dropping the generation's cancel flag then
+/// cancels it), or the engine stopping before the end.
+pub(crate) async fn whole_generation(
+    events: &mut EventReceiver,
+    gone: &mut Gone,
+    mut output: impl FnMut(Piece, Vec<TokenLogprob>),
+) -> Result<Ended, ApiError> {
+    loop {
+        let event = tokio::select! {
+            e = events.recv() => e,
+            () = &mut *gone => {
+                log::info!("client went away mid-generation: cancelling it");
+                return Err(ApiError::new(499, "invalid_request_error", "client closed the request"));
+            }
+        };
+        match event {
+            Some(Event::Output { piece, logprobs }) => output(piece, logprobs),
+            Some(Event::Done { finish, usage, message, stop_sequence }) => {
+                return Ok(Ended { finish, usage, message, stop_sequence })
+            }
+            Some(Event::Failed(e)) => return Err(e),
+            Some(Event::Started { .. }) => {}
+            None => return Err(ApiError::new(500, "server_error", "the engine stopped mid-generation")),
         }
     }
 }

@@ -29,7 +29,7 @@ mod routes;
 mod transport;
 
 pub(crate) use body::{typed_events, Body, Translate, Translated};
-pub(crate) use exchange::{enqueue, next_event, queue, read_body, ready_body, started, streamed, Queued};
+pub(crate) use exchange::{enqueue, queue, read_body, ready_body, started, streamed, whole_generation, Ended, Queued};
 pub(crate) use routes::{error_with, json_response};
 
 use std::io;

@@ -14,7 +14,7 @@ use tokio::net::TcpStream;
 
 use super::body::{typed_events, Body, CancelOnDrop, Gone, Translate, Translated};
 use super::conn::ConnState;
-use super::exchange::{enqueue, event_stream, next_event, started, Queued};
+use super::exchange::{enqueue, event_stream, started, whole_generation, Ended, Queued};
 use super::reply::message_json;
 use super::response_items::ResponseBuilder;
 use super::routes::{error, json_response};
@@ -62,24 +62,19 @@ async fn whole(
     mut gone: Gone,
     _cancel: CancelOnDrop,
 ) -> Response<Body> {
-    loop {
-        let e = match next_event(&mut events, &mut gone).await {
-            Ok(e) => e,
-            Err(e) => return error(&e),
-        };
-        match e {
-            Some(Event::Output { piece: Piece::Delta(d), .. }) => {
-                answer.builder.push(&d);
-            }
-            Some(Event::Done { finish, usage, message, .. }) => {
-                let (_, r) = answer.builder.finish(finish, &usage);
-                answer.keep(message, &r);
-                return json_response(200, r.to_string());
-            }
-            Some(Event::Failed(e)) => return error(&e),
-            Some(Event::Output { .. } | Event::Started { .. }) => {}
-            None => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
+    let ended = whole_generation(&mut events, &mut gone, |piece, _| {
+        if let Piece::Delta(d) = piece {
+            answer.builder.push(&d);
         }
+    })
+    .await;
+    match ended {
+        Ok(Ended { finish, usage, message, .. }) => {
+            let (_, r) = answer.builder.finish(finish, &usage);
+            answer.keep(message, &r);
+            json_response(200, r.to_string())
+        }
+        Err(e) => error(&e),
     }
 }
 

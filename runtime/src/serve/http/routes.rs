@@ -13,11 +13,11 @@ use tokio::net::TcpStream;
 
 use super::body::{Body, EventStream};
 use super::conn::ConnState;
-use super::exchange::{enqueue, event_stream, next_event, started, Queued};
+use super::exchange::{enqueue, event_stream, started, whole_generation, Ended, Queued};
 use super::reply::{Gathered, Kind, Reply};
 use super::Front;
 use crate::serve::error::ApiError;
-use crate::serve::job::{Event, Piece};
+use crate::serve::job::Piece;
 use crate::serve::shared::Shared;
 use crate::serve::state::State;
 use crate::serve::{anthropic, api, llama_server, ollama};
@@ -342,25 +342,18 @@ async fn generate(
     }
     let _cancel = cancel;
     let mut out = Gathered::default();
-    loop {
-        let e = match next_event(&mut events, &mut gone).await {
-            Ok(e) => e,
-            Err(e) => return error(&e),
-        };
-        match e {
-            Some(Event::Output { piece, logprobs }) => {
-                if let Piece::Text(t) = piece {
-                    out.text.push_str(&t);
-                }
-                out.logprobs.extend(logprobs);
-            }
-            Some(Event::Done { finish, usage, message, .. }) => {
-                out.message = message;
-                return json_response(200, reply.full(&out, finish, &usage).to_string());
-            }
-            Some(Event::Failed(e)) => return error(&e),
-            Some(Event::Started { .. }) => {}
-            None => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
+    let ended = whole_generation(&mut events, &mut gone, |piece, logprobs| {
+        if let Piece::Text(t) = piece {
+            out.text.push_str(&t);
         }
+        out.logprobs.extend(logprobs);
+    })
+    .await;
+    match ended {
+        Ok(Ended { finish, usage, message, .. }) => {
+            out.message = message;
+            json_response(200, reply.full(&out, finish, &usage).to_string())
+        }
+        Err(e) => error(&e),
     }
 }

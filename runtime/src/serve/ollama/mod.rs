@@ -21,8 +21,8 @@ use super::api;
 use super::error::ApiError;
 use super::http::conn::ConnState;
 use super::http::{
-    error_with, json_response, next_event, queue, ready_body, started, streamed, Body, Front, Queued, Translate,
-    Translated,
+    error_with, json_response, queue, ready_body, started, streamed, whole_generation, Body, Ended, Front, Queued,
+    Translate, Translated,
 };
 use super::job::{Event, GenerationRequest, Piece};
 use super::shared::Shared;
@@ -135,21 +135,18 @@ async fn generate(
     }
     let _cancel = cancel;
     let mut text = String::new();
-    loop {
-        match next_event(&mut events, &mut gone).await {
-            Ok(Some(Event::Output { piece, .. })) => {
-                if let Piece::Text(t) = &piece {
-                    text.push_str(t);
-                }
-                reply.piece(&piece);
-            }
-            Ok(Some(Event::Done { finish, usage, message, .. })) => {
-                return json_response(200, reply.whole(&text, message.as_ref(), finish, &usage).to_string())
-            }
-            Ok(Some(Event::Failed(e))) | Err(e) => return error(&e),
-            Ok(Some(Event::Started { .. })) => {}
-            Ok(None) => return error(&ApiError::new(500, "server_error", "the engine stopped mid-generation")),
+    let ended = whole_generation(&mut events, &mut gone, |piece, _| {
+        if let Piece::Text(t) = &piece {
+            text.push_str(t);
         }
+        reply.piece(&piece);
+    })
+    .await;
+    match ended {
+        Ok(Ended { finish, usage, message, .. }) => {
+            json_response(200, reply.whole(&text, message.as_ref(), finish, &usage).to_string())
+        }
+        Err(e) => error(&e),
     }
 }
 
