@@ -112,6 +112,8 @@ trained-model: build
 trained-model-small: build
 	@trainer/make-model small
 
+# The tests that read the machine's load or wait on it run again beside two busy processes
+# (scripts/test-under-load): make test must pass on a board that serves or beside a build.
 # The package test checks an amd64 package made from the test build's binary (cargo-deb warns
 # that it is not a release build: `make deb` makes those; the files, units and scripts are the
 # same).
@@ -126,6 +128,7 @@ test: build
 	SLUICE_DEB=$$(ls $(CURDIR)/$(DEB_DIR)/test/sluice_*_amd64.deb) $(OPENAI_ENV) \
 		$(CARGO) test --workspace --exclude sluice-tests --no-fail-fast || status=1; \
 	$(CARGO) test -p sluice-tests --no-fail-fast -- --test-threads=1 || status=1; \
+	CARGO=$(CARGO) scripts/test-under-load || status=1; \
 	exit $$status
 
 aarch64: vendor

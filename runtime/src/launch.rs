@@ -20,7 +20,8 @@ use crate::generate::{self, ContextShape, GenerateError, Session};
 use crate::lossy::Lossy;
 use crate::scaleout::{self, ScaleError, Split};
 use crate::stream::{
-    self, DecodeOverlap, DensePolicy, ExpertIndex, IndexError, ModelLoad, StreamConfig, StreamError, StreamedSession,
+    self, CoresLoad, DecodeOverlap, DensePolicy, ExpertIndex, IndexError, ModelLoad, StreamConfig, StreamError,
+    StreamedSession,
 };
 use sluice_hal::usage::PhaseMeter;
 
@@ -359,6 +360,7 @@ impl Launch {
                 Overlap::Auto => DecodeOverlap::WhenIdle,
                 Overlap::On => DecodeOverlap::Always,
             },
+            cores_load: CoresLoad::Measured,
             lossy: self.lossy,
             rpc,
             verify: self.board.verify,

@@ -210,6 +210,7 @@ pub fn stream_config(
         gpu_layers: 0,
         overlap: None,
         overlap_decodes: sluice::stream::DecodeOverlap::Always,
+        cores_load: sluice::stream::CoresLoad::Measured,
         lossy: sluice::lossy::Lossy::default(),
         rpc: None,
         verify: false,

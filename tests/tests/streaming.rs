@@ -8,9 +8,10 @@ use std::time::Duration;
 use ggml_sys::GgufFile;
 use sluice::generate::GenerateError;
 use sluice::stream::{
-    kernel, load_streamed_model, CachePolicy, DecodeOverlap, DensePolicy, ExpertIndex, FaultKind, ReadFault,
+    kernel, load_streamed_model, CachePolicy, CoresLoad, DecodeOverlap, DensePolicy, ExpertIndex, FaultKind, ReadFault,
     RouteTrace, SlotUse, StreamConfig, StreamError, StreamedSession, READ_BOUND,
 };
+use sluice_hal::contention::SetLoad;
 use sluice_tests::{
     gate_fixtures, indexed_fixture, open_streamed, resident_reference, stream_config, stream_generate, streamed,
     Fixture,
@@ -164,8 +165,9 @@ fn overlapped_streaming_equals_resident_across_caches_lanes_and_direct_io() {
     }
 }
 
-/// `overlap = "auto"`: beside two busy processes every decode reads serially, and once the cores
-/// have been idle for a window decodes overlap; the tokens equal the resident run's either way.
+/// `overlap = "auto"`: while other processes keep the cores busy every decode reads serially,
+/// and once they leave them idle decodes overlap; the tokens equal the resident run's either way.
+/// The load is the test's ([`SetLoad`]), not the machine's: hal's contention test measures that.
 #[test]
 fn decodes_overlap_only_while_no_other_process_keeps_the_cores_busy() {
     if sluice_tests::emulated() {
@@ -176,24 +178,20 @@ fn decodes_overlap_only_while_no_other_process_keeps_the_cores_busy() {
     let f = gate_fixtures()[0];
     let (files, index) = indexed_fixture(f, dir.path());
     let reference = resident_reference(&files[0], N);
+    let load = SetLoad::new(Some(2.0));
     let config = StreamConfig {
         overlap_decodes: DecodeOverlap::WhenIdle,
+        cores_load: CoresLoad::Set(load.clone()),
         ..overlapped(stream_config(0, 2, true, DensePolicy::Anon), sluice::stream::READ_BOUND)
     };
     let model = load_streamed_model(&files[0], &index, config.dense, 0).unwrap();
 
-    let spin = || std::process::Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap();
-    let mut busy = [spin(), spin()];
-    let run = streamed(&model, Arc::clone(&index), &config, N);
-    for child in &mut busy {
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
-    assert_eq!(run.tokens, reference, "{f:?}, beside busy processes: output differs from resident");
-    assert_eq!(run.overlapped_layers, 0, "{f:?}: decodes overlapped beside two busy processes");
-
     let mut session = open_streamed(&model, Arc::clone(&index), &config, N);
-    std::thread::sleep(sluice::stream::engine::idle::WINDOW + Duration::from_millis(100));
+    let run = stream_generate(&mut session, &model, N);
+    assert_eq!(run.tokens, reference, "{f:?}, busy cores: output differs from resident");
+    assert_eq!(run.overlapped_layers, 0, "{f:?}: decodes overlapped while two other CPUs were busy");
+
+    load.set(Some(0.0));
     let run = stream_generate(&mut session, &model, N);
     assert_eq!(run.tokens, reference, "{f:?}, idle: output differs from resident");
     assert!(run.overlapped_layers > 0, "{f:?}: no decode overlapped on idle cores");

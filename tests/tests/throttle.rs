@@ -12,6 +12,8 @@ use sluice_hal::storage::StorageProbe;
 
 const FILE_BYTES: usize = 48 << 20;
 const RATE: u64 = 24_000_000;
+/// Reads through the throttle, each after a read of the disk alone.
+const TRIES: usize = 3;
 
 /// Reads `file` with O_DIRECT in a child process that first joins `dirs`; returns bytes/s.
 fn read_rate_in(dirs: &[PathBuf], file: &Path) -> f64 {
@@ -55,14 +57,29 @@ fn reads_through_the_throttle_run_at_its_rate_and_it_is_lifted_afterwards() {
     if throttle.dir() != cg.dir() {
         dirs.push(throttle.dir().to_path_buf());
     }
-    let rate = read_rate_in(&dirs, &file);
-    let ratio = rate / RATE as f64;
-    assert!(
-        (0.8..=1.2).contains(&ratio),
-        "read at {:.1} MB/s through a {} MB/s throttle",
-        rate / 1e6,
-        RATE / 1_000_000
-    );
+    // A throttle never lets reads run faster than its rate; that they run at it is only seen
+    // while the disk itself (as busy as other work keeps it) reads well faster than the rate,
+    // measured just before each try.
+    let mut slow = Vec::new();
+    let mut shown = false;
+    for _ in 0..TRIES {
+        let free = read_rate_in(&[], &file);
+        let rate = read_rate_in(&dirs, &file);
+        let ratio = rate / RATE as f64;
+        assert!(ratio <= 1.2, "read at {:.1} MB/s through a {} MB/s throttle", rate / 1e6, RATE / 1_000_000);
+        if free < 2.0 * RATE as f64 {
+            continue;
+        }
+        if ratio >= 0.8 {
+            shown = true;
+            break;
+        }
+        slow.push(format!("{:.1} MB/s (the disk alone: {:.1} MB/s)", rate / 1e6, free / 1e6));
+    }
+    assert!(shown || slow.is_empty(), "reads through a {} MB/s throttle ran at {slow:?}", RATE / 1_000_000);
+    if !shown {
+        eprintln!("not shown: the disk never read faster than twice the throttle's rate; only its cap was checked");
+    }
     drop(throttle);
     drop(cg);
     for d in &dirs {

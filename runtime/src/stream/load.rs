@@ -46,6 +46,9 @@ pub struct StreamConfig {
     /// With `overlap`: when single-token decodes overlap (prompt batches always do); the others
     /// read each layer's experts before its products run.
     pub overlap_decodes: super::DecodeOverlap,
+    /// Where [`super::DecodeOverlap::WhenIdle`] reads other processes' use of the cores
+    /// (measured, but for tests of the choice).
+    pub cores_load: super::engine::idle::CoresLoad,
     /// Opt-in lossy modes (default: exact).
     pub lossy: crate::lossy::Lossy,
     /// The layers RPC workers hold, resident there (`--rpc`); the index then keeps only this

@@ -25,6 +25,7 @@ pub mod trace;
 
 use crate::generate::GenerateError;
 pub use cache::{CacheCounters, CachePolicy};
+pub use engine::idle::CoresLoad;
 pub use engine::{DecodeOverlap, Streamer};
 pub use index::{ExpertIndex, IndexError};
 pub use io::{FaultKind, IoLanes, LaneConfig, ReadFailure, ReadFault, SliceCheck, READ_BOUND};

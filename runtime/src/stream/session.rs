@@ -129,6 +129,7 @@ impl<'m> StreamedSession<'m> {
             } else {
                 threads.cpus.iter().chain(&config.lanes.cpus).copied().collect()
             },
+            cores_load: config.cores_load.clone(),
         };
         session.set_ignore_eog(config.force_routes.is_some());
         let mut streamer = Streamer::new(index, source, bound, claims.taken(), sums, settings);

@@ -86,6 +86,8 @@ pub struct StreamerSettings {
     /// The cores the run computes and reads on (whose other use [`DecodeOverlap::WhenIdle`]
     /// watches; empty: every CPU the process may use).
     pub cores: Vec<usize>,
+    /// Where [`DecodeOverlap::WhenIdle`] reads the cores' other use.
+    pub cores_load: idle::CoresLoad,
     /// Recorded routes forced on the routers.
     pub force_routes: Option<RouteForcer>,
     /// Record every computed token's routes.
@@ -167,7 +169,7 @@ impl Streamer {
             idle: settings
                 .overlap
                 .is_some_and(|o| o.decodes == DecodeOverlap::WhenIdle)
-                .then(|| idle::IdleCores::new(&settings.cores)),
+                .then(|| idle::IdleCores::new(&settings.cores, &settings.cores_load)),
             in_flight: false,
             staging: index.layer_token_demand(),
             plan: LayerPlan::with_capacity(n_expert * index.n_layer as usize),
