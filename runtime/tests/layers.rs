@@ -297,3 +297,206 @@ fn the_checks_read_code_not_comments_or_strings() {
     let f = functions(&code_only("fn a() {\n    let c = '{';\n    r#\"}\"#;\n}\nfn b();\nfn c() {}\n"));
     assert_eq!(f, [("a".to_string(), 1, 4), ("c".to_string(), 6, 1)]);
 }
+
+/// Every path `code` names from the crate's root, its parent or itself (`crate::`, `super::`,
+/// `self::`), `use` groups expanded, as absolute module paths: the file's own module path is
+/// `module`, and paths stop at the first segment that is not an identifier.
+fn module_paths(code: &str, module: &[String]) -> Vec<Vec<String>> {
+    let chars: Vec<char> = code.chars().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < chars.len() {
+        let starts =
+            ["crate::", "super::", "self::"].iter().find(|p| chars[i..].iter().take(p.len()).copied().eq(p.chars()));
+        let before = i.checked_sub(1).map(|j| chars[j]);
+        match starts {
+            Some(_) if !before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') => {
+                let (paths, end) = expand(&chars, i);
+                for path in paths {
+                    if let Some(abs) = absolute(&path, module) {
+                        out.push(abs);
+                    }
+                }
+                i = end.max(i + 1);
+            }
+            _ => i += 1,
+        }
+    }
+    out
+}
+
+/// The paths of one (possibly grouped) path starting at `at`, and where it ends.
+fn expand(chars: &[char], at: usize) -> (Vec<Vec<String>>, usize) {
+    let mut segments = Vec::new();
+    let mut i = at;
+    loop {
+        let ident: String = chars[i..].iter().take_while(|c| c.is_alphanumeric() || **c == '_').collect();
+        if ident.is_empty() {
+            if chars.get(i) == Some(&'{') {
+                let mut out = Vec::new();
+                i += 1;
+                loop {
+                    while chars.get(i).is_some_and(|c| c.is_whitespace() || *c == ',') {
+                        i += 1;
+                    }
+                    if i >= chars.len() || chars[i] == '}' {
+                        return (out, i + 1);
+                    }
+                    let (inner, end) = expand(chars, i);
+                    out.extend(inner.into_iter().map(|p| segments.iter().cloned().chain(p).collect()));
+                    i = end;
+                    // Skip an `as` rename or anything else up to the next item.
+                    while i < chars.len() && chars[i] != ',' && chars[i] != '}' {
+                        i += 1;
+                    }
+                }
+            }
+            return (vec![segments], i);
+        }
+        i += ident.chars().count();
+        segments.push(ident);
+        if chars[i..].starts_with(&[':', ':']) {
+            i += 2;
+        } else {
+            return (vec![segments], i);
+        }
+    }
+}
+
+/// `path` (from `crate`, `super` or `self`) as a path from the crate's root, seen from `module`.
+fn absolute(path: &[String], module: &[String]) -> Option<Vec<String>> {
+    let mut base: Vec<String> = module.to_vec();
+    let mut rest = path;
+    match rest.first().map(String::as_str) {
+        Some("crate") => {
+            base.clear();
+            rest = &rest[1..];
+        }
+        Some("self") => rest = &rest[1..],
+        Some("super") => {
+            while rest.first().is_some_and(|s| s == "super") {
+                base.pop()?;
+                rest = &rest[1..];
+            }
+        }
+        _ => return None,
+    }
+    base.extend(rest.iter().filter(|s| *s != "self").cloned());
+    Some(base)
+}
+
+/// A file's module path under `runtime/src` (`["serve", "http", "body"]` for
+/// `serve/http/body.rs`; a folder's `mod.rs` is the folder's module).
+fn module_of(file: &Path) -> Vec<String> {
+    let rel = file.strip_prefix(src()).unwrap().with_extension("");
+    let mut path: Vec<String> = rel.components().map(|c| c.as_os_str().to_string_lossy().into_owned()).collect();
+    if path.last().is_some_and(|l| l == "mod" || l == "lib" || l == "main") {
+        path.pop();
+    }
+    path
+}
+
+/// The modules declared as children of `module` (its files and folders).
+fn children(module: &[String]) -> BTreeSet<String> {
+    let dir = module.iter().fold(src(), |d, s| d.join(s));
+    let mut out = BTreeSet::new();
+    let Ok(entries) = std::fs::read_dir(&dir) else { return out };
+    for entry in entries {
+        let path = entry.unwrap().path();
+        let name = path.file_stem().unwrap().to_string_lossy().into_owned();
+        if path.is_dir() || (path.extension().is_some_and(|e| e == "rs") && name != "mod") {
+            out.insert(name);
+        }
+    }
+    out
+}
+
+/// Each folder's uses between its children: for every file, at every folder above it, the
+/// child of that folder the file lies in and the other children it names (a folder's `mod.rs`
+/// is the folder and takes no part: it may use and be used by its children).
+fn sibling_uses() -> std::collections::BTreeMap<Vec<String>, BTreeSet<(String, String)>> {
+    let mut uses: std::collections::BTreeMap<Vec<String>, BTreeSet<(String, String)>> = Default::default();
+    for file in rust_files(&src()) {
+        let module = module_of(&file);
+        let code = code_only(&std::fs::read_to_string(&file).unwrap());
+        let paths = module_paths(&code, &module);
+        for depth in 0..module.len() {
+            let folder = &module[..depth];
+            let from = &module[depth];
+            let siblings = children(folder);
+            for path in &paths {
+                if path.len() > depth
+                    && path[..depth] == *folder
+                    && path[depth] != *from
+                    && siblings.contains(&path[depth])
+                {
+                    uses.entry(folder.to_vec()).or_default().insert((from.clone(), path[depth].clone()));
+                }
+            }
+        }
+    }
+    uses
+}
+
+/// The circles among `edges`: each strongly connected set of two or more nodes, sorted.
+fn circles(edges: &BTreeSet<(String, String)>) -> Vec<Vec<String>> {
+    let nodes: BTreeSet<&String> = edges.iter().flat_map(|(a, b)| [a, b]).collect();
+    let reaches = |from: &String| {
+        let mut seen = BTreeSet::from([from.clone()]);
+        let mut todo = vec![from.clone()];
+        while let Some(n) = todo.pop() {
+            for (_, b) in edges.iter().filter(|(a, _)| *a == n) {
+                if seen.insert(b.clone()) {
+                    todo.push(b.clone());
+                }
+            }
+        }
+        seen
+    };
+    let mut out: Vec<Vec<String>> = Vec::new();
+    for n in nodes {
+        let set: Vec<String> = reaches(n).into_iter().filter(|m| reaches(m).contains(n)).collect();
+        if set.len() > 1 && !out.contains(&set) {
+            out.push(set);
+        }
+    }
+    out
+}
+
+#[test]
+fn files_of_one_folder_use_each_other_one_way_only() {
+    let mut found = Vec::new();
+    for (folder, edges) in sibling_uses() {
+        for circle in circles(&edges) {
+            let arrows: Vec<String> = edges
+                .iter()
+                .filter(|(a, b)| circle.contains(a) && circle.contains(b))
+                .map(|(a, b)| format!("{a} -> {b}"))
+                .collect();
+            found.push(format!("src/{}: {}", folder.join("/"), arrows.join(", ")));
+        }
+    }
+    assert!(found.is_empty(), "circles between the files of one folder:\n{}", found.join("\n"));
+}
+
+#[test]
+fn sibling_uses_resolve_crate_super_self_and_groups() {
+    let module: Vec<String> = ["serve", "http", "body"].map(String::from).to_vec();
+    let code = code_only("use super::{conn::Conn, reply};\nuse crate::serve::{engine, api::{parse, X}};\nlet a = self::inner::f();\nuse super::super::job as j;\n");
+    let paths: Vec<String> = module_paths(&code, &module).into_iter().map(|p| p.join("::")).collect();
+    assert_eq!(
+        paths,
+        [
+            "serve::http::conn::Conn",
+            "serve::http::reply",
+            "serve::engine",
+            "serve::api::parse",
+            "serve::api::X",
+            "serve::http::body::inner::f",
+            "serve::job"
+        ]
+    );
+    let edges: BTreeSet<(String, String)> =
+        [("a", "b"), ("b", "c"), ("c", "a"), ("c", "d")].map(|(a, b)| (a.to_string(), b.to_string())).into();
+    assert_eq!(circles(&edges), [["a", "b", "c"].map(String::from).to_vec()]);
+}

@@ -8,9 +8,9 @@
 use std::path::{Path, PathBuf};
 
 use ggml_sys::ChatTemplates;
-use sluice::serve::api::chat_request;
 use sluice::serve::deltas::MessageStream;
 use sluice::serve::job::PromptInput;
+use sluice::serve::openai::chat_request;
 
 /// Each template with the text of its model's BOS and EOS tokens.
 const TEMPLATES: [(&str, &str, &str); 6] = [

@@ -113,6 +113,33 @@ enum Feed {
 }
 
 impl<'m> Session<'m> {
+    /// Generates up to `n_predict` tokens after `prompt` in the slot `at` names, chosen by
+    /// `sampler`. `on_token` gets each token, its bytes and its logits as it is chosen and may end
+    /// the generation early ([`ControlFlow::Break`], e.g. at a stop sequence); `observer` runs
+    /// after every decode. With `at.reuse`, the prompt's first tokens that the slot already holds
+    /// ([`Session::reusable`]) are not computed again; otherwise the slot starts empty. A
+    /// generation that fails leaves its slot empty.
+    pub fn generate_with<E: DecodeError>(
+        &mut self,
+        at: SlotUse,
+        prompt: &[Token],
+        n_predict: u32,
+        sampler: &mut Sampler,
+        on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
+        observer: &mut DecodeObserver<'_, E>,
+    ) -> Result<Generation, E> {
+        let mut run = self.begin(at, prompt, n_predict, sampler)?;
+        let mut client = Callback { sampler, on_token };
+        while !run.is_over() {
+            if let Err(e) = self.step(&mut [(&mut run, &mut client as &mut dyn Client)], observer) {
+                // The run failed with the decode: its slot is emptied, the decode's error said.
+                let _ = self.end(run);
+                return Err(e);
+            }
+        }
+        Ok(self.end(run)?)
+    }
+
     /// Starts a generation of up to `n_predict` tokens after `prompt` in the slot `at` names
     /// (keeping what it holds of the prompt with `at.reuse`, else emptied); `sampler` sees the
     /// prompt. Nothing is decoded until [`Session::step`].

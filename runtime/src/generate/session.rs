@@ -3,13 +3,11 @@
 //! at a time, each decode reported to an observer. A slot remembers the tokens its memory holds,
 //! so a prompt that starts the same way computes only what is new.
 
-use std::ops::ControlFlow;
 use std::time::{Duration, Instant};
 
 use ggml_sys::{Batch, Context, EvalCallback, Model, NgramDraft, Threads, Token};
 
-use super::run::{Callback, Client};
-use super::sampler::{to_end, Chosen, Sampler};
+use super::sampler::{to_end, Sampler};
 use super::{context_params, kept_prefix, ContextShape, GenerateError, Generation, Reuse};
 
 /// One `llama_decode` call, as reported to a [`DecodeObserver`].
@@ -279,33 +277,6 @@ impl<'m> Session<'m> {
     /// nodes): the generation then ends with [`GenerateError::Cancelled`].
     pub fn set_abort_flag(&mut self, flag: Option<std::sync::Arc<std::sync::atomic::AtomicBool>>) {
         self.ctx.set_abort_flag(flag);
-    }
-
-    /// Generates up to `n_predict` tokens after `prompt` in the slot `at` names, chosen by
-    /// `sampler`. `on_token` gets each token, its bytes and its logits as it is chosen and may end
-    /// the generation early ([`ControlFlow::Break`], e.g. at a stop sequence); `observer` runs
-    /// after every decode. With `at.reuse`, the prompt's first tokens that the slot already holds
-    /// ([`Session::reusable`]) are not computed again; otherwise the slot starts empty. A
-    /// generation that fails leaves its slot empty.
-    pub fn generate_with<E: DecodeError>(
-        &mut self,
-        at: SlotUse,
-        prompt: &[Token],
-        n_predict: u32,
-        sampler: &mut Sampler,
-        on_token: impl FnMut(&Chosen<'_>) -> ControlFlow<()>,
-        observer: &mut DecodeObserver<'_, E>,
-    ) -> Result<Generation, E> {
-        let mut run = self.begin(at, prompt, n_predict, sampler)?;
-        let mut client = Callback { sampler, on_token };
-        while !run.is_over() {
-            if let Err(e) = self.step(&mut [(&mut run, &mut client as &mut dyn Client)], observer) {
-                // The run failed with the decode: its slot is emptied, the decode's error said.
-                let _ = self.end(run);
-                return Err(e);
-            }
-        }
-        Ok(self.end(run)?)
     }
 
     /// Empties what slot `at.slot` holds but the part of `prompt` it keeps; returns the slot and

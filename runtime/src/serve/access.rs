@@ -126,16 +126,22 @@ impl Access {
         Ok(Access { key, metrics_keyed, cors, cors_any })
     }
 
-    /// Checks a request for `path` with its `Authorization` header (or, as Anthropic's clients
-    /// send the key, its `x-api-key` header): 401 when a key is required and not given, or wrong.
+    /// Whether `/metrics` needs the key (`--metrics-need-key`).
+    pub fn metrics_keyed(&self) -> bool {
+        self.metrics_keyed
+    }
+
+    /// Checks a request for a route that needs the key (`needed`) with its `Authorization`
+    /// header (or, as Anthropic's clients send the key, its `x-api-key` header): 401 when the
+    /// server has a key and it is not given, or wrong.
     pub fn authorize(
         &self,
-        path: &str,
+        needed: bool,
         authorization: Option<&HeaderValue>,
         x_api_key: Option<&HeaderValue>,
     ) -> Result<(), ApiError> {
         let Some(key) = &self.key else { return Ok(()) };
-        if path == "/health" || path == "/" || path == "/status.html" || (path == "/metrics" && !self.metrics_keyed) {
+        if !needed {
             return Ok(());
         }
         let bearer = authorization.and_then(|v| v.to_str().ok()).and_then(|v| {
@@ -176,23 +182,22 @@ mod tests {
     }
 
     #[test]
-    fn a_key_is_checked_as_a_bearer_token_or_x_api_key_except_on_health() {
+    fn a_key_is_checked_as_a_bearer_token_or_x_api_key_where_needed() {
         let a = keyed("s3cret", false);
-        assert!(a.authorize("/v1/completions", Some(&h("Bearer s3cret")), None).is_ok());
-        assert!(a.authorize("/v1/completions", Some(&h("bearer  s3cret ")), None).is_ok());
-        let e = a.authorize("/v1/completions", Some(&h("Bearer s3cre")), None).unwrap_err();
+        assert!(a.authorize(true, Some(&h("Bearer s3cret")), None).is_ok());
+        assert!(a.authorize(true, Some(&h("bearer  s3cret ")), None).is_ok());
+        let e = a.authorize(true, Some(&h("Bearer s3cre")), None).unwrap_err();
         assert_eq!(
             (e.status, e.code, e.message.as_str()),
             (401, Some("invalid_api_key"), "Incorrect API key provided.")
         );
-        assert!(a.authorize("/v1/models", None, None).unwrap_err().message.contains("didn't provide"));
-        assert!(a.authorize("/v1/models", Some(&h("Basic czNjcmV0")), None).is_err());
-        assert!(a.authorize("/v1/messages", None, Some(&h("s3cret"))).is_ok());
-        assert!(a.authorize("/v1/messages", None, Some(&h("s3cre"))).is_err());
-        assert!(a.authorize("/health", None, None).is_ok());
-        assert!(a.authorize("/metrics", None, None).is_ok());
-        assert!(keyed("s3cret", true).authorize("/metrics", None, None).is_err());
-        assert!(Access::default().authorize("/v1/completions", None, None).is_ok());
+        assert!(a.authorize(true, None, None).unwrap_err().message.contains("didn't provide"));
+        assert!(a.authorize(true, Some(&h("Basic czNjcmV0")), None).is_err());
+        assert!(a.authorize(true, None, Some(&h("s3cret"))).is_ok());
+        assert!(a.authorize(true, None, Some(&h("s3cre"))).is_err());
+        assert!(a.authorize(false, None, None).is_ok(), "a route that needs no key");
+        assert!(!a.metrics_keyed() && keyed("s3cret", true).metrics_keyed());
+        assert!(Access::default().authorize(true, None, None).is_ok());
     }
 
     #[test]

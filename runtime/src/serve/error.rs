@@ -56,9 +56,13 @@ impl ApiError {
 
     /// The JSON body.
     pub fn body(&self) -> String {
+        self.body_json().to_string()
+    }
+
+    /// [`ApiError::body`] as JSON.
+    pub fn body_json(&self) -> serde_json::Value {
         serde_json::json!({
             "error": { "message": self.message, "type": self.kind, "param": self.param, "code": self.code }
         })
-        .to_string()
     }
 }

@@ -13,34 +13,28 @@
 //! and the process exits 0.
 
 pub mod access;
-mod answer;
 pub mod anthropic;
-pub mod api;
 pub mod chat;
 pub mod config;
-mod degraded;
 pub mod deltas;
 pub mod engine;
 pub mod error;
-pub mod heat;
 pub mod http;
 pub mod job;
 pub mod limits;
 pub mod llama_server;
 pub mod logprobs;
+pub mod messages;
 pub mod metrics;
 pub mod model_card;
 pub mod ollama;
-pub mod prompt;
-mod running;
-pub mod saved_slots;
+pub mod openai;
+pub mod routes;
 pub mod shared;
-pub mod slot_actions;
-pub mod slots;
 pub mod state;
+pub mod status;
 pub mod stored;
 pub mod text;
-pub mod text_tools;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -134,7 +128,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             .spawn(move || watchdog(&shared, &done, interval, notify::watchdog))
     });
     let pinger = pinger.transpose()?;
-    let front = Arc::new(Front::new(cfg.limits.clone(), Arc::clone(&shared), fd_room));
+    let front = Arc::new(Front::new(routes::handle, cfg.limits.clone(), Arc::clone(&shared), fd_room));
     let outcome = runtime.block_on(async {
         let mut acceptors = Vec::new();
         for l in std::iter::once(listener).chain(second) {

@@ -9,12 +9,12 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use super::access::Access;
 use super::error::ApiError;
 use super::job::{Admission, EventSender, GenerationRequest, Job, PromptBound};
+use super::messages::SlotActions;
+use super::messages::TextTools;
 use super::metrics::Metrics;
 use super::model_card::ModelCard;
-use super::slot_actions::SlotActions;
 use super::state::State;
 use super::stored::StoredResponses;
-use super::text_tools::TextTools;
 use crate::systemd::notify;
 
 /// How long the engine waits for a request before it reports that it is alive.

@@ -53,15 +53,16 @@ pub struct SlotUse {
 
 impl Residency {
     /// Nothing resident yet in `reservations` (one per expert tensor of `index`), under a cache
-    /// of the budget and policy `settings` name; reads are checked against `sums` when given.
+    /// of `budget` bytes evicting by `policy`, its reads landing in a pool of `expert_pool` bytes
+    /// (fresh pages without); reads are checked against `sums` when given.
     pub fn new(
         index: Arc<ExpertIndex>,
         reservations: Vec<Arc<Reservation>>,
-        settings: &super::engine::StreamerSettings,
+        (budget, policy, expert_pool): (u64, CachePolicy, Option<u64>),
         sums: Option<Arc<ReadSums>>,
     ) -> Residency {
-        let cache = empty_cache(&index, settings.cache_budget, settings.cache_policy);
-        let pool = settings.expert_pool.and_then(|room| expert_pool(&index, &reservations, room));
+        let cache = empty_cache(&index, budget, policy);
+        let pool = expert_pool.and_then(|room| self::expert_pool(&index, &reservations, room));
         Residency { index, reservations, cache, sums, pool }
     }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use hyper::body::Incoming;
-use hyper::{Method, Request, Response};
+use hyper::{Request, Response};
 use serde_json::json;
 use tokio::net::TcpStream;
 
@@ -20,32 +20,8 @@ use super::http::{
     Front, Queued, Translate, Translated,
 };
 use super::job::{Event, Piece, PromptInput};
-use super::text_tools::{Answer, Question};
+use super::messages::{Answer, Question};
 use reply::MessageReply;
-
-/// Answers a request for a path under `/v1/messages`.
-pub async fn route(
-    req: Request<Incoming>,
-    path: &str,
-    front: &Front,
-    tcp: &Arc<TcpStream>,
-    conn: &Arc<ConnState>,
-) -> Response<Body> {
-    match (req.method(), path) {
-        (&Method::POST, "/v1/messages") => messages(req, front, tcp, conn).await,
-        (&Method::POST, "/v1/messages/count_tokens") => {
-            count_tokens(req, front, conn).await.unwrap_or_else(|e| error(&e))
-        }
-        (m, "/v1/messages" | "/v1/messages/count_tokens") => {
-            error(&ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}; use POST")))
-        }
-        _ => error(&ApiError::new(
-            404,
-            "not_found_error",
-            format!("no such endpoint: {path} (see /v1/messages and /v1/messages/count_tokens)"),
-        )),
-    }
-}
 
 /// Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`, its type named
 /// for the status as Anthropic names them.
@@ -69,7 +45,7 @@ fn error(e: &ApiError) -> Response<Body> {
 }
 
 /// `POST /v1/messages`.
-async fn messages(
+pub async fn messages(
     req: Request<Incoming>,
     front: &Front,
     tcp: &Arc<TcpStream>,
@@ -120,7 +96,11 @@ impl Translate for MessageReply {
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's tokens as the model's template renders it.
-async fn count_tokens(
+pub async fn count_tokens(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
+    counted_tokens(req, front, conn).await.unwrap_or_else(|e| error(&e))
+}
+
+async fn counted_tokens(
     req: Request<Incoming>,
     front: &Front,
     conn: &Arc<ConnState>,

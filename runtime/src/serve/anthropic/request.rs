@@ -6,9 +6,9 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::serve::api;
 use crate::serve::error::ApiError;
 use crate::serve::job::GenerationRequest;
+use crate::serve::{http, openai};
 
 /// The fields of a Messages request that sluice honours or knowingly ignores; any other is a 400.
 #[derive(Debug, Deserialize)]
@@ -58,7 +58,7 @@ pub struct MessagesSetup {
 
 /// Parses a Messages body; `count_only` for `count_tokens`, which takes no `max_tokens`.
 pub fn parse(body: &[u8], count_only: bool) -> Result<(GenerationRequest, MessagesSetup), ApiError> {
-    let b: MessagesBody = api::parse(body)?;
+    let b: MessagesBody = http::parse(body)?;
     let ignored = [
         b.metadata.is_some(),
         b.service_tier.is_some(),
@@ -127,7 +127,7 @@ pub fn parse(body: &[u8], count_only: bool) -> Result<(GenerationRequest, Messag
     if let Some(config) = b.output_config {
         translate_output_config(config, &mut openai)?;
     }
-    let request = api::chat_request_from(Value::Object(openai), "").map_err(anthropic_names)?;
+    let request = openai::chat_request_from(Value::Object(openai), "").map_err(anthropic_names)?;
     Ok((request, MessagesSetup { stop_sequences: b.stop_sequences.unwrap_or_default() }))
 }
 

@@ -1,4 +1,4 @@
-//! Response bodies: a whole body, or a generation's server-sent events. Either holds its
+//! Response bodies: a whole body, or a generation's events as an API streams them. Either holds its
 //! connection's [`RequestGuard`], so the connection counts as in a request until the body is
 //! sent or dropped.
 
@@ -12,8 +12,7 @@ use bytes::Bytes;
 use hyper::body::{Body as HttpBody, Frame, SizeHint};
 
 use super::conn::RequestGuard;
-use super::reply::{Kind, Reply};
-use crate::serve::job::{Event, EventReceiver, Piece};
+use crate::serve::job::{Event, EventReceiver};
 
 /// A response body.
 pub struct Body {
@@ -91,72 +90,6 @@ impl Drop for CancelOnDrop {
 /// A future that completes when the client has gone away.
 pub type Gone = Pin<Box<dyn Future<Output = ()> + Send>>;
 
-/// A generation streamed as server-sent events, one per piece of text. It ends the stream when
-/// the client goes away; dropping it (hyper does when a write fails) cancels the generation.
-pub struct EventStream {
-    reply: Reply,
-    events: EventReceiver,
-    gone: Gone,
-    _cancel: CancelOnDrop,
-    started: bool,
-    ended: bool,
-    /// Bytes of completion text sent (log probabilities' text offsets count from it).
-    sent: usize,
-}
-
-impl EventStream {
-    /// The stream of `events`, formatted as `reply`, cancelled through `cancel`.
-    pub fn new(reply: Reply, events: EventReceiver, cancel: CancelOnDrop, gone: Gone) -> EventStream {
-        EventStream { reply, events, gone, _cancel: cancel, started: false, ended: false, sent: 0 }
-    }
-}
-
-impl EventSource for EventStream {
-    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Option<Bytes>> {
-        if self.ended {
-            return Poll::Ready(None);
-        }
-        if !self.started {
-            self.started = true;
-            if self.reply.kind == Kind::Chat {
-                return Poll::Ready(Some(event(&self.reply.role_chunk().to_string())));
-            }
-        }
-        loop {
-            let Some(e) = std::task::ready!(poll_event(&mut self.gone, &mut self.events, cx)) else {
-                self.ended = true;
-                return Poll::Ready(None);
-            };
-            let out = match e {
-                Event::Output { piece, logprobs } => {
-                    let chunk = self.reply.chunk(&piece, &logprobs, self.sent);
-                    if let Piece::Text(t) = &piece {
-                        self.sent += t.len();
-                    }
-                    event(&chunk.to_string())
-                }
-                Event::Done { finish, usage, .. } => {
-                    self.ended = true;
-                    let mut out = String::new();
-                    for chunk in std::iter::once(self.reply.finish_chunk(finish))
-                        .chain(self.reply.include_usage.then(|| self.reply.usage_chunk(&usage)))
-                    {
-                        out.push_str(&format!("data: {chunk}\n\n"));
-                    }
-                    out.push_str("data: [DONE]\n\n");
-                    Bytes::from(out)
-                }
-                Event::Failed(e) => {
-                    self.ended = true;
-                    event(&e.body())
-                }
-                Event::Started { .. } => continue,
-            };
-            return Poll::Ready(Some(out));
-        }
-    }
-}
-
 /// What a stream makes of a generation's events, in one API's shapes.
 pub trait Translate: Send {
     /// What the stream opens with (nothing by default).
@@ -170,6 +103,12 @@ pub trait Translate: Send {
 
     /// The bytes that carry `values` (server-sent events, JSON lines, ...).
     fn frames(&self, values: &[serde_json::Value]) -> Bytes;
+
+    /// What the stream writes after the frames of `Done` (nothing by default; OpenAI's
+    /// `data: [DONE]`), in the same write.
+    fn closing(&self) -> &'static str {
+        ""
+    }
 }
 
 /// A generation streamed by a [`Translate`]: it ends after `Done` or `Failed`, or when the client
@@ -207,9 +146,14 @@ impl<T: Translate> EventSource for Translated<T> {
                 continue;
             }
             self.ended = matches!(e, Event::Done { .. } | Event::Failed(_));
+            let closing = if matches!(e, Event::Done { .. }) { self.translate.closing() } else { "" };
             let out = self.translate.event(e);
-            if !out.is_empty() {
-                return Poll::Ready(Some(self.translate.frames(&out)));
+            if !out.is_empty() || !closing.is_empty() {
+                let frames = self.translate.frames(&out);
+                if closing.is_empty() {
+                    return Poll::Ready(Some(frames));
+                }
+                return Poll::Ready(Some([frames.as_ref(), closing.as_bytes()].concat().into()));
             }
         }
         Poll::Ready(None)
@@ -233,9 +177,4 @@ pub fn typed_events(events: &[serde_json::Value]) -> Bytes {
         out.push_str(&format!("event: {}\ndata: {e}\n\n", e["type"].as_str().unwrap_or("message")));
     }
     Bytes::from(out)
-}
-
-/// One server-sent event.
-fn event(data: &str) -> Bytes {
-    Bytes::from(format!("data: {data}\n\n"))
 }

@@ -22,21 +22,26 @@
 mod body;
 pub mod conn;
 mod exchange;
-mod reply;
-mod response_items;
-mod responses;
-mod routes;
+mod parse;
+mod response;
 mod transport;
 
-pub(crate) use body::{typed_events, Body, Translate, Translated};
-pub(crate) use exchange::{enqueue, queue, read_body, ready_body, started, streamed, whole_generation, Ended, Queued};
-pub(crate) use routes::{error_with, json_response};
+pub(crate) use body::{typed_events, Body, CancelOnDrop, Gone, Translate, Translated};
+pub(crate) use exchange::{
+    enqueue, event_stream, queue, read_body, ready_body, started, streamed, whole_generation, Ended, Queued,
+};
+pub(crate) use parse::{parse, parse_value};
+pub(crate) use response::{error, error_with, json_response, preflight};
 
+use std::future::Future;
 use std::io;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use hyper::body::Incoming;
 use hyper::server::conn::http1;
+use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -74,8 +79,18 @@ const LINGER_BYTES: usize = 64 << 20;
 /// Connections refused with 503 that may linger at once; more are closed at once.
 const MAX_REFUSING: usize = 64;
 
+/// What answers each request: the router above the APIs ([`crate::serve::routes`]), which this
+/// transport knows only as this function.
+pub type Handler = for<'a> fn(
+    Request<Incoming>,
+    &'a Front,
+    &'a Arc<TcpStream>,
+    &'a Arc<conn::ConnState>,
+) -> Pin<Box<dyn Future<Output = Response<Body>> + Send + 'a>>;
+
 /// The running front: limits, connections, and what its requests share.
 pub struct Front {
+    handler: Handler,
     limits: HttpLimits,
     shared: Arc<Shared>,
     registry: Registry,
@@ -86,9 +101,9 @@ pub struct Front {
 }
 
 impl Front {
-    /// A front with `limits`, its connection cap lowered to what `fd_room` more file
-    /// descriptors allow.
-    pub fn new(limits: HttpLimits, shared: Arc<Shared>, fd_room: usize) -> Front {
+    /// A front answering with `handler` within `limits`, its connection cap lowered to what
+    /// `fd_room` more file descriptors allow.
+    pub fn new(handler: Handler, limits: HttpLimits, shared: Arc<Shared>, fd_room: usize) -> Front {
         let cap = limits.max_connections.min(fd_room.saturating_sub(MAX_REFUSING)).max(1);
         if cap < limits.max_connections {
             log::warn!(
@@ -105,6 +120,7 @@ impl Front {
             .half_close(false);
         let body_budget = Arc::new(Semaphore::new(limits.body_bytes.saturating_mul(2).min(Semaphore::MAX_PERMITS)));
         Front {
+            handler,
             limits,
             shared,
             registry: Registry::new(cap),
@@ -187,7 +203,7 @@ impl Front {
             let (front, tcp, state) = (Arc::clone(self), Arc::clone(&tcp), Arc::clone(state));
             hyper::service::service_fn(move |req| {
                 let (front, tcp, state) = (Arc::clone(&front), Arc::clone(&tcp), Arc::clone(&state));
-                async move { Ok::<_, std::convert::Infallible>(routes::handle(req, &front, &tcp, &state).await) }
+                async move { Ok::<_, std::convert::Infallible>((front.handler)(req, &front, &tcp, &state).await) }
             })
         };
         let connection =

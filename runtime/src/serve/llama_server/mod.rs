@@ -7,21 +7,18 @@ use std::time::Duration;
 
 use hyper::body::Incoming;
 use hyper::header;
-use hyper::{Method, Request, Response};
+use hyper::{Request, Response};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::api;
 use super::error::ApiError;
 use super::http::conn::ConnState;
 use super::http::{error_with, json_response, read_body, ready_body, Body, Front};
 use super::job::PromptInput;
-use super::slot_actions::SlotAction;
+use super::messages::SlotAction;
+use super::messages::{Answer, Question};
 use super::state::State;
-use super::text_tools::{Answer, Question};
-
-/// The paths answered here.
-pub const PATHS: [&str; 5] = ["/tokenize", "/detokenize", "/apply-template", "/props", "/slots"];
+use super::{http, openai};
 
 /// `POST /tokenize`'s body.
 #[derive(Debug, Deserialize)]
@@ -47,18 +44,47 @@ struct DetokenizeBody {
     tokens: Vec<i64>,
 }
 
-/// Answers a request for one of [`PATHS`].
-pub async fn route(req: Request<Incoming>, path: &str, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
-    let answer = match (req.method(), path) {
-        (&Method::GET, "/props") => props(front),
-        (&Method::GET, "/slots") => slots(front),
-        (&Method::POST, p) if p.starts_with("/slots/") => slot_action(req, p, front, conn).await,
-        (&Method::POST, "/tokenize" | "/detokenize" | "/apply-template") => match read_body(req, front, conn).await {
-            Ok(body) => text(path, &body, front).await,
-            Err(e) => Err(e),
-        },
-        (m, _) => Err(ApiError::new(405, "invalid_request_error", format!("{path} does not take {m}"))),
-    };
+/// The questions about text llama-server answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TextQuestion {
+    /// `POST /tokenize`.
+    Tokenize,
+    /// `POST /detokenize`.
+    Detokenize,
+    /// `POST /apply-template`.
+    ApplyTemplate,
+}
+
+/// `POST /tokenize`, `/detokenize` or `/apply-template`.
+pub async fn text(
+    req: Request<Incoming>,
+    question: TextQuestion,
+    front: &Front,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
+    answer(match read_body(req, front, conn).await {
+        Ok(body) => text_answer(question, &body, front).await,
+        Err(e) => Err(e),
+    })
+}
+
+/// `GET /props`.
+pub fn props(front: &Front) -> Response<Body> {
+    answer(model_props(front))
+}
+
+/// `GET /slots`.
+pub fn slots(front: &Front) -> Response<Body> {
+    answer(slot_list(front))
+}
+
+/// `POST /slots/{id}?action=...`.
+pub async fn slot_action(req: Request<Incoming>, path: &str, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
+    answer(run_slot_action(req, path, front, conn).await)
+}
+
+/// A JSON answer, or its error in OpenAI's shape (as llama-server answers).
+fn answer(answer: Result<Value, ApiError>) -> Response<Body> {
     match answer {
         Ok(v) => json_response(200, v.to_string()),
         Err(e) => error_with(&e, e.body()),
@@ -67,13 +93,13 @@ pub async fn route(req: Request<Incoming>, path: &str, front: &Front, conn: &Arc
 
 /// `/tokenize`, `/detokenize` and `/apply-template`, answered by the model's tokenizer and
 /// template.
-async fn text(path: &str, body: &[u8], front: &Front) -> Result<Value, ApiError> {
+async fn text_answer(question: TextQuestion, body: &[u8], front: &Front) -> Result<Value, ApiError> {
     let shared = front.shared();
     let (_, tools) = shared.loaded()?;
     let bound = shared.prompt_bound();
-    match path {
-        "/tokenize" => {
-            let b: TokenizeBody = api::parse(body)?;
+    match question {
+        TextQuestion::Tokenize => {
+            let b: TokenizeBody = http::parse(body)?;
             if let Some(limit) = bound.bytes().filter(|limit| b.content.len() > *limit) {
                 return Err(ApiError::invalid(
                     format!("content: {} bytes is over the maximum context length of {} tokens ({limit} bytes at most): a longer text could never be a prompt", b.content.len(), bound.n_ctx),
@@ -97,8 +123,8 @@ async fn text(path: &str, body: &[u8], front: &Front) -> Result<Value, ApiError>
             };
             Ok(json!({"tokens": tokens}))
         }
-        "/detokenize" => {
-            let b: DetokenizeBody = api::parse(body)?;
+        TextQuestion::Detokenize => {
+            let b: DetokenizeBody = http::parse(body)?;
             let tokens = b
                 .tokens
                 .iter()
@@ -115,8 +141,8 @@ async fn text(path: &str, body: &[u8], front: &Front) -> Result<Value, ApiError>
             };
             Ok(json!({"content": content}))
         }
-        _ => {
-            let request = api::chat_request(body, &shared.model_id)?;
+        TextQuestion::ApplyTemplate => {
+            let request = openai::chat_request(body, &shared.model_id)?;
             bound.check(&request)?;
             let PromptInput::Chat(inputs) = request.prompt else { return Err(unexpected()) };
             let Answer::Text(prompt) = tools.ask(Question::Render(inputs), bound).await? else {
@@ -139,7 +165,7 @@ struct SlotBody {
 const SLOT_ACTION_PATIENCE: Duration = Duration::from_secs(60);
 
 /// `POST /slots/{id}?action=save|restore|erase`, run by the engine between its steps.
-async fn slot_action(
+async fn run_slot_action(
     req: Request<Incoming>,
     path: &str,
     front: &Front,
@@ -154,7 +180,7 @@ async fn slot_action(
     let sent =
         req.headers().contains_key(header::CONTENT_LENGTH) || req.headers().contains_key(header::TRANSFER_ENCODING);
     let raw = if sent { ready_body(req, front, conn).await? } else { Vec::new() };
-    let body: SlotBody = if raw.iter().all(u8::is_ascii_whitespace) { SlotBody::default() } else { api::parse(&raw)? };
+    let body: SlotBody = if raw.iter().all(u8::is_ascii_whitespace) { SlotBody::default() } else { http::parse(&raw)? };
     let action = match (asked.as_str(), body.filename) {
         ("save", _) => SlotAction::Save,
         ("erase", _) => SlotAction::Erase,
@@ -187,7 +213,7 @@ fn unexpected() -> ApiError {
 }
 
 /// `GET /props`: the served model and the server's settings.
-fn props(front: &Front) -> Result<Value, ApiError> {
+fn model_props(front: &Front) -> Result<Value, ApiError> {
     let shared = front.shared();
     let (card, _) = shared.loaded()?;
     let slots = shared.metrics.slots().len();
@@ -203,7 +229,7 @@ fn props(front: &Front) -> Result<Value, ApiError> {
 }
 
 /// `GET /slots`: each slot, whether it runs a request, and the tokens its memory holds.
-fn slots(front: &Front) -> Result<Value, ApiError> {
+fn slot_list(front: &Front) -> Result<Value, ApiError> {
     let shared = front.shared();
     let n_ctx = shared.prompt_bound().n_ctx;
     let slots: Vec<Value> = shared

@@ -13,12 +13,12 @@ use std::time::Instant;
 
 use bytes::Bytes;
 use hyper::body::Incoming;
-use hyper::{Method, Request, Response};
+use hyper::{Request, Response};
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
 
-use super::api;
 use super::error::ApiError;
+use super::http;
 use super::http::conn::ConnState;
 use super::http::{
     error_with, json_response, queue, ready_body, started, streamed, whole_generation, Body, Ended, Front, Queued,
@@ -28,41 +28,65 @@ use super::job::{Event, GenerationRequest, Piece};
 use super::shared::Shared;
 use reply::{Endpoint, OllamaReply};
 
-/// Answers a request for a path under `/api/`.
-pub async fn route(
+/// `POST /api/chat`.
+pub async fn chat(
     req: Request<Incoming>,
-    path: &str,
     front: &Front,
     tcp: &Arc<TcpStream>,
     conn: &Arc<ConnState>,
 ) -> Response<Body> {
-    let shared = front.shared();
-    let answer = match (req.method(), path) {
-        (&Method::POST, "/api/chat") => return generate(req, front, tcp, conn, Endpoint::Chat).await,
-        (&Method::POST, "/api/generate") => return generate(req, front, tcp, conn, Endpoint::Generate).await,
-        (&Method::GET | &Method::HEAD, "/api/tags") => models::tags(shared),
-        (&Method::GET | &Method::HEAD, "/api/ps") => models::ps(shared),
-        (&Method::GET | &Method::HEAD, "/api/version") => Ok(json!({"version": models::VERSION})),
-        (&Method::POST, "/api/show") => match read(req, front, conn).await {
-            Ok(body) => models::show(shared, &body),
-            Err(e) => Err(e),
-        },
-        (&Method::POST, "/api/pull") => match read(req, front, conn).await {
-            Ok(body) => return models::pull(shared, &body).unwrap_or_else(|e| error(&e)),
-            Err(e) => Err(e),
-        },
-        (_, p) if models::UNSUPPORTED.iter().any(|(u, _)| p == *u || p.starts_with(&format!("{u}/"))) => {
-            Err(models::unsupported(p))
-        }
-        (m, p) if models::ENDPOINTS.contains(&p) => {
-            Err(ApiError::new(405, "invalid_request_error", format!("{p} does not take {m}")))
-        }
-        _ => Err(ApiError::new(
-            404,
-            "not_found_error",
-            format!("no such endpoint: {path} (Ollama's API here: {})", models::ENDPOINTS.join(", ")),
-        )),
-    };
+    generation(req, front, tcp, conn, Endpoint::Chat).await
+}
+
+/// `POST /api/generate`.
+pub async fn generate(
+    req: Request<Incoming>,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
+    generation(req, front, tcp, conn, Endpoint::Generate).await
+}
+
+/// `GET /api/tags`: the served model.
+pub fn tags(shared: &Shared) -> Response<Body> {
+    answer(models::tags(shared))
+}
+
+/// `GET /api/ps`: the loaded model.
+pub fn ps(shared: &Shared) -> Response<Body> {
+    answer(models::ps(shared))
+}
+
+/// `GET /api/version`.
+pub fn version() -> Response<Body> {
+    answer(Ok(json!({"version": models::VERSION})))
+}
+
+/// `POST /api/show`: the served model's details.
+pub async fn show(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
+    answer(match read(req, front, conn).await {
+        Ok(body) => models::show(front.shared(), &body),
+        Err(e) => Err(e),
+    })
+}
+
+/// `POST /api/pull` of the served model.
+pub async fn pull(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
+    match read(req, front, conn).await {
+        Ok(body) => models::pull(front.shared(), &body).unwrap_or_else(|e| error(&e)),
+        Err(e) => error(&e),
+    }
+}
+
+/// One of Ollama's endpoints a single-model server cannot serve (`path` under it), any method:
+/// it does not support `what`.
+pub fn unsupported(path: &str, what: &str) -> Response<Body> {
+    error(&models::unsupported(path, what))
+}
+
+/// A JSON answer, or its error in Ollama's shape.
+fn answer(answer: Result<Value, ApiError>) -> Response<Body> {
     match answer {
         Ok(v) => json_response(200, v.to_string()),
         Err(e) => error(&e),
@@ -81,7 +105,7 @@ fn error(e: &ApiError) -> Response<Body> {
 /// A body of a model request, parsed.
 async fn read(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Result<models::ModelBody, ApiError> {
     let body = ready_body(req, front, conn).await?;
-    api::parse(&body)
+    http::parse(&body)
 }
 
 /// The name a client gave the served model, checked: the served id, `id:latest`, or the name
@@ -104,7 +128,7 @@ fn check_model(shared: &Shared, name: Option<&str>) -> Result<String, ApiError> 
 }
 
 /// `/api/chat` or `/api/generate`.
-async fn generate(
+async fn generation(
     req: Request<Incoming>,
     front: &Front,
     tcp: &Arc<TcpStream>,
@@ -161,7 +185,7 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
     let unload = |keep_alive: &Option<Value>| keep_alive.as_ref().is_some_and(|k| k == 0 || k == "0" || k == "0s");
     match endpoint {
         Endpoint::Chat => {
-            let b: request::ChatBody = api::parse(body)?;
+            let b: request::ChatBody = http::parse(body)?;
             let reply = OllamaReply::new(endpoint, check_model(shared, b.model.as_deref())?, begun);
             if b.loads_only() {
                 return Ok(Parsed::Loaded(reply.loaded(unload(&b.keep_alive))));
@@ -169,7 +193,7 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
             Ok(Parsed::Generate(Box::new(b.request(context)?), reply))
         }
         Endpoint::Generate => {
-            let b: request::GenerateBody = api::parse(body)?;
+            let b: request::GenerateBody = http::parse(body)?;
             let reply = OllamaReply::new(endpoint, check_model(shared, b.model.as_deref())?, begun);
             if b.loads_only() {
                 return Ok(Parsed::Loaded(reply.loaded(unload(&b.keep_alive))));

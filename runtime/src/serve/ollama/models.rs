@@ -20,24 +20,9 @@ use crate::serve::shared::Shared;
 /// use (Open WebUI, for one, wants a number).
 pub const VERSION: &str = "0.12.6";
 
-/// Ollama's endpoints this server answers.
-pub const ENDPOINTS: [&str; 7] =
-    ["/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version", "/api/pull"];
-
-/// Ollama's endpoints a single-model server cannot serve, and why.
-pub const UNSUPPORTED: [(&str, &str); 7] = [
-    ("/api/push", "pushing models to a registry"),
-    ("/api/create", "creating models"),
-    ("/api/copy", "copying models"),
-    ("/api/delete", "deleting models"),
-    ("/api/blobs", "uploading model files"),
-    ("/api/embed", "embeddings"),
-    ("/api/embeddings", "embeddings"),
-];
-
-/// The error for an endpoint of [`UNSUPPORTED`].
-pub fn unsupported(path: &str) -> ApiError {
-    let what = UNSUPPORTED.iter().find(|(p, _)| path.starts_with(p)).map_or("this", |(_, w)| w);
+/// The error for an endpoint a single-model server cannot serve: `path`, where it would do
+/// `what`.
+pub fn unsupported(path: &str, what: &str) -> ApiError {
     ApiError::new(
         501,
         "invalid_request_error",

@@ -6,9 +6,9 @@ use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
-use crate::serve::api;
 use crate::serve::error::ApiError;
 use crate::serve::job::GenerationRequest;
+use crate::serve::openai;
 
 /// `/api/chat`'s body.
 #[derive(Debug, Deserialize)]
@@ -101,7 +101,7 @@ impl ChatBody {
             openai.insert("tools".into(), Value::Array(tools));
         }
         common(&mut openai, self.format, self.options, self.stream, self.think.as_ref(), context)?;
-        api::chat_request_from(Value::Object(openai), "").map_err(ollama_names)
+        openai::chat_request_from(Value::Object(openai), "").map_err(ollama_names)
     }
 }
 
@@ -153,7 +153,7 @@ impl GenerateBody {
         common(&mut openai, self.format, self.options, self.stream, self.think.as_ref(), context)?;
         let bounded = openai.contains_key("max_tokens");
         let body = Value::Object(openai);
-        let request = if raw { api::completion_request_from(body, "") } else { api::chat_request_from(body, "") };
+        let request = if raw { openai::completion_request_from(body, "") } else { openai::chat_request_from(body, "") };
         let mut request = request.map_err(ollama_names)?;
         if !bounded {
             // Ollama generates until the model stops or the context is full, raw prompts too.

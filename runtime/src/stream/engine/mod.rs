@@ -158,8 +158,9 @@ impl Streamer {
         settings: StreamerSettings,
     ) -> Self {
         let n_expert = index.n_expert as usize;
+        let memory = (settings.cache_budget, settings.cache_policy, settings.expert_pool);
         Streamer {
-            memory: Residency::new(Arc::clone(&index), bound.reservations, &settings, sums),
+            memory: Residency::new(Arc::clone(&index), bound.reservations, memory, sums),
             routing: Routing::new(index.n_layer, index.n_expert, settings.substitute, settings.trace),
             use_order: bound.use_order,
             reused: bound.reused,

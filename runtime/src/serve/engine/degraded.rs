@@ -5,9 +5,9 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::error::ApiError;
-use super::job::{Event, Job};
-use super::shared::{Shared, IDLE_BEAT};
+use crate::serve::error::ApiError;
+use crate::serve::job::{Event, Job};
+use crate::serve::shared::{Shared, IDLE_BEAT};
 
 /// How long a degraded server waits between two tries to reach its lost worker.
 const WORKER_RETRY: Duration = Duration::from_secs(1);

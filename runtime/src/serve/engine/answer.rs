@@ -6,13 +6,13 @@ use std::sync::atomic::Ordering;
 
 use ggml_sys::{GrammarKind, Model, ParsedMessage, SamplerParams};
 
-use super::deltas::{MessageDelta, MessageStream};
-use super::error::ApiError;
-use super::job::{Event, Piece};
-use super::logprobs::TokenLogprob;
 use super::prompt::ChatSetup;
-use super::text::ResponseText;
 use crate::generate::{Chosen, Sampler};
+use crate::serve::deltas::{MessageDelta, MessageStream};
+use crate::serve::error::ApiError;
+use crate::serve::job::{Event, Piece};
+use crate::serve::logprobs::TokenLogprob;
+use crate::serve::text::ResponseText;
 
 /// A prefix for the ids of one answer's tool calls that no other answer of this server uses.
 fn tool_call_prefix() -> String {

@@ -9,9 +9,9 @@ use std::path::Path;
 use ggml_sys::Token;
 
 use super::heat::ModelIdentity;
-use super::metrics::SlotView;
 use super::saved_slots::{SlotKey, SlotStore};
 use crate::generate::{ContextShape, Reuse, SlotUse};
+use crate::serve::metrics::SlotView;
 use crate::stream::{ExpertIndex, StreamedSession};
 
 /// The slots' bookkeeping beside the session that holds their memory.

@@ -12,7 +12,7 @@ pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Ap
 }
 
 /// [`parse`] of a body already read as JSON (another API's request, translated).
-pub(super) fn parse_value<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+pub(crate) fn parse_value<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, ApiError> {
     if !value.is_object() {
         return Err(ApiError::invalid("the request body must be a JSON object", None));
     }

@@ -10,10 +10,11 @@ use std::time::Instant;
 use anyhow::Result;
 use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, Model, Token};
 
-use super::error::ApiError;
-use super::job::{PromptBound, PromptInput};
-use super::shared::{Shared, IDLE_BEAT};
-use super::text_tools::{answer, TextTools, ToolJob};
+use super::questions::answer;
+use crate::serve::error::ApiError;
+use crate::serve::job::{PromptBound, PromptInput};
+use crate::serve::messages::{TextTools, ToolJob};
+use crate::serve::shared::{Shared, IDLE_BEAT};
 
 /// A prompt ready to generate from.
 pub(super) struct Prepared {
@@ -37,7 +38,7 @@ pub(super) struct ChatSetup {
 
 /// The stack of the thread that renders templates, converts schemas to grammars and tokenizes:
 /// llama.cpp recurses there as deep as a schema's nesting and an object's optional properties
-/// (bounded by [`super::limits`]) and a template's calls. Only the pages touched are committed.
+/// (bounded by [`crate::serve::limits`]) and a template's calls. Only the pages touched are committed.
 const PREPARE_STACK: usize = 64 << 20;
 
 /// A prompt to prepare, the flag that abandons it, and where the result goes.
@@ -194,7 +195,8 @@ impl Tokenizer {
 
     /// A handle for the HTTP front's questions, answered on the same thread.
     pub(super) fn tools(&self) -> TextTools {
-        TextTools::new(self.jobs.clone())
+        let jobs = self.jobs.clone();
+        TextTools::new(move |job| jobs.send(ThreadJob::Tool(job)).is_ok())
     }
 
     /// The prompt, prepared. While it is computed the engine beats, and gives up when `cancel`

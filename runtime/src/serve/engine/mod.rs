@@ -9,19 +9,29 @@ use std::time::{Duration, Instant};
 
 use anyhow::Result;
 
-use super::answer::Answer;
-use super::degraded::wait_for_worker;
+mod answer;
+mod degraded;
+pub mod heat;
+mod prompt;
+mod questions;
+mod running;
+pub mod saved_slots;
+mod slot_actions;
+pub mod slots;
+
+use self::answer::Answer;
+use self::degraded::wait_for_worker;
+use self::heat::ModelIdentity;
+use self::prompt::{TokenizeError, Tokenizer};
+use self::running::Running;
+use self::saved_slots::SlotStore;
+use self::slots::{open_store, Slots};
 use super::error::ApiError;
-use super::heat::{self, ModelIdentity};
 use super::job::{Event, EventSender, Finish, Job};
 use super::job::{GenerationRequest, PromptBound, TokenUsage};
 use super::metrics::GenerationCounts;
 use super::model_card::ModelCard;
-use super::prompt::{TokenizeError, Tokenizer};
-use super::running::Running;
-use super::saved_slots::SlotStore;
 use super::shared::{Shared, IDLE_BEAT};
-use super::slots::{open_store, Slots};
 use super::state::State;
 use crate::generate::{GenerateError, Generation, Sampler};
 use crate::launch::{Launch, LaunchError};
@@ -192,22 +202,22 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
 }
 
 /// The loaded model and its session.
-pub(super) struct Engine<'m, 's> {
-    pub(super) tokenizer: Tokenizer,
-    pub(super) session: StreamedSession<'m>,
-    pub(super) shared: &'s Shared,
-    pub(super) n_ctx: u32,
-    pub(super) identity: ModelIdentity,
-    pub(super) heat_path: Option<PathBuf>,
-    pub(super) heat_dirty: bool,
+struct Engine<'m, 's> {
+    tokenizer: Tokenizer,
+    session: StreamedSession<'m>,
+    shared: &'s Shared,
+    n_ctx: u32,
+    identity: ModelIdentity,
+    heat_path: Option<PathBuf>,
+    heat_dirty: bool,
     /// The RPC worker a generation lost: the model is unusable until it is loaded again.
-    pub(super) lost: Option<String>,
+    lost: Option<String>,
     /// The slots' bookkeeping.
-    pub(super) slots: Slots,
+    slots: Slots,
     /// The saved slots, when there is a state directory and room for them.
-    pub(super) store: Option<SlotStore>,
+    store: Option<SlotStore>,
     /// The requests being generated, at most one per slot.
-    pub(super) running: Vec<Running<'m>>,
+    running: Vec<Running<'m>>,
 }
 
 impl<'m> Engine<'m, '_> {
@@ -276,12 +286,12 @@ impl<'m> Engine<'m, '_> {
     }
 
     /// Hands the slots to the status page and `/metrics`.
-    pub(super) fn publish_slots(&self) {
+    fn publish_slots(&self) {
         self.shared.metrics.set_slots(&self.slots.views(&self.session));
     }
 
     /// Hands the heat map to the status page.
-    pub(super) fn publish_heat(&self) {
+    fn publish_heat(&self) {
         let heat = self.session.streamer().heat().to_vec();
         self.shared.metrics.set_heat(self.identity.n_layer, self.identity.n_expert, &heat);
     }
@@ -304,7 +314,7 @@ impl<'m> Engine<'m, '_> {
 
     /// The request's prompt tokenized and checked against the context, with its sampler and
     /// answer; else the error for its client (an abandoned tokenization counts as cancelled).
-    pub(super) fn admit(
+    fn admit(
         &mut self,
         request: GenerationRequest,
         cancel: &AtomicBool,
@@ -342,7 +352,7 @@ impl<'m> Engine<'m, '_> {
 
     /// Sends the end of a generation that ran: its last output and `Done` with why it ended
     /// (nothing more when its client cancelled it).
-    pub(super) fn finish(
+    fn finish(
         &self,
         events: &EventSender,
         cancel: &AtomicBool,
@@ -381,7 +391,7 @@ impl<'m> Engine<'m, '_> {
     /// Why a generation failed, for its client: cancelled (503), a grammar too costly for the
     /// request field `grammar_param` (400), a lost RPC worker (503, and the model is loaded
     /// again), or anything else (500).
-    pub(super) fn failure(&mut self, e: &StreamError, grammar_param: &'static str) -> ApiError {
+    fn failure(&mut self, e: &StreamError, grammar_param: &'static str) -> ApiError {
         match e {
             e if e.is_cancelled() => {
                 self.shared.metrics.cancelled();

@@ -1,14 +1,17 @@
-//! The OpenAI-compatible request bodies and their checks.
+//! OpenAI's API: `/v1/completions`, `/v1/chat/completions` (whole or streamed as chunks), the
+//! Responses API (`/v1/responses`, its stored responses and their input items) and `/v1/models`.
+//! This file holds the request bodies and their checks, which the other APIs' requests are
+//! translated into; the chat request it makes is the one every API's generation runs.
 
 use ggml_sys::SamplerParams;
 use serde::de::IgnoredAny;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::chat::{chat_inputs, ChatFields};
-use super::error::ApiError;
-use super::job::{GenerationRequest, PromptInput};
-use super::limits::{MAX_LOGIT_BIAS, MAX_STOP_BYTES};
+use crate::serve::chat::{chat_inputs, ChatFields};
+use crate::serve::error::ApiError;
+use crate::serve::job::{GenerationRequest, PromptInput};
+use crate::serve::limits::{MAX_LOGIT_BIAS, MAX_STOP_BYTES};
 
 /// A prompt: a string, or an array holding one string.
 #[derive(Debug, Deserialize)]
@@ -412,14 +415,19 @@ fn chat_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiE
     })
 }
 
-mod parse;
+mod chat_stream;
+mod endpoints;
+mod reply;
 mod response_input;
+mod response_items;
 mod responses;
+mod responses_api;
 
-pub(crate) use parse::parse;
-use parse::parse_value;
-
+use crate::serve::http::{parse, parse_value};
+pub use endpoints::{generate, model, models};
+pub use reply::Kind;
 pub use responses::{responses_request, ResponseSetup};
+pub use responses_api::{answer as responses, kept};
 
 #[cfg(test)]
 mod tests;

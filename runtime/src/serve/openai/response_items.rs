@@ -4,7 +4,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::serve::api::ResponseSetup;
+use super::ResponseSetup;
 use crate::serve::deltas::MessageDelta;
 use crate::serve::job::{Finish, TokenUsage};
 

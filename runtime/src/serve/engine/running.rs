@@ -9,10 +9,10 @@ use std::sync::Arc;
 use ggml_sys::Model;
 
 use super::answer::Answer;
-use super::engine::{Engine, GRAMMAR_TOKEN_BOUND};
-use super::error::ApiError;
-use super::job::{Admission, Event, EventSender, Job, Unsent, MAX_UNREAD_BYTES};
+use super::{Engine, GRAMMAR_TOKEN_BOUND};
 use crate::generate::{Chosen, Client, Generation, Run, Sampler};
+use crate::serve::error::ApiError;
+use crate::serve::job::{Admission, Event, EventSender, Job, Unsent, MAX_UNREAD_BYTES};
 use crate::stream::StreamError;
 
 /// A request being generated.

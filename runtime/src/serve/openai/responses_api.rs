@@ -12,21 +12,20 @@ use hyper::{Request, Response};
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
 
-use super::body::{typed_events, Body, CancelOnDrop, Gone, Translate, Translated};
-use super::conn::ConnState;
-use super::exchange::{enqueue, event_stream, started, whole_generation, Ended, Queued};
 use super::reply::message_json;
 use super::response_items::ResponseBuilder;
-use super::routes::{error, json_response};
-use super::Front;
-use crate::serve::api;
 use crate::serve::error::ApiError;
+use crate::serve::http::conn::ConnState;
+use crate::serve::http::{
+    enqueue, error, event_stream, json_response, started, typed_events, whole_generation, Body, CancelOnDrop, Ended,
+    Front, Gone, Queued, Translate, Translated,
+};
 use crate::serve::job::{Event, EventReceiver, Piece};
 use crate::serve::shared::Shared;
 use crate::serve::stored::Kept;
 
 /// Answers a `/v1/responses` request.
-pub(super) async fn answer(
+pub async fn answer(
     req: Request<Incoming>,
     front: &Front,
     tcp: &Arc<TcpStream>,
@@ -36,7 +35,7 @@ pub(super) async fn answer(
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let parse = |body: &[u8], shared: &Shared| {
         let previous = |id: &str| shared.responses.lock().unwrap_or_else(|e| e.into_inner()).get(id);
-        api::responses_request(body, &shared.model_id, &previous)
+        super::responses_request(body, &shared.model_id, &previous)
     };
     let (Queued { stream, mut events, cancel, .. }, setup) = match enqueue(req, front, conn, parse).await {
         Ok(q) => q,
@@ -131,7 +130,7 @@ impl Translate for Answering {
 
 /// `GET /v1/responses/{id}`, `DELETE /v1/responses/{id}` and `GET /v1/responses/{id}/input_items`
 /// of a kept response.
-pub(super) fn kept(method: &hyper::Method, path: &str, shared: &Shared) -> Response<Body> {
+pub fn kept(method: &hyper::Method, path: &str, shared: &Shared) -> Response<Body> {
     let rest = &path["/v1/responses/".len()..];
     let (id, items) = match rest.strip_suffix("/input_items") {
         Some(id) => (id, true),

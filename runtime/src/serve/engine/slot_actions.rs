@@ -3,50 +3,13 @@
 //! slot into the saved slots of the state directory (named by what it holds: the answer gives the
 //! name), a restore reads one of them back, an erase empties the slot.
 
-use std::sync::Mutex;
 use std::time::Instant;
 
 use serde_json::{json, Value};
-use tokio::sync::oneshot;
 
-use super::engine::Engine;
-use super::error::ApiError;
-
-/// What a client asks of a slot.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum SlotAction {
-    /// Write it to the saved slots.
-    Save,
-    /// Read this saved slot back into it.
-    Restore(String),
-    /// Empty it.
-    Erase,
-}
-
-/// An action on slot `slot`, and where its answer goes.
-#[derive(Debug)]
-pub struct SlotRequest {
-    slot: u32,
-    action: SlotAction,
-    reply: oneshot::Sender<Result<Value, ApiError>>,
-}
-
-/// The actions asked and not run yet.
-#[derive(Debug, Default)]
-pub struct SlotActions(Mutex<Vec<SlotRequest>>);
-
-impl SlotActions {
-    /// Asks for `action` on `slot`; the answer comes when the engine has run it.
-    pub fn ask(&self, slot: u32, action: SlotAction) -> oneshot::Receiver<Result<Value, ApiError>> {
-        let (reply, answer) = oneshot::channel();
-        self.0.lock().unwrap_or_else(|e| e.into_inner()).push(SlotRequest { slot, action, reply });
-        answer
-    }
-
-    fn take(&self) -> Vec<SlotRequest> {
-        std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))
-    }
-}
+use super::Engine;
+use crate::serve::error::ApiError;
+use crate::serve::messages::SlotAction;
 
 impl Engine<'_, '_> {
     /// Runs the slot actions asked since the last step.

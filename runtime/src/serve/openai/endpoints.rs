@@ -1,0 +1,102 @@
+//! OpenAI's `/v1/completions` and `/v1/chat/completions` (whole, or streamed as chunks) and
+//! `/v1/models`.
+
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use serde_json::json;
+use tokio::net::TcpStream;
+
+use super::chat_stream::ChatStream;
+use super::reply::{Gathered, Kind, Reply};
+use crate::serve::error::ApiError;
+use crate::serve::http::conn::ConnState;
+use crate::serve::http::{
+    enqueue, error, event_stream, json_response, started, whole_generation, Body, Ended, Front, Queued, Translated,
+};
+use crate::serve::job::Piece;
+use crate::serve::shared::Shared;
+
+/// `GET /v1/models`: the served model.
+pub fn models(shared: &Shared) -> Response<Body> {
+    let body = json!({ "object": "list", "data": [model_json(shared)] });
+    json_response(200, body.to_string())
+}
+
+/// `GET /v1/models/{id}`: the served model, or 404 for another.
+pub fn model(shared: &Shared, id: &str) -> Response<Body> {
+    if id == shared.model_id {
+        json_response(200, model_json(shared).to_string())
+    } else {
+        let e = ApiError::new(
+            404,
+            "invalid_request_error",
+            format!("The model `{id}` does not exist: this server serves `{}`", shared.model_id),
+        )
+        .with_code("model_not_found")
+        .with_param("model");
+        error(&e)
+    }
+}
+
+/// The served model, as OpenAI's model object.
+fn model_json(shared: &Shared) -> serde_json::Value {
+    json!({ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "sluice" })
+}
+
+/// A generation request, answered.
+pub async fn generate(
+    req: Request<Incoming>,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+    kind: Kind,
+) -> Response<Body> {
+    let shared = front.shared();
+    let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let parse = |body: &[u8], shared: &Shared| {
+        let request = match kind {
+            Kind::Completion => super::completion_request(body, &shared.model_id)?,
+            Kind::Chat => super::chat_request(body, &shared.model_id)?,
+        };
+        Ok((request, ()))
+    };
+    let (Queued { stream, include_usage, logprobs, mut events, cancel }, ()) =
+        match enqueue(req, front, conn, parse).await {
+            Ok(q) => q,
+            Err(e) => return error(&e),
+        };
+    let mut gone = match started(&mut events, tcp).await {
+        Ok((gone, _)) => gone,
+        Err(e) => return error(&e),
+    };
+    let reply = Reply {
+        kind,
+        id: shared.new_id(&format!("{}-", kind.id_prefix())),
+        created,
+        model: shared.model_id.clone(),
+        logprobs,
+        include_usage,
+    };
+    if stream {
+        return event_stream(Translated::new(ChatStream::new(reply), events, cancel, gone));
+    }
+    let _cancel = cancel;
+    let mut out = Gathered::default();
+    let ended = whole_generation(&mut events, &mut gone, |piece, logprobs| {
+        if let Piece::Text(t) = piece {
+            out.text.push_str(&t);
+        }
+        out.logprobs.extend(logprobs);
+    })
+    .await;
+    match ended {
+        Ok(Ended { finish, usage, message, .. }) => {
+            out.message = message;
+            json_response(200, reply.full(&out, finish, &usage).to_string())
+        }
+        Err(e) => error(&e),
+    }
+}
