@@ -42,12 +42,20 @@ pub fn save<T: Serialize>(path: &Path, magic: &[u8; 8], value: &T) -> std::io::R
 }
 
 /// Writes `bytes` to `path` so that a crash leaves the old file or the new one: a temporary file
-/// beside it, synced, renamed over it, and the directory synced.
+/// beside it, synced, renamed over it, and the directory synced. The temporary file is made
+/// anew (whatever was left at its name, a symlink planted there included, is removed, not
+/// followed; then created exclusively).
 pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt as _;
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = std::path::PathBuf::from(tmp);
-    let written = std::fs::File::create(&tmp).and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()));
+    match std::fs::remove_file(&tmp) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+        _ => {}
+    }
+    let created = std::fs::OpenOptions::new().write(true).create_new(true).custom_flags(libc::O_NOFOLLOW).open(&tmp);
+    let written = created.and_then(|mut f| f.write_all(bytes).and_then(|()| f.sync_all()));
     if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
         let _ = std::fs::remove_file(&tmp);
         return Err(e);
@@ -83,5 +91,18 @@ mod tests {
         assert!(load::<Vec<u32>>(&path, b"SLUICEXX", 1 << 20).unwrap_err().to_string().contains("no SLUICEXX header"));
         std::fs::write(&path, &good).unwrap();
         assert!(matches!(load::<Vec<u32>>(&path, MAGIC, 4), Err(FramedError::Io(_))), "over the size bound");
+    }
+
+    #[test]
+    fn a_link_planted_at_the_temporary_name_is_not_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let outside = dir.path().join("outside");
+        std::fs::write(&outside, b"keep me").unwrap();
+        let path = dir.path().join("slot.kv");
+        std::os::unix::fs::symlink(&outside, dir.path().join("slot.kv.tmp")).unwrap();
+        write_atomically(&path, b"state").unwrap();
+        assert_eq!(std::fs::read(&outside).unwrap(), b"keep me", "the link's target was written");
+        assert_eq!(std::fs::read(&path).unwrap(), b"state");
+        assert!(std::fs::symlink_metadata(dir.path().join("slot.kv.tmp")).is_err(), "the link is gone");
     }
 }

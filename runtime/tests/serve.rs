@@ -482,6 +482,22 @@ fn logprobs_usage_and_model_lookup_follow_openai() {
     // GET /v1/models/{id}.
     assert_eq!(server.request("GET", "/v1/models/m", None).json()["id"], "m");
     assert_api_error(&server.request("GET", "/v1/models/other", None), 404, Some("model"), "does not exist");
+    // An editor's Ollama mode: the names /api/tags lists, then chat and completions over OpenAI's API.
+    let tags = server.request("GET", "/api/tags", None).json();
+    let listed = tags["models"][0]["name"].as_str().unwrap().to_string();
+    assert_eq!(listed, "m:latest", "{tags}");
+    assert_eq!(server.request("GET", &format!("/v1/models/{listed}"), None).status, 200);
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            format!(r#"{{"model":"{listed}","messages":[{{"role":"user","content":"Hi"}}],"max_tokens":2}}"#),
+        ),
+        ("/v1/completions", format!(r#"{{"model":"{listed}","prompt":"Hi","max_tokens":2}}"#)),
+        ("/v1/responses", format!(r#"{{"model":"{listed}","input":"Hi","max_output_tokens":2}}"#)),
+    ] {
+        let r = server.request("POST", path, Some(&body));
+        assert_eq!(r.status, 200, "{path} with the listed name {listed}: {}", r.body);
+    }
     // Known fields are accepted; n > 1 and image parts are refused with the field named.
     let ok = r#"{"messages":[{"role":"user","content":"Hi"}],"max_tokens":2,"user":"u","store":false,"metadata":{"a":"b"},"service_tier":"auto","top_k":5,"min_p":0.05,"presence_penalty":0.5,"frequency_penalty":0.5,"repetition_penalty":1.1,"seed":9}"#;
     assert_eq!(server.request("POST", "/v1/chat/completions", Some(ok)).status, 200);

@@ -8,6 +8,13 @@ use std::time::SystemTime;
 use ggml_sys::{GgufFile, Model};
 use sha2::{Digest as _, Sha256};
 
+/// Whether a request's `name` reaches the served model `id`: the id itself or, as Ollama's
+/// `/api/tags` lists a model without a tag, the id with `:latest` (editors list models from
+/// `/api/tags` and then chat over `/v1/chat/completions`).
+pub fn names_served(name: &str, id: &str) -> bool {
+    name == id || name.strip_suffix(":latest") == Some(id)
+}
+
 /// The served model's description.
 #[derive(Debug, Clone)]
 pub struct ModelCard {

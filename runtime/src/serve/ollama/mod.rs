@@ -25,6 +25,7 @@ use super::http::{
     Translate, Translated,
 };
 use super::job::{Event, GenerationRequest, Piece};
+use super::model_card::names_served;
 use super::shared::Shared;
 use reply::{Endpoint, OllamaReply};
 
@@ -115,7 +116,7 @@ fn check_model(shared: &Shared, name: Option<&str>) -> Result<String, ApiError> 
         return Err(ApiError::invalid("model is required", Some("model")));
     };
     let listed = models::listed_name(&shared.model_id);
-    if name == shared.model_id || name == listed || name.strip_suffix(":latest") == Some(shared.model_id.as_str()) {
+    if name == listed || names_served(name, &shared.model_id) {
         Ok(name.to_string())
     } else {
         Err(ApiError::new(

@@ -17,6 +17,7 @@ use crate::serve::http::{
     enqueue, error, event_stream, json_response, started, whole_generation, Body, Ended, Front, Queued, Translated,
 };
 use crate::serve::job::Piece;
+use crate::serve::model_card::names_served;
 use crate::serve::shared::Shared;
 
 /// `GET /v1/models`: the served model.
@@ -25,9 +26,9 @@ pub fn models(shared: &Shared) -> Response<Body> {
     json_response(200, body.to_string())
 }
 
-/// `GET /v1/models/{id}`: the served model, or 404 for another.
+/// `GET /v1/models/{id}`: the served model (by any name that reaches it), or 404 for another.
 pub fn model(shared: &Shared, id: &str) -> Response<Body> {
-    if id == shared.model_id {
+    if names_served(id, &shared.model_id) {
         json_response(200, model_json(shared).to_string())
     } else {
         let e = ApiError::new(

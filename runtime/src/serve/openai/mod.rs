@@ -12,6 +12,7 @@ use crate::serve::chat::{chat_inputs, ChatFields};
 use crate::serve::error::ApiError;
 use crate::serve::job::{GenerationRequest, PromptInput};
 use crate::serve::limits::{MAX_LOGIT_BIAS, MAX_STOP_BYTES};
+use crate::serve::model_card::names_served;
 
 /// A prompt: a string, or an array holding one string.
 #[derive(Debug, Deserialize)]
@@ -111,7 +112,7 @@ const MAX_TOP_LOGPROBS: u32 = 20;
 impl RequestBody {
     /// Checks the fields both endpoints share; returns the sampling and the stop sequences.
     fn sampling_and_stop(&mut self, served: &str) -> Result<(SamplerParams, Vec<String>), ApiError> {
-        if let Some(m) = self.model.take().filter(|m| m != served) {
+        if let Some(m) = self.model.take().filter(|m| !names_served(m, served)) {
             return Err(ApiError {
                 status: 404,
                 message: format!("The model `{m}` does not exist: this server serves `{served}` (GET /v1/models)"),

@@ -74,6 +74,9 @@ fn bad_completion_requests_name_the_field() {
     }
     let e = err(r#"{"prompt":"hi","model":"gpt-4"}"#);
     assert_eq!((e.status, e.code), (404, Some("model_not_found")));
+    // The name Ollama's /api/tags lists the served model under reaches it here too.
+    assert!(completion_request(br#"{"prompt":"hi","model":"m:latest"}"#, "m").is_ok());
+    assert_eq!(err(r#"{"prompt":"hi","model":"m:7b"}"#).status, 404);
 }
 
 #[test]
