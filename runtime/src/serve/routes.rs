@@ -103,7 +103,7 @@ const fn route(methods: &'static str, path: &'static str, api: Api, endpoint: En
     Route { methods, path, under: Under::No, api, key: Key::Needed, endpoint }
 }
 
-const fn free(route: Route, key: Key) -> Route {
+const fn with_key(route: Route, key: Key) -> Route {
     Route { key, ..route }
 }
 
@@ -117,11 +117,11 @@ use Endpoint as E;
 /// Every route, each path once.
 const ROUTES: [Route; 33] = [
     // HEAD: Ollama's clients ask whether a server runs.
-    free(route("GET HEAD", "/", Sluice, E::ChatPage), Key::Free),
-    free(route("GET", "/status.html", Sluice, E::StatusPage), Key::Free),
+    with_key(route("GET HEAD", "/", Sluice, E::ChatPage), Key::Free),
+    with_key(route("GET", "/status.html", Sluice, E::StatusPage), Key::Free),
     route("GET", "/status", Sluice, E::Status),
-    free(route("GET", "/health", Sluice, E::Health), Key::Free),
-    free(route("GET", "/metrics", Sluice, E::Metrics), Key::AsMetrics),
+    with_key(route("GET", "/health", Sluice, E::Health), Key::Free),
+    with_key(route("GET", "/metrics", Sluice, E::Metrics), Key::AsMetrics),
     route("GET", "/v1/models", OpenAi, E::Models),
     below(route("GET", "/v1/models/{id}", OpenAi, E::Model), Under::Only),
     route("POST", "/v1/completions", OpenAi, E::Completions),
