@@ -1,5 +1,5 @@
-//! Response bodies: a whole body, or a generation's events as an API streams them. Either holds its
-//! connection's [`RequestGuard`], so the connection counts as in a request until the body is
+//! Response bodies: a whole body, or a generation's events as an API streams them. Either holds
+//! its connection's [`RequestGuard`], so the connection counts as in a request until the body is
 //! sent or dropped.
 
 use std::future::Future;
