@@ -30,7 +30,7 @@ pub(crate) use body::{typed_events, Body, CancelOnDrop, Gone, Translate, Transla
 pub(crate) use exchange::{
     enqueue, event_stream, queue, read_body, ready_body, started, streamed, whole_generation, Ended, Queued,
 };
-pub(crate) use parse::{parse, parse_value};
+pub(crate) use parse::{parse, parse_ignoring, parse_value};
 pub(crate) use response::{error, error_with, json_response, preflight};
 
 use std::future::Future;

@@ -11,12 +11,37 @@ pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, Ap
     parse_value(value)
 }
 
+/// [`parse`] for an API that ignores the fields it does not know (Ollama's, whose clients add
+/// their own): those are named in the log instead of refused. `T` must not deny unknown fields.
+pub(crate) fn parse_ignoring<T: serde::de::DeserializeOwned>(body: &[u8], api: &str) -> Result<T, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    let mut ignored = Vec::new();
+    let mut note = |path: serde_ignored::Path<'_>| ignored.push(path.to_string());
+    let parsed = checked(value, |v| serde_path_to_error::deserialize(serde_ignored::Deserializer::new(v, &mut note)));
+    if !ignored.is_empty() {
+        log::info!(
+            "{api} request: ignored the fields {} (not used here)",
+            crate::text::excerpt(&ignored.join(", "), 200)
+        );
+    }
+    parsed
+}
+
 /// [`parse`] of a body already read as JSON (another API's request, translated).
 pub(crate) fn parse_value<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, ApiError> {
+    checked(value, serde_path_to_error::deserialize)
+}
+
+/// `value` (an object) deserialized by `deserialize`, a failure naming the field at fault.
+fn checked<T>(
+    value: Value,
+    deserialize: impl FnOnce(Value) -> Result<T, serde_path_to_error::Error<serde_json::Error>>,
+) -> Result<T, ApiError> {
     if !value.is_object() {
         return Err(ApiError::invalid("the request body must be a JSON object", None));
     }
-    serde_path_to_error::deserialize(value).map_err(|e| {
+    deserialize(value).map_err(|e| {
         let path = e.path().to_string();
         let msg = e.into_inner().to_string();
         // serde names an unknown field in its message; report it as the parameter at fault.

@@ -106,7 +106,7 @@ fn error(e: &ApiError) -> Response<Body> {
 /// A body of a model request, parsed.
 async fn read(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Result<models::ModelBody, ApiError> {
     let body = ready_body(req, front, conn).await?;
-    http::parse(&body)
+    http::parse_ignoring(&body, "Ollama")
 }
 
 /// The name a client gave the served model, checked: the served id, `id:latest`, or the name
@@ -186,7 +186,7 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
     let unload = |keep_alive: &Option<Value>| keep_alive.as_ref().is_some_and(|k| k == 0 || k == "0" || k == "0s");
     match endpoint {
         Endpoint::Chat => {
-            let b: request::ChatBody = http::parse(body)?;
+            let b: request::ChatBody = http::parse_ignoring(body, "Ollama")?;
             let reply = OllamaReply::new(endpoint, check_model(shared, b.model.as_deref())?, begun);
             if b.loads_only() {
                 return Ok(Parsed::Loaded(reply.loaded(unload(&b.keep_alive))));
@@ -194,7 +194,7 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
             Ok(Parsed::Generate(Box::new(b.request(context)?), reply))
         }
         Endpoint::Generate => {
-            let b: request::GenerateBody = http::parse(body)?;
+            let b: request::GenerateBody = http::parse_ignoring(body, "Ollama")?;
             let reply = OllamaReply::new(endpoint, check_model(shared, b.model.as_deref())?, begun);
             if b.loads_only() {
                 return Ok(Parsed::Loaded(reply.loaded(unload(&b.keep_alive))));

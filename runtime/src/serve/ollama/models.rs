@@ -76,7 +76,6 @@ pub fn ps(shared: &Shared) -> Result<Value, ApiError> {
 
 /// The body of `/api/show` and `/api/pull`: the model (`name` is its older spelling).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ModelBody {
     model: Option<String>,
     name: Option<String>,

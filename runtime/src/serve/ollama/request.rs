@@ -10,9 +10,8 @@ use crate::serve::error::ApiError;
 use crate::serve::job::GenerationRequest;
 use crate::serve::openai;
 
-/// `/api/chat`'s body.
+/// `/api/chat`'s body (fields it does not know are ignored, as Ollama ignores them).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct ChatBody {
     /// The model's name.
     pub model: Option<String>,
@@ -28,9 +27,8 @@ pub struct ChatBody {
     top_logprobs: Option<IgnoredAny>,
 }
 
-/// `/api/generate`'s body.
+/// `/api/generate`'s body (fields it does not know are ignored, as Ollama ignores them).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct GenerateBody {
     /// The model's name.
     pub model: Option<String>,
