@@ -156,7 +156,8 @@ fn hostile_input_to_every_new_route_is_refused_in_its_apis_shape() {
         let bogus = good.replacen('{', r#"{"bogus_field":1,"#, 1);
         let ollama = path.starts_with("/api/");
         if ollama {
-            // Ollama ignores the fields it does not know (clients add their own); the log names them.
+            // Ollama ignores the fields it does not know (clients add their own); the log names
+            // them.
             let r = server.request("POST", path, Some(&bogus));
             assert_eq!(r.status, 200, "{path}: a field it does not know: {}", r.body);
             assert!(server.log().contains("ignored the fields bogus_field"), "{path}: not logged:\n{}", server.log());

@@ -482,7 +482,8 @@ fn logprobs_usage_and_model_lookup_follow_openai() {
     // GET /v1/models/{id}.
     assert_eq!(server.request("GET", "/v1/models/m", None).json()["id"], "m");
     assert_api_error(&server.request("GET", "/v1/models/other", None), 404, Some("model"), "does not exist");
-    // An editor's Ollama mode: the names /api/tags lists, then chat and completions over OpenAI's API.
+    // An editor's Ollama mode: the names /api/tags lists, then chat and completions over
+    // OpenAI's API.
     let tags = server.request("GET", "/api/tags", None).json();
     let listed = tags["models"][0]["name"].as_str().unwrap().to_string();
     assert_eq!(listed, "m:latest", "{tags}");

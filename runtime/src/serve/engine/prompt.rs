@@ -38,7 +38,8 @@ pub(super) struct ChatSetup {
 
 /// The stack of the thread that renders templates, converts schemas to grammars and tokenizes:
 /// llama.cpp recurses there as deep as a schema's nesting and an object's optional properties
-/// (bounded by [`crate::serve::limits`]) and a template's calls. Only the pages touched are committed.
+/// (bounded by [`crate::serve::limits`]) and a template's calls. Only the pages touched are
+/// committed.
 const PREPARE_STACK: usize = 64 << 20;
 
 /// A prompt to prepare, the flag that abandons it, and where the result goes.

@@ -148,13 +148,12 @@ impl<T: Translate> EventSource for Translated<T> {
             self.ended = matches!(e, Event::Done { .. } | Event::Failed(_));
             let closing = if matches!(e, Event::Done { .. }) { self.translate.closing() } else { "" };
             let out = self.translate.event(e);
-            if !out.is_empty() || !closing.is_empty() {
-                let frames = self.translate.frames(&out);
-                if closing.is_empty() {
-                    return Poll::Ready(Some(frames));
-                }
-                return Poll::Ready(Some([frames.as_ref(), closing.as_bytes()].concat().into()));
+            if out.is_empty() && closing.is_empty() {
+                continue;
             }
+            let frames = self.translate.frames(&out);
+            let bytes = if closing.is_empty() { frames } else { [frames.as_ref(), closing.as_bytes()].concat().into() };
+            return Poll::Ready(Some(bytes));
         }
         Poll::Ready(None)
     }

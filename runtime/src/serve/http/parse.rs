@@ -6,16 +6,13 @@ use crate::serve::error::ApiError;
 
 /// Parses a JSON body into `T`, naming the field at fault.
 pub(crate) fn parse<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
-    let value: serde_json::Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
-    parse_value(value)
+    parse_value(json(body)?)
 }
 
 /// [`parse`] for an API that ignores the fields it does not know (Ollama's, whose clients add
 /// their own): those are named in the log instead of refused. `T` must not deny unknown fields.
 pub(crate) fn parse_ignoring<T: serde::de::DeserializeOwned>(body: &[u8], api: &str) -> Result<T, ApiError> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))?;
+    let value = json(body)?;
     let mut ignored = Vec::new();
     let mut note = |path: serde_ignored::Path<'_>| ignored.push(path.to_string());
     let parsed = checked(value, |v| serde_path_to_error::deserialize(serde_ignored::Deserializer::new(v, &mut note)));
@@ -31,6 +28,11 @@ pub(crate) fn parse_ignoring<T: serde::de::DeserializeOwned>(body: &[u8], api: &
 /// [`parse`] of a body already read as JSON (another API's request, translated).
 pub(crate) fn parse_value<T: serde::de::DeserializeOwned>(value: Value) -> Result<T, ApiError> {
     checked(value, serde_path_to_error::deserialize)
+}
+
+/// A body read as JSON.
+fn json(body: &[u8]) -> Result<Value, ApiError> {
+    serde_json::from_slice(body).map_err(|e| ApiError::invalid(format!("the body is not valid JSON: {e}"), None))
 }
 
 /// `value` (an object) deserialized by `deserialize`, a failure naming the field at fault.
