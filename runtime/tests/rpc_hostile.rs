@@ -601,12 +601,16 @@ fn a_worker_answering_malformed_or_not_at_all_is_an_error_on_the_head() {
         assert!(err.contains(&endpoint), "{what}: the error does not name the worker:\n{err}");
         assert!(t0.elapsed() < PATIENCE, "{what}: took {:?}", t0.elapsed());
     }
-    // Silent after the handshake: the call bound (60 s) ends the wait.
+    // Silent after the handshake: the call bound ends the wait (set to 10 s: a head still
+    // waiting at the default's 60 s did not take the setting).
     let endpoint = fake_worker(|c, p| if c == DEVICE_COUNT { None } else { Some(honest(c, p)) });
     let t0 = Instant::now();
-    let o = sluice_command().args(["plan", "--model", model.to_str().unwrap(), "--rpc", &endpoint]).output().unwrap();
+    let o = sluice_command()
+        .args(["plan", "--model", model.to_str().unwrap(), "--rpc", &endpoint, "--rpc-call-timeout", "10"])
+        .output()
+        .unwrap();
     assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(t0.elapsed() < Duration::from_secs(120), "a silent worker held the head {:?}", t0.elapsed());
+    assert!(t0.elapsed() < Duration::from_secs(60), "a silent worker held the head {:?}", t0.elapsed());
 }
 
 #[test]
@@ -616,13 +620,16 @@ fn a_worker_that_stops_answering_mid_run_fails_it_within_one_call_bound() {
     let w = start_worker(dir.path(), &[]);
     // Silent after the tenth graph: mid-generation.
     let proxy = SilentProxy::start(&w.endpoint, 10);
-    // One call bound (60 s) ends the wait; every request after it completes at once instead of
-    // reconnecting (each reconnection took a connect and a handshake bound, for ever).
+    // One call bound (10 s here) ends the wait; every request after it completes at once instead
+    // of reconnecting (each reconnection took a connect and a handshake bound, for ever).
     let (status, err, took) = run_within(
-        sluice_command()
-            .args(["run", "--model", model.to_str().unwrap(), "--prompt", "hi", "-n", "4000"])
-            .args(["--rpc", &proxy.endpoint]),
-        Duration::from_secs(150),
+        sluice_command().args(["run", "--model", model.to_str().unwrap(), "--prompt", "hi", "-n", "4000"]).args([
+            "--rpc",
+            &proxy.endpoint,
+            "--rpc-call-timeout",
+            "10",
+        ]),
+        Duration::from_secs(90),
     );
     let status = status.unwrap_or_else(|| panic!("run still waited on the silent worker after {took:?}:\n{err}"));
     println!("run failed {took:?} after the start:\n{err}");

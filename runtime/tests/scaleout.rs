@@ -206,15 +206,17 @@ fn a_worker_that_stops_answering_degrades_the_server_until_it_answers_again() {
     let model = fixture(dir.path(), "m", &[]);
     let w = Worker::start(dir.path(), "w", WORKER_MIB, None);
     let proxy = SilentProxy::start(&w.endpoint, usize::MAX);
-    let mut server = Server::start(dir.path(), &model, &["--rpc", &proxy.endpoint, "--ctx", "2048"]);
+    let mut server =
+        Server::start(dir.path(), &model, &["--rpc", &proxy.endpoint, "--ctx", "2048", "--rpc-call-timeout", "10"]);
     server.wait_note("READY=1");
     let body =
         format!(r#"{{"prompt":"hi","max_tokens":2000,"stream":true,"temperature":0,"logit_bias":{{"{EOS}":-100}}}}"#);
     let mut r = BufReader::new(send(server.addr, "POST", "/v1/completions", Some(&body)));
     assert_eq!(read_head(&mut r).0, 200);
     assert!(read_chunk(&mut r).is_some_and(|c| c.contains("data:")), "a first token");
-    // The worker stops answering with its connections open: one call bound (60 s) ends the
-    // generation, and the engine does not wait on the worker again while it is silent.
+    // The worker stops answering with its connections open: one call bound (10 s here, the
+    // default's 60 s would only make the test longer) ends the generation, and the engine does
+    // not wait on the worker again while it is silent.
     proxy.silence();
     let rest = rest_of_stream(&mut r);
     assert!(rest.contains(&format!("lost the RPC worker at {}", proxy.endpoint)), "{rest}");

@@ -276,24 +276,33 @@ pub struct RpcArgs {
     /// The pre-shared key file the workers were started with (`sluice worker --key-file`).
     #[arg(long, value_name = "FILE")]
     pub rpc_key_file: Option<std::path::PathBuf>,
+    /// Seconds the head waits for any one answer of a worker (a layer's share of a prompt batch
+    /// on a slow board included) before the worker counts as lost (default: 60).
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub rpc_call_timeout: Option<u64>,
 }
 
 impl RpcArgs {
     /// Sets up this process's link to the workers (time bounds, and the key from
     /// `--rpc-key-file`); a no-op without workers.
     pub fn configure_link(&self) -> anyhow::Result<()> {
-        configure_link(&self.rpc, self.rpc_key_file.as_deref())
+        configure_link(&self.rpc, self.rpc_key_file.as_deref(), self.rpc_call_timeout)
     }
 }
 
-/// Sets up this process's link to the workers at `endpoints` (time bounds, and the key from
-/// `key_file`); a no-op without workers.
-pub fn configure_link(endpoints: &[String], key_file: Option<&Path>) -> anyhow::Result<()> {
+/// Sets up this process's link to the workers at `endpoints` (time bounds, `call_timeout_s` for
+/// one answer when given, and the key from `key_file`); a no-op without workers.
+pub fn configure_link(
+    endpoints: &[String],
+    key_file: Option<&Path>,
+    call_timeout_s: Option<u64>,
+) -> anyhow::Result<()> {
     if endpoints.is_empty() {
         return Ok(());
     }
     let key = key_file.map(sluice::scaleout::link::LinkKey::from_file).transpose()?;
-    sluice::scaleout::link::configure_head(key);
+    let call_timeout = call_timeout_s.map_or(sluice::scaleout::link::CALL_TIMEOUT, std::time::Duration::from_secs);
+    sluice::scaleout::link::configure_head(key, call_timeout);
     Ok(())
 }
 

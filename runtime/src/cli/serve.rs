@@ -132,7 +132,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         (None, None) => BoardChoice::Auto,
     };
     let rpc = set.rpc.clone().unwrap_or_default();
-    args::configure_link(&rpc, set.rpc_key_file.as_deref())?;
+    args::configure_link(&rpc, set.rpc_key_file.as_deref(), set.rpc_call_timeout)?;
     let cors_origins = set.cors_origins.clone().unwrap_or_default();
 
     sluice::metadata::check_model_file(&model)?;
@@ -170,7 +170,8 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         credentials_dir: std::env::var_os("CREDENTIALS_DIRECTORY").map(PathBuf::from),
         state_dir,
     };
-    let access = Access::new(&keys, set.metrics_need_key == Some(true), &cors_origins)?;
+    let allowed_hosts = set.allowed_hosts.clone().unwrap_or_default();
+    let access = Access::new(&keys, set.metrics_need_key == Some(true), &cors_origins, &allowed_hosts)?;
     let limits = HttpLimits {
         max_connections: a.max_connections as usize,
         header_bytes: a.max_header_kib as usize * 1024,

@@ -41,7 +41,8 @@ pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the head waits for a worker to accept a connection.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the head waits for any one answer of a worker (a layer's computation of a prompt
-/// batch on a slow board included) before the worker counts as lost.
+/// batch on a slow board included) before the worker counts as lost, unless set otherwise
+/// (`--rpc-call-timeout`).
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// TCP keepalive: idle time before the first probe, and the interval between probes (a dead
 /// peer is found after about idle + 3 intervals).
@@ -220,9 +221,10 @@ impl Admission {
     }
 }
 
-/// Sets how this process connects to workers: [`CONNECT_TIMEOUT`] and [`CALL_TIMEOUT`],
-/// keepalive, and the proof when `key` is given. Call once before connecting to any worker.
-pub fn configure_head(key: Option<LinkKey>) {
+/// Sets how this process connects to workers: [`CONNECT_TIMEOUT`], `call_timeout` for each
+/// answer, keepalive, and the proof when `key` is given. Call once before connecting to any
+/// worker.
+pub fn configure_head(key: Option<LinkKey>, call_timeout: Duration) {
     let hook: Arc<ggml_sys::ConnectHook> = Arc::new(move |stream: &TcpStream, endpoint: &str| {
         keepalive(stream);
         match &key {
@@ -238,7 +240,7 @@ pub fn configure_head(key: Option<LinkKey>) {
             }),
         }
     });
-    ggml_sys::rpc_client_options(CONNECT_TIMEOUT, CALL_TIMEOUT, Some(hook));
+    ggml_sys::rpc_client_options(CONNECT_TIMEOUT, call_timeout, Some(hook));
 }
 
 #[cfg(test)]

@@ -1,5 +1,11 @@
-//! Who may use the server: an API key checked as `Authorization: Bearer` (or `x-api-key`), and the browser
-//! origins allowed by CORS.
+//! Who may use the server: an API key checked as `Authorization: Bearer` (or `x-api-key`), the
+//! browser origins allowed by CORS, and the names a request's `Host` may give ([`Hosts`]).
+//!
+//! A browser sends any page's requests to any server, and some without asking first (a
+//! `text/plain` POST needs no preflight): so a request whose `Origin` is neither the server's own
+//! (the chat and status pages) nor allowed by CORS is refused before it does anything, whether
+//! or not the page could read the answer, and so is one whose `Host` the server does not answer
+//! to (DNS rebinding makes a foreign page's requests same-origin under a name its site owns).
 //!
 //! The key comes from `--api-key` (or `SLUICE_API_KEY`), `--api-key-file`, or else a file named
 //! `api-key` in systemd's credentials directory (`LoadCredential=api-key:...`) or the state
@@ -13,6 +19,7 @@ use hyper::header::HeaderValue;
 use subtle::ConstantTimeEq as _;
 
 use super::error::ApiError;
+use super::hosts::{BadHost, Hosts};
 
 use crate::systemd::KEY_FILE;
 
@@ -38,6 +45,9 @@ pub enum AccessError {
     /// A CORS origin is not a valid header value.
     #[error("--cors-origin {0:?} is not an origin; use `*` or a scheme and host such as https://example.org")]
     BadOrigin(String),
+    /// An allowed host is not a host name.
+    #[error(transparent)]
+    BadHost(#[from] BadHost),
 }
 
 /// The access settings.
@@ -47,6 +57,7 @@ pub struct Access {
     metrics_keyed: bool,
     cors: Vec<HeaderValue>,
     cors_any: bool,
+    hosts: Hosts,
 }
 
 /// Where the key may come from, first found wins.
@@ -91,8 +102,14 @@ impl KeySources {
 
 impl Access {
     /// Access with the key from `keys` (none: open to all), `/metrics` keyed when
-    /// `metrics_keyed`, and CORS for `origins` (`*`: any).
-    pub fn new(keys: &KeySources, metrics_keyed: bool, origins: &[String]) -> Result<Access, AccessError> {
+    /// `metrics_keyed`, CORS for `origins` (`*`: any), and `hosts` answered beside the
+    /// addresses and private names ([`Hosts`]).
+    pub fn new(
+        keys: &KeySources,
+        metrics_keyed: bool,
+        origins: &[String],
+        hosts: &[String],
+    ) -> Result<Access, AccessError> {
         let key = match keys.resolve()? {
             None => None,
             Some((key, from)) => {
@@ -123,7 +140,7 @@ impl Access {
                 cors.push(v);
             }
         }
-        Ok(Access { key, metrics_keyed, cors, cors_any })
+        Ok(Access { key, metrics_keyed, cors, cors_any, hosts: Hosts::new(hosts)? })
     }
 
     /// Whether `/metrics` needs the key (`--metrics-need-key`).
@@ -159,6 +176,45 @@ impl Access {
         Err(ApiError::new(401, "invalid_request_error", message).with_code("invalid_api_key"))
     }
 
+    /// Checks where a request comes from before anything else: 403 when its `host` header names
+    /// a host this server does not answer to, or its `origin` is neither this server's own
+    /// (the same host and port as `host`) nor allowed by CORS. A request without them (not from
+    /// a browser) passes.
+    pub fn admit(&self, host: Option<&HeaderValue>, origin: Option<&HeaderValue>) -> Result<(), ApiError> {
+        let host = match host.map(HeaderValue::to_str) {
+            None => None,
+            Some(Ok(h)) if self.hosts.allows(h) => Some(h),
+            Some(h) => {
+                let shown =
+                    h.map_or_else(|_| "(not text)".to_string(), |h| format!("{:?}", crate::text::excerpt(h, 100)));
+                return Err(ApiError::new(
+                    403,
+                    "permission_error",
+                    format!(
+                        "this server does not answer to the Host {shown}: reach it by its address, localhost or this machine's name, or allow the name with --allowed-host (allowed_hosts in the settings file)"
+                    ),
+                ));
+            }
+        };
+        let Some(origin) = origin else { return Ok(()) };
+        let own = origin.to_str().ok().and_then(|o| o.split_once("://")).is_some_and(|(scheme, authority)| {
+            matches!(scheme, "http" | "https") && host.is_some_and(|h| h.eq_ignore_ascii_case(authority))
+        });
+        if own || self.cors_allows(Some(origin)).is_some() {
+            return Ok(());
+        }
+        let shown = origin
+            .to_str()
+            .map_or_else(|_| "(not text)".to_string(), |o| format!("{:?}", crate::text::excerpt(o, 100)));
+        Err(ApiError::new(
+            403,
+            "permission_error",
+            format!(
+                "requests from the page at {shown} are refused: allow its origin with --cors-origin (cors_origins in the settings file) to let it use this server"
+            ),
+        ))
+    }
+
     /// The `Access-Control-Allow-Origin` value for a request from `origin`, if CORS allows it.
     pub fn cors_allows(&self, origin: Option<&HeaderValue>) -> Option<HeaderValue> {
         let origin = origin?;
@@ -174,7 +230,7 @@ mod tests {
     use super::*;
 
     fn keyed(key: &str, metrics: bool) -> Access {
-        Access::new(&KeySources { key: Some(key.into()), ..Default::default() }, metrics, &[]).unwrap()
+        Access::new(&KeySources { key: Some(key.into()), ..Default::default() }, metrics, &[], &[]).unwrap()
     }
 
     fn h(v: &str) -> HeaderValue {
@@ -213,23 +269,23 @@ mod tests {
         std::fs::write(creds.join(KEY_FILE), "from-creds").unwrap();
         assert_eq!(s.resolve().unwrap().unwrap().0, "from-creds");
         s.file = Some(dir.path().join("missing"));
-        let e = Access::new(&s, false, &[]).unwrap_err().to_string();
+        let e = Access::new(&s, false, &[], &[]).unwrap_err().to_string();
         assert!(e.contains("cannot read the API key file") && e.contains("missing"), "{e}");
         let empty = dir.path().join("empty");
         std::fs::write(&empty, " \n").unwrap();
         s.file = Some(empty);
-        assert!(Access::new(&s, false, &[]).unwrap_err().to_string().contains("is empty"));
-        assert!(Access::new(&KeySources::default(), false, &[]).unwrap().key.is_none());
+        assert!(Access::new(&s, false, &[], &[]).unwrap_err().to_string().contains("is empty"));
+        assert!(Access::new(&KeySources::default(), false, &[], &[]).unwrap().key.is_none());
     }
 
     #[test]
     fn cors_allows_listed_origins_or_any() {
-        let a = Access::new(&KeySources::default(), false, &["https://a.example/".into()]).unwrap();
+        let a = Access::new(&KeySources::default(), false, &["https://a.example/".into()], &[]).unwrap();
         assert_eq!(a.cors_allows(Some(&h("https://a.example"))), Some(h("https://a.example")));
         assert_eq!(a.cors_allows(Some(&h("https://b.example"))), None);
         assert_eq!(a.cors_allows(None), None);
-        let any = Access::new(&KeySources::default(), false, &["*".into()]).unwrap();
+        let any = Access::new(&KeySources::default(), false, &["*".into()], &[]).unwrap();
         assert_eq!(any.cors_allows(Some(&h("https://b.example"))), Some(h("*")));
-        assert!(Access::new(&KeySources::default(), false, &["not an origin".into()]).is_err());
+        assert!(Access::new(&KeySources::default(), false, &["not an origin".into()], &[]).is_err());
     }
 }

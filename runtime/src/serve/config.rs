@@ -80,12 +80,21 @@ pub struct ServeSettings {
     /// The pre-shared key file the workers were started with (`sluice worker --key-file`).
     #[arg(long, value_name = "FILE")]
     pub rpc_key_file: Option<PathBuf>,
+    /// Seconds the server waits for any one answer of a worker before the worker counts as lost
+    /// and the server degraded (default: 60).
+    #[arg(long, value_name = "SECONDS", value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub rpc_call_timeout: Option<u64>,
     /// With an API key, require it for /metrics too (/health stays open).
     #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
     pub metrics_need_key: Option<bool>,
     /// Allow browser requests from this origin (CORS); repeat for several, `*` for any.
     #[arg(long = "cors-origin", value_name = "ORIGIN")]
     pub cors_origins: Option<Vec<String>>,
+    /// Answer requests whose Host names this host too (beside IP addresses, localhost, this
+    /// machine's name and names under .local, .internal and .home.arpa); repeat for several,
+    /// `*` for any (behind a reverse proxy that passes on its own name).
+    #[arg(long = "allowed-host", value_name = "NAME")]
+    pub allowed_hosts: Option<Vec<String>>,
     /// The KV cache's type for keys (`--cache-type-k` sets it on the command line).
     #[arg(skip)]
     pub cache_type_k: Option<crate::generate::KvCacheType>,
@@ -196,6 +205,9 @@ impl ServeSettings {
         if self.queue == Some(0) {
             return bad("queue", "0 would refuse every request while one runs; use 1 or more");
         }
+        if self.rpc_call_timeout.is_some_and(|t| t == 0 || t > 3600) {
+            return bad("rpc_call_timeout", "1 to 3600 seconds; remove the key for 60");
+        }
         Ok(())
     }
 
@@ -223,8 +235,10 @@ impl ServeSettings {
             queue: self.queue.or(file.queue),
             rpc: self.rpc.or(file.rpc),
             rpc_key_file: self.rpc_key_file.or(file.rpc_key_file),
+            rpc_call_timeout: self.rpc_call_timeout.or(file.rpc_call_timeout),
             metrics_need_key: self.metrics_need_key.or(file.metrics_need_key),
             cors_origins: self.cors_origins.or(file.cors_origins),
+            allowed_hosts: self.allowed_hosts.or(file.allowed_hosts),
             cache_type_k: self.cache_type_k.or(file.cache_type_k),
             cache_type_v: self.cache_type_v.or(file.cache_type_v),
         }
@@ -261,8 +275,10 @@ mod tests {
             queue: Some(4),
             rpc: Some(vec!["10.0.0.2:50052".into(), "10.0.0.3:50052".into()]),
             rpc_key_file: Some("/etc/sluice/rpc.key".into()),
+            rpc_call_timeout: Some(120),
             metrics_need_key: Some(true),
             cors_origins: Some(vec!["https://example.org".into()]),
+            allowed_hosts: Some(vec!["sluice.example.org".into()]),
             cache_type_k: Some(crate::generate::KvCacheType::Q8_0),
             cache_type_v: Some(crate::generate::KvCacheType::Q8_0),
         }
@@ -283,7 +299,7 @@ mod tests {
     fn every_key_round_trips() {
         let f = full();
         let text = toml::to_string(&f).unwrap();
-        assert_eq!(keys().len(), 19, "{:?}", keys());
+        assert_eq!(keys().len(), 21, "{:?}", keys());
         for key in keys() {
             assert!(text.lines().any(|l| l.starts_with(&format!("{key} = "))), "{key} missing from:\n{text}");
         }

@@ -68,10 +68,15 @@ pub struct ToolCallDelta {
     pub arguments: String,
 }
 
-/// Parses a generation's text as it grows and reports what each piece adds.
+/// Parses a generation's text as it grows and reports what each piece adds. What it streams
+/// adds up to the whole message it ends with, also when the whole text does not parse in the
+/// template's format (a small model's malformed tool-call markup): then the text the parser held
+/// back is sent as content at the end.
 pub struct MessageStream {
     parser: ChatParser,
     text: String,
+    /// How much of `text` the last partial parse that succeeded read.
+    parsed: usize,
     sent: ParsedMessage,
     ids: Vec<String>,
     id_prefix: String,
@@ -83,6 +88,7 @@ impl MessageStream {
         MessageStream {
             parser,
             text: String::new(),
+            parsed: 0,
             sent: ParsedMessage::default(),
             ids: Vec::new(),
             id_prefix: id_prefix.to_string(),
@@ -93,6 +99,7 @@ impl MessageStream {
     pub fn push(&mut self, text: &str) -> Result<MessageDelta, ggml_sys::Error> {
         self.text.push_str(text);
         let now = self.parser.parse(&self.text, true)?;
+        self.parsed = self.text.len();
         Ok(self.advance(now))
     }
 
@@ -101,35 +108,49 @@ impl MessageStream {
         &self.text
     }
 
-    /// Ends the text with `rest`: the last delta and the whole message.
-    pub fn finish(&mut self, rest: &str) -> Result<(MessageDelta, ParsedMessage), ggml_sys::Error> {
+    /// Ends the text with `rest`: the last delta and the whole message, which is what all the
+    /// deltas add up to.
+    pub fn finish(&mut self, rest: &str) -> (MessageDelta, ParsedMessage) {
         self.text.push_str(rest);
-        let mut last = self.parser.parse(&self.text, false)?;
+        let mut last = self.parser.parse(&self.text, false).unwrap_or_else(|e| {
+            log::warn!("the answer does not parse as the chat format says ({e}); it is returned as plain content");
+            self.unparsed()
+        });
         let delta = self.advance(last.clone());
         for (call, id) in last.tool_calls.iter_mut().zip(&self.ids) {
             call.id.clone_from(id);
         }
-        Ok((delta, last))
+        (delta, last)
+    }
+
+    /// The message of a text that does not parse: all of it as content when only content that
+    /// begins it was sent; else what was sent (thinking and calls cannot be taken back), its
+    /// content followed by the text after what the parser last read.
+    fn unparsed(&self) -> ParsedMessage {
+        let sent = &self.sent;
+        if sent.reasoning_content.is_empty() && sent.tool_calls.is_empty() && self.text.starts_with(&sent.content) {
+            return ParsedMessage { content: self.text.clone(), ..ParsedMessage::default() };
+        }
+        let mut message = sent.clone();
+        message.content.push_str(self.text.get(self.parsed..).unwrap_or_default());
+        message
     }
 
     fn advance(&mut self, now: ParsedMessage) -> MessageDelta {
         let mut delta = MessageDelta {
-            content: grown(&self.sent.content, &now.content),
-            reasoning: grown(&self.sent.reasoning_content, &now.reasoning_content),
+            content: grow(&mut self.sent.content, now.content),
+            reasoning: grow(&mut self.sent.reasoning_content, now.reasoning_content),
             tool_calls: Vec::new(),
         };
-        self.sent.content = now.content;
-        self.sent.reasoning_content = now.reasoning_content;
         for (index, call) in now.tool_calls.into_iter().enumerate() {
             if call.name.is_empty() {
                 break;
             }
             match self.sent.tool_calls.get_mut(index) {
                 Some(old) => {
-                    let more = grown(&old.arguments, &call.arguments);
+                    let more = grow(&mut old.arguments, call.arguments);
                     if !more.is_empty() {
                         delta.tool_calls.push(ToolCallDelta { index, id: None, name: None, arguments: more });
-                        old.arguments = call.arguments;
                     }
                 }
                 None => {
@@ -149,13 +170,18 @@ impl MessageStream {
     }
 }
 
-/// What `now` adds to `before`. Text already sent cannot be taken back: when the parser reads
-/// the text differently than before (it never should), nothing more is sent of that field.
-fn grown(before: &str, now: &str) -> String {
-    match now.strip_prefix(before) {
-        Some(more) => more.to_string(),
+/// What `now` adds to the text `sent` so far, which becomes `now`. Text already sent cannot be
+/// taken back: when the parser reads the text differently than before (a partial parse of
+/// malformed markup), nothing is sent and `sent` stays what the client has.
+fn grow(sent: &mut String, now: String) -> String {
+    match now.strip_prefix(sent.as_str()) {
+        Some(more) => {
+            let more = more.to_string();
+            *sent = now;
+            more
+        }
         None => {
-            log::debug!("the chat parser revised text it had returned; the rest of that field is not streamed");
+            log::debug!("the chat parser revised text it had returned; nothing of that field is sent until it grows");
             String::new()
         }
     }

@@ -19,6 +19,7 @@ pub mod config;
 pub mod deltas;
 pub mod engine;
 pub mod error;
+pub mod hosts;
 pub mod http;
 pub mod job;
 pub mod limits;

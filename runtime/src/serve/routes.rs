@@ -248,7 +248,9 @@ async fn answer(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, con
     };
     let origin = req.headers().get(header::ORIGIN).cloned();
     let access = &shared.access;
-    let mut response = if req.method() == Method::OPTIONS && access.cors_allows(origin.as_ref()).is_some() {
+    let mut response = if let Err(e) = access.admit(req.headers().get(header::HOST), origin.as_ref()) {
+        api.error(&e)
+    } else if req.method() == Method::OPTIONS && access.cors_allows(origin.as_ref()).is_some() {
         preflight(&req)
     } else if let Err(e) =
         access.authorize(needs_key, req.headers().get(header::AUTHORIZATION), req.headers().get("x-api-key"))

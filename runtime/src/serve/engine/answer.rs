@@ -98,13 +98,7 @@ impl Answer {
             return (self.event(Piece::Text(rest)), None);
         };
         log::trace!("the chat answer as generated: {:?}{rest:?}", m.text());
-        let (delta, message) = match m.finish(&rest) {
-            Ok((delta, message)) => (delta, message),
-            Err(e) => {
-                log::warn!("the answer does not parse as the chat format says ({e}); it is returned as plain content");
-                (MessageDelta::default(), ParsedMessage { content: m.text().to_string(), ..ParsedMessage::default() })
-            }
-        };
+        let (delta, message) = m.finish(&rest);
         (self.event(Piece::Delta(delta)), Some(message))
     }
 

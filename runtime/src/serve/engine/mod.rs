@@ -12,6 +12,7 @@ use anyhow::Result;
 mod answer;
 mod degraded;
 pub mod heat;
+mod message_text;
 mod prompt;
 mod questions;
 mod running;

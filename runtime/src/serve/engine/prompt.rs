@@ -10,6 +10,7 @@ use std::time::Instant;
 use anyhow::Result;
 use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, GrammarKind, Model, Token};
 
+use super::message_text::{self, ControlTexts};
 use super::questions::answer;
 use crate::serve::error::ApiError;
 use crate::serve::job::{PromptBound, PromptInput};
@@ -99,28 +100,33 @@ fn tokenize(model: &Model, text: &str, abandon: &AtomicBool, field: &str) -> Res
         .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some(field)))
 }
 
-/// Renders `inputs` with the model's template and tokenizes the prompt (until `abandon` is set);
-/// a rendering over `bound` is refused before it is tokenized (a template can make a prompt far
-/// longer than the request).
+/// Renders `inputs` with the model's template and tokenizes the prompt (until `abandon` is set),
+/// the control tokens' text its messages carry as text; a rendering over `bound` is refused
+/// before it is tokenized (a template can make a prompt far longer than the request).
 fn prepare_chat(
     model: &Model,
     templates: &ChatTemplates,
+    controls: &ControlTexts,
     inputs: &ChatInputs,
     bound: PromptBound,
     abandon: &AtomicBool,
 ) -> Result<Prepared, ApiError> {
-    let (prompt, parser) = templates.apply(inputs).map_err(|e| {
+    let rendered = message_text::render(templates, controls, inputs).map_err(|e| {
         let text = e.to_string();
         let param =
             if inputs.json_schema.is_some() && text.contains("schema") { "response_format" } else { "messages" };
         ApiError::invalid(format!("the model's chat template cannot take this request: {text}"), Some(param))
     })?;
+    let prompt = &rendered.prompt;
     log::debug!("chat prompt rendered in llama.cpp's {} format", prompt.format);
     if prompt.generic_tools {
         log::debug!("the template has no tool-call syntax: tools offered as generic JSON calls");
     }
     bound.check_rendered(prompt.prompt.len())?;
-    let tokens = tokenize(model, &prompt.prompt, abandon, "messages")?;
+    let tokens = rendered
+        .tokenize(model, abandon)
+        .map_err(|e| ApiError::invalid(format!("the prompt cannot be tokenized: {e}"), Some("messages")))?;
+    let message_text::Rendered { prompt, parser, .. } = rendered;
     let shown = prompt
         .preserved_tokens
         .iter()
@@ -142,6 +148,7 @@ impl Tokenizer {
         let (jobs, rx) = channel::<ThreadJob>();
         let (ready, parsed) = channel::<Result<bool>>();
         std::thread::Builder::new().name("sluice-tokenize".into()).stack_size(PREPARE_STACK).spawn(move || {
+            let controls = ControlTexts::of(&model);
             let templates = match chat_templates(&model) {
                 Ok((t, thinks)) => {
                     let _ = ready.send(Ok(thinks));
@@ -156,7 +163,7 @@ impl Tokenizer {
                 let (prompt, bound, abandon, reply) = match job {
                     ThreadJob::Prompt(p) => p,
                     ThreadJob::Tool((question, bound, reply)) => {
-                        let _ = reply.send(answer(&model, &templates, question, bound));
+                        let _ = reply.send(answer(&model, &templates, &controls, question, bound));
                         continue;
                     }
                 };
@@ -166,7 +173,7 @@ impl Tokenizer {
                     PromptInput::Text(t) => {
                         tokenize(&model, t, &abandon, "prompt").map(|tokens| Prepared { tokens, chat: None })
                     }
-                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, inputs, bound, &abandon),
+                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, &controls, inputs, bound, &abandon),
                 };
                 match &prepared {
                     Ok(p) => {

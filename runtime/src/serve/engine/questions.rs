@@ -5,14 +5,17 @@ use std::sync::atomic::AtomicBool;
 
 use ggml_sys::{ChatInputs, ChatTemplates, Model};
 
+use super::message_text::{self, ControlTexts, Rendered};
 use crate::serve::error::ApiError;
 use crate::serve::job::PromptBound;
 use crate::serve::messages::{Answer, Question};
 
-/// Answers `question` with `model`'s vocabulary and `templates`.
+/// Answers `question` with `model`'s vocabulary and `templates` (message text keeping the
+/// `controls` it carries as text).
 pub(super) fn answer(
     model: &Model,
     templates: &ChatTemplates,
+    controls: &ControlTexts,
     question: Question,
     bound: PromptBound,
 ) -> Result<Answer, ApiError> {
@@ -26,11 +29,11 @@ pub(super) fn answer(
         tokens.map_err(|e| ApiError::invalid(format!("{field}: cannot be tokenized: {e}"), Some(field)))
     };
     let render = |inputs: &ChatInputs| {
-        let prompt = templates.apply(inputs).map(|(p, _)| p.prompt).map_err(|e| {
+        let rendered = message_text::render(templates, controls, inputs).map_err(|e| {
             ApiError::invalid(format!("the model's chat template cannot take these messages: {e}"), Some("messages"))
         })?;
-        bound.check_rendered(prompt.len())?;
-        Ok::<_, ApiError>(prompt)
+        bound.check_rendered(rendered.prompt.prompt.len())?;
+        Ok::<_, ApiError>(rendered)
     };
     match question {
         Question::Tokenize { text, add_special, parse_special } => {
@@ -51,10 +54,12 @@ pub(super) fn answer(
             let bytes: Vec<u8> = tokens.iter().flat_map(|t| model.token_piece_with(*t, true)).collect();
             Ok(Answer::Text(String::from_utf8_lossy(&bytes).into_owned()))
         }
-        Question::Render(inputs) => render(&inputs).map(Answer::Text),
+        Question::Render(inputs) => render(&inputs).map(|r: Rendered| Answer::Text(r.prompt.prompt)),
         Question::CountChat(inputs) => {
-            let prompt = render(&inputs)?;
-            Ok(Answer::Count(tokenize(&prompt, true, true, "messages")?.len()))
+            let tokens = render(&inputs)?
+                .tokenize(model, &never)
+                .map_err(|e| ApiError::invalid(format!("messages: cannot be tokenized: {e}"), Some("messages")))?;
+            Ok(Answer::Count(tokens.len()))
         }
     }
 }
