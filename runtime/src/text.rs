@@ -26,6 +26,14 @@ fn escape_into(out: &mut String, s: &str) {
     }
 }
 
+/// `s` with its control characters (escape sequences, bells, C1 controls) shown as `\xNN`
+/// escapes, newlines and tabs kept: what another program sent, made safe for a terminal.
+pub fn escaped(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    escape_into(&mut out, s);
+    out
+}
+
 impl DisplayText {
     /// Adds `bytes` and returns what can be printed now.
     pub fn push(&mut self, bytes: &[u8]) -> String {

@@ -7,16 +7,16 @@ use std::io::{IsTerminal as _, Write as _};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 use rustyline::error::ReadlineError;
 use serde_json::{json, Value};
 
-use super::chat_link::{request, Link, Piece};
+use super::chat_link::{request, stop_own, Link, OwnServer, Piece};
 use sluice::serve::config::ServeSettings;
-use sluice::text::DisplayText;
+use sluice::text::{escaped, DisplayText};
 
 /// `sluice chat` arguments.
 #[derive(clap::Args)]
@@ -48,6 +48,8 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     // Ctrl-C stops what runs (a load, an answer); at the prompt the line editor reads it as a key.
     let interrupted = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted))?;
+    let own = Arc::default();
+    on_termination(Arc::clone(&own));
     let link = match &a.url {
         Some(url) => Link::remote(url, a.api_key.clone()),
         None => {
@@ -55,11 +57,11 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
                 anyhow::bail!("give --model (a GGUF file to serve for the chat) or --url (a running server)");
             }
             noteln!("loading the model...");
-            Link::start(&a.settings, &interrupted)?
+            Link::start(&a.settings, &interrupted, own)?
         }
     };
-    let status = link.get("/status").context("the server does not answer /status")?;
-    noteln!("chatting with {} ({HELP})", status["model"].as_str().unwrap_or("the model"));
+    let status = link.get("/status", &interrupted).context("the server does not answer /status")?;
+    noteln!("chatting with {} ({HELP})", escaped(status["model"].as_str().unwrap_or("the model")));
     let mut editor = rustyline::DefaultEditor::new().context("cannot set up line editing")?;
     let history = history_file();
     if let Some(h) = &history {
@@ -88,8 +90,13 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
         }
         conversation.messages.push(json!({"role": "user", "content": text}));
         interrupted.store(false, Ordering::Relaxed);
-        let answer = answer(&link, &conversation.body(a.temperature, a.max_tokens), &interrupted);
-        conversation.messages.push(json!({"role": "assistant", "content": answer}));
+        match answer(&link, &conversation.body(a.temperature, a.max_tokens), &interrupted) {
+            Some(answer) => conversation.messages.push(json!({"role": "assistant", "content": answer})),
+            // A turn without an answer is not kept: the question can be asked again.
+            None => {
+                conversation.messages.pop();
+            }
+        }
     }
     if let Some(h) = &history {
         if let Some(dir) = h.parent() {
@@ -159,8 +166,8 @@ fn command(text: &str, conversation: &mut Conversation) -> Option<Flow> {
 }
 
 /// Streams one answer to the terminal until it ends or `stop` is set (Ctrl-C). Returns its text
-/// (what came, when stopped).
-fn answer(link: &Link, body: &Value, stop: &Arc<AtomicBool>) -> String {
+/// (what came, when stopped), or `None` when the answer failed or was stopped before any text.
+fn answer(link: &Link, body: &Value, stop: &Arc<AtomicBool>) -> Option<String> {
     let pieces = link.stream(body, Arc::clone(stop));
     let dim = std::io::stdout().is_terminal();
     // Control characters a model writes are shown as escapes, not sent to the terminal.
@@ -168,6 +175,7 @@ fn answer(link: &Link, body: &Value, stop: &Arc<AtomicBool>) -> String {
     let (mut text, mut thinking) = (String::new(), false);
     let t0 = Instant::now();
     let mut first: Option<Instant> = None;
+    let mut failed = false;
     let end = loop {
         if stop.load(Ordering::Relaxed) {
             break "stopped".to_string();
@@ -176,7 +184,10 @@ fn answer(link: &Link, body: &Value, stop: &Arc<AtomicBool>) -> String {
             Ok(p) => p,
             Err(RecvTimeoutError::Timeout) => continue,
             Err(RecvTimeoutError::Disconnected) if stop.load(Ordering::Relaxed) => break "stopped".to_string(),
-            Err(RecvTimeoutError::Disconnected) => break "the answer ended".to_string(),
+            Err(RecvTimeoutError::Disconnected) => {
+                failed = true;
+                break "error: the answer's reader stopped".to_string();
+            }
         };
         match piece {
             Piece::Reasoning(t) => {
@@ -200,22 +211,49 @@ fn answer(link: &Link, body: &Value, stop: &Arc<AtomicBool>) -> String {
                 let secs = first.map_or(0.0, |f| f.elapsed().as_secs_f64());
                 let speed = if secs > 0.0 { tokens as f64 / secs } else { 0.0 };
                 break format!(
-                    "{tokens} tokens, {speed:.1} tok/s, first after {:.1} s, {finish}",
-                    first.map_or(0.0, |f| (f - t0).as_secs_f64())
+                    "{tokens} tokens, {speed:.1} tok/s, first after {:.1} s, {}",
+                    first.map_or(0.0, |f| (f - t0).as_secs_f64()),
+                    escaped(&finish)
                 );
             }
-            Piece::Failed(m) => break format!("error: {m}"),
+            Piece::Failed(m) => {
+                failed = true;
+                break format!("error: {}", escaped(&m));
+            }
         }
         let _ = std::io::stdout().flush();
     };
     if thinking && dim {
         out!("\x1b[0m");
     }
-    let hits = link.get("/status").ok().and_then(|s| s["expert_cache"]["hit_rate"].as_f64());
+    let hits = link.get("/status", stop).ok().and_then(|s| s["expert_cache"]["hit_rate"].as_f64());
     let hits = hits.map_or(String::new(), |h| format!(", {:.1}% expert hits", h * 100.0));
     out!("\n");
+    if failed || text.is_empty() {
+        noteln!("[{end}{hits}; the question was not kept]");
+        return None;
+    }
     noteln!("[{end}{hits}]");
-    text
+    Some(text)
+}
+
+/// On SIGTERM, SIGHUP or SIGQUIT (a closed terminal, a service manager, `kill`): the terminal
+/// is given back as it was (the line editor holds it raw while it reads), the server started
+/// for the chat is stopped and its directory removed, and the chat exits.
+fn on_termination(own: Arc<Mutex<Option<OwnServer>>>) {
+    use signal_hook::consts::{SIGHUP, SIGQUIT, SIGTERM};
+    let terminal =
+        std::io::stdin().is_terminal().then(|| nix::sys::termios::tcgetattr(std::io::stdin()).ok()).flatten();
+    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGTERM, SIGHUP, SIGQUIT]) else { return };
+    std::thread::spawn(move || {
+        if let Some(signal) = signals.forever().next() {
+            if let Some(t) = &terminal {
+                let _ = nix::sys::termios::tcsetattr(std::io::stdin(), nix::sys::termios::SetArg::TCSANOW, t);
+            }
+            stop_own(&own);
+            std::process::exit(128 + signal);
+        }
+    });
 }
 
 /// Where the line history is kept: `$XDG_STATE_HOME/sluice/chat_history`, else

@@ -2,6 +2,11 @@
 //! chat on a loopback port with a key of its own (in its own process group, so the terminal's
 //! Ctrl-C reaches the chat alone); and its streamed answers, read on a thread that stops reading
 //! (and so closes the connection, which cancels the generation) when the answer is stopped.
+//!
+//! The server is not trusted: every wait on it is bounded or given up at Ctrl-C, what it sends
+//! is bounded (an event line, an error body, a JSON answer), and a stream that ends without its
+//! `[DONE]` is a failed answer, not a finished one. What it says reaches the terminal only
+//! through [`sluice::text::escaped`] (the caller's part).
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
@@ -9,8 +14,8 @@ use std::os::unix::process::CommandExt as _;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::{channel, Receiver};
-use std::sync::Arc;
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
@@ -20,14 +25,38 @@ use sluice::serve::config::ServeSettings;
 
 /// How long a started server may take to load its model.
 const LOAD_PATIENCE: Duration = Duration::from_secs(600);
+/// How long a connection to the server may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a GET (`/status`, `/health`) may take, whole.
+const GET_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest server-sent event line read; a longer one fails the answer.
+const MAX_EVENT_LINE: u64 = 1 << 20;
+/// The largest JSON answer or error body read.
+const MAX_BODY: u64 = 1 << 20;
+
+/// The server started for a chat: its process and its directory (settings, log).
+pub struct OwnServer {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl OwnServer {
+    /// Stops the server (SIGTERM, then waits) and removes its directory.
+    fn stop(mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let _ = self.child.wait();
+        let _ = self.dir.close();
+    }
+}
 
 /// A server to chat with.
 pub struct Link {
     base: String,
     key: Option<String>,
     agent: ureq::Agent,
-    /// The server started for this chat, and its directory (settings, log).
-    own: Option<(Child, tempfile::TempDir)>,
+    /// The server started for this chat, shared with whoever stops it on a signal.
+    own: Arc<Mutex<Option<OwnServer>>>,
 }
 
 /// What a streamed answer brings.
@@ -46,11 +75,16 @@ pub enum Piece {
 impl Link {
     /// A running server at `url`.
     pub fn remote(url: &str, key: Option<String>) -> Link {
-        Link { base: url.trim_end_matches('/').to_string(), key, agent: agent(), own: None }
+        Link { base: url.trim_end_matches('/').to_string(), key, agent: agent(), own: Arc::default() }
     }
 
-    /// `sluice serve` with `settings`, started for this chat; returns once its model is loaded.
-    pub fn start(settings: &ServeSettings, interrupted: &AtomicBool) -> Result<Link> {
+    /// `sluice serve` with `settings`, started for this chat and kept in `own` (where a signal's
+    /// handler finds it); returns once its model is loaded.
+    pub fn start(
+        settings: &ServeSettings,
+        interrupted: &AtomicBool,
+        own: Arc<Mutex<Option<OwnServer>>>,
+    ) -> Result<Link> {
         let dir = tempfile::tempdir().context("cannot make a directory for the chat's server")?;
         let config = dir.path().join("sluice.toml");
         let mut settings = settings.clone();
@@ -74,29 +108,29 @@ impl Link {
             .process_group(0)
             .spawn()
             .context("cannot start sluice serve")?;
-        let mut link =
-            Link { base: format!("http://127.0.0.1:{port}"), key: Some(key), agent: agent(), own: Some((child, dir)) };
+        *own.lock().unwrap_or_else(PoisonError::into_inner) = Some(OwnServer { child, dir });
+        let link = Link { base: format!("http://127.0.0.1:{port}"), key: Some(key), agent: agent(), own };
         link.wait_ready(&log, interrupted)?;
         Ok(link)
     }
 
     /// Waits for `/health` to say ready; the server's log tells why when it stops first, and
     /// Ctrl-C (`interrupted`) gives up.
-    fn wait_ready(&mut self, log: &Path, interrupted: &AtomicBool) -> Result<()> {
+    fn wait_ready(&self, log: &Path, interrupted: &AtomicBool) -> Result<()> {
         let t0 = Instant::now();
         loop {
             if interrupted.load(Ordering::Relaxed) {
                 bail!("interrupted while the model loaded");
             }
-            if let Some((child, _)) = &mut self.own {
-                if let Some(status) = child.try_wait()? {
+            if let Some(own) = self.own.lock().unwrap_or_else(PoisonError::into_inner).as_mut() {
+                if let Some(status) = own.child.try_wait()? {
                     let text = std::fs::read_to_string(log).unwrap_or_default();
                     let tail: Vec<&str> = text.lines().rev().take(5).collect();
                     let tail: Vec<&str> = tail.into_iter().rev().collect();
                     bail!("the model could not be served ({status}):\n{}", tail.join("\n"));
                 }
             }
-            if self.get("/health").is_ok_and(|v| v["status"] == "ready") {
+            if self.get("/health", interrupted).is_ok_and(|v| v["status"] == "ready") {
                 return Ok(());
             }
             if t0.elapsed() > LOAD_PATIENCE {
@@ -106,14 +140,26 @@ impl Link {
         }
     }
 
-    /// A GET of `path`, as JSON.
-    pub fn get(&self, path: &str) -> Result<Value> {
-        let mut req = self.agent.get(format!("{}{path}", self.base));
+    /// A GET of `path`, as JSON, within [`GET_TIMEOUT`]; Ctrl-C (`interrupted`) gives up on
+    /// it at once.
+    pub fn get(&self, path: &str, interrupted: &AtomicBool) -> Result<Value> {
+        let mut req = self.agent.get(format!("{}{path}", self.base)).config().timeout_global(Some(GET_TIMEOUT)).build();
         if let Some(k) = &self.key {
             req = req.header("Authorization", format!("Bearer {k}"));
         }
-        let mut resp = req.call().with_context(|| format!("cannot reach {}", self.base))?;
-        let text = resp.body_mut().read_to_string()?;
+        let (tx, rx) = channel();
+        std::thread::spawn(move || {
+            let text = req.call().and_then(|mut r| r.body_mut().with_config().limit(MAX_BODY).read_to_string());
+            let _ = tx.send(text);
+        });
+        let text = loop {
+            match rx.recv_timeout(Duration::from_millis(50)) {
+                Ok(text) => break text.with_context(|| format!("{}{path}", self.base))?,
+                Err(RecvTimeoutError::Timeout) if interrupted.load(Ordering::Relaxed) => bail!("interrupted"),
+                Err(RecvTimeoutError::Timeout) => {}
+                Err(RecvTimeoutError::Disconnected) => bail!("{}{path}: no answer", self.base),
+            }
+        };
         serde_json::from_str(&text).with_context(|| format!("{path} did not answer JSON"))
     }
 
@@ -140,7 +186,7 @@ impl Link {
             let mut reader = BufReader::new(resp.into_body().into_reader());
             if status != 200 {
                 let mut text = String::new();
-                let _ = std::io::Read::read_to_string(&mut reader, &mut text);
+                let _ = std::io::Read::read_to_string(&mut std::io::Read::take(&mut reader, MAX_BODY), &mut text);
                 let message = serde_json::from_str::<Value>(&text)
                     .ok()
                     .and_then(|v| v["error"]["message"].as_str().map(str::to_string));
@@ -153,17 +199,26 @@ impl Link {
     }
 }
 
-/// Reads server-sent events into pieces until the stream ends, fails, or `stop` is set.
+/// Reads server-sent events into pieces until the stream ends, fails, or `stop` is set. A
+/// stream must end with `[DONE]`: one that stops before is a failed answer.
 fn read_events(reader: &mut impl BufRead, tx: &std::sync::mpsc::Sender<Piece>, stop: &AtomicBool) {
     let (mut finish, mut tokens) = (String::from("stop"), 0);
     let mut line = String::new();
     loop {
         line.clear();
-        match reader.read_line(&mut line) {
-            Ok(0) | Err(_) => break,
-            Ok(_) => {}
-        }
+        let failed = match std::io::Read::take(&mut *reader, MAX_EVENT_LINE).read_line(&mut line) {
+            Ok(0) => Some("the server closed the connection before the answer ended".to_string()),
+            Ok(_) if !line.ends_with('\n') && line.len() as u64 >= MAX_EVENT_LINE => {
+                Some(format!("the server sent an event line over {} KiB", MAX_EVENT_LINE >> 10))
+            }
+            Ok(_) => None,
+            Err(e) => Some(format!("the answer could not be read: {e}")),
+        };
         if stop.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some(m) = failed {
+            let _ = tx.send(Piece::Failed(m));
             return;
         }
         let Some(data) = line.trim_end().strip_prefix("data: ") else { continue };
@@ -193,19 +248,23 @@ fn read_events(reader: &mut impl BufRead, tx: &std::sync::mpsc::Sender<Piece>, s
     let _ = tx.send(Piece::Done { finish, tokens });
 }
 
-/// An agent that waits as long as a generation takes and hands every status back.
+/// An agent that connects within [`CONNECT_TIMEOUT`], waits as long as a generation takes (a
+/// stopped answer is given up by its reader) and hands every status back.
 fn agent() -> ureq::Agent {
-    ureq::Agent::config_builder().http_status_as_error(false).build().into()
+    ureq::Agent::config_builder().http_status_as_error(false).timeout_connect(Some(CONNECT_TIMEOUT)).build().into()
+}
+
+/// Stops the server started for a chat, if it still runs (a signal's handler, or the end).
+pub fn stop_own(own: &Mutex<Option<OwnServer>>) {
+    if let Some(server) = own.lock().unwrap_or_else(PoisonError::into_inner).take() {
+        server.stop();
+    }
 }
 
 impl Drop for Link {
     /// Stops the server started for the chat.
     fn drop(&mut self) {
-        if let Some((child, _)) = &mut self.own {
-            let pid = nix::unistd::Pid::from_raw(child.id() as i32);
-            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
-            let _ = child.wait();
-        }
+        stop_own(&self.own);
     }
 }
 
