@@ -200,6 +200,25 @@ impl GgufFile {
         u64::try_from(v).ok()
     }
 
+    /// The metadata keys, in the file's order.
+    pub fn keys(&self) -> Vec<String> {
+        // SAFETY: self.ctx is live.
+        let n = unsafe { sys::gguf_get_n_kv(self.ctx) };
+        (0..n)
+            .map(|id| {
+                // SAFETY: 0 <= id < n for this ctx; ggml owns the key, NUL-terminated.
+                unsafe { CStr::from_ptr(sys::gguf_get_key(self.ctx, id)) }.to_string_lossy().into_owned()
+            })
+            .collect()
+    }
+
+    /// The metadata value of `key`, if it is a boolean.
+    pub fn get_bool(&self, key: &str) -> Option<bool> {
+        let id = self.key_id(key)?;
+        // SAFETY: id belongs to ctx and the getter matches the stored type.
+        (self.kv_type(id) == sys::GGUF_TYPE_BOOL).then(|| unsafe { sys::gguf_get_val_bool(self.ctx, id) })
+    }
+
     /// The metadata value of `key` as a float, if it is stored as f32 or f64.
     pub fn get_f64(&self, key: &str) -> Option<f64> {
         let id = self.key_id(key)?;

@@ -301,3 +301,63 @@ fn tool_calls_reach_the_ollama_client_langchain_and_home_assistant() {
         assert!(out.contains("ollama-check: 5 passed, 0 failed"), "{out}");
     }
 }
+
+#[test]
+fn ollama_s_answers_that_clients_rely_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let ollama_port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let listen = format!("127.0.0.1:{ollama_port}");
+    let mut server =
+        Server::start(dir.path(), &model, &["--model-id", "m", "--ollama-listen", &listen, "--ctx", "512"]);
+    server.wait_note("READY=1");
+    let ollama: std::net::SocketAddr = listen.parse().unwrap();
+    // Front-ends detect Ollama by its root; the chat page stays on sluice's own port.
+    for method in ["GET", "HEAD"] {
+        let r = request(ollama, method, "/", None);
+        assert_eq!(r.status, 200, "{method}: {}", r.body);
+        if method == "GET" {
+            assert_eq!(r.body, "Ollama is running");
+        }
+    }
+    assert!(server.request("GET", "/", None).body.contains("<html"), "the chat page moved");
+    let post = |path: &str, body: Value| request(ollama, "POST", path, Some(&body.to_string()));
+    let refused = |r: Response, needle: &str| {
+        assert_eq!(r.status, 400, "{}", r.body);
+        let message = r.json()["error"].as_str().unwrap_or_default().to_string();
+        assert!(message.contains(needle), "{message:?} lacks {needle:?}");
+        message
+    };
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    // Thinking asked of a model that has no thinking block.
+    refused(post("/api/chat", json!({"model": "m", "messages": hi, "think": true})), "\"m\" does not support thinking");
+    refused(post("/api/generate", json!({"model": "m", "prompt": "hi", "think": "high"})), "does not support thinking");
+    // keep_alive as Ollama reads it.
+    refused(post("/api/chat", json!({"model": "m", "messages": hi, "keep_alive": "5 minutes"})), "keep_alive");
+    refused(post("/api/generate", json!({"model": "m", "keep_alive": [1]})), "keep_alive");
+    let loaded = post("/api/generate", json!({"model": "m", "keep_alive": "1h30m"}));
+    assert_eq!(loaded.json()["done_reason"], "load", "{}", loaded.body);
+    let unloaded = post("/api/chat", json!({"model": "m", "messages": [], "keep_alive": "0s"}));
+    assert_eq!(unloaded.json()["done_reason"], "unload", "{}", unloaded.body);
+    // A request over the context names Ollama's fields.
+    let over =
+        post("/api/generate", json!({"model": "m", "prompt": "hi", "stream": false, "options": {"num_predict": 5000}}));
+    let message = refused(over, "options.num_predict");
+    assert!(!message.contains("max_tokens"), "{message}");
+    // What /api/show carries: the file's metadata, the capabilities, a Modelfile without the
+    // board's paths.
+    let shown = post("/api/show", json!({"model": "m"})).json();
+    let info = &shown["model_info"];
+    let arch = info["general.architecture"].as_str().unwrap();
+    assert!(info["general.basename"].is_string(), "{shown}");
+    for key in ["block_count", "expert_count", "expert_used_count", "embedding_length", "context_length"] {
+        assert!(info[format!("{arch}.{key}")].is_u64(), "{arch}.{key} missing: {info}");
+    }
+    assert!(info.as_object().unwrap().contains_key("tokenizer.ggml.tokens"), "{info}");
+    assert_eq!(shown["capabilities"], json!(["completion", "tools"]), "{shown}");
+    assert_eq!(shown["parameters"], "num_ctx 512", "{shown}");
+    let modelfile = shown["modelfile"].as_str().unwrap();
+    assert!(!modelfile.contains(dir.path().to_str().unwrap()) && modelfile.contains("FROM m"), "{modelfile}");
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}

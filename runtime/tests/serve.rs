@@ -211,6 +211,12 @@ fn a_full_queue_gets_503_and_a_disconnect_cancels_without_harming_the_next_reque
     let busy = server.request("POST", "/v1/completions", Some(GREEDY));
     assert_api_error(&busy, 503, None, "queue is full");
     assert_eq!(busy.header("retry-after").as_deref(), Some("1"));
+    // Anthropic's clients retry its 529 overloaded_error.
+    let message = r#"{"model":"m","max_tokens":4,"messages":[{"role":"user","content":"hi"}]}"#;
+    let busy = server.request("POST", "/v1/messages", Some(message));
+    assert_eq!(busy.status, 529, "{}", busy.body);
+    assert_eq!(busy.json()["error"]["type"], "overloaded_error", "{}", busy.body);
+    assert_eq!(busy.header("retry-after").as_deref(), Some("1"));
 
     // The running client goes away mid-stream: its generation is cancelled, the queued request
     // then runs and gets the same text as before.

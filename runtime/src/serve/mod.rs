@@ -111,7 +111,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     // Room for a burst that finds the engine idle: a request per slot runs, `queue` wait.
     let slots = cfg.engine.launch.slots as usize;
     let (tx, rx) = sync_channel::<Job>(cfg.queue + slots);
-    let shared = Arc::new(Shared::new(cfg.model_id.clone(), cfg.access.clone(), tx, slots, cfg.queue));
+    let shared =
+        Arc::new(Shared::new(cfg.model_id.clone(), cfg.access.clone(), tx, slots, cfg.queue, cfg.ollama_listen));
     shared.acceptor_beat();
     let engine = {
         let shared = Arc::clone(&shared);
@@ -258,7 +259,7 @@ mod tests {
 
     fn shared() -> Arc<Shared> {
         let (tx, _rx) = sync_channel(1);
-        Arc::new(Shared::new("m".into(), Access::default(), tx, 1, 1))
+        Arc::new(Shared::new("m".into(), Access::default(), tx, 1, 1, None))
     }
 
     /// The decision, independent of how fast the machine runs the test: a side counts as stuck

@@ -41,6 +41,10 @@ pub struct ModelCard {
     pub digest: String,
     /// Whether the template has a thinking block.
     pub thinks: bool,
+    /// The file's metadata as Ollama's `model_info` shows it: each scalar key with its value,
+    /// arrays (the vocabulary's, per-layer ones) as null, the chat template left out (it is
+    /// [`ModelCard::template`]).
+    pub info: serde_json::Map<String, serde_json::Value>,
 }
 
 impl ModelCard {
@@ -56,6 +60,7 @@ impl ModelCard {
             .as_ref()
             .map_or(0, |g| g.tensors().iter().map(|t| t.ne.iter().map(|&n| n.max(1) as u64).product::<u64>()).sum());
         let file_type = gguf.as_ref().and_then(|g| g.get_u64("general.file_type"));
+        let info = gguf.as_ref().map(model_info).unwrap_or_default();
         let since = modified.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
         let digest = Sha256::digest(format!("{}\n{size}\n{}", path.display(), since.as_nanos()));
         ModelCard {
@@ -69,6 +74,7 @@ impl ModelCard {
             modified,
             digest: digest.iter().map(|b| format!("{b:02x}")).collect(),
             thinks,
+            info,
             path,
         }
     }
@@ -82,6 +88,25 @@ impl ModelCard {
             format!("{:.1}M", p / 1e6)
         }
     }
+}
+
+/// The metadata of `gguf` as `model_info`: scalars with their values, arrays as null.
+fn model_info(gguf: &GgufFile) -> serde_json::Map<String, serde_json::Value> {
+    use serde_json::{json, Value};
+    gguf.keys()
+        .into_iter()
+        .filter(|k| k != "tokenizer.chat_template")
+        .map(|k| {
+            let v = gguf
+                .get_u64(&k)
+                .map(|n| json!(n))
+                .or_else(|| gguf.get_f64(&k).map(|f| json!(f)))
+                .or_else(|| gguf.get_str(&k).map(Value::String))
+                .or_else(|| gguf.get_bool(&k).map(Value::Bool))
+                .unwrap_or(Value::Null);
+            (k, v)
+        })
+        .collect()
 }
 
 /// llama.cpp's name of a `general.file_type` (`LLAMA_FTYPE_*`).
@@ -153,6 +178,7 @@ mod tests {
                 modified: SystemTime::UNIX_EPOCH,
                 digest: String::new(),
                 thinks: false,
+                info: serde_json::Map::new(),
             }
         }
     }

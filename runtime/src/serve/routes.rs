@@ -78,6 +78,7 @@ enum Endpoint {
     Show,
     Ps,
     Version,
+    OllamaRunning,
     Pull,
     /// What a single-model server cannot do at this path (Ollama's push, create, ...).
     OllamaUnsupported(&'static str),
@@ -113,6 +114,10 @@ const fn below(route: Route, under: Under) -> Route {
 
 use Api::{Anthropic, LlamaServer, Ollama, OpenAi, Sluice};
 use Endpoint as E;
+
+/// `/` on the listener that stands for Ollama (`--ollama-listen`): `Ollama is running`, as
+/// front-ends and editor extensions detect an Ollama server (the chat page is on sluice's port).
+const OLLAMA_ROOT: Route = with_key(route("GET HEAD", "/", Ollama, E::OllamaRunning), Key::Free);
 
 /// Every route, each path once.
 const ROUTES: [Route; 33] = [
@@ -193,7 +198,7 @@ impl Api {
     fn error(self, e: &ApiError) -> Response<Body> {
         match self {
             Api::OpenAi | Api::LlamaServer | Api::Sluice => error(e),
-            Api::Anthropic => error_with(e, anthropic::error_body(e)),
+            Api::Anthropic => anthropic::error(e),
             Api::Ollama => error_with(e, ollama::error_body(e)),
         }
     }
@@ -239,7 +244,12 @@ async fn answer(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, con
     let guard = conn.begin_request();
     let shared = front.shared();
     let path = req.uri().path().to_string();
-    let found = ROUTES.iter().find(|r| r.matches(&path));
+    let on_ollama = tcp.local_addr().is_ok_and(|a| shared.on_ollama_listener(a));
+    let found = if on_ollama && OLLAMA_ROOT.matches(&path) {
+        Some(&OLLAMA_ROOT)
+    } else {
+        ROUTES.iter().find(|r| r.matches(&path))
+    };
     let api = found.map_or_else(|| Api::of(&path), |r| r.api);
     let needs_key = match found.map_or(Key::Needed, |r| r.key) {
         Key::Needed => true,
@@ -300,6 +310,7 @@ async fn dispatch(
         E::OllamaChat => ollama::chat(req, front, tcp, conn).await,
         E::OllamaGenerate => ollama::generate(req, front, tcp, conn).await,
         E::Tags => ollama::tags(shared),
+        E::OllamaRunning => ollama::running(),
         E::Show => ollama::show(req, front, conn).await,
         E::Ps => ollama::ps(shared),
         E::Version => ollama::version(),

@@ -1,6 +1,7 @@
 //! The state the HTTP front, the engine and the watchdog share: the server's life cycle, the
 //! heartbeats, the queue and the requests being generated, the prompt bound and the counters.
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
@@ -56,6 +57,8 @@ pub struct Shared {
     loaded: Mutex<Option<(Arc<ModelCard>, TextTools)>>,
     /// Slot actions clients asked for, which the engine runs between its steps.
     pub slot_actions: SlotActions,
+    /// The address of the listener that stands for Ollama (`--ollama-listen`), if any.
+    ollama_listen: Option<SocketAddr>,
 }
 
 impl Shared {
@@ -67,6 +70,7 @@ impl Shared {
         queue: SyncSender<Job>,
         slots: usize,
         waiting: usize,
+        ollama_listen: Option<SocketAddr>,
     ) -> Shared {
         Shared {
             state: AtomicU8::new(State::Loading as u8),
@@ -89,7 +93,15 @@ impl Shared {
             access,
             loaded: Mutex::new(None),
             slot_actions: SlotActions::default(),
+            ollama_listen,
         }
+    }
+
+    /// Whether a connection accepted at `local` (its own address) came through the listener
+    /// that stands for Ollama: the same address, or the same port when it listens on all.
+    pub fn on_ollama_listener(&self, local: SocketAddr) -> bool {
+        self.ollama_listen
+            .is_some_and(|o| o.port() == local.port() && (o.ip().is_unspecified() || o.ip() == local.ip()))
     }
 
     /// The loaded model's description and text tools; 503 while none is loaded.

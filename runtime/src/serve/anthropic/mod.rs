@@ -34,14 +34,21 @@ pub fn error_body(e: &ApiError) -> String {
         408 => "timeout_error",
         413 => "request_too_large",
         429 => "rate_limit_error",
-        503 => "overloaded_error",
+        503 | 529 => "overloaded_error",
         _ => "api_error",
     };
     json!({"type": "error", "error": {"type": kind, "message": e.message}}).to_string()
 }
 
-fn error(e: &ApiError) -> Response<Body> {
-    error_with(e, error_body(e))
+/// An error response in Anthropic's shape: a server that cannot take the request now (a full
+/// queue, loading, stopping) is Anthropic's 529 `overloaded_error`, which its clients retry,
+/// with `Retry-After` as for a 503.
+pub fn error(e: &ApiError) -> Response<Body> {
+    let mut r = error_with(e, error_body(e));
+    if e.status == 503 {
+        *r.status_mut() = hyper::StatusCode::from_u16(529).unwrap_or(hyper::StatusCode::SERVICE_UNAVAILABLE);
+    }
+    r
 }
 
 /// `POST /v1/messages`.

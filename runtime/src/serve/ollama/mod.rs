@@ -59,6 +59,14 @@ pub fn ps(shared: &Shared) -> Response<Body> {
     answer(models::ps(shared))
 }
 
+/// `GET /` on the Ollama listener: what Ollama answers there.
+pub fn running() -> Response<Body> {
+    let mut r = Response::new(Body::full("Ollama is running"));
+    r.headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"));
+    r
+}
+
 /// `GET /api/version`.
 pub fn version() -> Response<Body> {
     answer(Ok(json!({"version": models::VERSION})))
@@ -94,9 +102,10 @@ fn answer(answer: Result<Value, ApiError>) -> Response<Body> {
     }
 }
 
-/// Ollama's error body: `{"error": "..."}`.
+/// Ollama's error body: `{"error": "..."}`, naming Ollama's fields: the engine's errors speak
+/// of the shared request's `max_tokens`, which is Ollama's `options.num_predict`.
 pub fn error_body(e: &ApiError) -> String {
-    json!({"error": e.message}).to_string()
+    json!({"error": e.message.replace("max_tokens", "options.num_predict")}).to_string()
 }
 
 fn error(e: &ApiError) -> Response<Body> {
@@ -183,21 +192,34 @@ enum Parsed {
 
 fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Result<Parsed, ApiError> {
     let context = shared.prompt_bound().n_ctx;
-    let unload = |keep_alive: &Option<Value>| keep_alive.as_ref().is_some_and(|k| k == 0 || k == "0" || k == "0s");
+    // Thinking asked of a model whose template has none is Ollama's 400.
+    let can_think = |name: &str, asked: bool| {
+        let thinks = shared.loaded().map_or(true, |(card, _)| card.thinks);
+        if asked && !thinks {
+            return Err(ApiError::invalid(format!("\"{name}\" does not support thinking"), Some("think")));
+        }
+        Ok(())
+    };
     match endpoint {
         Endpoint::Chat => {
             let b: request::ChatBody = http::parse_ignoring(body, "Ollama")?;
-            let reply = OllamaReply::new(endpoint, check_model(shared, b.model.as_deref())?, begun);
+            let name = check_model(shared, b.model.as_deref())?;
+            let unload = request::unloads(b.keep_alive.as_ref())?;
+            can_think(&name, b.asks_thinking())?;
+            let reply = OllamaReply::new(endpoint, name, begun);
             if b.loads_only() {
-                return Ok(Parsed::Loaded(reply.loaded(unload(&b.keep_alive))));
+                return Ok(Parsed::Loaded(reply.loaded(unload)));
             }
             Ok(Parsed::Generate(Box::new(b.request(context)?), reply))
         }
         Endpoint::Generate => {
             let b: request::GenerateBody = http::parse_ignoring(body, "Ollama")?;
-            let reply = OllamaReply::new(endpoint, check_model(shared, b.model.as_deref())?, begun);
+            let name = check_model(shared, b.model.as_deref())?;
+            let unload = request::unloads(b.keep_alive.as_ref())?;
+            can_think(&name, b.asks_thinking())?;
+            let reply = OllamaReply::new(endpoint, name, begun);
             if b.loads_only() {
-                return Ok(Parsed::Loaded(reply.loaded(unload(&b.keep_alive))));
+                return Ok(Parsed::Loaded(reply.loaded(unload)));
             }
             Ok(Parsed::Generate(Box::new(b.request(context)?), reply))
         }
@@ -213,7 +235,7 @@ impl Translate for OllamaReply {
                 let calls = message.as_ref().and_then(|m| self.tool_calls(m));
                 calls.into_iter().chain([self.done(finish, &usage)]).collect()
             }
-            Event::Failed(e) => vec![json!({"error": e.message})],
+            Event::Failed(e) => vec![serde_json::from_str(&error_body(&e)).unwrap_or_default()],
             Event::Started { .. } => Vec::new(),
         }
     }
