@@ -39,9 +39,21 @@ pub enum Positions {
     },
     /// A fixed count (`--ctx`); beyond the model's own length the plan refuses it.
     Fixed(u32),
-    /// The model's own context length, at most this many (`sluice serve` without `--ctx`).
+    /// The model's own context length, at most this many.
     ModelCapped(u32),
+    /// What the board's plan affords (`sluice serve` without `--ctx`): the largest of
+    /// [`PLANNED_CONTEXTS`], at most the model's own length, whose KV cache takes at most
+    /// [`KV_SHARE`] of the budget in a plan that fits; with RPC workers (whose split is sized
+    /// before the plan) the middle one.
+    Planned,
 }
+
+/// The contexts `sluice serve` chooses from without `--ctx`, largest first: Ollama's clients
+/// assume 8,192 positions (Home Assistant's conversation failed at 4,096).
+pub const PLANNED_CONTEXTS: [u32; 3] = [8192, 4096, 2048];
+/// The most of the budget a planned context's KV cache may take: the rest stays the expert
+/// cache's, which decides the speed.
+pub const KV_SHARE: f64 = 1.0 / 8.0;
 
 /// How big the expert cache is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,6 +241,7 @@ impl Launch {
             }
             Positions::Fixed(n) => (*n, Vec::new()),
             Positions::ModelCapped(cap) => (model.n_ctx_train().min(*cap), Vec::new()),
+            Positions::Planned => (self.planned_positions(&index, rpc.as_ref(), model.n_ctx_train()), Vec::new()),
         };
         on_step("planning memory");
         let shape = ContextShape { positions: n_ctx, slots: self.slots, batch: self.batch.first(), kv: self.board.kv };
@@ -264,7 +277,37 @@ impl Launch {
             }
             Positions::Fixed(n) => Ok(*n),
             Positions::ModelCapped(cap) => Ok(generate::context_length(&self.model)?.min(*cap)),
+            Positions::Planned => Ok(generate::context_length(&self.model)?.min(PLANNED_CONTEXTS[1])),
         }
+    }
+
+    /// The context of [`Positions::Planned`] for a model trained for `trained` positions: the
+    /// largest candidate whose KV cache takes at most [`KV_SHARE`] of the budget in a plan that
+    /// fits, else the smallest that fits, else the middle one (whose plan then says why it
+    /// cannot fit).
+    fn planned_positions(&self, index: &ExpertIndex, rpc: Option<&ggml_sys::RpcSplit>, trained: u32) -> u32 {
+        let candidates: Vec<u32> = PLANNED_CONTEXTS.iter().map(|&c| c.min(trained)).collect();
+        if rpc.is_some() {
+            return candidates[1];
+        }
+        let mut fits = None;
+        for &positions in &candidates {
+            let shape = ContextShape { positions, slots: self.slots, batch: self.batch.first(), kv: self.board.kv };
+            let Ok(ledger) = budget::plan_within_budget(&self.plan_request(index, shape, None)) else { continue };
+            let kv = ledger.bytes(Item::KvCache);
+            if kv as f64 <= ledger.budget as f64 * KV_SHARE {
+                log::info!(
+                    "context: {positions} positions (the KV cache's {} MiB is within an eighth of the {} MiB budget; --ctx sets it)",
+                    kv >> 20,
+                    ledger.budget >> 20
+                );
+                return positions;
+            }
+            fits = Some(positions);
+        }
+        let chosen = fits.unwrap_or(candidates[1]);
+        log::info!("context: {chosen} positions (a longer one's KV cache would take over an eighth of the budget; --ctx sets it)");
+        chosen
     }
 
     /// The index, narrowed to this board's layers when `positions` (known when there are

@@ -520,3 +520,44 @@ fn logprobs_usage_and_model_lookup_follow_openai() {
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
 }
+
+/// The served context without `--ctx`: 8192 positions (what Ollama's clients assume) where the
+/// board's plan keeps that KV cache within an eighth of the budget, else less.
+#[test]
+fn without_ctx_the_context_is_what_the_board_s_plan_affords() {
+    let dir = tempfile::tempdir().unwrap();
+    let synth = |name: &str, shape: &[&str]| {
+        let path = dir.path().join(name);
+        let o = sluice_command()
+            .args(["synth", "--out", path.to_str().unwrap(), "--ctx", "32768"])
+            .args(shape)
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        path
+    };
+    let served_context = |model: &std::path::Path, budget_mib: u32| {
+        let profile = dir.path().join(format!("board-{budget_mib}.toml"));
+        let generic = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../boards/generic.toml")).unwrap();
+        std::fs::write(&profile, generic.replace("[memory]", &format!("[memory]\nbudget_mib = {budget_mib}"))).unwrap();
+        let mut server = Server::start(dir.path(), model, &["--board", profile.to_str().unwrap()]);
+        server.wait_note("READY=1");
+        let n_ctx = server.request("GET", "/props", None).json()["default_generation_settings"]["n_ctx"].as_u64();
+        let (status, _, _, log) = server.stop();
+        assert!(status.success(), "{log}");
+        (n_ctx.unwrap(), log)
+    };
+    // A small KV cache (1 KiB a position): 8192 positions.
+    let small = synth("small-kv.gguf", &[]);
+    assert_eq!(served_context(&small, 600).0, 8192);
+    // 16 KiB a position: 8192 would take 128 MiB of a 600 MiB budget, 4096 takes 64.
+    let large = synth("large-kv.gguf", &["--layers", "4", "--heads", "8", "--kv-heads", "8", "--head-dim", "128"]);
+    let (n_ctx, log) = served_context(&large, 600);
+    assert_eq!(n_ctx, 4096, "{log}");
+    assert!(log.contains("context: 4096 positions"), "the log says why: {log}");
+    // Never more than the model's own length.
+    let short = dir.path().join("m.gguf");
+    let o = sluice_command().args(["synth", "--out", short.to_str().unwrap(), "--ctx", "2048"]).output().unwrap();
+    assert!(o.status.success());
+    assert_eq!(served_context(&short, 600).0, 2048);
+}

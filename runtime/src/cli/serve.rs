@@ -12,7 +12,7 @@ use sluice::budget::Batch;
 use sluice::launch::{Cache, Launch, Positions};
 use sluice::serve::access::{Access, KeySources};
 use sluice::serve::config::{self, ServeSettings, DEFAULT_SLOT_SAVE_MIB};
-use sluice::serve::engine::{EngineConfig, DEFAULT_CTX};
+use sluice::serve::engine::EngineConfig;
 use sluice::serve::http::HttpLimits;
 use sluice::serve::{self, ServeConfig};
 use sluice::stream::DensePolicy;
@@ -149,7 +149,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         launch: Launch {
             model: model.clone(),
             board,
-            positions: set.ctx.map_or(Positions::ModelCapped(DEFAULT_CTX), Positions::Fixed),
+            positions: set.ctx.map_or(Positions::Planned, Positions::Fixed),
             slots: set.slots.unwrap_or(1),
             batch: Batch::Fixed(set.batch.unwrap_or(sluice::generate::DEFAULT_BATCH)),
             cache: Cache::from_mib(set.cache_mb),

@@ -33,8 +33,9 @@ pub struct ServeSettings {
     /// (127.0.0.1:11434, or 0.0.0.0:11434 for the network); off unless given.
     #[arg(long)]
     pub ollama_listen: Option<SocketAddr>,
-    /// Context positions per request, prompt and completion together (default: 4096, or the
-    /// model's length if shorter).
+    /// Context positions per request, prompt and completion together (default: 8192 where the
+    /// board's plan keeps its KV cache within an eighth of the memory budget, else 4096 or 2048;
+    /// never more than the model's own length).
     #[arg(long, value_parser = clap::value_parser!(u32).range(MIN_CTX as i64..))]
     pub ctx: Option<u32>,
     /// Slots: conversations whose prompt memory (KV cache) is kept between requests, each with
@@ -188,7 +189,10 @@ impl ServeSettings {
             Err(ConfigError::Key { path: path.to_path_buf(), key: key.into(), message: message.into() })
         };
         if self.ctx.is_some_and(|c| c < MIN_CTX) {
-            return bad("ctx", "at least 16 positions; remove the key for 4096 (or the model's length if shorter)");
+            return bad(
+                "ctx",
+                "at least 16 positions; remove the key for what the board's plan affords (8192, 4096 or 2048)",
+            );
         }
         if self.model.as_ref().is_some_and(|m| m.as_os_str().is_empty()) {
             return bad("model", "empty; give the model's path");

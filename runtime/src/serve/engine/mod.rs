@@ -39,8 +39,6 @@ use crate::launch::{Launch, LaunchError};
 use crate::stream::{ExpertIndex, StreamError, StreamedSession};
 use crate::units::mib;
 
-/// Context length when `--ctx` is not given (or the model's, if shorter).
-pub const DEFAULT_CTX: u32 = 4096;
 /// The longest one token's grammar checks may take: well inside the watchdog's interval, so a
 /// costly grammar fails its request instead of stalling the service (cancel and SIGTERM stop it
 /// at once through the request's cancel flag).
@@ -49,8 +47,9 @@ pub const GRAMMAR_TOKEN_BOUND: Duration = Duration::from_secs(5);
 /// What the engine serves, and how.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
-    /// The streamed run: model, board, context positions (`--ctx`, else [`DEFAULT_CTX`] or the
-    /// model's own length if shorter), cache, dense policy, lossy modes, RPC workers.
+    /// The streamed run: model, board, context positions (`--ctx`, else what the board's plan
+    /// affords: [`crate::launch::Positions::Planned`]), cache, dense policy, lossy modes, RPC
+    /// workers.
     pub launch: Launch,
     /// Where the heat map is kept; `None`: no warm restarts.
     pub state_dir: Option<PathBuf>,
