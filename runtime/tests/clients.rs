@@ -78,12 +78,21 @@ fn utility_endpoints_tokenize_detokenize_render_and_describe() {
         post("/tokenize", json!({"content": prompt, "add_special": true})).json()["tokens"].as_array().unwrap().len();
     let chat = post("/v1/chat/completions", json!({"messages": messages, "max_tokens": 1})).json();
     assert_eq!(chat["usage"]["prompt_tokens"], counted);
+    // Anthropic's request thinks only when asked: its prompt is the chat's with thinking off.
     let counted_anthropic = post(
         "/v1/messages/count_tokens",
         json!({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}]}),
     )
     .json();
-    assert_eq!(counted_anthropic["input_tokens"], counted);
+    let off = post("/v1/chat/completions", json!({"messages": messages, "max_tokens": 1, "reasoning_effort": "none"}));
+    assert_eq!(counted_anthropic["input_tokens"], off.json()["usage"]["prompt_tokens"]);
+    let thinking = json!({"type": "enabled", "budget_tokens": 16});
+    let counted_thinking = post(
+        "/v1/messages/count_tokens",
+        json!({"system": "Be brief.", "messages": [{"role": "user", "content": "Hi"}], "thinking": thinking}),
+    )
+    .json();
+    assert_eq!(counted_thinking["input_tokens"], counted);
 
     // Thinking off on Qwen3's template: the prompt closes the empty block itself, and the
     // answer does not begin with a forced end tag.
@@ -358,6 +367,87 @@ fn ollama_s_answers_that_clients_rely_on() {
     assert_eq!(shown["parameters"], "num_ctx 512", "{shown}");
     let modelfile = shown["modelfile"].as_str().unwrap();
     assert!(!modelfile.contains(dir.path().to_str().unwrap()) && modelfile.contains("FROM m"), "{modelfile}");
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+}
+
+/// A template that, as Llama 3.x's, takes one tool call an assistant turn and raises on more.
+const SINGLE_CALL_TEMPLATE: &str = r#"{{- bos_token }}
+{%- for message in messages %}
+{%- if message.role == 'assistant' and message.tool_calls %}
+{%- if message.tool_calls | length != 1 %}{{- raise_exception("This model only supports single tool-calls at once!") }}{%- endif %}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + message.tool_calls[0].function.name + '", "parameters": ' + (message.tool_calls[0].function.arguments | tojson) + '}<|eot_id|>' }}
+{%- elif message.role == 'tool' %}
+{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}
+{%- else %}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"#;
+
+/// The weather tool in Anthropic's shape.
+fn anthropic_weather() -> Value {
+    json!({"name": "get_weather", "description": "The weather in a city",
+        "input_schema": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"]}})
+}
+
+#[test]
+fn anthropic_s_answers_make_one_call_where_the_template_takes_one_and_think_only_when_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    // Weights that favour `,`: where the grammar lets an answer add another call, it does.
+    let single = dir.path().join("single.gguf");
+    let o = common::sluice_command()
+        .args(["synth", "--out", single.to_str().unwrap(), "--favour", ",", "--chat-template", SINGLE_CALL_TEMPLATE])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let mut server = Server::start(dir.path(), &single, &["--model-id", "m"]);
+    server.wait_note("READY=1");
+    let ask = json!([{"role": "user", "content": "Weather in Paris and in Oslo?"}]);
+    for seed in 0..5 {
+        // A forced tool, parallel calls not disabled: one call, which the template takes back.
+        let body = json!({"model": "m", "max_tokens": 200, "messages": ask, "tools": [anthropic_weather()],
+            "tool_choice": {"type": "tool", "name": "get_weather"}, "temperature": 1.0, "top_k": 40 + seed});
+        let r = server.request("POST", "/v1/messages", Some(&body.to_string()));
+        assert_eq!(r.status, 200, "seed {seed}: {}", r.body);
+        let answer = r.json();
+        let uses: Vec<&Value> =
+            answer["content"].as_array().unwrap().iter().filter(|b| b["type"] == "tool_use").collect();
+        assert_eq!(uses.len(), 1, "seed {seed}: the template takes one call a turn: {}", r.body);
+        let next = json!({"model": "m", "max_tokens": 4, "tools": [anthropic_weather()], "messages": [
+            ask[0],
+            {"role": "assistant", "content": answer["content"]},
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0]["id"], "content": "sunny"}]},
+        ]});
+        let r = server.request("POST", "/v1/messages", Some(&next.to_string()));
+        assert_eq!(r.status, 200, "seed {seed}: the call sent back: {}", r.body);
+    }
+    // OpenAI's parallel_tool_calls too.
+    let body = json!({"messages": ask, "max_tokens": 200, "parallel_tool_calls": true, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": anthropic_weather()["input_schema"]}}]});
+    let r = server.request("POST", "/v1/chat/completions", Some(&body.to_string()));
+    assert_eq!(r.json()["choices"][0]["message"]["tool_calls"].as_array().map(Vec::len), Some(1), "{}", r.body);
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+
+    // Thinking is asked for on Anthropic's API: a model whose generation prompt opens its
+    // thinking block (Qwen3.5's) answers without one unless the request has `thinking`.
+    let thinker = synth_with(dir.path(), Some("Qwen3.5-4B"));
+    let mut server = Server::start(dir.path(), &thinker, &["--model-id", "m"]);
+    server.wait_note("READY=1");
+    for (thinking, stream) in
+        [(None, false), (None, true), (Some(json!({"type": "enabled", "budget_tokens": 64})), false)]
+    {
+        let mut body = json!({"model": "m", "max_tokens": 48, "messages": ask, "stream": stream, "temperature": 0});
+        if let Some(t) = &thinking {
+            body["thinking"] = t.clone();
+        }
+        let r = server.request("POST", "/v1/messages", Some(&body.to_string()));
+        assert_eq!(r.status, 200, "{}", r.body);
+        let thought = r.body.contains("\"thinking\"") || r.body.contains("thinking_delta");
+        assert_eq!(thought, thinking.is_some(), "thinking {thinking:?}, stream {stream}: {}", r.body);
+    }
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
 }

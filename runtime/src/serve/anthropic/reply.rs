@@ -49,7 +49,7 @@ impl MessageReply {
     /// The events for what the answer gained: thinking, then text, then tool uses.
     pub fn push(&mut self, d: &MessageDelta) -> Vec<Value> {
         let mut out = Vec::new();
-        if !d.reasoning.is_empty() {
+        if !d.reasoning.is_empty() && self.setup.thinking {
             self.ensure(Open::Thinking, json!({"type": "thinking", "thinking": "", "signature": ""}), &mut out);
             out.push(self.delta(json!({"type": "thinking_delta", "thinking": d.reasoning})));
         }
@@ -86,7 +86,7 @@ impl MessageReply {
     /// The whole message.
     pub fn whole(&self, m: &ParsedMessage, finish: Finish, stop: Option<&str>, usage: &TokenUsage) -> Value {
         let mut content = Vec::new();
-        if !m.reasoning_content.is_empty() {
+        if !m.reasoning_content.is_empty() && self.setup.thinking {
             content.push(json!({"type": "thinking", "thinking": m.reasoning_content, "signature": ""}));
         }
         if !m.content.is_empty() {
@@ -156,7 +156,7 @@ mod tests {
 
     #[test]
     fn a_stream_opens_one_block_per_kind_and_closes_it_before_the_next() {
-        let setup = MessagesSetup { stop_sequences: vec!["END".into()] };
+        let setup = MessagesSetup { stop_sequences: vec!["END".into()], thinking: true };
         let mut r = MessageReply::new("msg_1".into(), "m".into(), setup, 7);
         let mut events = r.start_events();
         let d = |reasoning: &str, content: &str| MessageDelta {
@@ -218,7 +218,12 @@ mod tests {
 
     #[test]
     fn only_the_requests_own_stop_sequence_is_reported() {
-        let r = MessageReply::new("m".into(), "m".into(), MessagesSetup { stop_sequences: vec!["END".into()] }, 0);
+        let r = MessageReply::new(
+            "m".into(),
+            "m".into(),
+            MessagesSetup { stop_sequences: vec!["END".into()], thinking: true },
+            0,
+        );
         let m = ParsedMessage { content: "a".into(), ..Default::default() };
         let u = TokenUsage::default();
         let own = r.whole(&m, Finish::Stop, Some("END"), &u);

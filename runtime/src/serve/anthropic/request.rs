@@ -54,6 +54,9 @@ struct OutputConfig {
 pub struct MessagesSetup {
     /// `stop_sequences`.
     pub stop_sequences: Vec<String>,
+    /// Whether `thinking` asked for thinking blocks: without it the answer has none, as on
+    /// Anthropic's API (a template that thinks anyway, gpt-oss's, has its thinking left out).
+    pub thinking: bool,
 }
 
 /// Parses a Messages body; `count_only` for `count_tokens`, which takes no `max_tokens`.
@@ -123,12 +126,12 @@ pub fn parse(body: &[u8], count_only: bool) -> Result<(GenerationRequest, Messag
     }
     let parallel = translate_tool_choice(b.tool_choice.as_ref(), &mut openai)?;
     openai.insert("parallel_tool_calls".into(), json!(parallel));
-    translate_thinking(b.thinking.as_ref(), &mut openai)?;
+    let thinking = translate_thinking(b.thinking.as_ref(), &mut openai)?;
     if let Some(config) = b.output_config {
         translate_output_config(config, &mut openai)?;
     }
     let request = openai::chat_request_from(Value::Object(openai), "").map_err(anthropic_names)?;
-    Ok((request, MessagesSetup { stop_sequences: b.stop_sequences.unwrap_or_default() }))
+    Ok((request, MessagesSetup { stop_sequences: b.stop_sequences.unwrap_or_default(), thinking }))
 }
 
 /// An error about the translated request, naming the Messages API's fields.
@@ -365,9 +368,13 @@ fn translate_output_config(config: OutputConfig, openai: &mut Map<String, Value>
 }
 
 /// `thinking`: enabled with a budget of tokens, disabled, or left to the model (adaptive,
-/// between tools); absent, the template's default.
-fn translate_thinking(thinking: Option<&Value>, openai: &mut Map<String, Value>) -> Result<(), ApiError> {
-    let Some(t) = thinking else { return Ok(()) };
+/// between tools); absent, off, as on Anthropic's API, where thinking is asked for. Returns
+/// whether it was asked for.
+fn translate_thinking(thinking: Option<&Value>, openai: &mut Map<String, Value>) -> Result<bool, ApiError> {
+    let Some(t) = thinking else {
+        openai.insert("chat_template_kwargs".into(), json!({"enable_thinking": false}));
+        return Ok(false);
+    };
     match t["type"].as_str() {
         Some("enabled") => {
             let budget = t["budget_tokens"].as_u64().filter(|b| *b >= 1).ok_or_else(|| {
@@ -381,6 +388,7 @@ fn translate_thinking(thinking: Option<&Value>, openai: &mut Map<String, Value>)
         }
         Some("disabled") => {
             openai.insert("chat_template_kwargs".into(), json!({"enable_thinking": false}));
+            return Ok(false);
         }
         Some("adaptive" | "between_tools") => {
             openai.insert("chat_template_kwargs".into(), json!({"enable_thinking": true}));
@@ -395,7 +403,7 @@ fn translate_thinking(thinking: Option<&Value>, openai: &mut Map<String, Value>)
             ))
         }
     }
-    Ok(())
+    Ok(true)
 }
 
 #[cfg(test)]

@@ -71,23 +71,45 @@ pub(super) enum TokenizeError {
     Interrupted,
 }
 
+/// What the trial renderings tell of a model's chat templates.
+struct TemplateCaps {
+    /// They render a thinking block (their format has a thinking start tag).
+    thinks: bool,
+    /// They take an assistant turn with several tool calls (some refuse it: "only supports
+    /// single tool-calls at once"), so an answer may make several.
+    parallel_calls: bool,
+}
+
 /// The model's chat templates; ChatML (llama.cpp's default) when they cannot be parsed or
 /// cannot render a plain conversation within the template bounds (a template that recurses or
-/// loops without end would fail every request). With them, whether they render a thinking block
-/// (their format has a thinking start tag), as the trial rendering tells.
-fn chat_templates(model: &Model) -> Result<(ChatTemplates, bool)> {
+/// loops without end would fail every request). With them, what the trial renderings tell.
+fn chat_templates(model: &Model) -> Result<(ChatTemplates, TemplateCaps)> {
     let trial = ChatInputs::new(serde_json::json!([{"role": "user", "content": "hello"}]));
     let usable = ChatTemplates::of_model(model)
         .and_then(|t| t.apply(&trial).map(|(p, _)| (t, !p.thinking_start_tag.is_empty())));
     match usable {
-        Ok(t) => Ok(t),
+        Ok((t, thinks)) => {
+            let call = |id: &str| serde_json::json!({"id": id, "type": "function", "function": {"name": "f", "arguments": "{}"}});
+            let two_calls = ChatInputs::new(serde_json::json!([
+                {"role": "user", "content": "hello"},
+                {"role": "assistant", "content": "", "tool_calls": [call("a"), call("b")]},
+                {"role": "tool", "tool_call_id": "a", "content": "1"},
+                {"role": "tool", "tool_call_id": "b", "content": "2"},
+            ]));
+            let parallel_calls = t.apply(&two_calls).is_ok();
+            if !parallel_calls {
+                log::info!("the chat template takes one tool call a turn: answers make one call at most");
+            }
+            Ok((t, TemplateCaps { thinks, parallel_calls }))
+        }
         Err(e) => {
             log::warn!(
                 "the chat template in {} cannot be used ({}); chats are formatted as ChatML",
                 model.path().display(),
                 crate::text::excerpt(&e.to_string(), 1000)
             );
-            Ok((ChatTemplates::from_source(Some(model), "chatml", "", "")?, false))
+            let chatml = ChatTemplates::from_source(Some(model), "chatml", "", "")?;
+            Ok((chatml, TemplateCaps { thinks: false, parallel_calls: true }))
         }
     }
 }
@@ -105,12 +127,20 @@ fn tokenize(model: &Model, text: &str, abandon: &AtomicBool, field: &str) -> Res
 /// before it is tokenized (a template can make a prompt far longer than the request).
 fn prepare_chat(
     model: &Model,
-    templates: &ChatTemplates,
+    (templates, caps): (&ChatTemplates, &TemplateCaps),
     controls: &ControlTexts,
     inputs: &ChatInputs,
     bound: PromptBound,
     abandon: &AtomicBool,
 ) -> Result<Prepared, ApiError> {
+    // Calls the template could not take back in the next turn are not made.
+    let single;
+    let inputs = if inputs.parallel_tool_calls && !caps.parallel_calls {
+        single = ChatInputs { parallel_tool_calls: false, ..inputs.clone() };
+        &single
+    } else {
+        inputs
+    };
     let rendered = message_text::render(templates, controls, inputs).map_err(|e| {
         let text = e.to_string();
         let param =
@@ -149,10 +179,10 @@ impl Tokenizer {
         let (ready, parsed) = channel::<Result<bool>>();
         std::thread::Builder::new().name("sluice-tokenize".into()).stack_size(PREPARE_STACK).spawn(move || {
             let controls = ControlTexts::of(&model);
-            let templates = match chat_templates(&model) {
-                Ok((t, thinks)) => {
-                    let _ = ready.send(Ok(thinks));
-                    t
+            let (templates, caps) = match chat_templates(&model) {
+                Ok((t, caps)) => {
+                    let _ = ready.send(Ok(caps.thinks));
+                    (t, caps)
                 }
                 Err(e) => {
                     let _ = ready.send(Err(e));
@@ -173,7 +203,9 @@ impl Tokenizer {
                     PromptInput::Text(t) => {
                         tokenize(&model, t, &abandon, "prompt").map(|tokens| Prepared { tokens, chat: None })
                     }
-                    PromptInput::Chat(inputs) => prepare_chat(&model, &templates, &controls, inputs, bound, &abandon),
+                    PromptInput::Chat(inputs) => {
+                        prepare_chat(&model, (&templates, &caps), &controls, inputs, bound, &abandon)
+                    }
                 };
                 match &prepared {
                     Ok(p) => {
