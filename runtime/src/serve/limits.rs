@@ -119,6 +119,19 @@ fn check_keywords(
             counts.alternatives += a.len();
         }
     }
+    if let Some(r) = map.get("$ref") {
+        match r.as_str() {
+            Some(r) if r.starts_with("#/") => {}
+            _ => {
+                return Err(ApiError::invalid(
+                    format!(
+                        "{param}{path}.$ref: {r} cannot become a grammar: only references into the schema's own definitions (\"#/$defs/NAME\") are followed (\"#\" alone is the whole schema inside itself)"
+                    ),
+                    Some(param),
+                ))
+            }
+        }
+    }
     if let Some(p) = map.get("pattern") {
         let Some(p) = p.as_str() else {
             return Err(ApiError::invalid(format!("{param}{path}.pattern: must be a string"), Some(param)));

@@ -26,6 +26,7 @@ use reply::MessageReply;
 /// Anthropic's error body: `{"type": "error", "error": {"type", "message"}}`, its type named
 /// for the status as Anthropic names them.
 pub fn error_body(e: &ApiError) -> String {
+    let e = &request::anthropic_names(e.clone());
     let kind = match e.status {
         400 | 405 | 411 | 499 => "invalid_request_error",
         401 => "authentication_error",

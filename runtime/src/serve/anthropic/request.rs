@@ -135,12 +135,16 @@ pub fn parse(body: &[u8], count_only: bool) -> Result<(GenerationRequest, Messag
 }
 
 /// An error about the translated request, naming the Messages API's fields.
-fn anthropic_names(e: ApiError) -> ApiError {
-    const NAMES: [(&str, &str); 4] = [
+pub(super) fn anthropic_names(e: ApiError) -> ApiError {
+    const NAMES: [(&str, &str); 8] = [
         ("stop", "stop_sequences"),
         ("thinking_budget_tokens", "thinking.budget_tokens"),
+        ("response_format.json_schema.schema", "output_config.format.schema"),
         ("response_format", "output_config.format"),
         ("reasoning_effort", "output_config.effort"),
+        ("tools[{i}].function.parameters", "tools.{i}.input_schema"),
+        ("tools[{i}].function", "tools.{i}"),
+        ("tools[{i}]", "tools.{i}"),
     ];
     e.renamed(&NAMES)
 }

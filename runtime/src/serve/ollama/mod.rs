@@ -105,6 +105,7 @@ fn answer(answer: Result<Value, ApiError>) -> Response<Body> {
 /// Ollama's error body: `{"error": "..."}`, naming Ollama's fields: the engine's errors speak
 /// of the shared request's `max_tokens`, which is Ollama's `options.num_predict`.
 pub fn error_body(e: &ApiError) -> String {
+    let e = request::ollama_names(e.clone());
     json!({"error": e.message.replace("max_tokens", "options.num_predict")}).to_string()
 }
 

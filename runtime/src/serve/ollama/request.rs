@@ -335,8 +335,8 @@ fn translate_options(
 }
 
 /// An error about the translated request, naming Ollama's fields.
-fn ollama_names(e: ApiError) -> ApiError {
-    const NAMES: [(&str, &str); 11] = [
+pub(super) fn ollama_names(e: ApiError) -> ApiError {
+    const NAMES: [(&str, &str); 12] = [
         ("max_tokens", "options.num_predict"),
         ("temperature", "options.temperature"),
         ("top_k", "options.top_k"),
@@ -347,6 +347,7 @@ fn ollama_names(e: ApiError) -> ApiError {
         ("repetition_penalty", "options.repeat_penalty"),
         ("presence_penalty", "options.presence_penalty"),
         ("frequency_penalty", "options.frequency_penalty"),
+        ("response_format.json_schema.schema", "format"),
         ("response_format", "format"),
     ];
     e.renamed(&NAMES)

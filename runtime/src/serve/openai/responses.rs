@@ -145,9 +145,24 @@ pub fn responses_request(
         cache_prompt: r.cache_prompt,
         ..RequestBody::default()
     };
-    let request = chat_from(chat, served)?;
+    let request = chat_from(chat, served).map_err(responses_names)?;
     Ok((request, ResponseSetup { echo, store: r.store.unwrap_or(true), history, input_items }))
 }
+
+/// An error about the chat request, naming the Responses API's fields.
+pub(super) fn responses_names(e: ApiError) -> ApiError {
+    e.renamed(&RESPONSES_NAMES)
+}
+
+/// The chat request's fields the Responses API names otherwise.
+const RESPONSES_NAMES: [(&str, &str); 6] = [
+    ("max_tokens", "max_output_tokens"),
+    ("response_format.json_schema.schema", "text.format.schema"),
+    ("response_format", "text.format"),
+    ("reasoning_effort", "reasoning.effort"),
+    ("tools[{i}].function.parameters", "tools[{i}].parameters"),
+    ("tools[{i}].function", "tools[{i}]"),
+];
 
 /// Says at debug which fields were accepted without effect.
 fn log_ignored(r: &ResponsesBody) {
@@ -323,6 +338,15 @@ mod tests {
             (json!({"input": "x", "max_output_tokens": 0}), "max_output_tokens"),
             (json!({"input": "x", "frequency_penalty": 1}), "frequency_penalty"),
             (json!({"input": "x", "include": ["file_search_call.results"]}), "include"),
+            // Fields inside a schema, named as this API names them.
+            (
+                json!({"input": "x", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"$ref": "#"}}}}),
+                "text.format.schema",
+            ),
+            (
+                json!({"input": "x", "tools": [{"type": "function", "name": "f", "parameters": {"type": "object", "properties": {"a": {"pattern": "a{5,2}"}}}}]}),
+                "tools[0].parameters",
+            ),
         ] {
             let e = request(body.clone()).unwrap_err();
             assert_eq!(e.param.as_deref(), Some(param), "{body}: {}", e.message);

@@ -43,7 +43,7 @@ pub async fn answer(
     };
     let gone = match started(&mut events, tcp).await {
         Ok((gone, _)) => gone,
-        Err(e) => return error(&e),
+        Err(e) => return error(&super::responses::responses_names(e)),
     };
     let id = shared.new_id("resp_");
     let builder = ResponseBuilder::new(id, created, shared.model_id.clone(), setup);
@@ -73,7 +73,7 @@ async fn whole(
             answer.keep(message, &r);
             json_response(200, r.to_string())
         }
-        Err(e) => error(&e),
+        Err(e) => error(&super::responses::responses_names(e)),
     }
 }
 

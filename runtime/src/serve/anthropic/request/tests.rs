@@ -65,6 +65,19 @@ fn bad_requests_name_the_messages_api_field() {
         e(json!({"max_tokens": 3, "messages": user, "output_config": format})).param.as_deref(),
         Some("output_config.format")
     );
+    // Fields inside a schema, named as this API names them.
+    let schema = json!({"type": "object", "properties": {"a": {"type": "string", "pattern": "a{5,2}"}}});
+    let format = json!({"format": {"type": "json_schema", "schema": schema}});
+    let err = e(json!({"max_tokens": 3, "messages": user, "output_config": format}));
+    assert_eq!(err.param.as_deref(), Some("output_config.format.schema"), "{err:?}");
+    assert!(err.message.starts_with("output_config.format.schema.properties.a.pattern"), "{err:?}");
+    let tools = json!([{"name": "ok", "input_schema": {"type": "object"}}, {"name": "f", "input_schema": schema}]);
+    let err = e(json!({"max_tokens": 3, "messages": user, "tools": tools}));
+    assert_eq!(err.param.as_deref(), Some("tools.1.input_schema"), "{err:?}");
+    assert!(err.message.starts_with("tools.1.input_schema.properties.a.pattern"), "{err:?}");
+    let recursive = json!({"format": {"type": "json_schema", "schema": {"$ref": "#"}}});
+    let err = e(json!({"max_tokens": 3, "messages": user, "output_config": recursive}));
+    assert!(err.message.starts_with("output_config.format.schema.$ref: \"#\" cannot become a grammar"), "{err:?}");
 }
 
 #[test]
