@@ -576,6 +576,53 @@ fn pages_of_other_sites_and_foreign_host_names_cannot_drive_an_unkeyed_server() 
 }
 
 #[test]
+fn one_client_never_reads_another_s_prompt_through_reuse() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth_qwen3(dir.path());
+    let keys = dir.path().join("keys");
+    let names = ["alice", "bob1", "bob2", "bob3", "bob4"];
+    let lines: String = names.iter().map(|n| format!("{n} {n}-key-0123456789\n")).collect();
+    std::fs::write(&keys, lines).unwrap();
+    let state = dir.path().join("state");
+    let args = ["--api-keys-file", keys.to_str().unwrap(), "--reuse", "any", "--slots", "4"];
+    let args = [&args[..], &["--state-dir", state.to_str().unwrap()]].concat();
+    let ask = |addr: SocketAddr, who: &str, text: &str| {
+        let body = serde_json::json!({"messages": [{"role": "user", "content": text}], "max_tokens": 2}).to_string();
+        let head = format!(
+            "Authorization: Bearer {who}-key-0123456789\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+            body.len()
+        );
+        let r = exchange(addr, post("/v1/chat/completions", &head, &body));
+        assert_eq!(r.status, 200, "{}", r.body);
+        r.json()["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64().unwrap_or(0)
+    };
+    let mut server = Server::start(dir.path(), &model, &args);
+    server.wait_note("READY=1");
+    let secret = "My bank PIN is 4711 and my locker code is 9902; remember them for me.";
+    let again = format!("{secret} What was the PIN?");
+    assert_eq!(ask(server.addr, "alice", secret), 0);
+    assert!(ask(server.addr, "alice", &again) > 0, "alice's own conversation is reused");
+    // Each probe by a client with no prompt of its own before: whatever it shares with alice's
+    // conversation, nothing is reused (the count, and with it the time to the first token, tell
+    // it nothing).
+    for (bob, cut) in [("bob1", 17), ("bob2", 40), ("bob3", secret.len())] {
+        assert_eq!(
+            ask(server.addr, bob, &secret[..cut]),
+            0,
+            "{bob}'s probe {:?} reused alice's prompt",
+            &secret[..cut]
+        );
+    }
+    // Saved slots too: after a restart, a probe reads nothing of alice's back; alice does.
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+    let mut server = Server::start(dir.path(), &model, &args);
+    server.wait_note("READY=1");
+    assert_eq!(ask(server.addr, "bob4", &again), 0, "a saved slot of alice's was reused for bob4");
+    assert!(ask(server.addr, "alice", &again) > 0, "alice's saved conversation is not reused after a restart");
+}
+
+#[test]
 fn control_token_text_in_a_message_or_a_tool_result_stays_text() {
     let dir = tempfile::tempdir().unwrap();
     let model = synth_qwen3(dir.path());

@@ -167,6 +167,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     let keys = KeySources {
         key: a.api_key.clone(),
         file: set.api_key_file.clone(),
+        named: set.api_keys_file.clone(),
         credentials_dir: std::env::var_os("CREDENTIALS_DIRECTORY").map(PathBuf::from),
         state_dir,
     };

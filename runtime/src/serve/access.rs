@@ -48,12 +48,23 @@ pub enum AccessError {
     /// An allowed host is not a host name.
     #[error(transparent)]
     BadHost(#[from] BadHost),
+    /// A line of the named keys file cannot be used.
+    #[error("{path}, line {line}: {why}; each line is NAME KEY (a name of letters, digits, '.', '_' or '-', then the key, printable ASCII), # starts a comment")]
+    BadNamedKey {
+        /// The file.
+        path: PathBuf,
+        /// The line, from 1.
+        line: usize,
+        /// What is wrong.
+        why: String,
+    },
 }
 
 /// The access settings.
 #[derive(Debug, Clone, Default)]
 pub struct Access {
-    key: Option<String>,
+    /// The keys that open the API, each with its name when it has one (the named keys file).
+    keys: Vec<(Option<String>, String)>,
     metrics_keyed: bool,
     cors: Vec<HeaderValue>,
     cors_any: bool,
@@ -71,6 +82,8 @@ pub struct KeySources {
     pub credentials_dir: Option<PathBuf>,
     /// The state directory.
     pub state_dir: Option<PathBuf>,
+    /// `--api-keys-file`: named keys, one client (a user, a service) each, beside the key above.
+    pub named: Option<PathBuf>,
 }
 
 /// The largest API key file read.
@@ -100,6 +113,53 @@ impl KeySources {
     }
 }
 
+/// What is wrong with `key`, if anything.
+fn key_flaw(key: &str) -> Option<&'static str> {
+    if key.is_empty() {
+        Some("empty")
+    } else if !key.bytes().all(|b| b.is_ascii_graphic()) {
+        Some("not printable ASCII")
+    } else {
+        None
+    }
+}
+
+/// The named keys of the file at `path`: `NAME KEY` a line, names and keys each once.
+fn named_keys(path: &Path) -> Result<Vec<(Option<String>, String)>, AccessError> {
+    let text = sluice_hal::file::read_regular_string(path, MAX_KEY_FILE_BYTES)
+        .map_err(|source| AccessError::Read { path: path.to_path_buf(), source })?;
+    let mut keys: Vec<(Option<String>, String)> = Vec::new();
+    for (i, line) in text.lines().enumerate() {
+        let bad = |why: String| AccessError::BadNamedKey { path: path.to_path_buf(), line: i + 1, why };
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let [name, key] = fields[..] else {
+            return Err(bad(format!("{} fields where NAME KEY are two", fields.len())));
+        };
+        let name_ok = name.len() <= 64 && name.bytes().all(|b| b.is_ascii_alphanumeric() || b".-_".contains(&b));
+        if !name_ok {
+            return Err(bad(format!(
+                "the name {:?} has other characters or is over 64",
+                crate::text::excerpt(name, 80)
+            )));
+        }
+        if let Some(what) = key_flaw(key) {
+            return Err(bad(format!("the key of {name} is {what}")));
+        }
+        if keys.iter().any(|(n, _)| n.as_deref() == Some(name)) {
+            return Err(bad(format!("the name {name} is given twice")));
+        }
+        if keys.iter().any(|(_, k)| k == key) {
+            return Err(bad(format!("the key of {name} is another name's too")));
+        }
+        keys.push((Some(name.to_string()), key.to_string()));
+    }
+    Ok(keys)
+}
+
 impl Access {
     /// Access with the key from `keys` (none: open to all), `/metrics` keyed when
     /// `metrics_keyed`, CORS for `origins` (`*`: any), and `hosts` answered beside the
@@ -110,23 +170,22 @@ impl Access {
         origins: &[String],
         hosts: &[String],
     ) -> Result<Access, AccessError> {
-        let key = match keys.resolve()? {
-            None => None,
-            Some((key, from)) => {
-                let what = if key.is_empty() {
-                    Some("empty")
-                } else if !key.bytes().all(|b| b.is_ascii_graphic()) {
-                    Some("not printable ASCII")
-                } else {
-                    None
-                };
-                if let Some(what) = what {
-                    return Err(AccessError::BadKey { from, what });
-                }
-                log::info!("API key from {from}: requests need Authorization: Bearer");
-                Some(key)
-            }
+        let mut named_keys = match &keys.named {
+            Some(path) => named_keys(path)?,
+            None => Vec::new(),
         };
+        let mut all = Vec::new();
+        if let Some((key, from)) = keys.resolve()? {
+            if let Some(what) = key_flaw(&key) {
+                return Err(AccessError::BadKey { from, what });
+            }
+            log::info!("API key from {from}: requests need Authorization: Bearer");
+            all.push((None, key));
+        }
+        if !named_keys.is_empty() {
+            log::info!("{} named API keys: each client's prompts are reused for it alone", named_keys.len());
+        }
+        all.append(&mut named_keys);
         let mut cors = Vec::new();
         let mut cors_any = false;
         for o in origins {
@@ -140,7 +199,7 @@ impl Access {
                 cors.push(v);
             }
         }
-        Ok(Access { key, metrics_keyed, cors, cors_any, hosts: Hosts::new(hosts)? })
+        Ok(Access { keys: all, metrics_keyed, cors, cors_any, hosts: Hosts::new(hosts)? })
     }
 
     /// Whether `/metrics` needs the key (`--metrics-need-key`).
@@ -150,16 +209,15 @@ impl Access {
 
     /// Checks a request for a route that needs the key (`needed`) with its `Authorization`
     /// header (or, as Anthropic's clients send the key, its `x-api-key` header): 401 when the
-    /// server has a key and it is not given, or wrong.
+    /// server has keys and none of them is given. The name of the named key given, if one was.
     pub fn authorize(
         &self,
         needed: bool,
         authorization: Option<&HeaderValue>,
         x_api_key: Option<&HeaderValue>,
-    ) -> Result<(), ApiError> {
-        let Some(key) = &self.key else { return Ok(()) };
-        if !needed {
-            return Ok(());
+    ) -> Result<Option<String>, ApiError> {
+        if self.keys.is_empty() || !needed {
+            return Ok(None);
         }
         let bearer = authorization.and_then(|v| v.to_str().ok()).and_then(|v| {
             let (scheme, token) = v.trim().split_once(' ')?;
@@ -170,8 +228,20 @@ impl Access {
             None => {
                 "You didn't provide an API key. Send it as `Authorization: Bearer YOUR_KEY` (or `x-api-key: YOUR_KEY`)."
             }
-            Some(t) if bool::from(t.as_bytes().ct_eq(key.as_bytes())) => return Ok(()),
-            Some(_) => "Incorrect API key provided.",
+            Some(t) => {
+                // Every key compared, in constant time each: the time tells nothing of which.
+                let matched = self.keys.iter().fold(None, |found, (name, key)| {
+                    if bool::from(t.as_bytes().ct_eq(key.as_bytes())) {
+                        Some(name)
+                    } else {
+                        found
+                    }
+                });
+                match matched {
+                    Some(name) => return Ok(name.clone()),
+                    None => "Incorrect API key provided.",
+                }
+            }
         };
         Err(ApiError::new(401, "invalid_request_error", message).with_code("invalid_api_key"))
     }
@@ -213,6 +283,11 @@ impl Access {
                 "requests from the page at {shown} are refused: allow its origin with --cors-origin (cors_origins in the settings file) to let it use this server"
             ),
         ))
+    }
+
+    /// Whether the server has any key.
+    pub fn keyed(&self) -> bool {
+        !self.keys.is_empty()
     }
 
     /// The `Access-Control-Allow-Origin` value for a request from `origin`, if CORS allows it.
@@ -275,7 +350,30 @@ mod tests {
         std::fs::write(&empty, " \n").unwrap();
         s.file = Some(empty);
         assert!(Access::new(&s, false, &[], &[]).unwrap_err().to_string().contains("is empty"));
-        assert!(Access::new(&KeySources::default(), false, &[], &[]).unwrap().key.is_none());
+        assert!(Access::new(&KeySources::default(), false, &[], &[]).unwrap().keys.is_empty());
+    }
+
+    #[test]
+    fn named_keys_open_the_api_under_their_names_and_bad_lines_are_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("keys");
+        std::fs::write(&file, "# clients\nalice  key-of-alice\n\nha.service key-of-ha\n").unwrap();
+        let sources = KeySources { key: Some("shared".into()), named: Some(file.clone()), ..Default::default() };
+        let a = Access::new(&sources, false, &[], &[]).unwrap();
+        assert_eq!(a.authorize(true, Some(&h("Bearer key-of-alice")), None).unwrap().as_deref(), Some("alice"));
+        assert_eq!(a.authorize(true, None, Some(&h("key-of-ha"))).unwrap().as_deref(), Some("ha.service"));
+        assert_eq!(a.authorize(true, Some(&h("Bearer shared")), None).unwrap(), None);
+        assert!(a.authorize(true, Some(&h("Bearer key-of-bob")), None).is_err());
+        for (text, why) in [
+            ("alice\n", "1 fields"),
+            ("al/ice key\n", "other characters"),
+            ("a k1\na k2\n", "given twice"),
+            ("a k\nb k\n", "another name's too"),
+        ] {
+            std::fs::write(&file, text).unwrap();
+            let e = Access::new(&sources, false, &[], &[]).unwrap_err().to_string();
+            assert!(e.contains(why) && e.contains("line"), "{text:?}: {e}");
+        }
     }
 
     #[test]

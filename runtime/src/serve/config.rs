@@ -65,6 +65,10 @@ pub struct ServeSettings {
     /// Read the API key from this file.
     #[arg(long, conflicts_with = "api_key")]
     pub api_key_file: Option<PathBuf>,
+    /// Named keys, one client each (a user, a service), a line `NAME KEY` each: a prompt's
+    /// memory is reused for the key that wrote it alone (beside the one key above, if any).
+    #[arg(long, value_name = "FILE")]
+    pub api_keys_file: Option<PathBuf>,
     /// The model name clients give (default: the file name without .gguf).
     #[arg(long)]
     pub model_id: Option<String>,
@@ -235,6 +239,7 @@ impl ServeSettings {
             slot_save_mib: self.slot_save_mib.or(file.slot_save_mib),
             cache_mb: self.cache_mb.or(file.cache_mb),
             api_key_file: self.api_key_file.or(file.api_key_file),
+            api_keys_file: self.api_keys_file.or(file.api_keys_file),
             model_id: self.model_id.or(file.model_id),
             queue: self.queue.or(file.queue),
             rpc: self.rpc.or(file.rpc),
@@ -275,6 +280,7 @@ mod tests {
             slot_save_mib: Some(256),
             cache_mb: Some(512),
             api_key_file: Some("/etc/sluice/api-key".into()),
+            api_keys_file: Some("/etc/sluice/api-keys".into()),
             model_id: Some("qwen3".into()),
             queue: Some(4),
             rpc: Some(vec!["10.0.0.2:50052".into(), "10.0.0.3:50052".into()]),
@@ -303,7 +309,7 @@ mod tests {
     fn every_key_round_trips() {
         let f = full();
         let text = toml::to_string(&f).unwrap();
-        assert_eq!(keys().len(), 21, "{:?}", keys());
+        assert_eq!(keys().len(), 22, "{:?}", keys());
         for key in keys() {
             assert!(text.lines().any(|l| l.starts_with(&format!("{key} = "))), "{key} missing from:\n{text}");
         }

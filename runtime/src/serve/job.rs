@@ -31,6 +31,26 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// Whether the prompt may reuse the memory a slot holds of the same first tokens.
     pub cache_prompt: bool,
+    /// Whose request it is: a slot's memory is reused only for the client that wrote it.
+    pub owner: Owner,
+}
+
+/// The client a request comes from, as reuse is scoped: its named key (`--api-keys-file`), else
+/// its address. What one client's prompts left in a slot (or a saved slot) is reused for that
+/// client alone, so no client can learn another's prompt from what is reused (the counts in
+/// `usage`, the time to the first token).
+#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Owner(pub String);
+
+impl Owner {
+    /// The owner of a request authorized with the named key `key`, else from `address`.
+    pub fn of(key: Option<&str>, address: Option<std::net::IpAddr>) -> Owner {
+        match (key, address) {
+            (Some(name), _) => Owner(format!("key {name}")),
+            (None, Some(ip)) => Owner(format!("address {ip}")),
+            (None, None) => Owner::default(),
+        }
+    }
 }
 
 /// The prompt of a request.

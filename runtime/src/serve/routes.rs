@@ -16,6 +16,7 @@ use tokio::net::TcpStream;
 use super::error::ApiError;
 use super::http::conn::ConnState;
 use super::http::{error, error_with, preflight, Body, Front};
+use super::job::Owner;
 use super::llama_server::TextQuestion;
 use super::{anthropic, llama_server, ollama, openai, status};
 
@@ -240,7 +241,12 @@ pub fn handle<'a>(
 }
 
 /// Answers one request; counts it in the metrics.
-async fn answer(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, conn: &Arc<ConnState>) -> Response<Body> {
+async fn answer(
+    mut req: Request<Incoming>,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
     let guard = conn.begin_request();
     let shared = front.shared();
     let path = req.uri().path().to_string();
@@ -262,15 +268,14 @@ async fn answer(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, con
         api.error(&e)
     } else if req.method() == Method::OPTIONS && access.cors_allows(origin.as_ref()).is_some() {
         preflight(&req)
-    } else if let Err(e) =
-        access.authorize(needs_key, req.headers().get(header::AUTHORIZATION), req.headers().get("x-api-key"))
-    {
-        api.error(&e)
     } else {
-        match found {
-            Some(route) if route.takes(req.method()) => dispatch(route.endpoint, req, &path, front, tcp, conn).await,
-            Some(_) => api.error(&api.method_not_allowed(&path, req.method())),
-            None => api.error(&api.not_found(&path)),
+        match access.authorize(needs_key, req.headers().get(header::AUTHORIZATION), req.headers().get("x-api-key")) {
+            Err(e) => api.error(&e),
+            Ok(key) => {
+                let address = tcp.peer_addr().ok().map(|a| a.ip());
+                req.extensions_mut().insert(Owner::of(key.as_deref(), address));
+                route_to(found, req, &path, api, front, tcp, conn).await
+            }
         }
     };
     if let Some(allowed) = access.cors_allows(origin.as_ref()) {
@@ -281,6 +286,23 @@ async fn answer(req: Request<Incoming>, front: &Front, tcp: &Arc<TcpStream>, con
     shared.metrics.request(found.map_or("other", |r| r.label(&path)), response.status().as_u16());
     response.body_mut().hold(guard);
     response
+}
+
+/// Hands a request to the route `found` for it, or answers 405 or 404 in `api`'s shape.
+async fn route_to(
+    found: Option<&Route>,
+    req: Request<Incoming>,
+    path: &str,
+    api: Api,
+    front: &Front,
+    tcp: &Arc<TcpStream>,
+    conn: &Arc<ConnState>,
+) -> Response<Body> {
+    match found {
+        Some(route) if route.takes(req.method()) => dispatch(route.endpoint, req, path, front, tcp, conn).await,
+        Some(_) => api.error(&api.method_not_allowed(path, req.method())),
+        None => api.error(&api.not_found(path)),
+    }
 }
 
 /// Hands a request to the API that answers `endpoint`.

@@ -85,7 +85,7 @@ impl<'m> Engine<'m, '_> {
             let _ = events.send(Event::Failed(ApiError::new(503, "server_error", "the server is shutting down")));
             return;
         }
-        let (logprobs, cache_prompt) = (request.logprobs, request.cache_prompt);
+        let (logprobs, cache_prompt, owner) = (request.logprobs, request.cache_prompt, request.owner.clone());
         let (tokens, max_tokens, mut sampler, answer) = match self.admit(request, &cancel) {
             Ok(admitted) => admitted,
             Err(e) => {
@@ -95,7 +95,7 @@ impl<'m> Engine<'m, '_> {
         };
         sampler.set_guard(Arc::clone(&cancel), GRAMMAR_TOKEN_BOUND);
         let _ = events.send(Event::Started { prompt_tokens: tokens.len() });
-        let pick = self.slots.pick(&mut self.session, self.store.as_mut(), &tokens, cache_prompt);
+        let pick = self.slots.pick(&mut self.session, self.store.as_mut(), &tokens, cache_prompt, &owner);
         self.slots.start(pick.slot);
         self.publish_slots();
         self.shared.add_running(Arc::clone(&cancel));

@@ -18,10 +18,11 @@ use serde::{Deserialize, Serialize};
 use super::heat::ModelIdentity;
 use crate::framed::{self, FramedError};
 use crate::generate::{kept_prefix, ContextShape, KvTypes, Reuse};
+use crate::serve::job::Owner;
 
 const MAGIC: &[u8; 8] = b"SLUICESL";
-/// The format version written; files of another version are not used.
-const VERSION: u32 = 3;
+/// The format version written; files of another version are not used (4: the owner).
+const VERSION: u32 = 4;
 /// The largest header read: the tokens of a slot of a million positions, with room to spare.
 const MAX_HEADER_BYTES: u64 = 8 << 20;
 /// The folder of the state directory the slots are saved in.
@@ -79,6 +80,8 @@ impl SlotKey {
 struct SlotHeader {
     version: u32,
     key: SlotKey,
+    /// The client whose prompts the slot holds: read back for it alone.
+    owner: Owner,
     tokens: Vec<Token>,
     state_len: u64,
     state_crc: u32,
@@ -120,6 +123,8 @@ struct Entry {
     /// Its tokens and its state's length and CRC-32; `None` for a file of another model, shape
     /// or version (never used, but on disk and counted against the bound).
     usable: Option<(Vec<Token>, u64, u32)>,
+    /// The client whose prompts it holds.
+    owner: Owner,
     bytes: u64,
     written: SystemTime,
 }
@@ -205,7 +210,7 @@ impl SlotStore {
             log::warn!("{}: saved for another model, context shape or format version; ignoring it", head.display());
         }
         let usable = usable.then_some((header.tokens, header.state_len, header.state_crc));
-        Some(Entry { name: name.to_string(), usable, bytes: h.len() + k.len(), written })
+        Some(Entry { name: name.to_string(), usable, owner: header.owner, bytes: h.len() + k.len(), written })
     }
 
     /// Removes state files whose header is gone (a save cut short).
@@ -226,13 +231,14 @@ impl SlotStore {
         }
     }
 
-    /// The usable entry that keeps the most of `prompt` in units of `unit` tokens
+    /// The usable entry of `owner`'s that keeps the most of `prompt` in units of `unit` tokens
     /// ([`kept_prefix`]; [`Reuse::unit`]), if that is more than `better_than` tokens.
-    pub fn best(&self, prompt: &[Token], better_than: usize, unit: usize) -> Option<usize> {
+    pub fn best(&self, prompt: &[Token], better_than: usize, unit: usize, owner: &Owner) -> Option<usize> {
         let (i, n) = self
             .entries
             .iter()
             .enumerate()
+            .filter(|(_, e)| e.owner == *owner)
             .filter_map(|(i, e)| e.tokens().map(|t| (i, kept_prefix(t, prompt, unit))))
             .max_by_key(|&(i, n)| (n, self.entries[i].written))?;
         (n > better_than).then_some(i)
@@ -269,6 +275,11 @@ impl SlotStore {
         Ok((tokens.clone(), state))
     }
 
+    /// The client whose prompts entry `i` holds.
+    pub fn owner(&self, i: usize) -> &Owner {
+        &self.entries[i].owner
+    }
+
     /// Removes entry `i` and its files.
     pub fn forget(&mut self, i: usize) {
         let e = self.entries.remove(i);
@@ -281,26 +292,34 @@ impl SlotStore {
         self.entries.iter().position(|e| e.name == stem && e.usable.is_some())
     }
 
-    /// Saves a slot holding `tokens` with `state`; saved slots it extends (their tokens a prefix
-    /// of these) are removed, and the oldest go while the files are over the bound. Returns the
-    /// name of its file.
-    pub fn save(&mut self, tokens: &[Token], state: &[u8]) -> Result<String, SlotFileError> {
+    /// Saves a slot of `owner`'s holding `tokens` with `state`; saved slots of `owner`'s it
+    /// extends (their tokens a prefix of these) are removed, and the oldest go while the files
+    /// are over the bound. Returns the name of its file.
+    pub fn save(&mut self, tokens: &[Token], state: &[u8], owner: &Owner) -> Result<String, SlotFileError> {
         if state.len() as u64 > self.max_bytes {
             return Err(SlotFileError::TooLarge {
                 state_mib: (state.len() as u64).div_ceil(1 << 20),
                 max_mib: self.max_bytes >> 20,
             });
         }
-        let bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        let mut bytes: Vec<u8> = tokens.iter().flat_map(|t| t.to_le_bytes()).collect();
+        bytes.extend_from_slice(owner.0.as_bytes());
         let name = format!("{:08x}-{}", crc32fast::hash(&bytes), tokens.len());
         let kv = self.path(&name, "kv");
         framed::write_atomically(&kv, state).map_err(io(&kv))?;
         let (state_len, state_crc) = (state.len() as u64, crc32fast::hash(state));
-        let header =
-            SlotHeader { version: VERSION, key: self.key.clone(), tokens: tokens.to_vec(), state_len, state_crc };
+        let header = SlotHeader {
+            version: VERSION,
+            key: self.key.clone(),
+            owner: owner.clone(),
+            tokens: tokens.to_vec(),
+            state_len,
+            state_crc,
+        };
         let head = self.path(&name, "slot");
         framed::save(&head, MAGIC, &header).map_err(io(&head))?;
-        let subsumed = |e: &Entry| e.name == name || e.tokens().is_some_and(|t| tokens.starts_with(t));
+        let subsumed =
+            |e: &Entry| e.name == name || (e.owner == *owner && e.tokens().is_some_and(|t| tokens.starts_with(t)));
         for e in self.entries.iter().filter(|e| subsumed(e)) {
             if e.name != name {
                 self.remove_files(&e.name);
@@ -309,7 +328,8 @@ impl SlotStore {
         self.entries.retain(|e| !subsumed(e));
         let size = std::fs::metadata(&head).map_or(0, |m| m.len()) + state.len() as u64;
         let usable = Some((tokens.to_vec(), state_len, state_crc));
-        self.entries.push(Entry { name: name.clone(), usable, bytes: size, written: SystemTime::now() });
+        let entry = Entry { name: name.clone(), usable, owner: owner.clone(), bytes: size, written: SystemTime::now() };
+        self.entries.push(entry);
         self.evict();
         Ok(format!("{name}.slot"))
     }

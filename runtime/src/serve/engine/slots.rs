@@ -11,6 +11,7 @@ use ggml_sys::Token;
 use super::heat::ModelIdentity;
 use super::saved_slots::{SlotKey, SlotStore};
 use crate::generate::{ContextShape, Reuse, SlotUse};
+use crate::serve::job::Owner;
 use crate::serve::metrics::SlotView;
 use crate::stream::{ExpertIndex, StreamedSession};
 
@@ -26,6 +27,8 @@ pub struct Slots {
     last: Vec<(usize, usize)>,
     /// Whether each slot runs a request.
     busy: Vec<bool>,
+    /// The client whose prompts each slot's memory holds ([`Owner`]): reused for it alone.
+    owner: Vec<Owner>,
 }
 
 /// The slot for a prompt that slot `s` would keep `reusable[s]` tokens of, among those not
@@ -46,40 +49,54 @@ impl Slots {
             unsaved: vec![false; n],
             last: vec![(0, 0); n],
             busy: vec![false; n],
+            owner: vec![Owner::default(); n],
         }
     }
 
-    /// Picks a free slot for `prompt` (see [`choose`]), its memory kept with `cache_prompt`; then
-    /// a saved slot that holds more of the prompt than any free slot is read back into the least
-    /// recently used free slot first (that slot saved before, if it changed). A saved slot that
-    /// cannot be read is dropped with a warning and the prompt is computed.
+    /// Picks a free slot for `owner`'s `prompt` (see [`choose`]; only `owner`'s own slots keep
+    /// any of it), its memory kept with `cache_prompt`; then a saved slot of `owner`'s that holds
+    /// more of the prompt than any free slot is read back into the least recently used free slot
+    /// first (that slot saved before, if it changed). A saved slot that cannot be read is dropped
+    /// with a warning and the prompt is computed. The slot is `owner`'s from then on.
     pub fn pick(
         &mut self,
         session: &mut StreamedSession<'_>,
         store: Option<&mut SlotStore>,
         prompt: &[Token],
         cache_prompt: bool,
+        owner: &Owner,
     ) -> SlotUse {
         let inner = session.session();
         // `cache_prompt: false` still goes to its conversation's slot (computed afresh there), so
         // that it does not take another conversation's.
-        let reusable: Vec<usize> = (0..inner.slots()).map(|s| inner.reusable(s, prompt)).collect();
+        let reusable: Vec<usize> = (0..inner.slots())
+            .map(|s| if self.owner[s as usize] == *owner { inner.reusable(s, prompt) } else { 0 })
+            .collect();
         let mut slot = choose(&reusable, &self.last_used, &self.busy);
         let (kept, unit) = (reusable[slot as usize], inner.reuse_unit());
-        let Some(store) = store.filter(|_| cache_prompt) else { return SlotUse { slot, reuse: cache_prompt } };
-        if store.best(prompt, kept, unit).is_some() {
+        // Another client's memory is computed over, never reused.
+        let reuse = cache_prompt && self.owner[slot as usize] == *owner;
+        let Some(store) = store.filter(|_| cache_prompt) else {
+            self.owner[slot as usize] = owner.clone();
+            return SlotUse { slot, reuse };
+        };
+        let mut read = false;
+        if store.best(prompt, kept, unit, owner).is_some() {
             slot = self.least_recently_used();
             self.save_one(session, store, slot);
             // Saving may have removed saved slots (the one it extends, the oldest): find it again.
-            if let Some(entry) = store.best(prompt, kept, unit) {
+            if let Some(entry) = store.best(prompt, kept, unit, owner) {
                 if read_back(session, store, entry, slot) {
                     self.unsaved[slot as usize] = false;
+                    read = true;
                 } else {
                     store.forget(entry);
                 }
             }
         }
-        SlotUse { slot, reuse: true }
+        let reuse = read || self.owner[slot as usize] == *owner;
+        self.owner[slot as usize] = owner.clone();
+        SlotUse { slot, reuse }
     }
 
     /// Reads the newest saved slots back, the newest into slot 0 (a saved slot that cannot be
@@ -92,6 +109,7 @@ impl Slots {
                 break;
             }
             if read_back(session, store, entry, slot) {
+                self.owner[slot as usize] = store.owner(entry).clone();
                 slot += 1;
             } else {
                 unusable.push(entry);
@@ -153,7 +171,7 @@ impl Slots {
             return;
         }
         match session.session().save_slot(slot) {
-            Ok((tokens, state)) => match store.save(&tokens, &state) {
+            Ok((tokens, state)) => match store.save(&tokens, &state, &self.owner[slot as usize]) {
                 Ok(_) => log::info!(
                     "slot {slot} saved: {} tokens, {:.1} MiB of state",
                     tokens.len(),
@@ -188,7 +206,7 @@ impl Slots {
             ));
         }
         let (tokens, state) = inner.save_slot(slot).map_err(|e| e.to_string())?;
-        let name = store.save(&tokens, &state).map_err(|e| e.to_string())?;
+        let name = store.save(&tokens, &state, &self.owner[slot as usize]).map_err(|e| e.to_string())?;
         self.unsaved[slot as usize] = false;
         Ok((name, tokens.len(), state.len()))
     }
@@ -205,6 +223,7 @@ impl Slots {
         if !read_back(session, store, entry, slot) {
             return Err(format!("{} cannot be read back (the log says why)", store.describe(entry)));
         }
+        self.owner[slot as usize] = store.owner(entry).clone();
         self.unsaved[slot as usize] = false;
         Ok(session.session().held(slot).len())
     }

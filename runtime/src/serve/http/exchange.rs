@@ -16,7 +16,7 @@ use super::conn::ConnState;
 use super::transport::peer_gone;
 use super::Front;
 use crate::serve::error::ApiError;
-use crate::serve::job::{event_channel, Event, EventReceiver, Finish, GenerationRequest, Piece, TokenUsage};
+use crate::serve::job::{event_channel, Event, EventReceiver, Finish, GenerationRequest, Owner, Piece, TokenUsage};
 use crate::serve::logprobs::TokenLogprob;
 use crate::serve::shared::Shared;
 use crate::serve::state::State;
@@ -105,10 +105,17 @@ pub(crate) async fn enqueue<T>(
     conn: &Arc<ConnState>,
     parse: impl FnOnce(&[u8], &Shared) -> Result<(GenerationRequest, T), ApiError>,
 ) -> Result<(Queued, T), ApiError> {
+    let owner = owner_of(&req);
     let body = ready_body(req, front, conn).await?;
-    let (request, more) = parse(&body, front.shared())?;
+    let (mut request, more) = parse(&body, front.shared())?;
     drop(body);
+    request.owner = owner;
     Ok((queue(front.shared(), request)?, more))
+}
+
+/// The client the router found a request to be from ([`Owner`]).
+pub(crate) fn owner_of(req: &Request<Incoming>) -> Owner {
+    req.extensions().get::<Owner>().cloned().unwrap_or_default()
 }
 
 /// The body of a request for the model, once the server is ready for one.

@@ -28,7 +28,7 @@ mod transport;
 
 pub(crate) use body::{typed_events, Body, CancelOnDrop, Gone, Translate, Translated};
 pub(crate) use exchange::{
-    enqueue, event_stream, queue, read_body, ready_body, started, streamed, whole_generation, Ended, Queued,
+    enqueue, event_stream, owner_of, queue, read_body, ready_body, started, streamed, whole_generation, Ended, Queued,
 };
 pub(crate) use parse::{parse, parse_ignoring, parse_value};
 pub(crate) use response::{error, error_with, json_response, preflight};

@@ -21,8 +21,8 @@ use super::error::ApiError;
 use super::http;
 use super::http::conn::ConnState;
 use super::http::{
-    error_with, json_response, queue, ready_body, started, streamed, whole_generation, Body, Ended, Front, Queued,
-    Translate, Translated,
+    error_with, json_response, owner_of, queue, ready_body, started, streamed, whole_generation, Body, Ended, Front,
+    Queued, Translate, Translated,
 };
 use super::job::{Event, GenerationRequest, Piece};
 use super::model_card::names_served;
@@ -148,12 +148,13 @@ async fn generation(
 ) -> Response<Body> {
     let begun = Instant::now();
     let shared = front.shared();
+    let owner = owner_of(&req);
     let parsed = match ready_body(req, front, conn).await {
         Ok(body) => parse(&body, shared, endpoint, begun),
         Err(e) => Err(e),
     };
     let (request, mut reply) = match parsed {
-        Ok(Parsed::Generate(request, reply)) => (*request, reply),
+        Ok(Parsed::Generate(request, reply)) => (GenerationRequest { owner, ..*request }, reply),
         Ok(Parsed::Loaded(answer)) => return json_response(200, answer.to_string()),
         Err(e) => return error(&e),
     };

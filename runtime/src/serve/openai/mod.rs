@@ -10,7 +10,7 @@ use serde_json::{Map, Value};
 
 use crate::serve::chat::{chat_inputs, ChatFields};
 use crate::serve::error::ApiError;
-use crate::serve::job::{GenerationRequest, PromptInput};
+use crate::serve::job::{GenerationRequest, Owner, PromptInput};
 use crate::serve::limits::{MAX_LOGIT_BIAS, MAX_STOP_BYTES};
 use crate::serve::model_card::names_served;
 
@@ -344,6 +344,7 @@ fn completion_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest
         include_usage,
         logprobs,
         cache_prompt: r.cache_prompt.unwrap_or(true),
+        owner: Owner::default(),
     })
 }
 
@@ -413,6 +414,7 @@ fn chat_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiE
         include_usage,
         logprobs,
         cache_prompt: r.cache_prompt.unwrap_or(true),
+        owner: Owner::default(),
     })
 }
 
