@@ -284,6 +284,35 @@ fn peak_rss_mib(server: &Server) -> u64 {
 }
 
 #[test]
+fn a_body_of_cheap_json_is_refused_by_its_shape_before_it_is_parsed() {
+    let dir = tempfile::tempdir().unwrap();
+    let server = ready_server(dir.path(), &[]);
+    let before = peak_rss_mib(&server);
+    // 8 MiB of small Anthropic tools (142,500 of them): each a map, copied by the translation.
+    let tool = r#"{"name":"t","input_schema":{"type":"object"}},"#;
+    let tools = tool.repeat((8 << 20) / tool.len() - 64);
+    let body = format!(
+        r#"{{"max_tokens":4,"messages":[{{"role":"user","content":"hi"}}],"tools":[{}]}}"#,
+        tools.trim_end_matches(',')
+    );
+    assert!(body.len() < 8 << 20);
+    let head = format!("Content-Type: application/json\r\nContent-Length: {}\r\n", body.len());
+    for path in ["/v1/messages", "/v1/chat/completions", "/api/chat"] {
+        let r = exchange(server.addr, post(path, &head, &body));
+        assert_eq!(r.status, 413, "{path}: {}", r.body);
+        assert!(r.body.contains("JSON objects"), "{path}: {}", r.body);
+    }
+    // Deep nesting too, and a body of many plain values is taken.
+    let deep = format!(r#"{{"prompt":{}1{},"max_tokens":1}}"#, "[".repeat(100), "]".repeat(100));
+    let r = exchange(server.addr, post("/v1/completions", &format!("Content-Length: {}\r\n", deep.len()), &deep));
+    assert_eq!(r.status, 413, "{}", r.body);
+    let grown = peak_rss_mib(&server).saturating_sub(before);
+    assert!(grown < 64, "the refused bodies grew the server's peak memory by {grown} MiB");
+    let r = server.request("POST", "/v1/completions", Some(GREEDY));
+    assert_eq!(r.status, 200, "the server serves on: {}", r.body);
+}
+
+#[test]
 fn costly_schemas_tools_enums_patterns_and_stops_are_refused_before_any_work() {
     let dir = tempfile::tempdir().unwrap();
     let mut server = ready_server(dir.path(), &[]);

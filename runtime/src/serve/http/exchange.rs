@@ -99,16 +99,16 @@ pub(crate) struct Queued {
 
 /// Checks, parses (with `parse`, which returns what else the answer needs) and queues a
 /// generation request.
-pub(crate) async fn enqueue<T>(
+pub(crate) async fn enqueue<T: Send + 'static>(
     req: Request<Incoming>,
     front: &Front,
     conn: &Arc<ConnState>,
-    parse: impl FnOnce(&[u8], &Shared) -> Result<(GenerationRequest, T), ApiError>,
+    parse: impl FnOnce(&[u8], &Shared) -> Result<(GenerationRequest, T), ApiError> + Send + 'static,
 ) -> Result<(Queued, T), ApiError> {
     let owner = owner_of(&req);
     let body = ready_body(req, front, conn).await?;
-    let (mut request, more) = parse(&body, front.shared())?;
-    drop(body);
+    let shared = Arc::clone(front.shared());
+    let (mut request, more) = off_thread(front, move || parse(&body, &shared)).await?;
     request.owner = owner;
     Ok((queue(front.shared(), request)?, more))
 }
@@ -116,6 +116,19 @@ pub(crate) async fn enqueue<T>(
 /// The client the router found a request to be from ([`Owner`]).
 pub(crate) fn owner_of(req: &Request<Incoming>) -> Owner {
     req.extensions().get::<Owner>().cloned().unwrap_or_default()
+}
+
+/// Runs `work` (a body's parse and translation) on the front's parser thread ([`Front::parse`]):
+/// the I/O thread goes on serving the other connections meanwhile.
+pub(crate) async fn off_thread<R: Send + 'static>(
+    front: &Front,
+    work: impl FnOnce() -> Result<R, ApiError> + Send + 'static,
+) -> Result<R, ApiError> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    front.parse(Box::new(move || {
+        let _ = tx.send(work());
+    }))?;
+    rx.await.map_err(|_| ApiError::new(500, "server_error", "the request parser stopped"))?
 }
 
 /// The body of a request for the model, once the server is ready for one.

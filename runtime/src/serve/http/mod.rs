@@ -28,7 +28,8 @@ mod transport;
 
 pub(crate) use body::{typed_events, Body, CancelOnDrop, Gone, Translate, Translated};
 pub(crate) use exchange::{
-    enqueue, event_stream, owner_of, queue, read_body, ready_body, started, streamed, whole_generation, Ended, Queued,
+    enqueue, event_stream, off_thread, owner_of, queue, read_body, ready_body, started, streamed, whole_generation,
+    Ended, Queued,
 };
 pub(crate) use parse::{parse, parse_ignoring, parse_value};
 pub(crate) use response::{error, error_with, json_response, preflight};
@@ -36,7 +37,7 @@ pub(crate) use response::{error, error_with, json_response, preflight};
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
@@ -98,12 +99,17 @@ pub struct Front {
     body_budget: Arc<Semaphore>,
     refusing: Arc<Semaphore>,
     http: http1::Builder,
+    /// The parser thread's queue ([`Front::parse`]).
+    parser: Mutex<std::sync::mpsc::Sender<ParseWork>>,
 }
+
+/// A body's parse and translation, run on the parser thread.
+pub(crate) type ParseWork = Box<dyn FnOnce() + Send>;
 
 impl Front {
     /// A front answering with `handler` within `limits`, its connection cap lowered to what
-    /// `fd_room` more file descriptors allow.
-    pub fn new(handler: Handler, limits: HttpLimits, shared: Arc<Shared>, fd_room: usize) -> Front {
+    /// `fd_room` more file descriptors allow, with its parser thread started.
+    pub fn new(handler: Handler, limits: HttpLimits, shared: Arc<Shared>, fd_room: usize) -> std::io::Result<Front> {
         let cap = limits.max_connections.min(fd_room.saturating_sub(MAX_REFUSING)).max(1);
         if cap < limits.max_connections {
             log::warn!(
@@ -119,7 +125,13 @@ impl Front {
             .keep_alive(true)
             .half_close(false);
         let body_budget = Arc::new(Semaphore::new(limits.body_bytes.saturating_mul(2).min(Semaphore::MAX_PERMITS)));
-        Front {
+        let (parser, work) = std::sync::mpsc::channel::<ParseWork>();
+        std::thread::Builder::new().name("sluice-parse".into()).spawn(move || {
+            for w in work {
+                w();
+            }
+        })?;
+        Ok(Front {
             handler,
             limits,
             shared,
@@ -127,7 +139,17 @@ impl Front {
             body_budget,
             refusing: Arc::new(Semaphore::new(MAX_REFUSING)),
             http,
-        }
+            parser: Mutex::new(parser),
+        })
+    }
+
+    /// Hands `work` (a body's JSON parse and its API's translation, each bounded by the body's
+    /// shape: [`parse::check_shape`]) to the parser thread, started with the front: the I/O
+    /// thread serves the other connections meanwhile, one body is parsed at a time, and no
+    /// thread is started per request.
+    pub(crate) fn parse(&self, work: ParseWork) -> Result<(), ApiError> {
+        let parser = self.parser.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        parser.send(work).map_err(|_| ApiError::new(500, "server_error", "the request parser stopped"))
     }
 
     /// The open connections.

@@ -21,8 +21,8 @@ use super::error::ApiError;
 use super::http;
 use super::http::conn::ConnState;
 use super::http::{
-    error_with, json_response, owner_of, queue, ready_body, started, streamed, whole_generation, Body, Ended, Front,
-    Queued, Translate, Translated,
+    error_with, json_response, off_thread, owner_of, queue, ready_body, started, streamed, whole_generation, Body,
+    Ended, Front, Queued, Translate, Translated,
 };
 use super::job::{Event, GenerationRequest, Piece};
 use super::model_card::names_served;
@@ -150,7 +150,10 @@ async fn generation(
     let shared = front.shared();
     let owner = owner_of(&req);
     let parsed = match ready_body(req, front, conn).await {
-        Ok(body) => parse(&body, shared, endpoint, begun),
+        Ok(body) => {
+            let shared = Arc::clone(shared);
+            off_thread(front, move || parse(&body, &shared, endpoint, begun)).await
+        }
         Err(e) => Err(e),
     };
     let (request, mut reply) = match parsed {

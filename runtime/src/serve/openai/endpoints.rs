@@ -57,7 +57,7 @@ pub async fn generate(
 ) -> Response<Body> {
     let shared = front.shared();
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
-    let parse = |body: &[u8], shared: &Shared| {
+    let parse = move |body: &[u8], shared: &Shared| {
         let request = match kind {
             Kind::Completion => super::completion_request(body, &shared.model_id)?,
             Kind::Chat => super::chat_request(body, &shared.model_id)?,
