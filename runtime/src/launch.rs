@@ -41,19 +41,11 @@ pub enum Positions {
     Fixed(u32),
     /// The model's own context length, at most this many.
     ModelCapped(u32),
-    /// What the board's plan affords (`sluice serve` without `--ctx`): the largest of
-    /// [`PLANNED_CONTEXTS`], at most the model's own length, whose KV cache takes at most
-    /// [`KV_SHARE`] of the budget in a plan that fits; with RPC workers (whose split is sized
-    /// before the plan) the middle one.
+    /// What the board's plan affords (`sluice serve` without `--ctx`):
+    /// [`budget::planned_positions`]; with RPC workers (whose split is sized before the plan)
+    /// the middle of [`budget::PLANNED_CONTEXTS`].
     Planned,
 }
-
-/// The contexts `sluice serve` chooses from without `--ctx`, largest first: Ollama's clients
-/// assume 8,192 positions (Home Assistant's conversation failed at 4,096).
-pub const PLANNED_CONTEXTS: [u32; 3] = [8192, 4096, 2048];
-/// The most of the budget a planned context's KV cache may take: the rest stays the expert
-/// cache's, which decides the speed.
-pub const KV_SHARE: f64 = 1.0 / 8.0;
 
 /// How big the expert cache is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -277,37 +269,19 @@ impl Launch {
             }
             Positions::Fixed(n) => Ok(*n),
             Positions::ModelCapped(cap) => Ok(generate::context_length(&self.model)?.min(*cap)),
-            Positions::Planned => Ok(generate::context_length(&self.model)?.min(PLANNED_CONTEXTS[1])),
+            Positions::Planned => Ok(generate::context_length(&self.model)?.min(budget::PLANNED_CONTEXTS[1])),
         }
     }
 
-    /// The context of [`Positions::Planned`] for a model trained for `trained` positions: the
-    /// largest candidate whose KV cache takes at most [`KV_SHARE`] of the budget in a plan that
-    /// fits, else the smallest that fits, else the middle one (whose plan then says why it
-    /// cannot fit).
+    /// The context of [`Positions::Planned`] for a model trained for `trained` positions.
     fn planned_positions(&self, index: &ExpertIndex, rpc: Option<&ggml_sys::RpcSplit>, trained: u32) -> u32 {
-        let candidates: Vec<u32> = PLANNED_CONTEXTS.iter().map(|&c| c.min(trained)).collect();
         if rpc.is_some() {
-            return candidates[1];
+            return budget::PLANNED_CONTEXTS[1].min(trained);
         }
-        let mut fits = None;
-        for &positions in &candidates {
+        budget::planned_positions(trained, |positions| {
             let shape = ContextShape { positions, slots: self.slots, batch: self.batch.first(), kv: self.board.kv };
-            let Ok(ledger) = budget::plan_within_budget(&self.plan_request(index, shape, None)) else { continue };
-            let kv = ledger.bytes(Item::KvCache);
-            if kv as f64 <= ledger.budget as f64 * KV_SHARE {
-                log::info!(
-                    "context: {positions} positions (the KV cache's {} MiB is within an eighth of the {} MiB budget; --ctx sets it)",
-                    kv >> 20,
-                    ledger.budget >> 20
-                );
-                return positions;
-            }
-            fits = Some(positions);
-        }
-        let chosen = fits.unwrap_or(candidates[1]);
-        log::info!("context: {chosen} positions (a longer one's KV cache would take over an eighth of the budget; --ctx sets it)");
-        chosen
+            budget::plan_within_budget(&self.plan_request(index, shape, None)).ok()
+        })
     }
 
     /// The index, narrowed to this board's layers when `positions` (known when there are
@@ -439,49 +413,4 @@ impl Loaded {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn lost(endpoint: &str) -> ggml_sys::Error {
-        ggml_sys::Error::RpcLost { endpoint: endpoint.into() }
-    }
-
-    #[test]
-    fn a_lost_worker_is_named_from_every_layer_that_can_lose_one() {
-        let cases = [
-            LaunchError::Model(GenerateError::from(lost("a:1"))),
-            LaunchError::Split(ScaleError::Worker(lost("a:1"))),
-            LaunchError::Split(ScaleError::Budget(BudgetError::Llama(lost("a:1")))),
-            LaunchError::Budget(BudgetError::Llama(lost("a:1"))),
-            LaunchError::Stream(StreamError::Generate(GenerateError::from(lost("a:1")))),
-        ];
-        for e in &cases {
-            assert_eq!(e.lost_worker(), Some("a:1"), "{e:?}");
-            assert!(!e.is_cancelled(), "{e:?}");
-        }
-        let other = [
-            LaunchError::Model(GenerateError::EmptyPrompt),
-            LaunchError::Split(ScaleError::WithGpu),
-            LaunchError::Stream(StreamError::Graph("x".into())),
-        ];
-        for e in &other {
-            assert_eq!(e.lost_worker(), None, "{e:?}");
-        }
-    }
-
-    #[test]
-    fn a_cancel_is_told_apart_from_a_failure() {
-        let interrupted = stream::ReadFailure {
-            what: "expert 0 of layer 0".into(),
-            path: "m.gguf".into(),
-            offset: 0,
-            cause: std::io::Error::from(std::io::ErrorKind::Interrupted),
-        };
-        assert!(LaunchError::Model(GenerateError::Cancelled).is_cancelled());
-        assert!(LaunchError::Model(GenerateError::from(ggml_sys::Error::Aborted)).is_cancelled());
-        assert!(LaunchError::Stream(StreamError::Generate(GenerateError::Cancelled)).is_cancelled());
-        assert!(LaunchError::Stream(StreamError::Read(interrupted)).is_cancelled());
-        assert!(!LaunchError::Stream(StreamError::Graph("x".into())).is_cancelled());
-        assert!(!LaunchError::Model(GenerateError::EmptyPrompt).is_cancelled());
-    }
-}
+mod tests;

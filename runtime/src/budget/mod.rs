@@ -2,10 +2,12 @@
 //! and the refusal of plans that do not fit.
 
 mod batch;
+mod context;
 mod ledger;
 mod plan;
 
 pub use batch::{cache_kept_pct, plan_batch_from_budget, Batch, CHOICES as BATCH_CHOICES};
+pub use context::{planned_positions, KV_SHARE, PLANNED_CONTEXTS};
 
 pub use ledger::{ExpertLayout, Item, Ledger, LedgerLine};
 pub use plan::{ledger, measure_context, plan_within_budget, ContextSizes, PlanRequest, OVERHEAD_BYTES};

@@ -119,19 +119,7 @@ fn check_keywords(
             counts.alternatives += a.len();
         }
     }
-    if let Some(r) = map.get("$ref") {
-        match r.as_str() {
-            Some(r) if r.starts_with("#/") => {}
-            _ => {
-                return Err(ApiError::invalid(
-                    format!(
-                        "{param}{path}.$ref: {r} cannot become a grammar: only references into the schema's own definitions (\"#/$defs/NAME\") are followed (\"#\" alone is the whole schema inside itself)"
-                    ),
-                    Some(param),
-                ))
-            }
-        }
-    }
+    check_ref(param, path, map)?;
     if let Some(p) = map.get("pattern") {
         let Some(p) = p.as_str() else {
             return Err(ApiError::invalid(format!("{param}{path}.pattern: must be a string"), Some(param)));
@@ -170,6 +158,20 @@ fn check_keywords(
         }
     }
     Ok(())
+}
+
+/// Checks a `$ref`: only references into the schema's own definitions become a grammar.
+fn check_ref(param: &str, path: &str, map: &serde_json::Map<String, Value>) -> Result<(), ApiError> {
+    match map.get("$ref") {
+        None => Ok(()),
+        Some(r) if r.as_str().is_some_and(|r| r.starts_with("#/")) => Ok(()),
+        Some(r) => Err(ApiError::invalid(
+            format!(
+                "{param}{path}.$ref: {r} cannot become a grammar: only references into the schema's own definitions (\"#/$defs/NAME\") are followed (\"#\" alone is the whole schema inside itself)"
+            ),
+            Some(param),
+        )),
+    }
 }
 
 /// Checks a `pattern`: its size, and every `{m,n}` repetition (`m <= n`, both within

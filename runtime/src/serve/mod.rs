@@ -130,10 +130,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             .spawn(move || watchdog(&shared, &done, interval, notify::watchdog))
     });
     let pinger = pinger.transpose()?;
-    let front = Arc::new(
-        Front::new(routes::handle, cfg.limits.clone(), Arc::clone(&shared), fd_room)
-            .context("cannot start the request parser thread")?,
-    );
+    let front = Front::new(routes::handle, cfg.limits.clone(), Arc::clone(&shared), fd_room);
+    let front = Arc::new(front.context("cannot start the request parser thread")?);
     let outcome = runtime.block_on(async {
         let mut acceptors = Vec::new();
         for l in std::iter::once(listener).chain(second) {

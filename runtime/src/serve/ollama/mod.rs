@@ -4,6 +4,7 @@
 //! single-model server cannot do (push, create, copy, delete, embeddings) answered with a clear
 //! error in Ollama's shape, `{"error": "..."}`.
 
+mod keep_alive;
 mod models;
 mod reply;
 mod request;
@@ -209,7 +210,7 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
         Endpoint::Chat => {
             let b: request::ChatBody = http::parse_ignoring(body, "Ollama")?;
             let name = check_model(shared, b.model.as_deref())?;
-            let unload = request::unloads(b.keep_alive.as_ref())?;
+            let unload = keep_alive::unloads(b.keep_alive.as_ref())?;
             can_think(&name, b.asks_thinking())?;
             let reply = OllamaReply::new(endpoint, name, begun);
             if b.loads_only() {
@@ -220,7 +221,7 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
         Endpoint::Generate => {
             let b: request::GenerateBody = http::parse_ignoring(body, "Ollama")?;
             let name = check_model(shared, b.model.as_deref())?;
-            let unload = request::unloads(b.keep_alive.as_ref())?;
+            let unload = keep_alive::unloads(b.keep_alive.as_ref())?;
             can_think(&name, b.asks_thinking())?;
             let reply = OllamaReply::new(endpoint, name, begun);
             if b.loads_only() {
