@@ -31,7 +31,7 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 	CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=qemu-aarch64 \
 	QEMU_LD_PREFIX=/usr/aarch64-linux-gnu \
 	SLUICE_TEST_RUNNER=qemu-aarch64 \
-	SLUICE_GATE_FIXTURES=q8_0,deepseek2,gptoss
+	SLUICE_GATE_FIXTURES=f32,q8_0,deepseek2,gptoss
 
 # The tests of the gates (the sluice-tests crate) run one at a time: each computes with two
 # threads, and two at once on two cores leave ggml's threads waiting on each other. Under
@@ -43,9 +43,7 @@ ARM_ENV := CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc \
 # same on every architecture and run natively, and so do saved slots (llama.cpp's state format and
 # the same decode the streamed == resident gate checks under qemu: nearly ten minutes of CI for no
 # code of aarch64's own) and synth's skewed routing (a bench model's calibration, not the board's
-# runtime: under three minutes of qemu). The gates run on three fixtures there: Q8_0 (qwen3moe),
-# deepseek2 and gpt-oss's MXFP4, the kernels aarch64 has of its own; f32's plain products add
-# about two minutes of qemu and run natively. Only what the sample runs is built.
+# runtime: under three minutes of qemu). Only what the sample runs is built.
 QEMU_SAMPLE := --test ext --test thread_waits --test mapping_faults --test scaleout --test verify
 QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 	--test cold_load --test boards --test pinning
