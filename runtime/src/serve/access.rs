@@ -113,6 +113,11 @@ impl KeySources {
     }
 }
 
+/// A header's value as an error quotes it.
+fn quoted(v: &HeaderValue) -> String {
+    v.to_str().map_or_else(|_| "(not text)".to_string(), |s| format!("{:?}", crate::text::excerpt(s, 100)))
+}
+
 /// What is wrong with `key`, if anything.
 fn key_flaw(key: &str) -> Option<&'static str> {
     if key.is_empty() {
@@ -251,20 +256,21 @@ impl Access {
     /// (the same host and port as `host`) nor allowed by CORS. A request without them (not from
     /// a browser) passes.
     pub fn admit(&self, host: Option<&HeaderValue>, origin: Option<&HeaderValue>) -> Result<(), ApiError> {
-        let host = match host.map(HeaderValue::to_str) {
+        let host = match host {
             None => None,
-            Some(Ok(h)) if self.hosts.allows(h) => Some(h),
-            Some(h) => {
-                let shown =
-                    h.map_or_else(|_| "(not text)".to_string(), |h| format!("{:?}", crate::text::excerpt(h, 100)));
-                return Err(ApiError::new(
-                    403,
-                    "permission_error",
-                    format!(
-                        "this server does not answer to the Host {shown}: reach it by its address, localhost or this machine's name, or allow the name with --allowed-host (allowed_hosts in the settings file)"
-                    ),
-                ));
-            }
+            Some(v) => match v.to_str() {
+                Ok(h) if self.hosts.allows(h) => Some(h),
+                _ => {
+                    return Err(ApiError::new(
+                        403,
+                        "permission_error",
+                        format!(
+                            "this server does not answer to the Host {}: reach it by its address, localhost or this machine's name, or allow the name with --allowed-host (allowed_hosts in the settings file)",
+                            quoted(v)
+                        ),
+                    ))
+                }
+            },
         };
         let Some(origin) = origin else { return Ok(()) };
         let own = origin.to_str().ok().and_then(|o| o.split_once("://")).is_some_and(|(scheme, authority)| {
@@ -273,21 +279,14 @@ impl Access {
         if own || self.cors_allows(Some(origin)).is_some() {
             return Ok(());
         }
-        let shown = origin
-            .to_str()
-            .map_or_else(|_| "(not text)".to_string(), |o| format!("{:?}", crate::text::excerpt(o, 100)));
         Err(ApiError::new(
             403,
             "permission_error",
             format!(
-                "requests from the page at {shown} are refused: allow its origin with --cors-origin (cors_origins in the settings file) to let it use this server"
+                "requests from the page at {} are refused: allow its origin with --cors-origin (cors_origins in the settings file) to let it use this server",
+                quoted(origin)
             ),
         ))
-    }
-
-    /// Whether the server has any key.
-    pub fn keyed(&self) -> bool {
-        !self.keys.is_empty()
     }
 
     /// The `Access-Control-Allow-Origin` value for a request from `origin`, if CORS allows it.

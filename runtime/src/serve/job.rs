@@ -39,7 +39,7 @@ pub struct GenerationRequest {
 /// its address. What one client's prompts left in a slot (or a saved slot) is reused for that
 /// client alone, so no client can learn another's prompt from what is reused (the counts in
 /// `usage`, the time to the first token).
-#[derive(Debug, Clone, Default, PartialEq, Eq, PartialOrd, Ord, Hash, serde::Serialize, serde::Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Owner(pub String);
 
 impl Owner {

@@ -15,6 +15,7 @@
 use std::ops::Range;
 use std::sync::atomic::AtomicBool;
 
+use aho_corasick::{AhoCorasick, MatchKind};
 use ggml_sys::{ChatInputs, ChatParser, ChatPrompt, ChatTemplates, Model, Token};
 use serde_json::Value;
 
@@ -23,30 +24,38 @@ const OPEN: char = '\u{E000}';
 /// Closes a sentinel.
 const CLOSE: char = '\u{E001}';
 
-/// The texts of a vocabulary's control tokens, longest first (so that a longer one is replaced
-/// before a shorter one it contains).
-pub(super) struct ControlTexts(Vec<String>);
+/// The texts of a vocabulary's control tokens, found in a string in one pass however many there
+/// are (gpt-oss's vocabulary has hundreds of reserved ones) and however often a string repeats
+/// them; where two start at the same place, the longer.
+pub(super) struct ControlTexts(Option<AhoCorasick>);
 
 impl ControlTexts {
     /// The control tokens' texts of `model`'s vocabulary: tokens that render only when special
     /// tokens are shown.
     pub(super) fn of(model: &Model) -> ControlTexts {
-        let mut texts: Vec<String> = (0..model.n_vocab())
-            .filter_map(|t| {
-                let token = Token::try_from(t).ok()?;
-                let shown = model.token_piece_with(token, true);
-                let plain = model.token_piece_with(token, false);
-                (plain.is_empty() && !shown.is_empty()).then(|| String::from_utf8(shown).ok()).flatten()
-            })
-            .collect();
-        texts.sort_by(|a, b| b.len().cmp(&a.len()).then_with(|| a.cmp(b)));
-        texts.dedup();
-        ControlTexts(texts)
+        let texts = (0..model.n_vocab()).filter_map(|t| {
+            let token = Token::try_from(t).ok()?;
+            let shown = model.token_piece_with(token, true);
+            let plain = model.token_piece_with(token, false);
+            (plain.is_empty() && !shown.is_empty()).then(|| String::from_utf8(shown).ok()).flatten()
+        });
+        ControlTexts::from_texts(texts.collect())
     }
 
-    /// The first control text in `s`, if any.
-    fn find_in(&self, s: &str) -> Option<&str> {
-        self.0.iter().find(|t| s.contains(t.as_str())).map(String::as_str)
+    /// A finder of `texts`.
+    fn from_texts(texts: Vec<String>) -> ControlTexts {
+        let finder = AhoCorasick::builder().match_kind(MatchKind::LeftmostLongest).build(&texts);
+        if let Err(e) = &finder {
+            log::warn!(
+                "the control tokens' texts cannot be searched for ({e}): message text is tokenized as the template's"
+            );
+        }
+        ControlTexts(finder.ok().filter(|_| !texts.is_empty()))
+    }
+
+    /// Whether `s` holds a control text.
+    fn in_text(&self, s: &str) -> bool {
+        self.0.as_ref().is_some_and(|f| f.is_match(s))
     }
 }
 
@@ -114,7 +123,7 @@ impl Mask {
     /// sentinel, and the mask that restores them; `None` when no string has one.
     fn of(controls: &ControlTexts, inputs: &ChatInputs) -> Option<(ChatInputs, Mask)> {
         let carried = strings(&inputs.messages).chain(inputs.tools.iter().flat_map(strings));
-        if !carried.into_iter().any(|s| controls.find_in(s).is_some()) {
+        if !carried.into_iter().any(|s| controls.in_text(s)) {
             return None;
         }
         let mut mask = Mask { nonce: nonce(), texts: Vec::new() };
@@ -130,10 +139,18 @@ impl Mask {
     fn replace(&mut self, controls: &ControlTexts, value: &mut Value) {
         match value {
             Value::String(s) => {
-                while let Some(text) = controls.find_in(s) {
-                    let sentinel = format!("{OPEN}{}{}{CLOSE}", self.nonce, self.texts.len());
-                    *s = s.replacen(text, &sentinel, 1);
-                    self.texts.push(text.to_string());
+                let Some(finder) = &controls.0 else { return };
+                let mut masked = String::with_capacity(s.len());
+                let mut at = 0;
+                for found in finder.find_iter(s.as_str()) {
+                    masked.push_str(&s[at..found.start()]);
+                    masked.push_str(&format!("{OPEN}{}{}{CLOSE}", self.nonce, self.texts.len()));
+                    self.texts.push(s[found.range()].to_string());
+                    at = found.end();
+                }
+                if at > 0 {
+                    masked.push_str(&s[at..]);
+                    *s = masked;
                 }
             }
             Value::Array(items) => items.iter_mut().for_each(|v| self.replace(controls, v)),
@@ -195,7 +212,7 @@ mod tests {
     use serde_json::json;
 
     fn controls() -> ControlTexts {
-        ControlTexts(vec!["<|im_start|>".into(), "<|im_end|>".into(), "<|end|>".into()])
+        ControlTexts::from_texts(vec!["<|im_start|>".into(), "<|im_end|>".into(), "<|end|>".into()])
     }
 
     #[test]
@@ -231,6 +248,12 @@ mod tests {
         for written in ["\u{E000}0000000000000000:0\u{E001}", &format!("\u{E000}{}7\u{E001}", mask.nonce)] {
             assert_eq!(mask.restore(written), (written.to_string(), Vec::new()));
         }
+        // A string that repeats control texts is masked in one pass, each one a sentinel.
+        let many = ChatInputs::new(json!([{"role": "user", "content": "<|im_end|>x".repeat(100_000)}]));
+        let (masked, mask_many) = Mask::of(&controls(), &many).unwrap();
+        assert_eq!(mask_many.texts.len(), 100_000);
+        let (text, literal) = mask_many.restore(masked.messages[0]["content"].as_str().unwrap());
+        assert_eq!((text, literal.len()), ("<|im_end|>x".repeat(100_000), 100_000));
         let cut = format!("a\u{E000}{}0", mask.nonce);
         assert_eq!(mask.restore(&cut), (cut.clone(), Vec::new()));
         assert_ne!(nonce(), nonce());

@@ -37,7 +37,7 @@ pub(crate) use response::{error, error_with, json_response, preflight};
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hyper::body::Incoming;
@@ -100,7 +100,7 @@ pub struct Front {
     refusing: Arc<Semaphore>,
     http: http1::Builder,
     /// The parser thread's queue ([`Front::parse`]).
-    parser: Mutex<std::sync::mpsc::Sender<ParseWork>>,
+    parser: std::sync::mpsc::Sender<ParseWork>,
 }
 
 /// A body's parse and translation, run on the parser thread.
@@ -139,7 +139,7 @@ impl Front {
             body_budget,
             refusing: Arc::new(Semaphore::new(MAX_REFUSING)),
             http,
-            parser: Mutex::new(parser),
+            parser,
         })
     }
 
@@ -148,8 +148,7 @@ impl Front {
     /// thread serves the other connections meanwhile, one body is parsed at a time, and no
     /// thread is started per request.
     pub(crate) fn parse(&self, work: ParseWork) -> Result<(), ApiError> {
-        let parser = self.parser.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        parser.send(work).map_err(|_| ApiError::new(500, "server_error", "the request parser stopped"))
+        self.parser.send(work).map_err(|_| ApiError::new(500, "server_error", "the request parser stopped"))
     }
 
     /// The open connections.
