@@ -5,7 +5,7 @@
 
 use std::io::{IsTerminal as _, Write as _};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::RecvTimeoutError;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -49,7 +49,7 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
     let interrupted = Arc::new(AtomicBool::new(false));
     signal_hook::flag::register(signal_hook::consts::SIGINT, Arc::clone(&interrupted))?;
     let own = Arc::default();
-    on_termination(Arc::clone(&own));
+    let terminated = on_termination(Arc::clone(&own));
     let link = match &a.url {
         Some(url) => Link::remote(url, a.api_key.clone()),
         None => {
@@ -103,6 +103,13 @@ pub fn run_chat(a: &ChatArgs) -> Result<()> {
             let _ = std::fs::create_dir_all(dir);
         }
         let _ = editor.save_history(h);
+    }
+    // A signal that came as the input ended (a service stopped, its stdin closed) still says how
+    // the chat ended: the exit status is the signal's, as when its handler exits.
+    let signal = terminated.load(Ordering::SeqCst);
+    if signal != 0 {
+        drop(link);
+        std::process::exit(128 + signal as i32);
     }
     Ok(())
 }
@@ -239,12 +246,18 @@ fn answer(link: &Link, body: &Value, stop: &Arc<AtomicBool>) -> Option<String> {
 
 /// On SIGTERM, SIGHUP or SIGQUIT (a closed terminal, a service manager, `kill`): the terminal
 /// is given back as it was (the line editor holds it raw while it reads), the server started
-/// for the chat is stopped and its directory removed, and the chat exits.
-fn on_termination(own: Arc<Mutex<Option<OwnServer>>>) {
+/// for the chat is stopped and its directory removed, and the chat exits. Returns the signal
+/// that came, as it comes (0: none yet).
+fn on_termination(own: Arc<Mutex<Option<OwnServer>>>) -> Arc<AtomicUsize> {
     use signal_hook::consts::{SIGHUP, SIGQUIT, SIGTERM};
+    let terminated = Arc::new(AtomicUsize::new(0));
+    for signal in [SIGTERM, SIGHUP, SIGQUIT] {
+        // Set in the handler itself, at delivery: the main thread sees it however the threads run.
+        let _ = signal_hook::flag::register_usize(signal, Arc::clone(&terminated), signal as usize);
+    }
     let terminal =
         std::io::stdin().is_terminal().then(|| nix::sys::termios::tcgetattr(std::io::stdin()).ok()).flatten();
-    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGTERM, SIGHUP, SIGQUIT]) else { return };
+    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGTERM, SIGHUP, SIGQUIT]) else { return terminated };
     std::thread::spawn(move || {
         if let Some(signal) = signals.forever().next() {
             if let Some(t) = &terminal {
@@ -254,6 +267,7 @@ fn on_termination(own: Arc<Mutex<Option<OwnServer>>>) {
             std::process::exit(128 + signal);
         }
     });
+    terminated
 }
 
 /// Where the line history is kept: `$XDG_STATE_HOME/sluice/chat_history`, else
