@@ -346,11 +346,36 @@ fn ollama_s_answers_that_clients_rely_on() {
     refused(post("/api/generate", json!({"model": "m", "keep_alive": [1]})), "keep_alive");
     let loaded = post("/api/generate", json!({"model": "m", "keep_alive": "1h30m"}));
     assert_eq!(loaded.json()["done_reason"], "load", "{}", loaded.body);
+    let listed = |path: &str| request(ollama, "GET", path, None).json()["models"].as_array().unwrap().len();
+    assert_eq!(listed("/api/ps"), 1, "the model is loaded");
     let unloaded = post("/api/chat", json!({"model": "m", "messages": [], "keep_alive": "0s"}));
     assert_eq!(unloaded.json()["done_reason"], "unload", "{}", unloaded.body);
-    // A request over the context names Ollama's fields.
-    let over =
-        post("/api/generate", json!({"model": "m", "prompt": "hi", "stream": false, "options": {"num_predict": 5000}}));
+    // Unloaded, the model leaves /api/ps, stays listed and described, and the next request
+    // loads it again.
+    server.wait_log_count("the model is unloaded", 1);
+    assert_eq!(listed("/api/ps"), 0, "an unloaded model is not in /api/ps");
+    assert_eq!(listed("/api/tags"), 1);
+    assert_eq!(post("/api/show", json!({"model": "m"})).status, 200);
+    let answer = post("/api/chat", json!({"model": "m", "messages": hi, "stream": false, "options": {"num_predict": 3}}));
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(listed("/api/ps"), 1, "a request loads the model again");
+    // keep_alive 0 on a generation unloads once it is answered.
+    let last = post(
+        "/api/generate",
+        json!({"model": "m", "prompt": "hi", "stream": false, "keep_alive": 0, "options": {"num_predict": 3}}),
+    );
+    assert_eq!(last.status, 200, "{}", last.body);
+    server.wait_log_count("the model is unloaded", 2);
+    assert_eq!(listed("/api/ps"), 0);
+    let loaded = post("/api/generate", json!({"model": "m"}));
+    assert_eq!(loaded.json()["done_reason"], "load", "{}", loaded.body);
+    server.wait_log_count("the model is in memory", 3);
+    assert_eq!(listed("/api/ps"), 1, "a load request loads it again");
+    // A request over the context, asked not to be cut, names Ollama's fields.
+    let over = post(
+        "/api/generate",
+        json!({"model": "m", "prompt": "hi", "stream": false, "truncate": false, "options": {"num_predict": 5000}}),
+    );
     let message = refused(over, "options.num_predict");
     assert!(!message.contains("max_tokens"), "{message}");
     // What /api/show carries: the file's metadata, the capabilities, a Modelfile without the
@@ -369,6 +394,61 @@ fn ollama_s_answers_that_clients_rely_on() {
     assert!(!modelfile.contains(dir.path().to_str().unwrap()) && modelfile.contains("FROM m"), "{modelfile}");
     let (status, _, _, log) = server.stop();
     assert!(status.success(), "{log}");
+}
+
+#[test]
+fn ollama_cuts_a_prompt_over_the_context_as_ollama_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = synth(dir.path());
+    let mut server = Server::start(dir.path(), &model, &["--model-id", "m", "--ctx", "512"]);
+    server.wait_note("READY=1");
+    // 8 tokens for the answer: the prompt is cut to 504.
+    let target = 504;
+    let chat = |messages: &[Value], truncate: bool| {
+        let body = json!({"model": "m", "messages": messages, "stream": false, "truncate": truncate,
+            "options": {"num_predict": 8, "temperature": 0}});
+        server.request("POST", "/api/chat", Some(&body.to_string()))
+    };
+    let system = json!({"role": "system", "content": "You answer briefly."});
+    let mut conversation = vec![system.clone()];
+    for i in 0..40 {
+        let role = if i % 2 == 0 { "user" } else { "assistant" };
+        conversation.push(json!({"role": role, "content": format!("message {i}: the weather in town number {i} today")}));
+    }
+    // Whole, it is over the context: refused when asked not to cut, answered otherwise.
+    let refused = chat(&conversation, false);
+    assert_eq!(refused.status, 400, "{}", refused.body);
+    let fitted = chat(&conversation, true);
+    assert_eq!(fitted.status, 200, "{}", fitted.body);
+    let fitted_count = fitted.json()["prompt_eval_count"].as_u64().unwrap();
+    assert!(fitted_count <= target, "{}", fitted.body);
+    // It is the system message and the most recent messages that fit: one more does not.
+    let with_last = |n: usize| -> Vec<Value> {
+        std::iter::once(system.clone()).chain(conversation[conversation.len() - n..].iter().cloned()).collect()
+    };
+    let kept = (1..conversation.len())
+        .find(|&n| chat(&with_last(n + 1), false).status == 400)
+        .expect("the whole conversation is over the context");
+    let explicit = chat(&with_last(kept), false);
+    assert_eq!(explicit.status, 200, "{}", explicit.body);
+    assert_eq!(explicit.json()["prompt_eval_count"].as_u64().unwrap(), fitted_count, "{}", explicit.body);
+    // A last message (or a raw prompt) too long alone is cut token by token, to the target.
+    let long = "the weather in town today is ".repeat(200);
+    let alone = chat(&[system.clone(), json!({"role": "user", "content": long})], true);
+    assert_eq!(alone.status, 200, "{}", alone.body);
+    assert_eq!(alone.json()["prompt_eval_count"].as_u64().unwrap(), target, "{}", alone.body);
+    let raw = json!({"model": "m", "prompt": long, "raw": true, "stream": false, "options": {"num_predict": 8}});
+    let raw = server.request("POST", "/api/generate", Some(&raw.to_string()));
+    assert_eq!(raw.status, 200, "{}", raw.body);
+    assert_eq!(raw.json()["prompt_eval_count"].as_u64().unwrap(), target, "{}", raw.body);
+    // num_ctx below the server's context is the request's context.
+    let small = json!({"model": "m", "prompt": long, "raw": true, "stream": false,
+        "options": {"num_predict": 8, "num_ctx": 128}});
+    let small = server.request("POST", "/api/generate", Some(&small.to_string()));
+    assert_eq!(small.json()["prompt_eval_count"].as_u64().unwrap(), 120, "{}", small.body);
+    let (status, _, _, log) = server.stop();
+    assert!(status.success(), "{log}");
+    assert!(log.contains("truncating input prompt"), "{log}");
 }
 
 /// A template that, as Llama 3.x's, takes one tool call an assistant turn and raises on more.

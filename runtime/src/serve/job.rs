@@ -33,6 +33,22 @@ pub struct GenerationRequest {
     pub cache_prompt: bool,
     /// Whose request it is: a slot's memory is reused only for the client that wrote it.
     pub owner: Owner,
+    /// How a prompt over the context is cut to fit (Ollama's API); `None`: it is refused.
+    pub truncate: Option<Truncation>,
+    /// Whether the model is unloaded once this request ends and none other runs or waits
+    /// (Ollama's `keep_alive: 0`).
+    pub unload_after: bool,
+}
+
+/// How a prompt over the context is cut to fit, as Ollama cuts it: the oldest messages go (the
+/// system's stay, and the last one), then, when the prompt is still too long, the tokens after
+/// its first `keep`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Truncation {
+    /// The context the prompt and its answer must fit (`num_ctx`, at most the server's).
+    pub context: u32,
+    /// The tokens at the prompt's start that are never cut (`num_keep`).
+    pub keep: u32,
 }
 
 /// The client a request comes from, as reuse is scoped: its named key (`--api-keys-file`), else
@@ -82,6 +98,10 @@ impl PromptBound {
     /// 400 `context_length_exceeded` when `request`'s prompt text is over the bound.
     pub fn check(&self, request: &GenerationRequest) -> Result<(), ApiError> {
         let Some(limit) = self.bytes() else { return Ok(()) };
+        if request.truncate.is_some() {
+            // It is cut to fit (its size is the body limit's).
+            return Ok(());
+        }
         let (bytes, param) = match &request.prompt {
             PromptInput::Text(t) => (t.len(), "prompt"),
             // Tools and schemas are rendered into the prompt or its grammar: they count too.

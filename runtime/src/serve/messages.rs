@@ -111,6 +111,11 @@ impl SlotActions {
         answer
     }
 
+    /// Whether actions wait to be run.
+    pub fn pending(&self) -> bool {
+        !self.0.lock().unwrap_or_else(|e| e.into_inner()).is_empty()
+    }
+
     /// The actions asked since the last take, in the order asked.
     pub fn take(&self) -> Vec<SlotRequest> {
         std::mem::take(&mut *self.0.lock().unwrap_or_else(|e| e.into_inner()))

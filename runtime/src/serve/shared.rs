@@ -59,6 +59,12 @@ pub struct Shared {
     pub slot_actions: SlotActions,
     /// The address of the listener that stands for Ollama (`--ollama-listen`), if any.
     ollama_listen: Option<SocketAddr>,
+    /// Whether the model is in memory (not before it is first loaded, nor once unloaded).
+    resident: AtomicBool,
+    /// A client asked for the model to be unloaded once no request runs or waits.
+    unload_asked: AtomicBool,
+    /// A client asked for the unloaded model to be loaded again.
+    load_asked: AtomicBool,
 }
 
 impl Shared {
@@ -94,7 +100,45 @@ impl Shared {
             loaded: Mutex::new(None),
             slot_actions: SlotActions::default(),
             ollama_listen,
+            resident: AtomicBool::new(false),
+            unload_asked: AtomicBool::new(false),
+            load_asked: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the model is in memory (`/api/ps` lists it).
+    pub fn resident(&self) -> bool {
+        self.resident.load(Ordering::SeqCst)
+    }
+
+    /// The model was loaded (true) or unloaded (false).
+    pub(super) fn set_resident(&self, resident: bool) {
+        self.resident.store(resident, Ordering::SeqCst);
+    }
+
+    /// Unload the model once no request runs or waits (Ollama's `keep_alive: 0`).
+    pub fn ask_unload(&self) {
+        self.load_asked.store(false, Ordering::SeqCst);
+        self.unload_asked.store(true, Ordering::SeqCst);
+    }
+
+    /// Load the model again if it was unloaded (Ollama's request with neither messages nor
+    /// prompt).
+    pub fn ask_load(&self) {
+        self.unload_asked.store(false, Ordering::SeqCst);
+        if !self.resident() {
+            self.load_asked.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether an unload was asked (and no longer is).
+    pub(super) fn take_unload(&self) -> bool {
+        self.unload_asked.swap(false, Ordering::SeqCst)
+    }
+
+    /// Whether a load was asked (and no longer is).
+    pub(super) fn take_load(&self) -> bool {
+        self.load_asked.swap(false, Ordering::SeqCst)
     }
 
     /// Whether a connection accepted at `local` (its own address) came through the listener

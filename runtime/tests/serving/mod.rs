@@ -194,6 +194,18 @@ impl Server {
         }
     }
 
+    /// Waits until the log holds `needle` `count` times.
+    pub fn wait_log_count(&mut self, needle: &str, count: usize) {
+        let t0 = Instant::now();
+        while self.log().matches(needle).count() < count {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                panic!("sluice serve exited ({status}) before {needle:?} came {count} times; log:\n{}", self.log());
+            }
+            assert!(t0.elapsed() < PATIENCE, "{needle:?} not {count} times after {PATIENCE:?}; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
     /// Sends SIGTERM and waits for the exit.
     pub fn stop(mut self) -> (ExitStatus, Duration, Vec<String>, String) {
         let t0 = Instant::now();

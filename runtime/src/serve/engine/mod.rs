@@ -11,6 +11,7 @@ use anyhow::Result;
 
 mod answer;
 mod degraded;
+mod fit;
 pub mod heat;
 mod message_text;
 mod prompt;
@@ -18,6 +19,7 @@ mod questions;
 mod running;
 pub mod saved_slots;
 mod slot_actions;
+mod unloaded;
 pub mod slots;
 
 use self::answer::Answer;
@@ -27,6 +29,7 @@ use self::prompt::{TokenizeError, Tokenizer};
 use self::running::Running;
 use self::saved_slots::SlotStore;
 use self::slots::{open_store, Slots};
+use self::unloaded::Wake;
 use super::error::ApiError;
 use super::job::{Event, EventSender, Finish, Job};
 use super::job::{GenerationRequest, PromptBound, TokenUsage};
@@ -81,6 +84,9 @@ enum Served {
     Done,
     /// An RPC worker was lost mid-generation: the model must be loaded again once it is back.
     WorkerLost(String),
+    /// A client asked for the model to be unloaded: it is loaded again when asked for. Holds
+    /// the model's description, which the front keeps showing meanwhile.
+    Unloaded(Option<Arc<ModelCard>>),
 }
 
 /// Loads the model, reports ready, and serves `jobs` until every sender is gone; saves the heat
@@ -89,8 +95,9 @@ enum Served {
 /// model again (a worker lost again during that load is waited for the same way).
 pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()> {
     let mut served_once = false;
+    let mut first = None;
     loop {
-        let served = match serve_loaded(&cfg, shared, &jobs) {
+        let served = match serve_loaded(&cfg, shared, &jobs, first.take()) {
             Ok(s) => s,
             Err(LoadFailure::Launch(e)) => match e.lost_worker() {
                 Some(endpoint) if served_once => Served::WorkerLost(endpoint.to_string()),
@@ -115,12 +122,26 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
                 }
                 shared.set_reloading(&format!("the RPC worker at {endpoint} answers again: loading the model"));
             }
+            Served::Unloaded(card) => match unloaded::wait(&cfg, shared, &jobs, card)? {
+                Wake::Done => return Ok(()),
+                Wake::Job(job) => {
+                    first = Some(job);
+                    shared.loading_step("a request came: loading the model again");
+                }
+                Wake::Asked => shared.loading_step("asked for: loading the model again"),
+            },
         }
     }
 }
 
-/// Loads the model and serves `jobs` with it until every sender is gone or a worker is lost.
-fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Result<Served, LoadFailure> {
+/// Loads the model and serves `jobs` with it (`first` first) until every sender is gone, a
+/// worker is lost or an unload is asked.
+fn serve_loaded(
+    cfg: &EngineConfig,
+    shared: &Shared,
+    jobs: &Receiver<Job>,
+    first: Option<Job>,
+) -> Result<Served, LoadFailure> {
     let loaded = cfg.launch.load(&mut |step| shared.loading_step(step))?;
     let (model, index, n_ctx) = (&loaded.model, &loaded.index, loaded.shape.positions);
     shared.set_prompt_bound(PromptBound { n_ctx, max_token_bytes: model.max_token_bytes() });
@@ -158,11 +179,19 @@ fn serve_loaded(cfg: &EngineConfig, shared: &Shared, jobs: &Receiver<Job>) -> Re
         loaded.cache_bytes() >> 20,
         index.all_expert_window_bytes() >> 20
     ));
+    shared.set_resident(true);
+    log::info!("the model is in memory");
+    if let Some(job) = first {
+        engine.start(job);
+    }
     let mut last_save = Instant::now();
     let mut last_job = Instant::now();
     let served = loop {
         shared.beat();
         engine.run_slot_actions();
+        if engine.running.is_empty() && shared.queued() == 0 && shared.take_unload() {
+            break Served::Unloaded(shared.loaded().ok().map(|(card, _)| card));
+        }
         if engine.running.is_empty() {
             match jobs.recv_timeout(IDLE_BEAT) {
                 Ok(job) => {
@@ -231,6 +260,7 @@ impl<'m> Engine<'m, '_> {
     /// saved.
     fn close(&mut self) {
         self.shared.set_loaded(None);
+        self.shared.set_resident(false);
         self.save_heat();
         self.save_slots();
     }
@@ -319,8 +349,14 @@ impl<'m> Engine<'m, '_> {
         request: GenerationRequest,
         cancel: &AtomicBool,
     ) -> Result<(Vec<ggml_sys::Token>, u32, Sampler, Answer), ApiError> {
-        let GenerationRequest { prompt, max_tokens: asked, sampling, stop, .. } = request;
-        let prompt = match self.tokenizer.tokenize(prompt, self.shared, cancel) {
+        let GenerationRequest { prompt, max_tokens: asked, sampling, stop, truncate, .. } = request;
+        // A request cut to fit (Ollama's) has its own context, at most the server's.
+        let n_ctx = truncate.map_or(self.n_ctx, |t| t.context.clamp(1, self.n_ctx)) as usize;
+        let prepared = match truncate {
+            None => self.tokenizer.tokenize(prompt, self.shared.prompt_bound(), self.shared, cancel),
+            Some(t) => self.fitted(prompt, t, n_ctx, asked, cancel),
+        };
+        let prompt = match prepared {
             Ok(p) => p,
             Err(TokenizeError::Invalid(e)) => return Err(e),
             Err(TokenizeError::Interrupted) => {
@@ -330,14 +366,15 @@ impl<'m> Engine<'m, '_> {
             }
         };
         let tokens = prompt.tokens;
-        let room = (self.n_ctx as usize).saturating_sub(tokens.len());
-        let max_tokens = asked.map_or(room, |m| m as usize);
-        if max_tokens == 0 || tokens.len() + max_tokens > self.n_ctx as usize {
+        let room = n_ctx.saturating_sub(tokens.len());
+        // A prompt cut to fit leaves room for an answer, which ends where the context does.
+        let max_tokens = asked.map_or(room, |m| if truncate.is_some() { room.min(m as usize) } else { m as usize });
+        if max_tokens == 0 || tokens.len() + max_tokens > n_ctx {
             let param = if asked.is_some() { "max_tokens" } else { "messages" };
             return Err(ApiError::invalid(
                     format!(
                         "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
-                        self.n_ctx,
+                        n_ctx,
                         tokens.len() + max_tokens.max(1),
                         tokens.len(),
                         max_tokens.max(1)

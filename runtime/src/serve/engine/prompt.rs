@@ -239,11 +239,13 @@ impl Tokenizer {
         TextTools::new(move |job| jobs.send(ThreadJob::Tool(job)).is_ok())
     }
 
-    /// The prompt, prepared. While it is computed the engine beats, and gives up when `cancel`
-    /// is set or the server cancels everything.
+    /// The prompt, prepared within `bound` (a rendered chat over it is refused before it is
+    /// tokenized). While it is computed the engine beats, and gives up when `cancel` is set or
+    /// the server cancels everything.
     pub(super) fn tokenize(
         &self,
         prompt: PromptInput,
+        bound: PromptBound,
         shared: &Shared,
         cancel: &AtomicBool,
     ) -> Result<Prepared, TokenizeError> {
@@ -251,7 +253,7 @@ impl Tokenizer {
         let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
         let abandon = Arc::new(AtomicBool::new(false));
         self.jobs
-            .send(ThreadJob::Prompt((prompt, shared.prompt_bound(), Arc::clone(&abandon), reply)))
+            .send(ThreadJob::Prompt((prompt, bound, Arc::clone(&abandon), reply)))
             .map_err(|_| gone())?;
         loop {
             match prepared.recv_timeout(IDLE_BEAT) {

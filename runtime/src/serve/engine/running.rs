@@ -77,6 +77,10 @@ impl<'m> Engine<'m, '_> {
     pub(super) fn start(&mut self, job: Job) {
         let Job { request, events, cancel, admission } = job;
         self.shared.dequeued();
+        if request.unload_after {
+            // Once it ends and no other request runs or waits.
+            self.shared.ask_unload();
+        }
         if cancel.load(Ordering::Relaxed) {
             self.shared.metrics.cancelled();
             return;

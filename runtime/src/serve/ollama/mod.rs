@@ -214,9 +214,9 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
             can_think(&name, b.asks_thinking())?;
             let reply = OllamaReply::new(endpoint, name, begun);
             if b.loads_only() {
-                return Ok(Parsed::Loaded(reply.loaded(unload)));
+                return Ok(Parsed::Loaded(load_or_unload(shared, &reply, unload)));
             }
-            Ok(Parsed::Generate(Box::new(b.request(context)?), reply))
+            Ok(Parsed::Generate(Box::new(GenerationRequest { unload_after: unload, ..b.request(context)? }), reply))
         }
         Endpoint::Generate => {
             let b: request::GenerateBody = http::parse_ignoring(body, "Ollama")?;
@@ -225,11 +225,22 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
             can_think(&name, b.asks_thinking())?;
             let reply = OllamaReply::new(endpoint, name, begun);
             if b.loads_only() {
-                return Ok(Parsed::Loaded(reply.loaded(unload)));
+                return Ok(Parsed::Loaded(load_or_unload(shared, &reply, unload)));
             }
-            Ok(Parsed::Generate(Box::new(b.request(context)?), reply))
+            Ok(Parsed::Generate(Box::new(GenerationRequest { unload_after: unload, ..b.request(context)? }), reply))
         }
     }
+}
+
+/// Asks the engine to load the model (if it was unloaded) or to unload it, and answers as
+/// Ollama does.
+fn load_or_unload(shared: &Shared, reply: &OllamaReply, unload: bool) -> Value {
+    if unload {
+        shared.ask_unload();
+    } else {
+        shared.ask_load();
+    }
+    reply.loaded(unload)
 }
 
 /// A generation as Ollama's JSON lines.

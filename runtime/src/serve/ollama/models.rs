@@ -64,8 +64,12 @@ pub fn tags(shared: &Shared) -> Result<Value, ApiError> {
     Ok(json!({"models": [listed(shared, &*card(shared)?)]}))
 }
 
-/// `GET /api/ps`: the model stays loaded while the server runs.
+/// `GET /api/ps`: the model while it is in memory (not before it is loaded, nor once a client
+/// unloaded it with `keep_alive: 0`); it stays there until then.
 pub fn ps(shared: &Shared) -> Result<Value, ApiError> {
+    if !shared.resident() {
+        return Ok(json!({"models": []}));
+    }
     let card = card(shared)?;
     let mut m = listed(shared, &card);
     m["expires_at"] = json!(timestamp(SystemTime::now() + std::time::Duration::from_secs(100 * 365 * 86_400)));

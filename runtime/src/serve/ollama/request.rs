@@ -7,7 +7,7 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use crate::serve::error::ApiError;
-use crate::serve::job::GenerationRequest;
+use crate::serve::job::{GenerationRequest, Truncation};
 use crate::serve::openai;
 
 /// `/api/chat`'s body (fields it does not know are ignored, as Ollama ignores them).
@@ -25,6 +25,8 @@ pub struct ChatBody {
     pub keep_alive: Option<Value>,
     logprobs: Option<bool>,
     top_logprobs: Option<IgnoredAny>,
+    /// Whether a prompt over the context is cut to fit (the default) or refused.
+    truncate: Option<bool>,
 }
 
 /// `/api/generate`'s body (fields it does not know are ignored, as Ollama ignores them).
@@ -47,6 +49,8 @@ pub struct GenerateBody {
     pub keep_alive: Option<Value>,
     logprobs: Option<bool>,
     top_logprobs: Option<IgnoredAny>,
+    /// Whether a prompt over the context is cut to fit (the default) or refused.
+    truncate: Option<bool>,
 }
 
 /// Options that change what is generated, and their chat request's names.
@@ -64,8 +68,7 @@ const OPTIONS: [(&str, &str); 9] = [
 /// Options Ollama takes that do not apply to a served model (loading, threads, GPUs) or that
 /// sluice does not implement (mirostat, typical sampling): accepted and ignored, as Ollama
 /// ignores an option it does not know.
-const IGNORED_OPTIONS: [&str; 17] = [
-    "num_keep",
+const IGNORED_OPTIONS: [&str; 16] = [
     "typical_p",
     "repeat_last_n",
     "tfs_z",
@@ -103,8 +106,10 @@ impl ChatBody {
         if let Some(tools) = self.tools {
             openai.insert("tools".into(), Value::Array(tools));
         }
+        let truncate = truncation(self.truncate, self.options.as_ref(), context);
         common(&mut openai, self.format, self.options, self.stream, self.think.as_ref(), context)?;
-        openai::chat_request_from(Value::Object(openai), "").map_err(ollama_names)
+        let request = openai::chat_request_from(Value::Object(openai), "").map_err(ollama_names)?;
+        Ok(GenerationRequest { truncate, ..request })
     }
 }
 
@@ -158,17 +163,36 @@ impl GenerateBody {
             messages.push(json!({"role": "user", "content": prompt}));
             openai.insert("messages".into(), Value::Array(messages));
         }
+        let truncate = truncation(self.truncate, self.options.as_ref(), context);
         common(&mut openai, self.format, self.options, self.stream, self.think.as_ref(), context)?;
         let bounded = openai.contains_key("max_tokens");
         let body = Value::Object(openai);
         let request = if raw { openai::completion_request_from(body, "") } else { openai::chat_request_from(body, "") };
         let mut request = request.map_err(ollama_names)?;
+        request.truncate = truncate;
         if !bounded {
             // Ollama generates until the model stops or the context is full, raw prompts too.
             request.max_tokens = None;
         }
         Ok(request)
     }
+}
+
+/// The tokens at a prompt's start that a cut never takes, unless `num_keep` says otherwise
+/// (Ollama's default).
+const DEFAULT_NUM_KEEP: u32 = 4;
+
+/// How a prompt over the context is cut, as Ollama cuts it: unless `truncate` is false (then
+/// it is refused), to fit `num_ctx` (at most the server's `context` positions), keeping the
+/// first `num_keep` tokens.
+fn truncation(truncate: Option<bool>, options: Option<&Map<String, Value>>, context: u32) -> Option<Truncation> {
+    if truncate == Some(false) {
+        return None;
+    }
+    let option = |name: &str| options.and_then(|o| o.get(name)).and_then(Value::as_u64);
+    let num_ctx = option("num_ctx").filter(|&n| n > 0).map_or(context, |n| n.min(u64::from(context)) as u32);
+    let keep = option("num_keep").map_or(DEFAULT_NUM_KEEP, |k| k.min(u64::from(u32::MAX)) as u32);
+    Some(Truncation { context: num_ctx, keep })
 }
 
 /// Whether a `think` value asks for thinking: `true` or a level.
@@ -260,6 +284,13 @@ fn translate_options(
                         Some("options.num_predict"),
                     ))
                 }
+            }
+        } else if name == "num_keep" {
+            if value.as_u64().is_none() {
+                return Err(ApiError::invalid(
+                    format!("options.num_keep: {value} is not a number of tokens"),
+                    Some("options.num_keep"),
+                ));
             }
         } else if name == "num_ctx" {
             match value.as_u64() {

@@ -345,6 +345,8 @@ fn completion_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest
         logprobs,
         cache_prompt: r.cache_prompt.unwrap_or(true),
         owner: Owner::default(),
+        truncate: None,
+        unload_after: false,
     })
 }
 
@@ -415,6 +417,8 @@ fn chat_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiE
         logprobs,
         cache_prompt: r.cache_prompt.unwrap_or(true),
         owner: Owner::default(),
+        truncate: None,
+        unload_after: false,
     })
 }
 

@@ -1,0 +1,122 @@
+//! Ollama's way with a prompt over the context ([`Truncation`]): the oldest messages go (the
+//! system's stay, and the last one), and a prompt still too long loses the tokens after its
+//! first `keep`. Ollama's clients (Home Assistant, Open WebUI) send whole conversations and
+//! rely on it.
+
+use std::sync::atomic::AtomicBool;
+
+use ggml_sys::{ChatInputs, Token};
+use serde_json::Value;
+
+use super::prompt::{Prepared, TokenizeError};
+use super::Engine;
+use crate::serve::job::{PromptBound, PromptInput, Truncation};
+
+/// The positions left for the answer when a prompt is cut: `num_predict`'s tokens, at most half
+/// the context; without it an eighth of the context.
+fn answer_room(context: usize, asked: Option<u32>) -> usize {
+    asked.map_or(context / 8, |a| (a as usize).min(context / 2)).max(1)
+}
+
+impl Engine<'_, '_> {
+    /// `prompt` prepared to fit `context` positions less its answer's room (`asked`, the
+    /// answer's tokens asked for), cut as `t` says.
+    pub(super) fn fitted(
+        &self,
+        prompt: PromptInput,
+        t: Truncation,
+        context: usize,
+        asked: Option<u32>,
+        cancel: &AtomicBool,
+    ) -> Result<Prepared, TokenizeError> {
+        let target = context.saturating_sub(answer_room(context, asked)).max(1);
+        let mut prepared = match prompt {
+            PromptInput::Chat(inputs) => self.fewer_messages(*inputs, target, cancel)?,
+            text => self.tokenizer.tokenize(text, PromptBound::default(), self.shared, cancel)?,
+        };
+        cut(&mut prepared.tokens, target, t.keep as usize);
+        Ok(prepared)
+    }
+
+    /// The chat with the fewest of its oldest messages left out (never a system message, never
+    /// the last) whose prompt has at most `target` tokens; with only the system messages and
+    /// the last when none does.
+    fn fewer_messages(&self, inputs: ChatInputs, target: usize, cancel: &AtomicBool) -> Result<Prepared, TokenizeError> {
+        let messages = inputs.messages.as_array().cloned().unwrap_or_default();
+        let droppable: Vec<usize> =
+            (0..messages.len()).filter(|&i| messages[i].get("role").and_then(Value::as_str) != Some("system")).collect();
+        let most = droppable.len().saturating_sub(1);
+        let without = |k: usize| {
+            let gone = &droppable[..k];
+            let kept = messages.iter().enumerate().filter(|(i, _)| !gone.contains(i)).map(|(_, m)| m.clone());
+            PromptInput::Chat(Box::new(ChatInputs { messages: Value::Array(kept.collect()), ..inputs.clone() }))
+        };
+        let bound = self.shared.prompt_bound();
+        // A rendering over the bound in bytes is refused before it is tokenized: it cannot fit.
+        let fitting = |k: usize| -> Result<Option<Prepared>, TokenizeError> {
+            match self.tokenizer.tokenize(without(k), bound, self.shared, cancel) {
+                Ok(p) if p.tokens.len() <= target => Ok(Some(p)),
+                Ok(_) | Err(TokenizeError::Invalid(_)) => Ok(None),
+                Err(e) => Err(e),
+            }
+        };
+        if let Some(p) = fitting(0)? {
+            return Ok(p);
+        }
+        // The fewest left out, by halves: a shorter conversation renders shorter.
+        let (mut low, mut high, mut best) = (1, most, None);
+        while low <= high {
+            let mid = (low + high) / 2;
+            match fitting(mid)? {
+                Some(p) => {
+                    best = Some((mid, p));
+                    high = mid - 1;
+                }
+                None => low = mid + 1,
+            }
+        }
+        if let Some((k, p)) = best {
+            log::info!("truncating input messages which exceed the context: the oldest {k} of {} left out", messages.len());
+            return Ok(p);
+        }
+        // The last message alone is too long: its prompt is cut token by token.
+        self.tokenizer.tokenize(without(most), PromptBound::default(), self.shared, cancel)
+    }
+}
+
+/// Cuts `tokens` to `target`, as Ollama's runner does: the first `keep` stay, then the last.
+fn cut(tokens: &mut Vec<Token>, target: usize, keep: usize) {
+    let before = tokens.len();
+    if before <= target {
+        return;
+    }
+    let keep = keep.min(target);
+    tokens.drain(keep..before - (target - keep));
+    log::warn!("truncating input prompt: limit={target} prompt={before} keep={keep} new={}", tokens.len());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cut_keeps_the_first_tokens_and_the_last() {
+        let mut t: Vec<Token> = (0..10).collect();
+        cut(&mut t, 6, 2);
+        assert_eq!(t, [0, 1, 6, 7, 8, 9]);
+        let mut short: Vec<Token> = (0..4).collect();
+        cut(&mut short, 6, 2);
+        assert_eq!(short, [0, 1, 2, 3]);
+        let mut all_kept: Vec<Token> = (0..10).collect();
+        cut(&mut all_kept, 3, 5);
+        assert_eq!(all_kept, [0, 1, 2]);
+    }
+
+    #[test]
+    fn the_answer_keeps_its_room_within_half_the_context() {
+        assert_eq!(answer_room(4096, None), 512);
+        assert_eq!(answer_room(4096, Some(100)), 100);
+        assert_eq!(answer_room(4096, Some(100_000)), 2048);
+        assert_eq!(answer_room(4, None), 1);
+    }
+}
