@@ -1,5 +1,5 @@
 //! What agent clients rely on, end to end over `sluice serve`, on random-weight fixtures that
-//! carry real chat templates (the eight of tests/chat/templates, and ChatML for a model whose
+//! carry real chat templates (the nine of tests/chat/templates, and ChatML for a model whose
 //! template has no tool-call syntax): a required or named tool call comes first and is always
 //! made, plain and streamed; a JSON schema is always enforced, on the text the client decodes;
 //! the Responses API; and the queue admits its bound beside the running request. No logit bias
@@ -80,7 +80,7 @@ fn answer_calls(body: &str, stream: bool) -> (Vec<(String, String)>, String) {
 
 #[test]
 fn a_required_or_named_call_is_always_made_first_on_every_template() {
-    // 10 seeds of each choice, whole and streamed, on each of 9 templates: 360 forced calls.
+    // 10 seeds of each choice, whole and streamed, on each of 10 templates: 400 forced calls.
     let seeds = if emulated() { 1 } else { 10 };
     let tools = [weather(), clock()];
     let validators: Vec<_> = tools

@@ -13,11 +13,12 @@ use sluice::serve::job::PromptInput;
 use sluice::serve::openai::chat_request;
 
 /// Each template with the text of its model's BOS and EOS tokens.
-const TEMPLATES: [(&str, &str, &str); 6] = [
+const TEMPLATES: [(&str, &str, &str); 7] = [
     ("Qwen-Qwen3-0.6B", "", "<|im_end|>"),
     ("Qwen3.5-4B", "", "<|im_end|>"),
     ("openai-gpt-oss-120b", "<|startoftext|>", "<|return|>"),
     ("deepseek-ai-DeepSeek-V3.1", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
+    ("DeepSeek-V3.2", "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"),
     ("GLM-4.6", "", "<|endoftext|>"),
     ("LFM2-8B-A1B", "<|startoftext|>", "<|im_end|>"),
 ];
@@ -280,8 +281,14 @@ fn each_turn_s_prompt_starts_with_the_whole_prompt_of_the_turn_before() {
             .collect();
         println!("{name}: turn 2 keeps {}, turn 3 keeps {}", kept[0], kept[1]);
         // Qwen3.5's generation prompt opens the thinking block (`<think>\n`), which its history
-        // leaves out of answered turns; every other template's next prompt starts with the last.
-        let dropped = if name == "Qwen3.5-4B" { "<think>\n".len() } else { 0 };
+        // leaves out of answered turns, and DeepSeek-V3.2's history writes an answered turn's
+        // `<think>` as `</think>` (the two share the `<`); every other template's next prompt
+        // starts with the last.
+        let dropped = match name {
+            "Qwen3.5-4B" => "<think>\n".len(),
+            "DeepSeek-V3.2" => "think>".len(),
+            _ => 0,
+        };
         for w in prompts.windows(2) {
             let shared = w[0].bytes().zip(w[1].bytes()).take_while(|(a, b)| a == b).count();
             assert_eq!(w[0].len() - shared, dropped, "{name}: the next turn rewrites the last one's prompt: {kept:?}");

@@ -38,11 +38,12 @@ pub fn synth_qwen3(dir: &Path) -> PathBuf {
 
 /// The chat templates of tests/chat/templates the fixtures carry; `None` is a model without a
 /// template (llama.cpp's ChatML, which has no tool-call syntax: generic JSON calls).
-pub const TEMPLATES: [Option<&str>; 9] = [
+pub const TEMPLATES: [Option<&str>; 10] = [
     Some("Qwen-Qwen3-0.6B"),
     Some("Qwen3.5-4B"),
     Some("openai-gpt-oss-120b"),
     Some("deepseek-ai-DeepSeek-V3.1"),
+    Some("DeepSeek-V3.2"),
     Some("GLM-4.6"),
     Some("LFM2-8B-A1B"),
     Some("moonshotai-Kimi-K2-Thinking"),

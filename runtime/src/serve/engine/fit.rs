@@ -30,9 +30,13 @@ impl Engine<'_, '_> {
         cancel: &AtomicBool,
     ) -> Result<Prepared, TokenizeError> {
         let target = context.saturating_sub(answer_room(context, asked)).max(1);
+        let bound = self.shared.prompt_bound();
         let mut prepared = match prompt {
             PromptInput::Chat(inputs) => self.fewer_messages(*inputs, target, cancel)?,
-            text => self.tokenizer.tokenize(text, PromptBound::default(), self.shared, cancel)?,
+            PromptInput::Text(text) => {
+                let text = tail(text, bound.bytes());
+                self.tokenizer.tokenize(PromptInput::Text(text), bound, self.shared, cancel)?
+            }
         };
         cut(&mut prepared.tokens, target, t.keep as usize);
         Ok(prepared)
@@ -49,12 +53,12 @@ impl Engine<'_, '_> {
         let without = |k: usize| {
             let gone = &droppable[..k];
             let kept = messages.iter().enumerate().filter(|(i, _)| !gone.contains(i)).map(|(_, m)| m.clone());
-            PromptInput::Chat(Box::new(ChatInputs { messages: Value::Array(kept.collect()), ..inputs.clone() }))
+            ChatInputs { messages: Value::Array(kept.collect()), ..inputs.clone() }
         };
         let bound = self.shared.prompt_bound();
         // A rendering over the bound in bytes is refused before it is tokenized: it cannot fit.
         let fitting = |k: usize| -> Result<Option<Prepared>, TokenizeError> {
-            match self.tokenizer.tokenize(without(k), bound, self.shared, cancel) {
+            match self.tokenizer.tokenize(PromptInput::Chat(Box::new(without(k))), bound, self.shared, cancel) {
                 Ok(p) if p.tokens.len() <= target => Ok(Some(p)),
                 Ok(_) | Err(TokenizeError::Invalid(_)) => Ok(None),
                 Err(e) => Err(e),
@@ -79,8 +83,35 @@ impl Engine<'_, '_> {
             log::info!("truncating input messages which exceed the context: the oldest {k} of {} left out", messages.len());
             return Ok(p);
         }
-        // The last message alone is too long: its prompt is cut token by token.
-        self.tokenizer.tokenize(without(most), PromptBound::default(), self.shared, cancel)
+        // The last message alone is too long: its prompt is cut token by token, after its text
+        // is cut to what could fit (the end of it stays), so that no more is tokenized than a
+        // prompt that fits.
+        let mut last = without(most);
+        if let Some(m) = last.messages.as_array_mut().and_then(|all| all.last_mut()) {
+            if let Some(Value::String(text)) = m.get_mut("content") {
+                *text = tail(std::mem::take(text), bound.bytes());
+            }
+        }
+        let widened = PromptBound { n_ctx: bound.n_ctx.saturating_mul(FIT_SPAN), ..bound };
+        self.tokenizer.tokenize(PromptInput::Chat(Box::new(last)), widened, self.shared, cancel)
+    }
+}
+
+/// How many contexts' worth of rendered text a prompt cut to fit may be: the template's markup
+/// around a message cut to what could fit, and messages that are not text.
+const FIT_SPAN: u32 = 4;
+
+/// The end of `text`: at most `bytes` of it (at a character's start), or all of it.
+fn tail(text: String, bytes: Option<usize>) -> String {
+    match bytes {
+        Some(b) if text.len() > b => {
+            let mut start = text.len() - b;
+            while !text.is_char_boundary(start) {
+                start += 1;
+            }
+            text[start..].to_string()
+        }
+        _ => text,
     }
 }
 
@@ -110,6 +141,16 @@ mod tests {
         let mut all_kept: Vec<Token> = (0..10).collect();
         cut(&mut all_kept, 3, 5);
         assert_eq!(all_kept, [0, 1, 2]);
+    }
+
+    #[test]
+    fn a_text_s_tail_starts_at_a_character() {
+        assert_eq!(tail("abcdef".into(), Some(3)), "def");
+        assert_eq!(tail("abc".into(), Some(3)), "abc");
+        assert_eq!(tail("abc".into(), None), "abc");
+        // 'é' is two bytes: a cut inside it moves to the next character.
+        assert_eq!(tail("aébc".into(), Some(4)), "ébc");
+        assert_eq!(tail("aébc".into(), Some(3)), "bc");
     }
 
     #[test]
