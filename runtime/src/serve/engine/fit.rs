@@ -1,4 +1,5 @@
-//! Ollama's way with a prompt over the context ([`Truncation`]): the oldest messages go (the
+//! A request's prompt against the context: tokenized and refused when it and its answer do
+//! not fit, or, asked so ([`Truncation`], Ollama's way), cut to fit: the oldest messages go (the
 //! system's stay, and the last one), and a prompt still too long loses the tokens after its
 //! first `keep`. Ollama's clients (Home Assistant, Open WebUI) send whole conversations and
 //! rely on it.
@@ -8,9 +9,12 @@ use std::sync::atomic::AtomicBool;
 use ggml_sys::{ChatInputs, Token};
 use serde_json::Value;
 
+use super::answer::Answer;
 use super::prompt::{Prepared, TokenizeError};
 use super::Engine;
-use crate::serve::job::{PromptBound, PromptInput, Truncation};
+use crate::generate::Sampler;
+use crate::serve::error::ApiError;
+use crate::serve::job::{GenerationRequest, PromptBound, PromptInput, Truncation};
 
 /// The positions left for the answer when a prompt is cut: `num_predict`'s tokens, at most half
 /// the context; without it an eighth of the context.
@@ -19,6 +23,51 @@ fn answer_room(context: usize, asked: Option<u32>) -> usize {
 }
 
 impl Engine<'_, '_> {
+    /// The request's prompt tokenized and checked against the context, with its sampler and
+    /// answer; else the error for its client (an abandoned tokenization counts as cancelled).
+    pub(super) fn admit(
+        &mut self,
+        request: GenerationRequest,
+        cancel: &AtomicBool,
+    ) -> Result<(Vec<ggml_sys::Token>, u32, Sampler, Answer), ApiError> {
+        let GenerationRequest { prompt, max_tokens: asked, sampling, stop, truncate, .. } = request;
+        // A request cut to fit (Ollama's) has its own context, at most the server's.
+        let n_ctx = truncate.map_or(self.n_ctx, |t| t.context.clamp(1, self.n_ctx)) as usize;
+        let prepared = match truncate {
+            None => self.tokenizer.tokenize(prompt, self.shared.prompt_bound(), self.shared, cancel),
+            Some(t) => self.fitted(prompt, t, n_ctx, asked, cancel),
+        };
+        let prompt = match prepared {
+            Ok(p) => p,
+            Err(TokenizeError::Invalid(e)) => return Err(e),
+            Err(TokenizeError::Interrupted) => {
+                self.shared.metrics.cancelled();
+                log::info!("a prompt's tokenization was abandoned: its client went away or the server is stopping");
+                return Err(ApiError::new(503, "server_error", "the generation was cancelled"));
+            }
+        };
+        let tokens = prompt.tokens;
+        let room = n_ctx.saturating_sub(tokens.len());
+        // A prompt cut to fit leaves room for an answer, which ends where the context does.
+        let max_tokens = asked.map_or(room, |m| if truncate.is_some() { room.min(m as usize) } else { m as usize });
+        if max_tokens == 0 || tokens.len() + max_tokens > n_ctx {
+            let param = if asked.is_some() { "max_tokens" } else { "messages" };
+            return Err(ApiError::invalid(
+                    format!(
+                        "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
+                        n_ctx,
+                        tokens.len() + max_tokens.max(1),
+                        tokens.len(),
+                        max_tokens.max(1)
+                    ),
+                    Some(param),
+                )
+                .with_code("context_length_exceeded"));
+        }
+        let (sampler, answer) = Answer::new(self.session.model(), sampling, stop, prompt.chat)?;
+        Ok((tokens, max_tokens as u32, sampler, answer))
+    }
+
     /// `prompt` prepared to fit `context` positions less its answer's room (`asked`, the
     /// answer's tokens asked for), cut as `t` says.
     pub(super) fn fitted(

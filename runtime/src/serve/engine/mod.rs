@@ -181,51 +181,7 @@ fn serve_loaded(
     ));
     shared.set_resident(true);
     log::info!("the model is in memory");
-    if let Some(job) = first {
-        engine.start(job);
-    }
-    let mut last_save = Instant::now();
-    let mut last_job = Instant::now();
-    let served = loop {
-        shared.beat();
-        engine.run_slot_actions();
-        if engine.running.is_empty() && shared.queued() == 0 && shared.take_unload() {
-            break Served::Unloaded(shared.loaded().ok().map(|(card, _)| card));
-        }
-        if engine.running.is_empty() {
-            match jobs.recv_timeout(IDLE_BEAT) {
-                Ok(job) => {
-                    engine.start(job);
-                    last_job = Instant::now();
-                }
-                // Idle: reads a cancelled or timed-out request left behind may have landed since.
-                Err(RecvTimeoutError::Timeout) => {
-                    engine.session.streamer().release_stale();
-                    if last_job.elapsed() >= IDLE_BEFORE_SAVE {
-                        engine.save_slots();
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => break Served::Done,
-            }
-        } else {
-            // Requests that arrived while others run join them in a free slot.
-            while engine.running.len() < engine.slots.count() {
-                let Ok(job) = jobs.try_recv() else { break };
-                engine.start(job);
-            }
-            engine.step();
-            last_job = Instant::now();
-        }
-        if let Some(endpoint) = engine.lost.take() {
-            engine.abandon_all();
-            break Served::WorkerLost(endpoint);
-        }
-        if last_save.elapsed() >= cfg.save_every {
-            engine.save_heat();
-            engine.save_slots();
-            last_save = Instant::now();
-        }
-    };
+    let served = engine.serve(cfg, jobs, first);
     engine.close();
     Ok(served)
 }
@@ -250,6 +206,56 @@ struct Engine<'m, 's> {
 }
 
 impl<'m> Engine<'m, '_> {
+    /// Serves `jobs` (`first` first) until every sender is gone, a worker is lost or an
+    /// unload is asked.
+    fn serve(&mut self, cfg: &EngineConfig, jobs: &Receiver<Job>, first: Option<Job>) -> Served {
+        if let Some(job) = first {
+            self.start(job);
+        }
+        let mut last_save = Instant::now();
+        let mut last_job = Instant::now();
+        loop {
+            self.shared.beat();
+            self.run_slot_actions();
+            if self.running.is_empty() && self.shared.queued() == 0 && self.shared.take_unload() {
+                break Served::Unloaded(self.shared.loaded().ok().map(|(card, _)| card));
+            }
+            if self.running.is_empty() {
+                match jobs.recv_timeout(IDLE_BEAT) {
+                    Ok(job) => {
+                        self.start(job);
+                        last_job = Instant::now();
+                    }
+                    // Idle: reads a cancelled or timed-out request left behind may have landed since.
+                    Err(RecvTimeoutError::Timeout) => {
+                        self.session.streamer().release_stale();
+                        if last_job.elapsed() >= IDLE_BEFORE_SAVE {
+                            self.save_slots();
+                        }
+                    }
+                    Err(RecvTimeoutError::Disconnected) => break Served::Done,
+                }
+            } else {
+                // Requests that arrived while others run join them in a free slot.
+                while self.running.len() < self.slots.count() {
+                    let Ok(job) = jobs.try_recv() else { break };
+                    self.start(job);
+                }
+                self.step();
+                last_job = Instant::now();
+            }
+            if let Some(endpoint) = self.lost.take() {
+                self.abandon_all();
+                break Served::WorkerLost(endpoint);
+            }
+            if last_save.elapsed() >= cfg.save_every {
+                self.save_heat();
+                self.save_slots();
+                last_save = Instant::now();
+            }
+        }
+    }
+
     /// Hands the HTTP front the model's description and text tools.
     fn publish_model(&self, model: &ggml_sys::Model) {
         let card = ModelCard::of(model, self.n_ctx, self.tokenizer.thinks());
@@ -340,51 +346,6 @@ impl<'m> Engine<'m, '_> {
             }
             Err(e) => log::warn!("cannot save the heat map: {e}"),
         }
-    }
-
-    /// The request's prompt tokenized and checked against the context, with its sampler and
-    /// answer; else the error for its client (an abandoned tokenization counts as cancelled).
-    fn admit(
-        &mut self,
-        request: GenerationRequest,
-        cancel: &AtomicBool,
-    ) -> Result<(Vec<ggml_sys::Token>, u32, Sampler, Answer), ApiError> {
-        let GenerationRequest { prompt, max_tokens: asked, sampling, stop, truncate, .. } = request;
-        // A request cut to fit (Ollama's) has its own context, at most the server's.
-        let n_ctx = truncate.map_or(self.n_ctx, |t| t.context.clamp(1, self.n_ctx)) as usize;
-        let prepared = match truncate {
-            None => self.tokenizer.tokenize(prompt, self.shared.prompt_bound(), self.shared, cancel),
-            Some(t) => self.fitted(prompt, t, n_ctx, asked, cancel),
-        };
-        let prompt = match prepared {
-            Ok(p) => p,
-            Err(TokenizeError::Invalid(e)) => return Err(e),
-            Err(TokenizeError::Interrupted) => {
-                self.shared.metrics.cancelled();
-                log::info!("a prompt's tokenization was abandoned: its client went away or the server is stopping");
-                return Err(ApiError::new(503, "server_error", "the generation was cancelled"));
-            }
-        };
-        let tokens = prompt.tokens;
-        let room = n_ctx.saturating_sub(tokens.len());
-        // A prompt cut to fit leaves room for an answer, which ends where the context does.
-        let max_tokens = asked.map_or(room, |m| if truncate.is_some() { room.min(m as usize) } else { m as usize });
-        if max_tokens == 0 || tokens.len() + max_tokens > n_ctx {
-            let param = if asked.is_some() { "max_tokens" } else { "messages" };
-            return Err(ApiError::invalid(
-                    format!(
-                        "This model's maximum context length is {} tokens. However, you requested {} tokens ({} in the prompt, {} for the completion). Please reduce the prompt or max_tokens.",
-                        n_ctx,
-                        tokens.len() + max_tokens.max(1),
-                        tokens.len(),
-                        max_tokens.max(1)
-                    ),
-                    Some(param),
-                )
-                .with_code("context_length_exceeded"));
-        }
-        let (sampler, answer) = Answer::new(self.session.model(), sampling, stop, prompt.chat)?;
-        Ok((tokens, max_tokens as u32, sampler, answer))
     }
 
     /// Sends the end of a generation that ran: its last output and `Done` with why it ended
