@@ -365,7 +365,8 @@ fn ollama_s_answers_that_clients_rely_on() {
     assert_eq!(listed("/api/ps"), 0, "an unloaded model is not in /api/ps");
     assert_eq!(listed("/api/tags"), 1);
     assert_eq!(post("/api/show", json!({"model": "m"})).status, 200);
-    let answer = post("/api/chat", json!({"model": "m", "messages": hi, "stream": false, "options": {"num_predict": 3}}));
+    let answer =
+        post("/api/chat", json!({"model": "m", "messages": hi, "stream": false, "options": {"num_predict": 3}}));
     assert_eq!(answer.status, 200, "{}", answer.body);
     assert_eq!(listed("/api/ps"), 1, "a request loads the model again");
     // keep_alive 0 on a generation unloads once it is answered.
@@ -422,7 +423,8 @@ fn ollama_cuts_a_prompt_over_the_context_as_ollama_does() {
     let mut conversation = vec![system.clone()];
     for i in 0..40 {
         let role = if i % 2 == 0 { "user" } else { "assistant" };
-        conversation.push(json!({"role": role, "content": format!("message {i}: the weather in town number {i} today")}));
+        conversation
+            .push(json!({"role": role, "content": format!("message {i}: the weather in town number {i} today")}));
     }
     // Whole, it is over the context: refused when asked not to cut, answered otherwise.
     let refused = chat(&conversation, false);

@@ -94,10 +94,16 @@ impl Engine<'_, '_> {
     /// The chat with the fewest of its oldest messages left out (never a system message, never
     /// the last) whose prompt has at most `target` tokens; with only the system messages and
     /// the last when none does.
-    fn fewer_messages(&self, inputs: ChatInputs, target: usize, cancel: &AtomicBool) -> Result<Prepared, TokenizeError> {
+    fn fewer_messages(
+        &self,
+        inputs: ChatInputs,
+        target: usize,
+        cancel: &AtomicBool,
+    ) -> Result<Prepared, TokenizeError> {
         let messages = inputs.messages.as_array().cloned().unwrap_or_default();
-        let droppable: Vec<usize> =
-            (0..messages.len()).filter(|&i| messages[i].get("role").and_then(Value::as_str) != Some("system")).collect();
+        let droppable: Vec<usize> = (0..messages.len())
+            .filter(|&i| messages[i].get("role").and_then(Value::as_str) != Some("system"))
+            .collect();
         let most = droppable.len().saturating_sub(1);
         let without = |k: usize| {
             let gone = &droppable[..k];
@@ -129,7 +135,10 @@ impl Engine<'_, '_> {
             }
         }
         if let Some((k, p)) = best {
-            log::info!("truncating input messages which exceed the context: the oldest {k} of {} left out", messages.len());
+            log::info!(
+                "truncating input messages which exceed the context: the oldest {k} of {} left out",
+                messages.len()
+            );
             return Ok(p);
         }
         // The last message alone is too long: its prompt is cut token by token, after its text

@@ -19,8 +19,8 @@ mod questions;
 mod running;
 pub mod saved_slots;
 mod slot_actions;
-mod unloaded;
 pub mod slots;
+mod unloaded;
 
 use self::answer::Answer;
 use self::degraded::wait_for_worker;
@@ -125,7 +125,7 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
             Served::Unloaded(card) => match unloaded::wait(&cfg, shared, &jobs, card)? {
                 Wake::Done => return Ok(()),
                 Wake::Job(job) => {
-                    first = Some(job);
+                    first = Some(*job);
                     shared.loading_step("a request came: loading the model again");
                 }
                 Wake::Asked => shared.loading_step("asked for: loading the model again"),

@@ -252,9 +252,7 @@ impl Tokenizer {
         let (reply, prepared) = channel();
         let gone = || TokenizeError::Invalid(ApiError::new(500, "server_error", "the tokenizer thread stopped"));
         let abandon = Arc::new(AtomicBool::new(false));
-        self.jobs
-            .send(ThreadJob::Prompt((prompt, bound, Arc::clone(&abandon), reply)))
-            .map_err(|_| gone())?;
+        self.jobs.send(ThreadJob::Prompt((prompt, bound, Arc::clone(&abandon), reply))).map_err(|_| gone())?;
         loop {
             match prepared.recv_timeout(IDLE_BEAT) {
                 Ok(t) => return t.map_err(TokenizeError::Invalid),

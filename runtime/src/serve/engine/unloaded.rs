@@ -19,7 +19,7 @@ use crate::systemd::notify;
 /// What ends the wait of an unloaded model.
 pub(super) enum Wake {
     /// A generation, to run first once the model is loaded again.
-    Job(Job),
+    Job(Box<Job>),
     /// A load request or a slot action.
     Asked,
     /// Every sender is gone: the server stops.
@@ -51,7 +51,7 @@ pub(super) fn wait(
             return Ok(Wake::Asked);
         }
         match jobs.recv_timeout(IDLE_BEAT) {
-            Ok(job) => return Ok(Wake::Job(job)),
+            Ok(job) => return Ok(Wake::Job(Box::new(job))),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => return Ok(Wake::Done),
         }
