@@ -70,7 +70,7 @@ impl Engine<'_, '_> {
 
     /// `prompt` prepared to fit `context` positions less its answer's room (`asked`, the
     /// answer's tokens asked for), cut as `t` says.
-    pub(super) fn fitted(
+    fn fitted(
         &self,
         prompt: PromptInput,
         t: Truncation,
@@ -106,8 +106,8 @@ impl Engine<'_, '_> {
             .collect();
         let most = droppable.len().saturating_sub(1);
         let without = |k: usize| {
-            let gone = &droppable[..k];
-            let kept = messages.iter().enumerate().filter(|(i, _)| !gone.contains(i)).map(|(_, m)| m.clone());
+            let gone = &droppable[..k]; // ascending
+            let kept = messages.iter().enumerate().filter(|(i, _)| gone.binary_search(i).is_err()).map(|(_, m)| m.clone());
             ChatInputs { messages: Value::Array(kept.collect()), ..inputs.clone() }
         };
         let bound = self.shared.prompt_bound();
