@@ -107,7 +107,8 @@ impl Engine<'_, '_> {
         let most = droppable.len().saturating_sub(1);
         let without = |k: usize| {
             let gone = &droppable[..k]; // ascending
-            let kept = messages.iter().enumerate().filter(|(i, _)| gone.binary_search(i).is_err()).map(|(_, m)| m.clone());
+            let kept =
+                messages.iter().enumerate().filter(|(i, _)| gone.binary_search(i).is_err()).map(|(_, m)| m.clone());
             ChatInputs { messages: Value::Array(kept.collect()), ..inputs.clone() }
         };
         let bound = self.shared.prompt_bound();
