@@ -251,13 +251,14 @@ fn answer(link: &Link, body: &Value, stop: &Arc<AtomicBool>) -> Option<String> {
 fn on_termination(own: Arc<Mutex<Option<OwnServer>>>) -> Arc<AtomicUsize> {
     use signal_hook::consts::{SIGHUP, SIGQUIT, SIGTERM};
     let terminated = Arc::new(AtomicUsize::new(0));
-    for signal in [SIGTERM, SIGHUP, SIGQUIT] {
+    let ends = [SIGTERM, SIGHUP, SIGQUIT];
+    for signal in ends {
         // Set in the handler itself, at delivery: the main thread sees it however the threads run.
         let _ = signal_hook::flag::register_usize(signal, Arc::clone(&terminated), signal as usize);
     }
     let terminal =
         std::io::stdin().is_terminal().then(|| nix::sys::termios::tcgetattr(std::io::stdin()).ok()).flatten();
-    let Ok(mut signals) = signal_hook::iterator::Signals::new([SIGTERM, SIGHUP, SIGQUIT]) else { return terminated };
+    let Ok(mut signals) = signal_hook::iterator::Signals::new(ends) else { return terminated };
     std::thread::spawn(move || {
         if let Some(signal) = signals.forever().next() {
             if let Some(t) = &terminal {
