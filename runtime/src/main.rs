@@ -51,6 +51,11 @@ enum Command {
     /// Write a model's checksum sidecar (MODEL.sluice-sums) for --verify, or with --check compare
     /// the model with it: for storage that rots, such as SD cards.
     Verify(cli::verify::VerifyArgs),
+    /// Fetches a model by name into the store: owner/repo[:QUANT] (a Hugging Face GGUF
+    /// repository) or model[:tag] (an Ollama model); resumable, every file's sha256 checked.
+    Pull(cli::pull::PullArgs),
+    /// Lists the stored models (hub cache, Ollama folders), or removes one (--rm NAME).
+    Models(cli::pull::ModelsArgs),
     /// Replay a route trace (`bench --trace`) under each expert cache policy, the best fixed set
     /// of experts in hindsight and Belady's MIN, the offline optimum, at one or more cache sizes.
     Replay(cli::replay::ReplayArgs),
@@ -124,6 +129,8 @@ fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
         Command::Probe(a) => cli::probe::run_probe(&a, board),
         Command::Plan(a) => cli::plan::run_plan(&a, board),
         Command::Verify(a) => cli::verify::run_verify(&a),
+        Command::Pull(a) => cli::pull::run_pull(&a),
+        Command::Models(a) => cli::pull::run_models(&a),
         Command::Replay(a) => cli::replay::run_replay(&a),
         Command::Serve(a) => cli::serve::run_serve(&a, given),
         Command::Chat(a) => cli::chat::run_chat(&a),

@@ -331,6 +331,13 @@ pub fn flags_of<T: Serialize>(group: &T) -> Vec<OsString> {
     out
 }
 
+/// A `--model` value: a file's path, or the name of a stored model (`sluice models`: as
+/// `sluice pull` took it), which becomes its file's path; a name not stored is an error that says
+/// to pull it.
+pub fn model(value: &str) -> Result<PathBuf, String> {
+    sluice::store::Store::new(None, None).resolve(Path::new(value)).map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;

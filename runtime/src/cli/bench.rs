@@ -19,8 +19,8 @@ use super::args::{self, LossyArgs, RoutesArgs, TuningArgs};
 /// `sluice bench` arguments.
 #[derive(Args)]
 pub struct BenchArgs {
-    /// The model: a .gguf file (for a split model, its first file).
-    #[arg(short, long)]
+    /// The model: a .gguf file (for a split model, its first file), or a stored model's name.
+    #[arg(short, long, value_parser = super::args::model)]
     model: PathBuf,
     /// The prompt.
     #[arg(short, long, default_value = sluice::demo::DEMO_PROMPT)]

@@ -101,6 +101,7 @@ pub mod chat_link;
 pub mod perplexity;
 pub mod plan;
 pub mod probe;
+pub mod pull;
 pub mod quantize;
 pub mod replay;
 pub mod run;

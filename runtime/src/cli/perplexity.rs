@@ -28,8 +28,8 @@ often both runs rank the same next token first). On the trained KJV model's held
 1.046x and 86.0%, 1 of 4 1.212x and 72.4%; --substitute 1 with a cache of a fifth of the experts \
 1.004x and 96.2%, --substitute 4 1.192x and 84.1%.")]
 pub struct PerplexityArgs {
-    /// The model: a .gguf file (for a split model, its first file).
-    #[arg(short, long)]
+    /// The model: a .gguf file (for a split model, its first file), or a stored model's name.
+    #[arg(short, long, value_parser = super::args::model)]
     model: PathBuf,
     /// The text to score (UTF-8).
     #[arg(short, long)]

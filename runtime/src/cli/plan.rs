@@ -16,8 +16,8 @@ use super::args::{self, RpcArgs, TuningArgs};
 /// `sluice plan` arguments.
 #[derive(Args)]
 pub struct PlanArgs {
-    /// The model: a .gguf file (for a split model, its first file).
-    #[arg(short, long)]
+    /// The model: a .gguf file (for a split model, its first file), or a stored model's name.
+    #[arg(short, long, value_parser = super::args::model)]
     model: PathBuf,
     /// Context positions to size the KV cache for.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]

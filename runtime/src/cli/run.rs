@@ -21,8 +21,8 @@ use super::TextOut;
 /// `sluice run` arguments.
 #[derive(Args)]
 pub struct RunArgs {
-    /// The model: a .gguf file (for a split model, its first file).
-    #[arg(short, long, required_unless_present = "list_archs")]
+    /// The model: a .gguf file (for a split model, its first file), or a stored model's name.
+    #[arg(short, long, required_unless_present = "list_archs", value_parser = super::args::model)]
     model: Option<PathBuf>,
     /// The prompt.
     #[arg(short, long, required_unless_present = "list_archs")]

@@ -126,6 +126,10 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
             config::DEFAULT_PATH
         ),
     };
+    let store = sluice::store::Store::new(None, None);
+    let resolved = store.resolve(&model)?;
+    let named = (resolved != model).then(|| model.to_string_lossy().into_owned());
+    let model = resolved;
     let board_choice = match (choice, &set.board) {
         (Some(c), _) => c.clone(),
         (None, Some(b)) => b.parse().unwrap_or_else(|never| match never {}),
@@ -141,7 +145,7 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
     if let Some(dir) = &state_dir {
         std::fs::create_dir_all(dir).with_context(|| format!("state directory {}", dir.display()))?;
     }
-    let model_id = set.model_id.clone().unwrap_or_else(|| {
+    let model_id = set.model_id.clone().or(named).unwrap_or_else(|| {
         let name = model.file_name().map_or_else(|| "model".into(), |n| n.to_string_lossy().into_owned());
         name.strip_suffix(".gguf").unwrap_or(&name).to_string()
     });

@@ -11,8 +11,8 @@ use sluice::units::mib;
 /// `sluice verify` arguments.
 #[derive(Args)]
 pub struct VerifyArgs {
-    /// The model: a .gguf file (for a split model, its first file).
-    #[arg(short, long)]
+    /// The model: a .gguf file (for a split model, its first file), or a stored model's name.
+    #[arg(short, long, value_parser = super::args::model)]
     model: PathBuf,
     /// Re-read the model and compare it with the sidecar instead of writing one: lists every
     /// expert and tensor whose bytes changed; exit 1 when any did.

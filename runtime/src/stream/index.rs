@@ -126,57 +126,22 @@ fn used_per_layer(g: &GgufFile, key: &str, n_layer: u32, blocks: u64) -> Result<
     per_layer.iter().map(|&v| u32::try_from(v).map_err(|_| format!("{key} holds {v}"))).collect()
 }
 
-/// A model's tensors by kind.
-struct Tensors {
-    experts: Vec<ExpertTensor>,
-    dense: Vec<DenseTensor>,
-    not_run: Vec<DenseTensor>,
+/// What the first file of a model says about all of its files' tensors: the layers that run and
+/// the expert count, by which each file's tensors are told apart ([`Classifier::shard`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Classifier {
+    /// Layers llama.cpp runs (`block_count` less the NextN blocks).
+    pub n_layer: u32,
+    /// NextN/MTP blocks after them.
+    pub nextn_layers: u32,
+    /// Experts per layer.
+    pub n_expert: u32,
 }
 
-impl Tensors {
-    /// The tensors of every file of `shards` (the first one's header already open as `first`):
-    /// routed experts (of `n_expert` experts) in the `n_layer` layers that run, the layers'
-    /// other tensors and the model's (dense), and those of the layers that do not run (NextN).
-    fn of(first: &GgufFile, shards: &[PathBuf], n_layer: u32, n_expert: u32) -> Result<Tensors, IndexError> {
-        let (mut experts, mut dense, mut not_run) = (Vec::new(), Vec::new(), Vec::new());
-        for (shard, shard_path) in shards.iter().enumerate() {
-            let opened;
-            let g = if shard == 0 {
-                first
-            } else {
-                opened = GgufFile::open(shard_path)?;
-                &opened
-            };
-            for t in g.tensors() {
-                let elements = t.ne.iter().map(|&n| n.max(1) as u64).product();
-                let dense_tensor =
-                    || DenseTensor { name: t.name.clone(), shard, offset: t.offset, size: t.size, elements };
-                match parse_block(&t.name) {
-                    Some((layer, _)) if layer >= n_layer => not_run.push(dense_tensor()),
-                    Some((layer, rest)) if is_expert_weight(rest) && t.ne[2] == i64::from(n_expert) => {
-                        experts.push(ExpertTensor {
-                            name: t.name.clone(),
-                            layer,
-                            shard,
-                            offset: t.offset,
-                            size: t.size,
-                            stride: t.nb()[2],
-                            n_expert,
-                            ty: t.ty,
-                        })
-                    }
-                    _ => dense.push(dense_tensor()),
-                }
-            }
-        }
-        Ok(Tensors { experts, dense, not_run })
-    }
-}
-
-impl ExpertIndex {
-    /// Reads the headers of `path` (and the other files of a split model).
-    pub fn open(path: &Path) -> Result<ExpertIndex, IndexError> {
-        let first = GgufFile::open(path)?;
+impl Classifier {
+    /// Reads the layer and expert counts from `first` (the header of `path`, the model's first
+    /// file); `NoExperts` for a model without routed experts.
+    pub fn of_first(path: &Path, first: &GgufFile) -> Result<(Classifier, String), IndexError> {
         let meta_err = |what: String| IndexError::Metadata { path: path.into(), what };
         let arch = first.architecture().ok_or_else(|| meta_err("general.architecture is missing".into()))?;
         let key = |k: &str| format!("{arch}.{k}");
@@ -191,9 +156,75 @@ impl ExpertIndex {
         }
         let n_expert = u32::try_from(n_expert)
             .map_err(|_| meta_err(format!("{} is {n_expert}, too many experts", key("expert_count"))))?;
+        Ok((Classifier { n_layer, nextn_layers: nextn_layers as u32, n_expert }, arch))
+    }
+
+    /// The tensors of one file (`g`, file number `shard` of the model): routed experts in the
+    /// layers that run, the other tensors llama.cpp loads (dense), and those of the layers that
+    /// do not run (NextN).
+    pub fn shard(&self, g: &GgufFile, shard: usize) -> ShardTensors {
+        let mut out = ShardTensors::default();
+        for t in g.tensors() {
+            let elements = t.ne.iter().map(|&n| n.max(1) as u64).product();
+            let dense_tensor = || DenseTensor { name: t.name.clone(), shard, offset: t.offset, size: t.size, elements };
+            match parse_block(&t.name) {
+                Some((layer, _)) if layer >= self.n_layer => out.not_run.push(dense_tensor()),
+                Some((layer, rest)) if is_expert_weight(rest) && t.ne[2] == i64::from(self.n_expert) => {
+                    out.experts.push(ExpertTensor {
+                        name: t.name.clone(),
+                        layer,
+                        shard,
+                        offset: t.offset,
+                        size: t.size,
+                        stride: t.nb()[2],
+                        n_expert: self.n_expert,
+                        ty: t.ty,
+                    })
+                }
+                _ => out.dense.push(dense_tensor()),
+            }
+        }
+        out
+    }
+}
+
+/// A file's tensors by kind ([`Classifier::shard`]), or a model's, all files together.
+#[derive(Debug, Default)]
+pub struct ShardTensors {
+    /// Routed experts in the layers that run.
+    pub experts: Vec<ExpertTensor>,
+    /// Every other tensor llama.cpp loads.
+    pub dense: Vec<DenseTensor>,
+    /// Tensors of the blocks llama.cpp does not run.
+    pub not_run: Vec<DenseTensor>,
+}
+
+impl ShardTensors {
+    /// The tensors of every file of `shards` (the first one's header already open as `first`).
+    fn of(first: &GgufFile, shards: &[PathBuf], classifier: &Classifier) -> Result<ShardTensors, IndexError> {
+        let mut all = classifier.shard(first, 0);
+        for (shard, shard_path) in shards.iter().enumerate().skip(1) {
+            let more = classifier.shard(&GgufFile::open(shard_path)?, shard);
+            all.experts.extend(more.experts);
+            all.dense.extend(more.dense);
+            all.not_run.extend(more.not_run);
+        }
+        Ok(all)
+    }
+}
+
+impl ExpertIndex {
+    /// Reads the headers of `path` (and the other files of a split model).
+    pub fn open(path: &Path) -> Result<ExpertIndex, IndexError> {
+        let first = GgufFile::open(path)?;
+        let (Classifier { n_layer, nextn_layers, n_expert }, arch) = Classifier::of_first(path, &first)?;
+        let meta_err = |what: String| IndexError::Metadata { path: path.into(), what };
+        let key = |k: &str| format!("{arch}.{k}");
+        let blocks = u64::from(n_layer + nextn_layers);
         let used_per_layer = used_per_layer(&first, &key("expert_used_count"), n_layer, blocks).map_err(meta_err)?;
         let shards = shard_paths(path, &first).map_err(meta_err)?;
-        let Tensors { experts, dense, not_run } = Tensors::of(&first, &shards, n_layer, n_expert)?;
+        let classifier = Classifier { n_layer, nextn_layers, n_expert };
+        let ShardTensors { experts, dense, not_run } = ShardTensors::of(&first, &shards, &classifier)?;
         if experts.is_empty() {
             return Err(IndexError::NoExperts { path: path.into(), arch });
         }
@@ -219,7 +250,7 @@ impl ExpertIndex {
             not_run,
             remote: Vec::new(),
             n_layer,
-            nextn_layers: nextn_layers as u32,
+            nextn_layers,
             n_expert,
             n_expert_used: used_per_layer.iter().copied().max().unwrap_or(0),
             used_per_layer,

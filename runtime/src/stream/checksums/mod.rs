@@ -26,6 +26,8 @@ use crate::framed::{self, FramedError};
 use crate::stream::index::{DenseTensor, ExpertTensor};
 use crate::stream::ExpertIndex;
 
+pub mod streaming;
+
 const MAGIC: &[u8; 8] = b"SLUICEVS";
 /// The sidecar format version written; others are refused.
 pub const VERSION: u32 = 1;

@@ -1,0 +1,165 @@
+//! `sluice pull NAME` and `sluice models`: models by name, fetched into the store and listed or
+//! removed there.
+
+use std::io::IsTerminal as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Result;
+use clap::{Args, ValueEnum};
+
+use sluice::pull::progress::{Bars, Lines, Progress};
+use sluice::pull::{self, PullSettings};
+use sluice::store::{ModelName, Store};
+
+/// Where the store is (both commands).
+#[derive(Args, Clone, Debug, Default)]
+pub struct StoreArgs {
+    /// The Hugging Face hub cache that hub names are kept in (default: $HF_HUB_CACHE,
+    /// $HF_HOME/hub, the service's state directory, ~/.cache/huggingface/hub: shared with
+    /// huggingface-cli and llama-server -hf).
+    #[arg(long, value_name = "DIR")]
+    pub hf_cache: Option<PathBuf>,
+    /// The Ollama models folder that Ollama names are pulled into (default: $OLLAMA_MODELS, the
+    /// service's state directory, ~/.ollama/models where Ollama is installed, else sluice's cache).
+    #[arg(long, value_name = "DIR")]
+    pub ollama_models: Option<PathBuf>,
+}
+
+impl StoreArgs {
+    /// The store these folders make.
+    pub fn store(&self) -> Store {
+        Store::new(self.hf_cache.clone(), self.ollama_models.clone())
+    }
+}
+
+/// How progress is shown.
+#[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]
+pub enum ProgressKind {
+    /// Bars on a terminal, lines otherwise.
+    Auto,
+    /// Bars.
+    Bars,
+    /// A line per file every few seconds (for the journal and pipes).
+    Lines,
+}
+
+/// `sluice pull` arguments.
+#[derive(Args)]
+pub struct PullArgs {
+    /// The model: owner/repo[:QUANT] or hf.co/owner/repo[:QUANT] (a Hugging Face GGUF
+    /// repository; QUANT defaults to Q4_K_M), or model[:tag] (an Ollama model).
+    name: String,
+    #[command(flatten)]
+    store: StoreArgs,
+    /// The Hugging Face endpoint.
+    #[arg(long, env = "HF_ENDPOINT", default_value = "https://huggingface.co")]
+    hf_endpoint: String,
+    /// The Ollama registry.
+    #[arg(long, env = "SLUICE_OLLAMA_REGISTRY", default_value = "https://registry.ollama.ai")]
+    ollama_registry: String,
+    /// Ranges fetched at once.
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=32))]
+    connections: u32,
+    /// Seconds without a byte after which a connection is dropped and its range tried again.
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    stall_seconds: u64,
+    /// Tries of a range that makes no progress before the pull gives up.
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u32).range(0..=100))]
+    retries: u32,
+    /// How progress is shown.
+    #[arg(long, value_enum, default_value_t = ProgressKind::Auto)]
+    progress: ProgressKind,
+    /// KiB a range (tests make ranges small to count them).
+    #[arg(long, hide = true, default_value_t = 16 << 10, value_parser = clap::value_parser!(u64).range(4..=1 << 20))]
+    chunk_kib: u64,
+}
+
+/// Runs `sluice pull`.
+pub fn run_pull(a: &PullArgs) -> Result<()> {
+    let name = ModelName::parse(&a.name)?;
+    let store = a.store.store();
+    let mut settings = PullSettings {
+        hf_endpoint: a.hf_endpoint.clone(),
+        ollama_registry: a.ollama_registry.clone(),
+        stall: Duration::from_secs(a.stall_seconds),
+        ..PullSettings::default()
+    };
+    settings.fetch.connections = a.connections as usize;
+    settings.fetch.retries = a.retries;
+    settings.fetch.chunk = a.chunk_kib << 10;
+    let bars = a.progress == ProgressKind::Bars || a.progress == ProgressKind::Auto && std::io::stderr().is_terminal();
+    let progress: Box<dyn Progress> =
+        if bars { Box::new(Bars::new()) } else { Box::new(Lines::new(Duration::from_secs(5))) };
+    let report = pull::pull(&store, &name, &settings, progress.as_ref())?;
+    let rate = report.fetched as f64 / report.seconds.max(1e-3);
+    outln!(
+        "{}: {} in {} ({} fetched in {:.1} s, {}/s); every file's sha256 checked",
+        report.model.name,
+        bytesize::ByteSize(report.model.bytes),
+        report.model.path.display(),
+        bytesize::ByteSize(report.fetched),
+        report.seconds,
+        bytesize::ByteSize(rate as u64)
+    );
+    match &report.sidecar {
+        Some(s) => outln!("checksums for --verify: {}", s.display()),
+        None => outln!("no checksum sidecar (see above); `sluice verify --model {}` writes one", report.model.name),
+    }
+    outln!(
+        "run it: sluice run --model {} --prompt \"...\"   serve it: sluice serve --model {}",
+        report.model.name,
+        report.model.name
+    );
+    Ok(())
+}
+
+/// `sluice models` arguments.
+#[derive(Args)]
+pub struct ModelsArgs {
+    #[command(flatten)]
+    store: StoreArgs,
+    /// Remove this stored model (its files, and blobs no other stored model uses).
+    #[arg(long, value_name = "NAME")]
+    rm: Option<String>,
+}
+
+/// Runs `sluice models`: lists the stored models, or removes one.
+pub fn run_models(a: &ModelsArgs) -> Result<()> {
+    let store = a.store.store();
+    if let Some(name) = &a.rm {
+        let name = ModelName::parse(name)?;
+        let freed = store.remove(&name).map_err(anyhow::Error::msg)?;
+        outln!("removed {name}: {} freed", bytesize::ByteSize(freed));
+        return Ok(());
+    }
+    let models = store.list();
+    if models.is_empty() {
+        outln!("no stored models (looked in {}); `sluice pull NAME` fetches one", store.places());
+        return Ok(());
+    }
+    outln!("{:<48} {:>10} {:<10} {:<12} FILE", "NAME", "SIZE", "QUANT", "ARCH");
+    for m in models {
+        let (quant, arch) = describe(&m.path);
+        outln!(
+            "{:<48} {:>10} {:<10} {:<12} {}",
+            m.name.to_string(),
+            bytesize::ByteSize(m.bytes).to_string(),
+            quant,
+            arch,
+            m.path.display()
+        );
+    }
+    Ok(())
+}
+
+/// A stored model's quantization (the file type its header names) and architecture.
+fn describe(path: &std::path::Path) -> (String, String) {
+    match ggml_sys::GgufFile::open(path) {
+        Ok(g) => (
+            g.get_u64("general.file_type").map(sluice::metadata::quantization_name).unwrap_or_else(|| "?".into()),
+            g.architecture().unwrap_or_else(|| "?".into()),
+        ),
+        Err(_) => ("?".into(), "not GGUF".into()),
+    }
+}

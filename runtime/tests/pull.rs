@@ -1,0 +1,328 @@
+//! `sluice pull` against a Hugging Face-shaped hub and an Ollama-shaped registry on loopback
+//! (`pulling/hosts.rs`): what lands in the store is byte for byte what the host holds, its
+//! checksum sidecar is what `sluice verify` writes, and every fault (a dropped connection, a
+//! damaged byte, a stall, a gated repository, a changed file, a full disk, a killed pull) ends in
+//! a whole, checked model or in an error that names the file and stores nothing.
+
+mod common;
+mod pulling;
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+
+use pulling::hosts::{read, sha256_hex, Hosts, World};
+use sluice::synth::{self, SynthSpec};
+
+const COMMIT: &str = "0123456789abcdef0123456789abcdef01234567";
+
+/// The test's store folders and model files.
+struct Scene {
+    dir: tempfile::TempDir,
+}
+
+impl Scene {
+    fn new() -> Scene {
+        Scene { dir: tempfile::tempdir().unwrap() }
+    }
+
+    fn hub_cache(&self) -> PathBuf {
+        self.dir.path().join("hub")
+    }
+
+    fn ollama(&self) -> PathBuf {
+        self.dir.path().join("ollama")
+    }
+
+    /// `sluice ARGS` with the store here and the hosts' addresses.
+    fn sluice(&self, hosts: &Hosts, args: &[&str]) -> Output {
+        let mut cmd = common::sluice_command();
+        cmd.args(args)
+            .env("HF_HUB_CACHE", self.hub_cache())
+            .env("OLLAMA_MODELS", self.ollama())
+            .env("HF_ENDPOINT", &hosts.url)
+            .env("SLUICE_OLLAMA_REGISTRY", &hosts.url)
+            .env("HOME", self.dir.path())
+            .env_remove("HF_TOKEN")
+            .env_remove("HF_HOME");
+        cmd.output().expect("run sluice")
+    }
+
+    fn pull(&self, hosts: &Hosts, name: &str, extra: &[&str]) -> Output {
+        let mut args = vec!["pull", name, "--progress", "lines", "--stall-seconds", "2", "--chunk-kib", "256"];
+        args.extend_from_slice(extra);
+        self.sluice(hosts, &args)
+    }
+
+    fn snapshot(&self, repo: &str, file: &str) -> PathBuf {
+        self.hub_cache().join(format!("models--{}", repo.replace('/', "--"))).join("snapshots").join(COMMIT).join(file)
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr))
+}
+
+/// A small synthetic MoE model (f16), split in `shards` files when more than one; its files.
+fn model(dir: &Path, split: bool) -> Vec<PathBuf> {
+    let spec = SynthSpec { seed: 7, split_max_tensors: split.then_some(7), ..SynthSpec::default() };
+    let name = if split { "m-F16-00001-of-00005.gguf" } else { "m-F16.gguf" };
+    synth::synthesize(&spec, &dir.join(name), 2).expect("synthesize").files
+}
+
+/// Every file of the store's tree that is not a link or a directory, relative.
+fn leftovers(dir: &Path, pattern: &str) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else if p.to_string_lossy().contains(pattern) {
+                out.push(p);
+            }
+        }
+    }
+    out
+}
+
+fn repo_of(files: &[PathBuf]) -> Vec<(String, Vec<u8>)> {
+    files.iter().map(|f| (format!("F16/{}", f.file_name().unwrap().to_string_lossy()), read(f))).collect()
+}
+
+#[test]
+fn a_split_model_is_pulled_whole_and_its_sidecar_is_what_verify_writes() {
+    let scene = Scene::new();
+    let files = model(scene.dir.path(), true);
+    let mut world = World::default();
+    world.add_repo("test/split-GGUF", COMMIT, repo_of(&files));
+    let hosts = Hosts::start(world);
+    let out = scene.pull(&hosts, "hf.co/test/split-GGUF:f16", &["--connections", "3"]);
+    assert!(out.status.success(), "{}", text(&out));
+    for f in &files {
+        let name = format!("F16/{}", f.file_name().unwrap().to_string_lossy());
+        let stored = scene.snapshot("test/split-GGUF", &name);
+        assert_eq!(read(&stored), read(f), "{name} differs from the host's");
+        assert!(
+            std::fs::symlink_metadata(&stored).unwrap().file_type().is_symlink(),
+            "the hub cache links snapshots to blobs"
+        );
+    }
+    let first = scene.snapshot("test/split-GGUF", &format!("F16/{}", files[0].file_name().unwrap().to_string_lossy()));
+    let pulled_sums = read(&sluice::stream::checksums::sidecar_of(&first));
+    let verify = common::sluice_command().args(["verify", "--model"]).arg(&files[0]).output().unwrap();
+    assert!(verify.status.success(), "{}", text(&verify));
+    assert_eq!(
+        pulled_sums,
+        read(&sluice::stream::checksums::sidecar_of(&files[0])),
+        "the pull's sidecar differs from sluice verify's"
+    );
+    assert!(leftovers(&scene.hub_cache(), ".sluice-partial").is_empty());
+
+    let listed = scene.sluice(&hosts, &["models"]);
+    assert!(text(&listed).contains("test/split-GGUF:F16"), "{}", text(&listed));
+    let plan = scene.sluice(&hosts, &["plan", "--model", "test/split-GGUF:F16", "--board", "generic"]);
+    assert!(plan.status.success(), "a stored name is a model everywhere a path goes: {}", text(&plan));
+    let again = scene.pull(&hosts, "test/split-GGUF:F16", &[]);
+    assert!(again.status.success(), "{}", text(&again));
+    assert!(text(&again).contains("0 B fetched"), "a stored model is not fetched again: {}", text(&again));
+    let removed = scene.sluice(&hosts, &["models", "--rm", "test/split-GGUF:F16"]);
+    assert!(removed.status.success(), "{}", text(&removed));
+    assert!(leftovers(&scene.hub_cache(), "blobs").is_empty(), "removing frees the blobs");
+}
+
+#[test]
+fn a_dropped_connection_and_a_stall_resume_where_they_broke_off() {
+    let scene = Scene::new();
+    let files = model(scene.dir.path(), false);
+    let size = read(&files[0]).len() as u64;
+    let mut world = World::default();
+    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
+    world.drop_after = Some((2, 100_000));
+    world.stall_after = Some((3, 50_000));
+    let hosts = Hosts::start(world);
+    let out = scene.pull(&hosts, "test/m-GGUF", &["--connections", "1"]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert_eq!(read(&scene.snapshot("test/m-GGUF", "F16/m-F16.gguf")), read(&files[0]));
+    let ranges = hosts.with(|w| w.ranges.clone());
+    assert_eq!(ranges[1].0, ranges[0].0 + 100_000, "the second try starts where the dropped one ended: {ranges:?}");
+    assert_eq!(ranges[3].0, ranges[2].0 + 50_000, "the try after the stall starts where it stalled: {ranges:?}");
+    let fetched: u64 = ranges.iter().map(|(a, b)| b - a + 1).sum::<u64>()
+        - (ranges[0].1 - ranges[0].0 + 1 - 100_000)
+        - (ranges[1].1 - ranges[1].0 + 1 - 100_000)
+        - (ranges[2].1 - ranges[2].0 + 1 - 50_000);
+    assert_eq!(fetched, size, "no byte was fetched twice: {ranges:?}");
+}
+
+#[test]
+fn one_damaged_byte_fails_naming_the_file_and_stores_nothing() {
+    let scene = Scene::new();
+    let files = model(scene.dir.path(), false);
+    let mut world = World::default();
+    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
+    world.corrupt = true;
+    let hosts = Hosts::start(world);
+    let out = scene.pull(&hosts, "test/m-GGUF:F16", &[]);
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(t.contains("F16/m-F16.gguf") && t.contains("sha256") && t.contains("nothing was stored"), "{t}");
+    let left = leftovers(&scene.hub_cache(), "");
+    assert!(left.is_empty(), "a failed pull leaves nothing in the store: {left:?}");
+    let run = scene.sluice(&hosts, &["plan", "--model", "test/m-GGUF:F16"]);
+    assert!(text(&run).contains("sluice pull test/m-GGUF:F16"), "{}", text(&run));
+}
+
+#[test]
+fn gated_and_missing_models_say_what_to_do() {
+    let scene = Scene::new();
+    let files = model(scene.dir.path(), false);
+    let mut world = World::default();
+    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
+    world.token = Some("hf_secret".into());
+    let hosts = Hosts::start(world);
+    let gated = scene.pull(&hosts, "test/m-GGUF", &[]);
+    assert!(!gated.status.success());
+    assert!(text(&gated).contains("HF_TOKEN") && text(&gated).contains("401"), "{}", text(&gated));
+    let token_file = scene.dir.path().join(".cache/huggingface/token");
+    std::fs::create_dir_all(token_file.parent().unwrap()).unwrap();
+    std::fs::write(&token_file, "hf_secret\n").unwrap();
+    let with_token = scene.pull(&hosts, "test/m-GGUF", &[]);
+    assert!(with_token.status.success(), "the hub's token file is read: {}", text(&with_token));
+
+    let no_repo = scene.pull(&hosts, "test/nothing-GGUF", &[]);
+    assert!(text(&no_repo).contains("not found"), "{}", text(&no_repo));
+    let no_quant = scene.pull(&hosts, "test/m-GGUF:Q2_K", &[]);
+    assert!(text(&no_quant).contains("has no Q2_K file; it has F16"), "{}", text(&no_quant));
+    let no_model = scene.pull(&hosts, "nothing:7b", &[]);
+    assert!(text(&no_model).contains("nothing:7b") && text(&no_model).contains("not found"), "{}", text(&no_model));
+}
+
+#[test]
+fn a_killed_pull_run_again_fetches_no_finished_range_twice_and_a_changed_file_starts_again() {
+    let scene = Scene::new();
+    let files = model(scene.dir.path(), false);
+    let bytes = read(&files[0]);
+    let mut world = World::default();
+    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
+    world.gate = Some(3);
+    let hosts = Hosts::start(world);
+    let mut cmd = common::sluice_command();
+    cmd.args(["pull", "test/m-GGUF", "--progress", "lines", "--chunk-kib", "256", "--connections", "1"])
+        .env("HF_HUB_CACHE", scene.hub_cache())
+        .env("HF_ENDPOINT", &hosts.url)
+        .env("HOME", scene.dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut child = cmd.spawn().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while hosts.with(|w| w.ranges.len()) < 4 {
+        assert!(std::time::Instant::now() < deadline, "the pull never reached its fourth range");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    hosts.with(|w| {
+        w.gate = None;
+        w.ranges.clear();
+    });
+    let out = scene.pull(&hosts, "test/m-GGUF", &["--connections", "1"]);
+    assert!(out.status.success(), "{}", text(&out));
+    let ranges = hosts.with(|w| w.ranges.clone());
+    assert!(ranges.iter().all(|&(from, _)| from >= 3 * 256 * 1024), "ranges fetched again: {ranges:?}");
+    assert_eq!(read(&scene.snapshot("test/m-GGUF", "F16/m-F16.gguf")), bytes);
+
+    // The host's file changes between two attempts: the first attempt's partial file is for
+    // other bytes and is dropped; the new file is fetched whole.
+    let mut changed = bytes.clone();
+    let last = changed.len() - 1;
+    changed[last] ^= 1;
+    hosts.with(|w| {
+        w.add_repo(
+            "test/m-GGUF",
+            "1111111111111111111111111111111111111111",
+            vec![("F16/m-F16.gguf".into(), changed.clone())],
+        );
+        w.gate = Some(2);
+        w.ranges.clear();
+    });
+    let mut child = cmd.spawn().unwrap();
+    while hosts.with(|w| w.ranges.len()) < 3 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!leftovers(&scene.hub_cache(), ".sluice-partial").is_empty(), "the killed pull left its partial file");
+    hosts.with(|w| {
+        w.add_repo(
+            "test/m-GGUF",
+            "2222222222222222222222222222222222222222",
+            vec![("F16/m-F16.gguf".into(), bytes.clone())],
+        );
+        w.gate = None;
+    });
+    let out = scene.pull(&hosts, "test/m-GGUF", &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    assert!(leftovers(&scene.hub_cache(), ".sluice-partial").is_empty(), "the stale partial file was dropped");
+    let _ = sha256_hex(&changed);
+}
+
+#[test]
+fn an_ollama_model_is_pulled_into_ollamas_layout_and_runs_by_name() {
+    let scene = Scene::new();
+    let model_file = match std::env::var_os("SLUICE_TRAINED_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => model(scene.dir.path(), false).remove(0),
+    };
+    let gguf = read(&model_file);
+    let mut world = World::default();
+    world.add_ollama(
+        "library/kjv:small",
+        vec![
+            ("application/vnd.ollama.image.model", gguf.clone()),
+            ("application/vnd.ollama.image.template", b"{{ .Prompt }}".to_vec()),
+            ("application/vnd.ollama.image.params", b"{\"stop\":[\"</s>\"]}".to_vec()),
+        ],
+    );
+    let hosts = Hosts::start(world);
+    let out = scene.pull(&hosts, "kjv:small", &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    let blob = scene.ollama().join("blobs").join(format!("sha256-{}", sha256_hex(&gguf)));
+    assert_eq!(read(&blob), gguf);
+    let manifest = scene.ollama().join("manifests/registry.ollama.ai/library/kjv/small");
+    let m: serde_json::Value = serde_json::from_slice(&read(&manifest)).unwrap();
+    assert_eq!(m["layers"].as_array().unwrap().len(), 3);
+    for l in m["layers"].as_array().unwrap() {
+        let hex = l["digest"].as_str().unwrap().trim_start_matches("sha256:");
+        assert!(scene.ollama().join("blobs").join(format!("sha256-{hex}")).is_file(), "layer {hex}");
+    }
+    let plan = scene.sluice(&hosts, &["plan", "--model", "kjv:small", "--board", "generic"]);
+    assert!(plan.status.success(), "{}", text(&plan));
+    let listed = text(&scene.sluice(&hosts, &["models"]));
+    assert!(listed.contains("kjv:small"), "{listed}");
+    let rm = scene.sluice(&hosts, &["models", "--rm", "kjv:small"]);
+    assert!(rm.status.success(), "{}", text(&rm));
+    assert!(!blob.exists() && !manifest.exists());
+}
+
+#[test]
+fn a_filesystem_too_small_is_refused_before_the_first_byte() {
+    let scene = Scene::new();
+    let files = model(scene.dir.path(), false);
+    let mut world = World::default();
+    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
+    let hosts = Hosts::start(world);
+    let small = scene.dir.path().join("small");
+    std::fs::create_dir_all(&small).unwrap();
+    let mounted =
+        std::process::Command::new("mount").args(["-t", "tmpfs", "-o", "size=256k", "tmpfs"]).arg(&small).status();
+    if !mounted.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: mounting a 256 KiB tmpfs needs root");
+        return;
+    }
+    let out = scene.pull(&hosts, "test/m-GGUF", &["--hf-cache", small.to_str().unwrap()]);
+    let _ = std::process::Command::new("umount").arg(&small).status();
+    assert!(!out.status.success());
+    let t = text(&out);
+    assert!(t.contains("needs") && t.contains("free"), "both figures: {t}");
+    assert!(hosts.with(|w| w.ranges.is_empty()), "not a byte was fetched");
+}

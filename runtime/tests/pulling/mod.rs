@@ -1,0 +1,3 @@
+//! The hosts `sluice pull`'s tests fetch from.
+
+pub mod hosts;
