@@ -6,6 +6,7 @@
 
 mod common;
 mod pulling;
+mod serving;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -325,4 +326,97 @@ fn a_filesystem_too_small_is_refused_before_the_first_byte() {
     let t = text(&out);
     assert!(t.contains("needs") && t.contains("free"), "both figures: {t}");
     assert!(hosts.with(|w| w.ranges.is_empty()), "not a byte was fetched");
+}
+
+/// A server on `served` (its path) whose store holds a hub model pulled beforehand, and whose
+/// pulls go to `hosts`.
+fn store_server(scene: &Scene, hosts: &Hosts, served: &Path, extra: &[&str]) -> serving::Server {
+    let hub = scene.hub_cache();
+    let ollama = scene.ollama();
+    let env = [
+        ("HF_HUB_CACHE", hub.to_str().unwrap()),
+        ("OLLAMA_MODELS", ollama.to_str().unwrap()),
+        ("HF_ENDPOINT", hosts.url.as_str()),
+        ("SLUICE_OLLAMA_REGISTRY", hosts.url.as_str()),
+    ];
+    let mut args = vec!["--model-id", "m"];
+    args.extend_from_slice(extra);
+    let mut server = serving::Server::start_with_env(scene.dir.path(), served, &args, &env);
+    server.wait_note("READY=1");
+    server
+}
+
+/// Two models with chat templates on the hosts: `kjv:small` in the registry and `test/m-GGUF`
+/// on the hub (pulled into the store beforehand); the server starts on a third, by path.
+fn three_models(scene: &Scene) -> (Hosts, PathBuf) {
+    let dir = scene.dir.path();
+    let (a, b, c) = (dir.join("a"), dir.join("b"), dir.join("c"));
+    for d in [&a, &b, &c] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let served = serving::synth(&a);
+    let registry_model = read(&serving::synth_qwen3(&b));
+    let hub_model = read(&serving::synth_with(&c, None));
+    let mut world = World::default();
+    world.add_ollama("library/kjv:small", vec![("application/vnd.ollama.image.model", registry_model)]);
+    world.add_repo("test/m-GGUF", COMMIT, vec![("m-F16.gguf".into(), hub_model)]);
+    let hosts = Hosts::start(world);
+    let out = scene.pull(&hosts, "test/m-GGUF", &[]);
+    assert!(out.status.success(), "{}", text(&out));
+    hosts.with(|w| w.ranges.clear());
+    (hosts, served)
+}
+
+#[test]
+fn home_assistant_and_open_webui_pull_list_chat_and_switch_through_the_ollama_client() {
+    let scene = Scene::new();
+    let (hosts, served) = three_models(&scene);
+    let python = std::env::var("SLUICE_OPENAI_PYTHON").unwrap_or_else(|_| "python3".into());
+    if common::emulated() || !std::process::Command::new(&python).args(["-c", "import ollama"]).output().is_ok_and(|o| o.status.success()) {
+        eprintln!("skipped: {python} cannot import ollama (make test installs it; or set SLUICE_OPENAI_PYTHON)");
+        return;
+    }
+    let server = store_server(&scene, &hosts, &served, &[]);
+    let script = format!("{}/../scripts/ollama-store-check.py", env!("CARGO_MANIFEST_DIR"));
+    let o = std::process::Command::new(&python)
+        .args([&script, &format!("http://{}", server.addr), "m", "kjv:small", "hf.co/test/m-GGUF:F16"])
+        .output()
+        .unwrap();
+    let out = text(&o);
+    assert!(out.contains("ollama-store-check: 11 passed, 0 failed"), "{out}\n{}", server.log());
+}
+
+#[test]
+fn pulls_the_settings_do_not_allow_are_refused_in_ollamas_shape() {
+    let scene = Scene::new();
+    let (hosts, served) = three_models(&scene);
+    let keyed = store_server(&scene, &hosts, &served, &["--max-model-mb", "1"]);
+    let pull = |server: &serving::Server, name: &str| {
+        let body = format!("{{\"model\":\"{name}\"}}");
+        serving::request(server.addr, "POST", "/api/pull", Some(&body))
+    };
+    let too_big = pull(&keyed, "kjv:small");
+    assert_eq!(too_big.status, 400, "{}", too_big.body);
+    assert!(too_big.json()["error"].as_str().unwrap().contains("more than the 1.0 MiB"), "{}", too_big.body);
+    let nowhere = pull(&keyed, "nothing:7b");
+    assert_eq!(nowhere.status, 404, "{}", nowhere.body);
+    assert!(nowhere.json()["error"].as_str().unwrap().contains("nothing:7b"), "{}", nowhere.body);
+    let url = pull(&keyed, "https://example.com/x.gguf");
+    assert_eq!(url.status, 400, "a URL is never fetched: {}", url.body);
+    assert!(hosts.with(|w| w.ranges.is_empty()), "nothing was fetched");
+    drop(keyed);
+
+    let off = store_server(&scene, &hosts, &served, &["--pull=false"]);
+    let refused = pull(&off, "kjv:small");
+    assert_eq!(refused.status, 403, "{}", refused.body);
+    assert!(refused.json()["error"].as_str().unwrap().contains("pull = false"), "{}", refused.body);
+    drop(off);
+
+    let env = [("SLUICE_API_KEY", "k"), ("HF_HUB_CACHE", ""), ("SLUICE_OLLAMA_REGISTRY", hosts.url.as_str())];
+    let mut locked = serving::Server::start_with_env(scene.dir.path(), &served, &[], &env);
+    locked.wait_note("READY=1");
+    let unkeyed = pull(&locked, "kjv:small");
+    assert_eq!(unkeyed.status, 401, "{}", unkeyed.body);
+    assert!(unkeyed.json()["error"].is_string(), "{}", unkeyed.body);
+    assert!(hosts.with(|w| w.ranges.is_empty()), "nothing was fetched");
 }

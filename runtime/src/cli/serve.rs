@@ -126,9 +126,12 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
             config::DEFAULT_PATH
         ),
     };
-    let store = sluice::store::Store::new(None, None);
+    let store = sluice::store::Store::new(set.hf_cache.clone(), set.ollama_models.clone());
     let resolved = store.resolve(&model)?;
-    let named = (resolved != model).then(|| model.to_string_lossy().into_owned());
+    let named = (resolved != model)
+        .then(|| sluice::store::ModelName::parse(&model.to_string_lossy()).ok().and_then(|n| store.find(&n)))
+        .flatten()
+        .map(|m| sluice::serve::shelf::listed_name(&m));
     let model = resolved;
     let board_choice = match (choice, &set.board) {
         (Some(c), _) => c.clone(),
@@ -193,8 +196,27 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         model_id,
         limits,
         access,
+        shelf: shelf_config(&set, store),
     })
     .with_context(|| format!("serving {}", model.display()))
+}
+
+/// What the server may do with the store: pull from the hosts the settings name (unless
+/// `pull = false`), up to `max_model_mb`, and switch models (unless `switch_models = false`).
+fn shelf_config(set: &ServeSettings, store: sluice::store::Store) -> sluice::serve::shelf::ShelfConfig {
+    let mut pull = sluice::pull::PullSettings::default();
+    if let Some(e) = &set.hf_endpoint {
+        pull.hf_endpoint = e.clone();
+    }
+    if let Some(r) = &set.ollama_registry {
+        pull.ollama_registry = r.clone();
+    }
+    pull.max_model_bytes = set.max_model_mb.map(|m| m.saturating_mul(1 << 20));
+    sluice::serve::shelf::ShelfConfig {
+        store,
+        pull: (set.pull != Some(false)).then_some(pull),
+        switch: set.switch_models != Some(false),
+    }
 }
 
 /// `sluice unit` arguments.

@@ -196,7 +196,7 @@ impl Planned {
 pub struct PullSettings {
     /// The Hugging Face endpoint (`$HF_ENDPOINT`, else https://huggingface.co).
     pub hf_endpoint: String,
-    /// The Ollama registry (https://registry.ollama.ai).
+    /// The Ollama registry (`$SLUICE_OLLAMA_REGISTRY`, else https://registry.ollama.ai).
     pub ollama_registry: String,
     /// Ranges, retries.
     pub fetch: FetchSettings,
@@ -214,7 +214,10 @@ impl Default for PullSettings {
                 .ok()
                 .filter(|e| !e.is_empty())
                 .unwrap_or_else(|| "https://huggingface.co".into()),
-            ollama_registry: "https://registry.ollama.ai".into(),
+            ollama_registry: std::env::var("SLUICE_OLLAMA_REGISTRY")
+                .ok()
+                .filter(|e| !e.is_empty())
+                .unwrap_or_else(|| "https://registry.ollama.ai".into()),
             fetch: FetchSettings { connections: 4, chunk: 16 << 20, retries: 6, backoff: Duration::from_millis(500) },
             stall: Duration::from_secs(30),
             max_model_bytes: None,
@@ -255,7 +258,7 @@ fn free_bytes(dir: &Path) -> Result<u64, PullError> {
 
 /// Refuses a plan bigger than the settings allow or than the free space (less what its partial
 /// files already hold), before the first byte.
-fn check_room(planned: &Planned, settings: &PullSettings) -> Result<(), PullError> {
+pub fn check_room(planned: &Planned, settings: &PullSettings) -> Result<(), PullError> {
     let name = planned.name.to_string();
     if let Some(max) = settings.max_model_bytes.filter(|&m| planned.bytes() > m) {
         return Err(PullError::TooBig {
@@ -311,10 +314,22 @@ pub fn pull(
 ) -> Result<PullReport, PullError> {
     let t0 = Instant::now();
     let planned = plan(store, name, settings)?;
-    check_room(&planned, settings)?;
-    drop_stale_partials(&planned);
+    pull_planned(store, &planned, settings, progress, t0)
+}
+
+/// Fetches what [`plan`] found into `store` (after [`check_room`], which it repeats); `t0` is
+/// when the pull began.
+pub fn pull_planned(
+    store: &Store,
+    planned: &Planned,
+    settings: &PullSettings,
+    progress: &dyn Progress,
+    t0: Instant,
+) -> Result<PullReport, PullError> {
+    check_room(planned, settings)?;
+    drop_stale_partials(planned);
     let http = Http::new(settings.stall);
-    let first_path = place_of_first(store, &planned);
+    let first_path = place_of_first(store, planned);
     let sidecar = crate::stream::checksums::sidecar_of(&first_path);
     let mut sums_on = !sidecar.is_file();
     let mut builder: Option<SumsBuilder> = None;
@@ -344,7 +359,7 @@ pub fn pull(
             }
         }
     }
-    let model = put_in_place(store, &planned)?;
+    let model = put_in_place(store, planned)?;
     let sidecar = match builder.filter(|_| sums_on) {
         Some(b) => {
             b.save(&model.path)

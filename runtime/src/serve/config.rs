@@ -18,8 +18,8 @@ pub const DEFAULT_PATH: &str = "/etc/sluice/sluice.toml";
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize, clap::Args)]
 #[serde(deny_unknown_fields)]
 pub struct ServeSettings {
-    /// The model: a .gguf file (for a split model, its first file). Required here or as
-    /// `model` in the settings file.
+    /// The model: a .gguf file (for a split model, its first file), or the name of a stored
+    /// model (`sluice models`). Required here or as `model` in the settings file.
     #[arg(short, long)]
     pub model: Option<PathBuf>,
     /// The board profile: `auto`, a built-in id, or a profile file (on the command line, the
@@ -100,6 +100,32 @@ pub struct ServeSettings {
     /// `*` for any (behind a reverse proxy that passes on its own name).
     #[arg(long = "allowed-host", value_name = "NAME")]
     pub allowed_hosts: Option<Vec<String>>,
+    /// The Hugging Face hub cache that stored hub names are found and pulled in (default:
+    /// $HF_HUB_CACHE, $HF_HOME/hub, $STATE_DIRECTORY/huggingface/hub for the service,
+    /// ~/.cache/huggingface/hub).
+    #[arg(long, value_name = "DIR")]
+    pub hf_cache: Option<PathBuf>,
+    /// The Ollama models folder that Ollama names are found and pulled in (default:
+    /// $OLLAMA_MODELS, $STATE_DIRECTORY/ollama for the service, ~/.ollama/models).
+    #[arg(long, value_name = "DIR")]
+    pub ollama_models: Option<PathBuf>,
+    /// The Hugging Face endpoint pulls fetch hub names from (default: $HF_ENDPOINT, else
+    /// https://huggingface.co). A server fetches from the hosts named here only.
+    #[arg(long, value_name = "URL")]
+    pub hf_endpoint: Option<String>,
+    /// The Ollama registry pulls fetch Ollama names from (default: https://registry.ollama.ai).
+    #[arg(long, value_name = "URL")]
+    pub ollama_registry: Option<String>,
+    /// Whether `/api/pull` fetches models (default: true; false refuses every pull).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub pull: Option<bool>,
+    /// The largest model, in MiB, `/api/pull` fetches (default: no bound beyond the free space).
+    #[arg(long, value_name = "MIB")]
+    pub max_model_mb: Option<u64>,
+    /// Whether a request that names another stored model loads it in place of the current one
+    /// (default: true; false serves the one model the server started with).
+    #[arg(long, num_args = 0..=1, require_equals = true, default_missing_value = "true")]
+    pub switch_models: Option<bool>,
     /// The KV cache's type for keys (`--cache-type-k` sets it on the command line).
     #[arg(skip)]
     pub cache_type_k: Option<crate::generate::KvCacheType>,
@@ -213,6 +239,11 @@ impl ServeSettings {
         if self.queue == Some(0) {
             return bad("queue", "0 would refuse every request while one runs; use 1 or more");
         }
+        for (key, url) in [("hf_endpoint", &self.hf_endpoint), ("ollama_registry", &self.ollama_registry)] {
+            if url.as_ref().is_some_and(|u| !u.starts_with("https://") && !u.starts_with("http://")) {
+                return bad(key, "a URL starting with https:// (or http:// for a host on a private network)");
+            }
+        }
         if self.rpc_call_timeout.is_some_and(|t| t == 0 || t > 3600) {
             return bad("rpc_call_timeout", "1 to 3600 seconds; remove the key for 60");
         }
@@ -248,6 +279,13 @@ impl ServeSettings {
             metrics_need_key: self.metrics_need_key.or(file.metrics_need_key),
             cors_origins: self.cors_origins.or(file.cors_origins),
             allowed_hosts: self.allowed_hosts.or(file.allowed_hosts),
+            hf_cache: self.hf_cache.or(file.hf_cache),
+            ollama_models: self.ollama_models.or(file.ollama_models),
+            hf_endpoint: self.hf_endpoint.or(file.hf_endpoint),
+            ollama_registry: self.ollama_registry.or(file.ollama_registry),
+            pull: self.pull.or(file.pull),
+            max_model_mb: self.max_model_mb.or(file.max_model_mb),
+            switch_models: self.switch_models.or(file.switch_models),
             cache_type_k: self.cache_type_k.or(file.cache_type_k),
             cache_type_v: self.cache_type_v.or(file.cache_type_v),
         }
@@ -289,6 +327,13 @@ mod tests {
             metrics_need_key: Some(true),
             cors_origins: Some(vec!["https://example.org".into()]),
             allowed_hosts: Some(vec!["sluice.example.org".into()]),
+            hf_cache: Some("/var/lib/sluice/huggingface/hub".into()),
+            ollama_models: Some("/usr/share/ollama/.ollama/models".into()),
+            hf_endpoint: Some("https://huggingface.co".into()),
+            ollama_registry: Some("https://registry.ollama.ai".into()),
+            pull: Some(false),
+            max_model_mb: Some(20_000),
+            switch_models: Some(false),
             cache_type_k: Some(crate::generate::KvCacheType::Q8_0),
             cache_type_v: Some(crate::generate::KvCacheType::Q8_0),
         }

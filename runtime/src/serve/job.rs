@@ -38,6 +38,9 @@ pub struct GenerationRequest {
     /// Whether the model is unloaded once this request ends and none other runs or waits
     /// (Ollama's `keep_alive: 0`).
     pub unload_after: bool,
+    /// The model it runs on, when it named one the server has (the one loaded, or another stored
+    /// model it loads first); `None`: whichever is loaded.
+    pub model: Option<crate::serve::shelf::ModelChoice>,
 }
 
 /// How a prompt over the context is cut to fit, as Ollama cuts it: the oldest messages go (the

@@ -31,6 +31,7 @@ pub mod model_card;
 pub mod ollama;
 pub mod openai;
 pub mod routes;
+pub mod shelf;
 pub mod shared;
 pub mod state;
 pub mod status;
@@ -83,6 +84,14 @@ pub struct ServeConfig {
     pub limits: HttpLimits,
     /// API key and CORS.
     pub access: Access,
+    /// The store the server finds, pulls and switches models in.
+    pub shelf: shelf::ShelfConfig,
+}
+
+/// The server's models: the one it starts with, and the store.
+fn shelf_of(cfg: &ServeConfig) -> shelf::Shelf {
+    let current = shelf::ModelChoice { id: cfg.model_id.clone(), path: cfg.engine.launch.model.clone() };
+    shelf::Shelf::new(cfg.shelf.clone(), current, cfg.engine.launch.clone())
 }
 
 /// Runs the server until SIGTERM or SIGINT; returns after the drain. A model that fails to
@@ -112,7 +121,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     let slots = cfg.engine.launch.slots as usize;
     let (tx, rx) = sync_channel::<Job>(cfg.queue + slots);
     let shared =
-        Arc::new(Shared::new(cfg.model_id.clone(), cfg.access.clone(), tx, slots, cfg.queue, cfg.ollama_listen));
+        Arc::new(Shared::new(shelf_of(&cfg), cfg.access.clone(), tx, slots, cfg.queue, cfg.ollama_listen));
     shared.acceptor_beat();
     let engine = {
         let shared = Arc::clone(&shared);

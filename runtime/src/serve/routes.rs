@@ -81,6 +81,7 @@ enum Endpoint {
     Version,
     OllamaRunning,
     Pull,
+    Delete,
     /// What a single-model server cannot do at this path (Ollama's push, create, ...).
     OllamaUnsupported(&'static str),
     Text(TextQuestion),
@@ -146,7 +147,7 @@ const ROUTES: [Route; 33] = [
     below(route("", "/api/push", Ollama, E::OllamaUnsupported("pushing models to a registry")), Under::Also),
     below(route("", "/api/create", Ollama, E::OllamaUnsupported("creating models")), Under::Also),
     below(route("", "/api/copy", Ollama, E::OllamaUnsupported("copying models")), Under::Also),
-    below(route("", "/api/delete", Ollama, E::OllamaUnsupported("deleting models")), Under::Also),
+    route("DELETE", "/api/delete", Ollama, E::Delete),
     below(route("", "/api/blobs", Ollama, E::OllamaUnsupported("uploading model files")), Under::Also),
     below(route("", "/api/embed", Ollama, E::OllamaUnsupported("embeddings")), Under::Also),
     below(route("", "/api/embeddings", Ollama, E::OllamaUnsupported("embeddings")), Under::Also),
@@ -337,6 +338,7 @@ async fn dispatch(
         E::Ps => ollama::ps(shared),
         E::Version => ollama::version(),
         E::Pull => ollama::pull(req, front, conn).await,
+        E::Delete => ollama::delete(req, front, conn).await,
         E::OllamaUnsupported(what) => ollama::unsupported(path, what),
         E::Text(question) => llama_server::text(req, question, front, conn).await,
         E::Props => llama_server::props(front),
@@ -393,7 +395,7 @@ mod tests {
         let e = Api::Ollama.not_found("/api/x");
         assert_eq!(
             e.message,
-            "no such endpoint: /api/x (Ollama's API here: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version, /api/pull)"
+            "no such endpoint: /api/x (Ollama's API here: /api/chat, /api/generate, /api/tags, /api/show, /api/ps, /api/version, /api/pull, /api/delete)"
         );
         let e = Api::Anthropic.method_not_allowed("/v1/messages", &Method::GET);
         assert_eq!((e.status, e.message.as_str()), (405, "/v1/messages does not take GET; use POST"));

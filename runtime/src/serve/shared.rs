@@ -47,8 +47,8 @@ pub struct Shared {
     degraded: Mutex<String>,
     /// Counters for `/metrics`.
     pub metrics: Metrics,
-    /// The model name.
-    pub model_id: String,
+    /// The models: the one served and the others in the store.
+    pub shelf: super::shelf::Shelf,
     /// Unix time the server started (`created` of the model in `/v1/models`).
     pub created: u64,
     /// API key and CORS.
@@ -71,7 +71,7 @@ impl Shared {
     /// The state of a server whose engine takes jobs from `queue` and runs up to `slots` of them
     /// at once, with `waiting` requests allowed to wait while they run.
     pub(super) fn new(
-        model_id: String,
+        shelf: super::shelf::Shelf,
         access: Access,
         queue: SyncSender<Job>,
         slots: usize,
@@ -94,7 +94,7 @@ impl Shared {
             next_id: AtomicU64::new(0),
             degraded: Mutex::new(String::new()),
             metrics: Metrics::default(),
-            model_id,
+            shelf,
             created: SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs()),
             access,
             loaded: Mutex::new(None),
@@ -104,6 +104,11 @@ impl Shared {
             unload_asked: AtomicBool::new(false),
             load_asked: AtomicBool::new(false),
         }
+    }
+
+    /// The name the served model goes by.
+    pub fn model_id(&self) -> String {
+        self.shelf.current().id
     }
 
     /// Whether the model is in memory (`/api/ps` lists it).

@@ -42,7 +42,7 @@ fn page(html: &'static str) -> Response<Body> {
 pub fn status(shared: &Shared) -> Response<Body> {
     let state = shared.state();
     let reason = (state == State::Degraded).then(|| shared.degraded_reason());
-    let body = shared.metrics.status(state.as_str(), reason, &shared.model_id, shared.queued());
+    let body = shared.metrics.status(state.as_str(), reason, &shared.model_id(), shared.queued());
     let mut r = json_response(200, body.to_string());
     r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     r

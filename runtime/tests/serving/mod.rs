@@ -158,6 +158,11 @@ impl Server {
             .args(extra)
             .env_remove("SLUICE_API_KEY")
             .env_remove("CREDENTIALS_DIRECTORY")
+            // The store is the test's own, and no pull leaves the machine.
+            .env("HF_HUB_CACHE", dir.join("hub"))
+            .env("OLLAMA_MODELS", dir.join("ollama"))
+            .env("HF_ENDPOINT", "http://127.0.0.1:9")
+            .env("SLUICE_OLLAMA_REGISTRY", "http://127.0.0.1:9")
             .envs(env.iter().copied())
             .env("NOTIFY_SOCKET", &sock_path)
             .env("WATCHDOG_USEC", "400000")

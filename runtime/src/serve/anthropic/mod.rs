@@ -69,7 +69,7 @@ pub async fn messages(
         Ok(s) => s,
         Err(e) => return error(&e),
     };
-    let reply = MessageReply::new(shared.new_id("msg_"), shared.model_id.clone(), setup, prompt_tokens);
+    let reply = MessageReply::new(shared.new_id("msg_"), shared.model_id(), setup, prompt_tokens);
     if stream {
         return streamed(Translated::new(reply, events, cancel, gone), "text/event-stream");
     }

@@ -36,6 +36,7 @@ use super::job::{PromptBound, TokenUsage};
 use super::metrics::GenerationCounts;
 use super::model_card::ModelCard;
 use super::shared::{Shared, IDLE_BEAT};
+use super::shelf::ModelChoice;
 use super::state::State;
 use crate::generate::{GenerateError, Generation};
 use crate::launch::{Launch, LaunchError};
@@ -87,18 +88,50 @@ enum Served {
     /// A client asked for the model to be unloaded: it is loaded again when asked for. Holds
     /// the model's description, which the front keeps showing meanwhile.
     Unloaded(Option<Arc<ModelCard>>),
+    /// A request names another stored model: every request of this one has ended; the other is
+    /// loaded and the request runs first.
+    Switch(Box<Job>),
+}
+
+/// Whether `job` runs on another model than the one at `loaded`.
+fn needs_switch(job: &Job, loaded: &std::path::Path) -> bool {
+    job.request.model.as_ref().is_some_and(|m| m.path != loaded)
+}
+
+/// Where the heat map and slots of `choice` are kept: the state directory for the model the
+/// server started with, a folder of its own under `models/` for each other one.
+fn state_dir_of(base: Option<&std::path::Path>, first_model: &std::path::Path, choice: &ModelChoice) -> Option<PathBuf> {
+    let base = base?;
+    if choice.path == first_model {
+        return Some(base.to_path_buf());
+    }
+    let folder: String =
+        choice.id.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') { c } else { '_' }).collect();
+    Some(base.join("models").join(folder))
 }
 
 /// Loads the model, reports ready, and serves `jobs` until every sender is gone; saves the heat
 /// map at the end. Errors are load failures. When an RPC worker is lost, the server reports
 /// itself degraded, fails requests with 503 until the worker answers again, then loads the
 /// model again (a worker lost again during that load is waited for the same way).
-pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()> {
+pub fn run(mut cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()> {
     let mut served_once = false;
-    let mut first = None;
+    let mut first: Option<Job> = None;
+    let (first_model, base_state) = (cfg.launch.model.clone(), cfg.state_dir.clone());
+    let mut before_switch: Option<ModelChoice> = None;
     loop {
-        let served = match serve_loaded(&cfg, shared, &jobs, first.take()) {
+        if let Some(choice) = first.as_ref().filter(|j| needs_switch(j, &cfg.launch.model)).and_then(|j| j.request.model.clone()) {
+            before_switch = Some(shared.shelf.current());
+            switch(&mut cfg, shared, &choice, state_dir_of(base_state.as_deref(), &first_model, &choice));
+        }
+        let served = match serve_loaded(&cfg, shared, &jobs, &mut first) {
             Ok(s) => s,
+            Err(e) if before_switch.is_some() && first.is_some() => {
+                let back = before_switch.take().unwrap_or_else(|| shared.shelf.current());
+                refuse_switch(first.take(), &e, &back);
+                switch(&mut cfg, shared, &back, state_dir_of(base_state.as_deref(), &first_model, &back));
+                continue;
+            }
             Err(LoadFailure::Launch(e)) => match e.lost_worker() {
                 Some(endpoint) if served_once => Served::WorkerLost(endpoint.to_string()),
                 _ => return Err(e.into()),
@@ -111,6 +144,7 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
             Err(LoadFailure::Templates(e)) => return Err(e),
         };
         served_once = true;
+        before_switch = None;
         match served {
             Served::Done => return Ok(()),
             Served::WorkerLost(endpoint) => {
@@ -130,7 +164,33 @@ pub fn run(cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Result<()
                 }
                 Wake::Asked => shared.loading_step("asked for: loading the model again"),
             },
+            Served::Switch(job) => {
+                first = Some(*job);
+                shared.loading_step("a request names another model: loading it");
+            }
         }
+    }
+}
+
+/// Makes `choice` the model the engine loads next, its state kept in `state_dir`.
+fn switch(cfg: &mut EngineConfig, shared: &Shared, choice: &ModelChoice, state_dir: Option<PathBuf>) {
+    log::info!("switching to {} ({})", choice.id, choice.path.display());
+    if let Some(dir) = &state_dir {
+        if let Err(e) = std::fs::create_dir_all(dir) {
+            log::warn!("{}: {e}; {} is served without saved state", dir.display(), choice.id);
+        }
+    }
+    cfg.launch.model = choice.path.clone();
+    cfg.state_dir = state_dir;
+    shared.shelf.set_current(choice.clone());
+}
+
+/// Fails the request that asked for a model that did not load; `back` is loaded again.
+fn refuse_switch(job: Option<Job>, e: &LoadFailure, back: &ModelChoice) {
+    log::warn!("the model a request named did not load ({e}); loading {} again", back.id);
+    if let Some(job) = job {
+        let message = format!("the model could not be loaded: {e}");
+        let _ = job.events.send(Event::Failed(ApiError::new(500, "server_error", message)));
     }
 }
 
@@ -140,7 +200,7 @@ fn serve_loaded(
     cfg: &EngineConfig,
     shared: &Shared,
     jobs: &Receiver<Job>,
-    first: Option<Job>,
+    first: &mut Option<Job>,
 ) -> Result<Served, LoadFailure> {
     let loaded = cfg.launch.load(&mut |step| shared.loading_step(step))?;
     let (model, index, n_ctx) = (&loaded.model, &loaded.index, loaded.shape.positions);
@@ -181,7 +241,7 @@ fn serve_loaded(
     ));
     shared.set_resident(true);
     log::info!("the model is in memory");
-    let served = engine.serve(cfg, jobs, first);
+    let served = engine.serve(cfg, jobs, first.take());
     engine.close();
     Ok(served)
 }
@@ -209,21 +269,37 @@ impl<'m> Engine<'m, '_> {
     /// Serves `jobs` (`first` first) until every sender is gone, a worker is lost or an
     /// unload is asked.
     fn serve(&mut self, cfg: &EngineConfig, jobs: &Receiver<Job>, first: Option<Job>) -> Served {
+        let loaded = cfg.launch.model.as_path();
+        // A request for another model: no request starts after it; it is served once every
+        // request of this model has ended.
+        let mut held: Option<Job> = None;
+        let admit = |engine: &mut Self, job: Job, held: &mut Option<Job>| {
+            if needs_switch(&job, loaded) {
+                *held = Some(job);
+            } else {
+                engine.start(job);
+            }
+        };
         if let Some(job) = first {
-            self.start(job);
+            admit(self, job, &mut held);
         }
         let mut last_save = Instant::now();
         let mut last_job = Instant::now();
         loop {
             self.shared.beat();
             self.run_slot_actions();
+            if self.running.is_empty() {
+                if let Some(job) = held.take() {
+                    break Served::Switch(Box::new(job));
+                }
+            }
             if self.running.is_empty() && self.shared.queued() == 0 && self.shared.take_unload() {
                 break Served::Unloaded(self.shared.loaded().ok().map(|(card, _)| card));
             }
             if self.running.is_empty() {
                 match jobs.recv_timeout(IDLE_BEAT) {
                     Ok(job) => {
-                        self.start(job);
+                        admit(self, job, &mut held);
                         last_job = Instant::now();
                     }
                     // Idle: reads a cancelled or timed-out request left behind may have landed since.
@@ -237,9 +313,9 @@ impl<'m> Engine<'m, '_> {
                 }
             } else {
                 // Requests that arrived while others run join them in a free slot.
-                while self.running.len() < self.slots.count() {
+                while self.running.len() < self.slots.count() && held.is_none() {
                     let Ok(job) = jobs.try_recv() else { break };
-                    self.start(job);
+                    admit(self, job, &mut held);
                 }
                 self.step();
                 last_job = Instant::now();

@@ -26,7 +26,7 @@ mod parse;
 mod response;
 mod transport;
 
-pub(crate) use body::{typed_events, Body, CancelOnDrop, Gone, Translate, Translated};
+pub(crate) use body::{typed_events, Body, CancelOnDrop, EventSource, Gone, Translate, Translated};
 pub(crate) use exchange::{
     enqueue, event_stream, off_thread, owner_of, queue, read_body, ready_body, started, streamed, whole_generation,
     Ended, Queued,

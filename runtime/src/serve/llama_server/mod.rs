@@ -142,7 +142,7 @@ async fn text_answer(question: TextQuestion, body: &[u8], front: &Front) -> Resu
             Ok(json!({"content": content}))
         }
         TextQuestion::ApplyTemplate => {
-            let request = openai::chat_request(body, &shared.model_id)?;
+            let request = openai::chat_request(body, &shared.model_id())?;
             bound.check(&request)?;
             let PromptInput::Chat(inputs) = request.prompt else { return Err(unexpected()) };
             let Answer::Text(prompt) = tools.ask(Question::Render(inputs), bound).await? else {
@@ -220,7 +220,7 @@ fn model_props(front: &Front) -> Result<Value, ApiError> {
     Ok(json!({
         "default_generation_settings": {"n_ctx": card.context, "params": {"temperature": 1.0, "top_p": 1.0, "top_k": 0}},
         "total_slots": slots,
-        "model_alias": shared.model_id,
+        "model_alias": shared.model_id(),
         "model_path": card.path.display().to_string(),
         "chat_template": card.template,
         "modalities": {"vision": false, "audio": false},

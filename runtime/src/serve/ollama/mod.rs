@@ -6,6 +6,7 @@
 
 mod keep_alive;
 mod models;
+mod pulling;
 mod reply;
 mod request;
 
@@ -28,6 +29,7 @@ use super::http::{
 use super::job::{Event, GenerationRequest, Piece};
 use super::model_card::names_served;
 use super::shared::Shared;
+use super::shelf::ModelChoice;
 use reply::{Endpoint, OllamaReply};
 
 /// `POST /api/chat`.
@@ -81,10 +83,18 @@ pub async fn show(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) 
     })
 }
 
-/// `POST /api/pull` of the served model.
+/// `POST /api/pull`: fetches a model into the store (progress as JSON lines).
 pub async fn pull(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
     match read(req, front, conn).await {
-        Ok(body) => models::pull(front.shared(), &body).unwrap_or_else(|e| error(&e)),
+        Ok(body) => pulling::pull(front, body).await.unwrap_or_else(|e| error(&e)),
+        Err(e) => error(&e),
+    }
+}
+
+/// `DELETE /api/delete`: removes a stored model (not the one loaded).
+pub async fn delete(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
+    match read(req, front, conn).await {
+        Ok(body) => pulling::delete(front.shared(), &body).unwrap_or_else(|e| error(&e)),
         Err(e) => error(&e),
     }
 }
@@ -120,23 +130,19 @@ async fn read(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> R
     http::parse_ignoring(&body, "Ollama")
 }
 
-/// The name a client gave the served model, checked: the served id, `id:latest`, or the name
-/// `/api/tags` lists all reach it.
-fn check_model(shared: &Shared, name: Option<&str>) -> Result<String, ApiError> {
+/// The name a client gave a model, checked, with the model it runs on: the served one (its id,
+/// `id:latest`, or the name `/api/tags` lists), or another stored model, which is loaded in its
+/// place (the shelf refuses one that is not stored, or whose plan does not fit the board).
+fn check_model(shared: &Shared, name: Option<&str>) -> Result<(String, ModelChoice), ApiError> {
     let Some(name) = name.filter(|n| !n.is_empty()) else {
         return Err(ApiError::invalid("model is required", Some("model")));
     };
-    let listed = models::listed_name(&shared.model_id);
-    if name == listed || names_served(name, &shared.model_id) {
-        Ok(name.to_string())
-    } else {
-        Err(ApiError::new(
-            404,
-            "not_found_error",
-            format!("model \"{name}\" not found, try pulling it first (this server serves \"{listed}\")"),
-        )
-        .with_param("model"))
+    let current = shared.shelf.current();
+    let listed = models::listed_name(&current.id);
+    if name == listed || names_served(name, &current.id) {
+        return Ok((name.to_string(), current));
     }
+    Ok((name.to_string(), shared.shelf.choose_other(name)?))
 }
 
 /// `/api/chat` or `/api/generate`.
@@ -199,8 +205,9 @@ enum Parsed {
 fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Result<Parsed, ApiError> {
     let context = shared.prompt_bound().n_ctx;
     // Thinking asked of a model whose template has none is Ollama's 400.
-    let can_think = |name: &str, asked: bool| {
-        let thinks = shared.loaded().map_or(true, |(card, _)| card.thinks);
+    let can_think = |name: &str, model: &ModelChoice, asked: bool| {
+        let loaded = model.path == shared.shelf.current().path;
+        let thinks = !loaded || shared.loaded().map_or(true, |(card, _)| card.thinks);
         if asked && !thinks {
             return Err(ApiError::invalid(format!("\"{name}\" does not support thinking"), Some("think")));
         }
@@ -209,25 +216,27 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
     match endpoint {
         Endpoint::Chat => {
             let b: request::ChatBody = http::parse_ignoring(body, "Ollama")?;
-            let name = check_model(shared, b.model.as_deref())?;
+            let (name, model) = check_model(shared, b.model.as_deref())?;
             let unload = keep_alive::unloads(b.keep_alive.as_ref())?;
-            can_think(&name, b.asks_thinking())?;
+            can_think(&name, &model, b.asks_thinking())?;
             let reply = OllamaReply::new(endpoint, name, begun);
             if b.loads_only() {
                 return Ok(Parsed::Loaded(load_or_unload(shared, &reply, unload)));
             }
-            Ok(Parsed::Generate(Box::new(GenerationRequest { unload_after: unload, ..b.request(context)? }), reply))
+            let request = b.request(context)?;
+            Ok(Parsed::Generate(Box::new(GenerationRequest { unload_after: unload, model: Some(model), ..request }), reply))
         }
         Endpoint::Generate => {
             let b: request::GenerateBody = http::parse_ignoring(body, "Ollama")?;
-            let name = check_model(shared, b.model.as_deref())?;
+            let (name, model) = check_model(shared, b.model.as_deref())?;
             let unload = keep_alive::unloads(b.keep_alive.as_ref())?;
-            can_think(&name, b.asks_thinking())?;
+            can_think(&name, &model, b.asks_thinking())?;
             let reply = OllamaReply::new(endpoint, name, begun);
             if b.loads_only() {
                 return Ok(Parsed::Loaded(load_or_unload(shared, &reply, unload)));
             }
-            Ok(Parsed::Generate(Box::new(GenerationRequest { unload_after: unload, ..b.request(context)? }), reply))
+            let request = b.request(context)?;
+            Ok(Parsed::Generate(Box::new(GenerationRequest { unload_after: unload, model: Some(model), ..request }), reply))
         }
     }
 }

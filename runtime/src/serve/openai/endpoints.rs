@@ -20,21 +20,25 @@ use crate::serve::job::Piece;
 use crate::serve::model_card::names_served;
 use crate::serve::shared::Shared;
 
-/// `GET /v1/models`: the served model.
+/// `GET /v1/models`: the served model, then the other stored models a request may name.
 pub fn models(shared: &Shared) -> Response<Body> {
-    let body = json!({ "object": "list", "data": [model_json(shared)] });
+    let others = shared.shelf.others().into_iter().map(|m| {
+        json!({ "id": m.name, "object": "model", "created": shared.created, "owned_by": "sluice" })
+    });
+    let data: Vec<serde_json::Value> = std::iter::once(model_json(shared)).chain(others).collect();
+    let body = json!({ "object": "list", "data": data });
     json_response(200, body.to_string())
 }
 
 /// `GET /v1/models/{id}`: the served model (by any name that reaches it), or 404 for another.
 pub fn model(shared: &Shared, id: &str) -> Response<Body> {
-    if names_served(id, &shared.model_id) {
+    if names_served(id, &shared.model_id()) {
         json_response(200, model_json(shared).to_string())
     } else {
         let e = ApiError::new(
             404,
             "invalid_request_error",
-            format!("The model `{id}` does not exist: this server serves `{}`", shared.model_id),
+            format!("The model `{id}` does not exist: this server serves `{}`", shared.model_id()),
         )
         .with_code("model_not_found")
         .with_param("model");
@@ -44,7 +48,7 @@ pub fn model(shared: &Shared, id: &str) -> Response<Body> {
 
 /// The served model, as OpenAI's model object.
 fn model_json(shared: &Shared) -> serde_json::Value {
-    json!({ "id": shared.model_id, "object": "model", "created": shared.created, "owned_by": "sluice" })
+    json!({ "id": shared.model_id(), "object": "model", "created": shared.created, "owned_by": "sluice" })
 }
 
 /// A generation request, answered.
@@ -58,13 +62,19 @@ pub async fn generate(
     let shared = front.shared();
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let parse = move |body: &[u8], shared: &Shared| {
-        let request = match kind {
-            Kind::Completion => super::completion_request(body, &shared.model_id)?,
-            Kind::Chat => super::chat_request(body, &shared.model_id)?,
+        let mut request = match kind {
+            Kind::Completion => super::completion_request(body, &shared.model_id())?,
+            Kind::Chat => super::chat_request(body, &shared.model_id())?,
         };
-        Ok((request, ()))
+        // A name of another stored model loads it; any other name is the served model's, as
+        // llama-server takes it.
+        let named = serde_json::from_slice::<serde_json::Value>(body).ok();
+        let name = named.as_ref().and_then(|v| v.get("model")).and_then(serde_json::Value::as_str).unwrap_or("");
+        request.model = shared.shelf.other_named(name, &shared.model_id())?;
+        let id = request.model.as_ref().map_or_else(|| shared.model_id(), |m| m.id.clone());
+        Ok((request, id))
     };
-    let (Queued { stream, include_usage, logprobs, mut events, cancel }, ()) =
+    let (Queued { stream, include_usage, logprobs, mut events, cancel }, model) =
         match enqueue(req, front, conn, parse).await {
             Ok(q) => q,
             Err(e) => return error(&e),
@@ -77,7 +87,7 @@ pub async fn generate(
         kind,
         id: shared.new_id(&format!("{}-", kind.id_prefix())),
         created,
-        model: shared.model_id.clone(),
+        model,
         logprobs,
         include_usage,
     };

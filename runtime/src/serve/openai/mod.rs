@@ -347,6 +347,7 @@ fn completion_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest
         owner: Owner::default(),
         truncate: None,
         unload_after: false,
+        model: None,
     })
 }
 
@@ -419,6 +420,7 @@ fn chat_from(mut r: RequestBody, served: &str) -> Result<GenerationRequest, ApiE
         owner: Owner::default(),
         truncate: None,
         unload_after: false,
+        model: None,
     })
 }
 

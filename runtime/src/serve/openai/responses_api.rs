@@ -35,7 +35,7 @@ pub async fn answer(
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let parse = |body: &[u8], shared: &Shared| {
         let previous = |id: &str| shared.responses.lock().unwrap_or_else(|e| e.into_inner()).get(id);
-        super::responses_request(body, &shared.model_id, &previous)
+        super::responses_request(body, &shared.model_id(), &previous)
     };
     let (Queued { stream, mut events, cancel, .. }, setup) = match enqueue(req, front, conn, parse).await {
         Ok(q) => q,
@@ -46,7 +46,7 @@ pub async fn answer(
         Err(e) => return error(&super::responses::responses_names(e)),
     };
     let id = shared.new_id("resp_");
-    let builder = ResponseBuilder::new(id, created, shared.model_id.clone(), setup);
+    let builder = ResponseBuilder::new(id, created, shared.model_id(), setup);
     let answer = Answering { builder, shared };
     if stream {
         return event_stream(Translated::new(answer, events, cancel, gone));
