@@ -4,7 +4,7 @@ client, against a running `sluice serve` whose store the test filled and whose p
 registry the test serves on loopback. Home Assistant: the model it was set up with is not
 listed, so it pulls it (progress streamed), finds it listed, then chats with it streamed. Open
 WebUI: lists the tags, chats with another stored model (which is loaded in place of the first),
-lists what is running. Then a stored model is deleted, and the served one cannot be. Usage:
+shows a stored model, lists what is running. Then a stored model is deleted, and the served one cannot be. Usage:
     ollama-store-check.py ROOT_URL SERVED PULLED STORED
 Prints one line per check and ends with 'ollama-store-check: N passed, M failed'."""
 
@@ -49,6 +49,9 @@ check("the pulled model runs", running() == [pulled], repr(running()))
 
 # Open WebUI.
 listed = names()
+shown = client.show(stored)
+check("show of a stored model not loaded", shown.details.family and "completion" in (shown.capabilities or [])
+      and running() == [pulled], repr(shown.details))
 check("the tags list every stored model", all(n in listed for n in (pulled, stored)), repr(listed))
 answer = client.chat(model=stored, messages=hello, options=greedy)
 check("a chat with a second stored model", answer.done and answer.model == stored and answer.message.content != "",

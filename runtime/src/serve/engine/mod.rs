@@ -25,6 +25,7 @@ mod unloaded;
 use self::answer::Answer;
 use self::degraded::wait_for_worker;
 use self::heat::ModelIdentity;
+pub use self::prompt::describe;
 use self::prompt::Tokenizer;
 use self::running::Running;
 use self::saved_slots::SlotStore;

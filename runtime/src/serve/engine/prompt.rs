@@ -80,6 +80,16 @@ struct TemplateCaps {
     parallel_calls: bool,
 }
 
+/// The description of the model at `path` without loading it (its metadata and templates
+/// alone): what `/api/show` says of a stored model the server may switch to; `context` is the
+/// served context, capped by the model's own.
+pub fn describe(path: &std::path::Path, context: u32) -> Result<crate::serve::model_card::ModelCard> {
+    let model = Model::load(path, &ggml_sys::ModelParams { metadata_only: true, ..Default::default() })?;
+    let thinks = chat_templates(&model).is_ok_and(|(_, caps)| caps.thinks);
+    let context = context.min(model.n_ctx_train()).max(1);
+    Ok(crate::serve::model_card::ModelCard::of(&model, context, thinks))
+}
+
 /// The model's chat templates; ChatML (llama.cpp's default) when they cannot be parsed or
 /// cannot render a plain conversation within the template bounds (a template that recurses or
 /// loops without end would fail every request). With them, what the trial renderings tell.

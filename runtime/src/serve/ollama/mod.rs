@@ -75,11 +75,26 @@ pub fn version() -> Response<Body> {
     answer(Ok(json!({"version": models::VERSION})))
 }
 
-/// `POST /api/show`: the served model's details.
+/// `POST /api/show`: a model's details: the served one's, or another's the server may load (read
+/// from its file's metadata, off the front's thread).
 pub async fn show(req: Request<Incoming>, front: &Front, conn: &Arc<ConnState>) -> Response<Body> {
-    answer(match read(req, front, conn).await {
-        Ok(body) => models::show(front.shared(), &body),
+    let shared = front.shared();
+    let body = match read(req, front, conn).await {
+        Ok(b) => b,
+        Err(e) => return error(&e),
+    };
+    answer(match models::show_target(shared, &body) {
+        Ok(models::ShowTarget::Served(card)) => models::show(&shared.model_id(), &card),
         Err(e) => Err(e),
+        Ok(models::ShowTarget::Other(choice)) => {
+            let context = shared.prompt_bound().n_ctx;
+            let path = choice.path.clone();
+            let described = http::off_thread(front, move || {
+                super::engine::describe(&path, context).map_err(|e| ApiError::new(500, "server_error", e.to_string()))
+            })
+            .await;
+            described.and_then(|card| models::show(&choice.id, &card))
+        }
     })
 }
 
