@@ -142,7 +142,7 @@ fn a_dropped_connection_and_a_stall_resume_where_they_broke_off() {
     world.drop_after = Some((2, 100_000));
     world.stall_after = Some((3, 50_000));
     let hosts = Hosts::start(world);
-    let out = scene.pull(&hosts, "test/m-GGUF", &["--connections", "1"]);
+    let out = scene.pull(&hosts, "test/m-GGUF", &["--connections", "1", "--no-plan"]);
     assert!(out.status.success(), "{}", text(&out));
     assert_eq!(read(&scene.snapshot("test/m-GGUF", "F16/m-F16.gguf")), read(&files[0]));
     let ranges = hosts.with(|w| w.ranges.clone());
@@ -208,7 +208,7 @@ fn a_killed_pull_run_again_fetches_no_finished_range_twice_and_a_changed_file_st
     world.gate = Some(3);
     let hosts = Hosts::start(world);
     let mut cmd = common::sluice_command();
-    cmd.args(["pull", "test/m-GGUF", "--progress", "lines", "--chunk-kib", "256", "--connections", "1"])
+    cmd.args(["pull", "test/m-GGUF", "--progress", "lines", "--chunk-kib", "256", "--connections", "1", "--no-plan"])
         .env("HF_HUB_CACHE", scene.hub_cache())
         .env("HF_ENDPOINT", &hosts.url)
         .env("HOME", scene.dir.path())
@@ -226,7 +226,7 @@ fn a_killed_pull_run_again_fetches_no_finished_range_twice_and_a_changed_file_st
         w.gate = None;
         w.ranges.clear();
     });
-    let out = scene.pull(&hosts, "test/m-GGUF", &["--connections", "1"]);
+    let out = scene.pull(&hosts, "test/m-GGUF", &["--connections", "1", "--no-plan"]);
     assert!(out.status.success(), "{}", text(&out));
     let ranges = hosts.with(|w| w.ranges.clone());
     assert!(ranges.iter().all(|&(from, _)| from >= 3 * 256 * 1024), "ranges fetched again: {ranges:?}");
@@ -419,4 +419,42 @@ fn pulls_the_settings_do_not_allow_are_refused_in_ollamas_shape() {
     assert_eq!(unkeyed.status, 401, "{}", unkeyed.body);
     assert!(unkeyed.json()["error"].is_string(), "{}", unkeyed.body);
     assert!(hosts.with(|w| w.ranges.is_empty()), "nothing was fetched");
+}
+
+/// The plan's JSON ledger without what the process measures of itself (its memory before
+/// loading, and the total that counts it) and the model's path.
+fn comparable_plan(o: &Output) -> serde_json::Value {
+    assert!(o.status.success(), "{}", text(o));
+    let mut v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    let m = v.as_object_mut().unwrap();
+    m.remove("model");
+    m.remove("total");
+    m["lines"].as_array_mut().unwrap().retain(|l| l["item"] != "runtime_overhead");
+    v
+}
+
+#[test]
+fn a_model_not_yet_stored_is_planned_from_its_headers_alone_as_the_stored_file_is() {
+    let scene = Scene::new();
+    let files = model(scene.dir.path(), true);
+    let total: u64 = files.iter().map(|f| std::fs::metadata(f).unwrap().len()).sum();
+    let mut world = World::default();
+    world.add_repo("test/split-GGUF", COMMIT, repo_of(&files));
+    let hosts = Hosts::start(world);
+    let plan = ["plan", "--model", "test/split-GGUF:F16", "--board", "generic", "--json"];
+    let remote = scene.sluice(&hosts, &plan);
+    let fetched: u64 = hosts.with(|w| w.ranges.iter().map(|(a, b)| b - a + 1).sum());
+    let ranges = hosts.with(|w| w.ranges.clone());
+    assert!(ranges.iter().all(|r| r.0 == 0 && r.1 < 1 << 20), "only the files' first MiB is read: {ranges:?}");
+    assert!(fetched < total, "the headers alone: {fetched} of {total} bytes");
+    assert!(text(&remote).contains("planned from its GGUF headers alone"), "{}", text(&remote));
+    let text_plan = scene.sluice(&hosts, &plan[..5]);
+    assert!(text(&text_plan).contains("storage bound"), "{}", text(&text_plan));
+    assert!(text(&text_plan).contains("ledger for test/split-GGUF:F16"), "{}", text(&text_plan));
+
+    let pulled = scene.pull(&hosts, "test/split-GGUF:F16", &[]);
+    assert!(pulled.status.success(), "{}", text(&pulled));
+    assert!(text(&pulled).contains("fits"), "the pull says whether it fits first: {}", text(&pulled));
+    let stored = scene.sluice(&hosts, &plan);
+    assert_eq!(comparable_plan(&remote), comparable_plan(&stored), "the header's plan differs from the stored file's");
 }

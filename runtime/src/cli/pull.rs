@@ -70,13 +70,18 @@ pub struct PullArgs {
     /// How progress is shown.
     #[arg(long, value_enum, default_value_t = ProgressKind::Auto)]
     progress: ProgressKind,
+    /// Skip the plan before the download (which reads each GGUF file's header first, a few
+    /// MiB, to say whether the model fits the board).
+    #[arg(long)]
+    no_plan: bool,
     /// KiB a range (tests make ranges small to count them).
     #[arg(long, hide = true, default_value_t = 16 << 10, value_parser = clap::value_parser!(u64).range(4..=1 << 20))]
     chunk_kib: u64,
 }
 
-/// Runs `sluice pull`.
-pub fn run_pull(a: &PullArgs) -> Result<()> {
+/// Runs `sluice pull`: says whether the model fits the board (planned from its headers alone),
+/// then fetches it; it asks nothing (scripts run it).
+pub fn run_pull(a: &PullArgs, choice: &sluice::board::BoardChoice) -> Result<()> {
     let name = ModelName::parse(&a.name)?;
     let store = a.store.store();
     let mut settings = PullSettings {
@@ -91,7 +96,19 @@ pub fn run_pull(a: &PullArgs) -> Result<()> {
     let bars = a.progress == ProgressKind::Bars || a.progress == ProgressKind::Auto && std::io::stderr().is_terminal();
     let progress: Box<dyn Progress> =
         if bars { Box::new(Bars::new()) } else { Box::new(Lines::new(Duration::from_secs(5))) };
-    let report = pull::pull(&store, &name, &settings, progress.as_ref())?;
+    let t0 = std::time::Instant::now();
+    let planned = pull::plan(&store, &name, &settings)?;
+    pull::check_room(&planned, &settings)?;
+    if !a.no_plan && store.find(&planned.name).is_none() {
+        let verdict = pull::header::fetch_headers(&planned, &settings)
+            .map_err(anyhow::Error::from)
+            .and_then(|copy| super::plan::verdict(choice, &copy.first, &store.hub.root));
+        match verdict {
+            Ok(v) => noteln!("{}: {}", planned.name, v),
+            Err(e) => noteln!("{}: no plan before the download ({e})", planned.name),
+        }
+    }
+    let report = pull::pull_planned(&store, &planned, &settings, progress.as_ref(), t0)?;
     let rate = report.fetched as f64 / report.seconds.max(1e-3);
     outln!(
         "{}: {} in {} ({} fetched in {:.1} s, {}/s); every file's sha256 checked",

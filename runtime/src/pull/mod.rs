@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 pub mod fetch;
+pub mod header;
 pub mod http;
 pub mod hub;
 pub mod progress;
