@@ -270,7 +270,7 @@ fn a_killed_pull_run_again_fetches_no_finished_range_twice_and_a_changed_file_st
 #[test]
 fn an_ollama_model_is_pulled_into_ollamas_layout_and_runs_by_name() {
     let scene = Scene::new();
-    let model_file = match std::env::var_os("SLUICE_TRAINED_MODEL") {
+    let model_file = match std::env::var_os("SLUICE_TRAINED_MODEL").filter(|p| !p.is_empty()) {
         Some(p) => PathBuf::from(p),
         None => model(scene.dir.path(), false).remove(0),
     };
@@ -287,6 +287,7 @@ fn an_ollama_model_is_pulled_into_ollamas_layout_and_runs_by_name() {
     let hosts = Hosts::start(world);
     let out = scene.pull(&hosts, "kjv:small", &[]);
     assert!(out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains(": fits"), "the verdict before the download: {}", text(&out));
     let blob = scene.ollama().join("blobs").join(format!("sha256-{}", sha256_hex(&gguf)));
     assert_eq!(read(&blob), gguf);
     let manifest = scene.ollama().join("manifests/registry.ollama.ai/library/kjv/small");
@@ -296,13 +297,17 @@ fn an_ollama_model_is_pulled_into_ollamas_layout_and_runs_by_name() {
         let hex = l["digest"].as_str().unwrap().trim_start_matches("sha256:");
         assert!(scene.ollama().join("blobs").join(format!("sha256-{hex}")).is_file(), "layer {hex}");
     }
-    let plan = scene.sluice(&hosts, &["plan", "--model", "kjv:small", "--board", "generic"]);
+    let plan = scene.sluice(&hosts, &["plan", "--model", "kjv:small", "--board", "generic", "--ctx", "64"]);
     assert!(plan.status.success(), "{}", text(&plan));
     let listed = text(&scene.sluice(&hosts, &["models"]));
     assert!(listed.contains("kjv:small"), "{listed}");
     let rm = scene.sluice(&hosts, &["models", "--rm", "kjv:small"]);
     assert!(rm.status.success(), "{}", text(&rm));
     assert!(!blob.exists() && !manifest.exists());
+    let run = scene
+        .sluice(&hosts, &["run", "--model", "kjv:small", "--pull", "--prompt", "In the beginning", "--n-predict", "2"]);
+    assert!(run.status.success(), "run --pull fetches a name not stored, then runs it: {}", text(&run));
+    assert_eq!(read(&blob), gguf);
 }
 
 #[test]
@@ -372,7 +377,9 @@ fn home_assistant_and_open_webui_pull_list_chat_and_switch_through_the_ollama_cl
     let scene = Scene::new();
     let (hosts, served) = three_models(&scene);
     let python = std::env::var("SLUICE_OPENAI_PYTHON").unwrap_or_else(|_| "python3".into());
-    if common::emulated() || !std::process::Command::new(&python).args(["-c", "import ollama"]).output().is_ok_and(|o| o.status.success()) {
+    if common::emulated()
+        || !std::process::Command::new(&python).args(["-c", "import ollama"]).output().is_ok_and(|o| o.status.success())
+    {
         eprintln!("skipped: {python} cannot import ollama (make test installs it; or set SLUICE_OPENAI_PYTHON)");
         return;
     }

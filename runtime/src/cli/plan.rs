@@ -6,13 +6,13 @@ use anyhow::Result;
 use clap::Args;
 
 use sluice::board::BoardChoice;
-use sluice::budget::Ledger;
-use sluice::store::StoreError;
-use sluice_hal::storage::Medium;
 use sluice::budget::Batch;
+use sluice::budget::Ledger;
 use sluice::launch::{Cache, Launch, Planned, Positions};
 use sluice::lossy::Lossy;
+use sluice::store::StoreError;
 use sluice::stream::DensePolicy;
+use sluice_hal::storage::Medium;
 
 use super::args::{self, RpcArgs, TuningArgs};
 
@@ -128,10 +128,9 @@ fn plan_and_print(a: &PlanArgs, choice: &BoardChoice, path: &Path, shown: Option
         None => text,
     };
     match (a.json, &split) {
-        (true, Some(split)) => outln!(
-            "{}",
-            named(serde_json::to_string_pretty(&serde_json::json!({ "split": split, "ledger": ledger }))?)
-        ),
+        (true, Some(split)) => {
+            outln!("{}", named(serde_json::to_string_pretty(&serde_json::json!({ "split": split, "ledger": ledger }))?))
+        }
         (true, None) => {
             if let Some(l) = ledger {
                 outln!("{}", named(serde_json::to_string_pretty(l)?));
@@ -160,7 +159,7 @@ pub fn verdict(choice: &BoardChoice, copy: &Path, store_dir: &Path) -> Result<St
     let launch = Launch {
         model: copy.to_path_buf(),
         board,
-        positions: Positions::Fixed(4096),
+        positions: Positions::ModelCapped(4096),
         slots: 1,
         batch: Batch::Fixed(sluice::generate::DEFAULT_BATCH),
         cache: Cache::from_mib(None),
@@ -172,7 +171,8 @@ pub fn verdict(choice: &BoardChoice, copy: &Path, store_dir: &Path) -> Result<St
     };
     Ok(match launch.plan()?.ledger {
         Ok(l) => format!(
-            "fits {name} (4096 positions, one slot): {} held of a {} budget, an expert cache of {}; {}",
+            "fits {name} ({} positions, one slot): {} held of a {} budget, an expert cache of {}; {}",
+            l.n_ctx,
             bytesize::ByteSize(l.total),
             bytesize::ByteSize(l.budget),
             bytesize::ByteSize(l.cache_bytes()),

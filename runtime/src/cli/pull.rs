@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Result;
-use clap::{Args, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 
 use sluice::pull::progress::{Bars, Lines, Progress};
 use sluice::pull::{self, PullSettings};
@@ -45,7 +45,7 @@ pub enum ProgressKind {
 }
 
 /// `sluice pull` arguments.
-#[derive(Args)]
+#[derive(Parser)]
 pub struct PullArgs {
     /// The model: owner/repo[:QUANT] or hf.co/owner/repo[:QUANT] (a Hugging Face GGUF
     /// repository; QUANT defaults to Q4_K_M), or model[:tag] (an Ollama model).
@@ -129,6 +129,21 @@ pub fn run_pull(a: &PullArgs, choice: &sluice::board::BoardChoice) -> Result<()>
         report.model.name
     );
     Ok(())
+}
+
+/// The file a `--model` value means (a path, or a stored model's name); with `pull`, a name not
+/// yet stored is pulled first (as `sluice pull NAME` with its defaults, into the default store),
+/// else it is an error that says to pull it.
+pub fn resolve_model(model: &std::path::Path, pull: bool, choice: &sluice::board::BoardChoice) -> Result<PathBuf> {
+    let store = Store::new(None, None);
+    match store.resolve(model) {
+        Err(sluice::store::StoreError::NotStored { name, .. }) if pull => {
+            let args = PullArgs::parse_from(["pull", name.as_str()]);
+            run_pull(&args, choice)?;
+            Ok(store.resolve(model)?)
+        }
+        other => Ok(other?),
+    }
 }
 
 /// `sluice models` arguments.

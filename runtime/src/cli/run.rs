@@ -22,8 +22,11 @@ use super::TextOut;
 #[derive(Args)]
 pub struct RunArgs {
     /// The model: a .gguf file (for a split model, its first file), or a stored model's name.
-    #[arg(short, long, required_unless_present = "list_archs", value_parser = super::args::model)]
+    #[arg(short, long, required_unless_present = "list_archs")]
     model: Option<PathBuf>,
+    /// Fetch the model first when it is a name not yet stored (as `sluice pull NAME`).
+    #[arg(long)]
+    pull: bool,
     /// The prompt.
     #[arg(short, long, required_unless_present = "list_archs")]
     prompt: Option<String>,
@@ -107,6 +110,7 @@ pub fn run(a: &RunArgs, choice: &BoardChoice) -> Result<()> {
     let (Some(model_path), Some(prompt)) = (&a.model, &a.prompt) else {
         anyhow::bail!("--model and --prompt are required");
     };
+    let model_path = &super::pull::resolve_model(model_path, a.pull, choice)?;
     sluice::metadata::check_model_file(model_path)?;
     let board = args::board(choice, Some(model_path), &a.tuning)?;
     let routes = RouteUse { forced: a.routes.load()?, record: a.record_routes.clone() };

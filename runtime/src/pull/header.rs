@@ -135,7 +135,8 @@ pub fn fetch_headers(planned: &Planned, settings: &super::PullSettings) -> Resul
         file.write_all_at(&bytes, 0).map_err(io)?;
         first.get_or_insert(path);
     }
-    let first = first.ok_or_else(|| PullError::Broken { url: planned.name.to_string(), why: "no GGUF file to plan".into() })?;
+    let first =
+        first.ok_or_else(|| PullError::Broken { url: planned.name.to_string(), why: "no GGUF file to plan".into() })?;
     Ok(HeaderCopy { dir, first, fetched })
 }
 

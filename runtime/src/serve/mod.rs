@@ -31,8 +31,8 @@ pub mod model_card;
 pub mod ollama;
 pub mod openai;
 pub mod routes;
-pub mod shelf;
 pub mod shared;
+pub mod shelf;
 pub mod state;
 pub mod status;
 pub mod stored;
@@ -120,8 +120,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     // Room for a burst that finds the engine idle: a request per slot runs, `queue` wait.
     let slots = cfg.engine.launch.slots as usize;
     let (tx, rx) = sync_channel::<Job>(cfg.queue + slots);
-    let shared =
-        Arc::new(Shared::new(shelf_of(&cfg), cfg.access.clone(), tx, slots, cfg.queue, cfg.ollama_listen));
+    let shared = Arc::new(Shared::new(shelf_of(&cfg), cfg.access.clone(), tx, slots, cfg.queue, cfg.ollama_listen));
     shared.acceptor_beat();
     let engine = {
         let shared = Arc::clone(&shared);

@@ -113,11 +113,15 @@ impl Shelf {
         let current = self.current();
         let first = (self.first.path != current.path).then(|| {
             let bytes = std::fs::metadata(&self.first.path).map_or(0, |m| m.len());
-            let name = if self.first.id.contains(':') { self.first.id.clone() } else { format!("{}:latest", self.first.id) };
+            let name =
+                if self.first.id.contains(':') { self.first.id.clone() } else { format!("{}:latest", self.first.id) };
             Listed { name, path: self.first.path.clone(), bytes }
         });
         let stored = self.cfg.store.list().into_iter().filter(|m| m.path != current.path && m.path != self.first.path);
-        first.into_iter().chain(stored.map(|m| Listed { name: listed_name(&m), path: m.path, bytes: m.bytes })).collect()
+        first
+            .into_iter()
+            .chain(stored.map(|m| Listed { name: listed_name(&m), path: m.path, bytes: m.bytes }))
+            .collect()
     }
 
     /// The stored model `name` means (any spelling a client may use: `hf.co/o/r:Q`, `o/r:Q`,
@@ -138,7 +142,10 @@ impl Shelf {
             return Err(ApiError::new(
                 404,
                 "not_found_error",
-                format!("model \"{name}\" not found, try pulling it first (this server serves \"{}\")", self.current().id),
+                format!(
+                    "model \"{name}\" not found, try pulling it first (this server serves \"{}\")",
+                    self.current().id
+                ),
             )
             .with_param("model"));
         };
@@ -171,7 +178,10 @@ impl Shelf {
             return Ok(());
         }
         Err(ApiError::invalid(
-            format!("model \"{name}\" is stored, but this server serves \"{}\" only (switch_models = false)", self.current().id),
+            format!(
+                "model \"{name}\" is stored, but this server serves \"{}\" only (switch_models = false)",
+                self.current().id
+            ),
             Some("model"),
         ))
     }
@@ -185,7 +195,10 @@ impl Shelf {
         };
         match refusal {
             None => Ok(()),
-            Some(why) => Err(ApiError::invalid(format!("model \"{}\" cannot be served on this board: {why}", listed_name(m)), Some("model"))),
+            Some(why) => Err(ApiError::invalid(
+                format!("model \"{}\" cannot be served on this board: {why}", listed_name(m)),
+                Some("model"),
+            )),
         }
     }
 
@@ -203,7 +216,9 @@ impl Shelf {
         let name = blob.file_name()?.to_string_lossy().into_owned();
         let d = Described {
             architecture: g.architecture().unwrap_or_default(),
-            quantization: g.get_u64("general.file_type").map_or_else(|| "unknown".into(), crate::metadata::quantization_name),
+            quantization: g
+                .get_u64("general.file_type")
+                .map_or_else(|| "unknown".into(), crate::metadata::quantization_name),
             digest: name.strip_prefix("sha256-").unwrap_or(&name).to_string(),
             modified,
         };

@@ -34,7 +34,7 @@ pub enum StoreError {
     #[error(transparent)]
     Name(#[from] NameError),
     /// A name of a model not in the store.
-    #[error("{name} is not in the store ({places}); fetch it with `sluice pull {name}` (or give --pull), or pass a .gguf file's path")]
+    #[error("{name} is not in the store ({places}); fetch it with `sluice pull {name}` (`sluice run --pull` fetches it first), or pass a .gguf file's path")]
     NotStored {
         /// The name.
         name: String,

@@ -101,13 +101,20 @@ fn needs_switch(job: &Job, loaded: &std::path::Path) -> bool {
 
 /// Where the heat map and slots of `choice` are kept: the state directory for the model the
 /// server started with, a folder of its own under `models/` for each other one.
-fn state_dir_of(base: Option<&std::path::Path>, first_model: &std::path::Path, choice: &ModelChoice) -> Option<PathBuf> {
+fn state_dir_of(
+    base: Option<&std::path::Path>,
+    first_model: &std::path::Path,
+    choice: &ModelChoice,
+) -> Option<PathBuf> {
     let base = base?;
     if choice.path == first_model {
         return Some(base.to_path_buf());
     }
-    let folder: String =
-        choice.id.chars().map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') { c } else { '_' }).collect();
+    let folder: String = choice
+        .id
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') { c } else { '_' })
+        .collect();
     Some(base.join("models").join(folder))
 }
 
@@ -121,7 +128,9 @@ pub fn run(mut cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Resul
     let (first_model, base_state) = (cfg.launch.model.clone(), cfg.state_dir.clone());
     let mut before_switch: Option<ModelChoice> = None;
     loop {
-        if let Some(choice) = first.as_ref().filter(|j| needs_switch(j, &cfg.launch.model)).and_then(|j| j.request.model.clone()) {
+        if let Some(choice) =
+            first.as_ref().filter(|j| needs_switch(j, &cfg.launch.model)).and_then(|j| j.request.model.clone())
+        {
             before_switch = Some(shared.shelf.current());
             switch(&mut cfg, shared, &choice, state_dir_of(base_state.as_deref(), &first_model, &choice));
         }

@@ -239,7 +239,10 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
                 return Ok(Parsed::Loaded(load_or_unload(shared, &reply, unload)));
             }
             let request = b.request(context)?;
-            Ok(Parsed::Generate(Box::new(GenerationRequest { unload_after: unload, model: Some(model), ..request }), reply))
+            Ok(Parsed::Generate(
+                Box::new(GenerationRequest { unload_after: unload, model: Some(model), ..request }),
+                reply,
+            ))
         }
         Endpoint::Generate => {
             let b: request::GenerateBody = http::parse_ignoring(body, "Ollama")?;
@@ -251,7 +254,10 @@ fn parse(body: &[u8], shared: &Shared, endpoint: Endpoint, begun: Instant) -> Re
                 return Ok(Parsed::Loaded(load_or_unload(shared, &reply, unload)));
             }
             let request = b.request(context)?;
-            Ok(Parsed::Generate(Box::new(GenerationRequest { unload_after: unload, model: Some(model), ..request }), reply))
+            Ok(Parsed::Generate(
+                Box::new(GenerationRequest { unload_after: unload, model: Some(model), ..request }),
+                reply,
+            ))
         }
     }
 }

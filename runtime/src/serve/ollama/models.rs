@@ -7,8 +7,8 @@ use std::time::SystemTime;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::reply::timestamp;
 use super::check_model;
+use super::reply::timestamp;
 use crate::serve::error::ApiError;
 use crate::serve::model_card::ModelCard;
 use crate::serve::shared::Shared;
@@ -154,4 +154,3 @@ pub fn show(id: &str, card: &ModelCard) -> Result<Value, ApiError> {
         "modified_at": timestamp(card.modified),
     }))
 }
-

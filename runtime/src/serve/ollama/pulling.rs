@@ -44,7 +44,11 @@ pub async fn pull(front: &Front, body: ModelBody) -> Result<Response<Body>, ApiE
         return Err(ApiError::invalid("model is required", Some("model")));
     };
     let Some(settings) = shared.shelf.pull_settings().cloned() else {
-        return Err(ApiError::new(403, "permission_error", "pulling is switched off on this server (pull = false in its settings)"));
+        return Err(ApiError::new(
+            403,
+            "permission_error",
+            "pulling is switched off on this server (pull = false in its settings)",
+        ));
     };
     let parsed = ModelName::parse(&name).map_err(|e| ApiError::invalid(e.to_string(), Some("model")))?;
     let stream = body.stream != Some(false);
@@ -154,7 +158,8 @@ fn done(stream: bool, lines: Vec<Value>) -> Response<Body> {
     }
     let text: String = lines.iter().map(|l| format!("{l}\n")).collect();
     let mut r = Response::new(Body::full(Bytes::from(text)));
-    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/x-ndjson"));
+    r.headers_mut()
+        .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/x-ndjson"));
     r
 }
 

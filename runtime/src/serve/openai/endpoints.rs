@@ -22,9 +22,11 @@ use crate::serve::shared::Shared;
 
 /// `GET /v1/models`: the served model, then the other stored models a request may name.
 pub fn models(shared: &Shared) -> Response<Body> {
-    let others = shared.shelf.others().into_iter().map(|m| {
-        json!({ "id": m.name, "object": "model", "created": shared.created, "owned_by": "sluice" })
-    });
+    let others = shared
+        .shelf
+        .others()
+        .into_iter()
+        .map(|m| json!({ "id": m.name, "object": "model", "created": shared.created, "owned_by": "sluice" }));
     let data: Vec<serde_json::Value> = std::iter::once(model_json(shared)).chain(others).collect();
     let body = json!({ "object": "list", "data": data });
     json_response(200, body.to_string())
@@ -83,14 +85,8 @@ pub async fn generate(
         Ok((gone, _)) => gone,
         Err(e) => return error(&e),
     };
-    let reply = Reply {
-        kind,
-        id: shared.new_id(&format!("{}-", kind.id_prefix())),
-        created,
-        model,
-        logprobs,
-        include_usage,
-    };
+    let reply =
+        Reply { kind, id: shared.new_id(&format!("{}-", kind.id_prefix())), created, model, logprobs, include_usage };
     if stream {
         return event_stream(Translated::new(ChatStream::new(reply), events, cancel, gone));
     }
