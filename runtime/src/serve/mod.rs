@@ -91,7 +91,7 @@ pub struct ServeConfig {
 /// The server's models: the one it starts with, and the store.
 fn shelf_of(cfg: &ServeConfig) -> shelf::Shelf {
     let current = shelf::ModelChoice { id: cfg.model_id.clone(), path: cfg.engine.launch.model.clone() };
-    shelf::Shelf::new(cfg.shelf.clone(), current, cfg.engine.launch.clone())
+    shelf::Shelf::new(cfg.shelf.clone(), current, shelf::planned_refusal(cfg.engine.launch.clone()))
 }
 
 /// Runs the server until SIGTERM or SIGINT; returns after the drain. A model that fails to
@@ -268,7 +268,11 @@ mod tests {
 
     fn shared() -> Arc<Shared> {
         let (tx, _rx) = sync_channel(1);
-        Arc::new(Shared::new("m".into(), Access::default(), tx, 1, 1, None))
+        let store = crate::store::Store::new(Some("/nonexistent/hub".into()), Some("/nonexistent/ollama".into()));
+        let cfg = shelf::ShelfConfig { store, pull: None, switch: false };
+        let current = shelf::ModelChoice { id: "m".into(), path: "/nonexistent/m.gguf".into() };
+        let shelf = shelf::Shelf::new(cfg, current, Box::new(|_| None));
+        Arc::new(Shared::new(shelf, Access::default(), tx, 1, 1, None))
     }
 
     /// The decision, independent of how fast the machine runs the test: a side counts as stuck

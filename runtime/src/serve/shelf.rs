@@ -22,6 +22,21 @@ pub struct ModelChoice {
     pub path: PathBuf,
 }
 
+/// Why the model at a path cannot be served on the board (`None` when it can).
+pub type Refusal = Box<dyn Fn(&Path) -> Option<String> + Send + Sync>;
+
+/// The refusal of a model planned as the server's `launch` plans its own: the same board,
+/// context, slots and cache, another model file.
+pub fn planned_refusal(launch: Launch) -> Refusal {
+    Box::new(move |path| {
+        let other = Launch { model: path.to_path_buf(), ..launch.clone() };
+        match other.plan() {
+            Ok(p) => p.ledger.err().map(|e| e.to_string()),
+            Err(e) => Some(e.to_string()),
+        }
+    })
+}
+
 /// A model a request may name, as listings show it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Listed {
@@ -45,14 +60,13 @@ pub struct ShelfConfig {
 }
 
 /// The server's models.
-#[derive(Debug)]
 pub struct Shelf {
     cfg: ShelfConfig,
     /// The model the server started with (a file given by path need not be in the store).
     first: ModelChoice,
     current: Mutex<ModelChoice>,
-    /// The launch the server started with, to plan another model against the same budget.
-    launch: Launch,
+    /// Why a model file cannot be served on this board (its plan's refusal), or `None`.
+    refusal: Refusal,
     pulling: Mutex<BTreeSet<String>>,
     /// What the headers of stored models say, by file and its modification time.
     described: Mutex<HashMap<PathBuf, (SystemTime, Described)>>,
@@ -71,6 +85,12 @@ pub struct Described {
     pub modified: SystemTime,
 }
 
+impl std::fmt::Debug for Shelf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shelf").field("current", &self.current()).field("store", &self.cfg.store).finish()
+    }
+}
+
 /// The name a stored model is listed under: Ollama's spelling (`model:tag`, and
 /// `hf.co/owner/repo:QUANT` for a hub repository, as Ollama names those).
 pub fn listed_name(m: &StoredModel) -> String {
@@ -81,10 +101,11 @@ pub fn listed_name(m: &StoredModel) -> String {
 }
 
 impl Shelf {
-    /// The shelf of a server that loaded `current` with `launch`.
-    pub fn new(cfg: ShelfConfig, current: ModelChoice, launch: Launch) -> Shelf {
+    /// The shelf of a server that loaded `current`; `refusal` says why another model cannot be
+    /// served ([`planned_refusal`]).
+    pub fn new(cfg: ShelfConfig, current: ModelChoice, refusal: Refusal) -> Shelf {
         let (pulling, described) = (Mutex::new(BTreeSet::new()), Mutex::new(HashMap::new()));
-        Shelf { cfg, first: current.clone(), current: Mutex::new(current), launch, pulling, described }
+        Shelf { cfg, first: current.clone(), current: Mutex::new(current), refusal, pulling, described }
     }
 
     /// The model loaded (or being loaded).
@@ -188,12 +209,7 @@ impl Shelf {
 
     /// Refuses a model whose plan does not fit the board's budget, with the plan's words.
     fn fits(&self, m: &StoredModel) -> Result<(), ApiError> {
-        let launch = Launch { model: m.path.clone(), ..self.launch.clone() };
-        let refusal = match launch.plan() {
-            Ok(p) => p.ledger.err().map(|e| e.to_string()),
-            Err(e) => Some(e.to_string()),
-        };
-        match refusal {
+        match (self.refusal)(&m.path) {
             None => Ok(()),
             Some(why) => Err(ApiError::invalid(
                 format!("model \"{}\" cannot be served on this board: {why}", listed_name(m)),
