@@ -68,7 +68,7 @@ try:
     client.delete(served)
     check("the served model cannot be deleted", False)
 except ollama.ResponseError as e:
-    check("the served model cannot be deleted", e.status_code in (400, 404), e.error)
+    check("the served model cannot be deleted", e.status_code == 400 and "being served" in e.error, e.error)
 
 print(f"ollama-store-check: {sum(checks)} passed, {len(checks) - sum(checks)} failed")
 sys.exit(0 if all(checks) else 1)

@@ -338,6 +338,27 @@ pub fn model(value: &str) -> Result<PathBuf, String> {
     sluice::store::Store::new(None, None).resolve(Path::new(value)).map_err(|e| e.to_string())
 }
 
+/// Where the model store is (`pull`, `models`, `plan`).
+#[derive(Args, Clone, Debug, Default)]
+pub struct StoreArgs {
+    /// The Hugging Face hub cache that hub names are kept in (default: $HF_HUB_CACHE,
+    /// $HF_HOME/hub, the service's state directory, ~/.cache/huggingface/hub: shared with
+    /// huggingface-cli and llama-server -hf).
+    #[arg(long, value_name = "DIR")]
+    pub hf_cache: Option<PathBuf>,
+    /// The Ollama models folder that Ollama names are pulled into (default: $OLLAMA_MODELS, the
+    /// service's state directory, ~/.ollama/models where Ollama is installed, else sluice's cache).
+    #[arg(long, value_name = "DIR")]
+    pub ollama_models: Option<PathBuf>,
+}
+
+impl StoreArgs {
+    /// The store these folders make.
+    pub fn store(&self) -> sluice::store::Store {
+        sluice::store::Store::new(self.hf_cache.clone(), self.ollama_models.clone())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use clap::Parser;

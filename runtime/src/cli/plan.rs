@@ -30,7 +30,7 @@ pub struct PlanArgs {
     #[arg(long, value_name = "MB/S", value_parser = clap::value_parser!(u32).range(1..))]
     storage_mb_s: Option<u32>,
     #[command(flatten)]
-    store: super::pull::StoreArgs,
+    store: args::StoreArgs,
     /// Context positions to size the KV cache for.
     #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
     ctx: u32,

@@ -12,26 +12,7 @@ use sluice::pull::progress::{Bars, Lines, Progress};
 use sluice::pull::{self, PullSettings};
 use sluice::store::{ModelName, Store};
 
-/// Where the store is (both commands).
-#[derive(Args, Clone, Debug, Default)]
-pub struct StoreArgs {
-    /// The Hugging Face hub cache that hub names are kept in (default: $HF_HUB_CACHE,
-    /// $HF_HOME/hub, the service's state directory, ~/.cache/huggingface/hub: shared with
-    /// huggingface-cli and llama-server -hf).
-    #[arg(long, value_name = "DIR")]
-    pub hf_cache: Option<PathBuf>,
-    /// The Ollama models folder that Ollama names are pulled into (default: $OLLAMA_MODELS, the
-    /// service's state directory, ~/.ollama/models where Ollama is installed, else sluice's cache).
-    #[arg(long, value_name = "DIR")]
-    pub ollama_models: Option<PathBuf>,
-}
-
-impl StoreArgs {
-    /// The store these folders make.
-    pub fn store(&self) -> Store {
-        Store::new(self.hf_cache.clone(), self.ollama_models.clone())
-    }
-}
+use super::args::StoreArgs;
 
 /// How progress is shown.
 #[derive(Clone, Copy, Debug, ValueEnum, PartialEq, Eq)]

@@ -1,7 +1,7 @@
 //! `sluice serve` (the HTTP service) and `sluice unit` (its systemd drop-in).
 
 use std::net::{IpAddr, SocketAddr};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
@@ -118,21 +118,8 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         None => (None, ServeSettings::default()),
     };
     let set = a.settings.clone().over(file);
-    let model = match (&set.model, &file_path) {
-        (Some(m), _) => m.clone(),
-        (None, Some(path)) => set.require_model(path)?.to_path_buf(),
-        (None, None) => anyhow::bail!(
-            "no model: give --model FILE.gguf, or set model = \"/path/to/model.gguf\" in {} (or a file given with --config)",
-            config::DEFAULT_PATH
-        ),
-    };
     let store = sluice::store::Store::new(set.hf_cache.clone(), set.ollama_models.clone());
-    let resolved = store.resolve(&model)?;
-    let named = (resolved != model)
-        .then(|| sluice::store::ModelName::parse(&model.to_string_lossy()).ok().and_then(|n| store.find(&n)))
-        .flatten()
-        .map(|m| sluice::serve::shelf::listed_name(&m));
-    let model = resolved;
+    let (model, named) = model_of(&set, file_path.as_deref(), &store)?;
     let board_choice = match (choice, &set.board) {
         (Some(c), _) => c.clone(),
         (None, Some(b)) => b.parse().unwrap_or_else(|never| match never {}),
@@ -199,6 +186,29 @@ pub fn run_serve(a: &ServeArgs, choice: Option<&BoardChoice>) -> Result<()> {
         shelf: shelf_config(&set, store),
     })
     .with_context(|| format!("serving {}", model.display()))
+}
+
+/// The model file the settings name (a path, or a stored model's name), and the name it is
+/// listed under when it was given by name.
+fn model_of(
+    set: &ServeSettings,
+    file_path: Option<&Path>,
+    store: &sluice::store::Store,
+) -> Result<(PathBuf, Option<String>)> {
+    let model = match (&set.model, file_path) {
+        (Some(m), _) => m.clone(),
+        (None, Some(path)) => set.require_model(path)?.to_path_buf(),
+        (None, None) => anyhow::bail!(
+            "no model: give --model FILE.gguf (or a stored model's name), or set model = \"/path/to/model.gguf\" in {} (or a file given with --config)",
+            config::DEFAULT_PATH
+        ),
+    };
+    let resolved = store.resolve(&model)?;
+    let named = (resolved != model)
+        .then(|| sluice::store::ModelName::parse(&model.to_string_lossy()).ok().and_then(|n| store.find(&n)))
+        .flatten()
+        .map(|m| sluice::serve::shelf::listed_name(&m));
+    Ok((resolved, named))
 }
 
 /// What the server may do with the store: pull from the hosts the settings name (unless

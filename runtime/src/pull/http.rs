@@ -14,6 +14,9 @@ const MAX_REDIRECTS: usize = 8;
 /// The most bytes of a JSON answer (a repository's file list, a manifest).
 pub const MAX_JSON_BYTES: u64 = 16 << 20;
 
+/// What a 401 or 403 asks for (the hub's tokens; a registry's models are public).
+pub const TOKEN_HINT: &str = "set HF_TOKEN (or run `huggingface-cli login`) to a token of an account that may read it; a gated repository also needs its access request accepted on the hub's page";
+
 /// A bearer token and the host it may be sent to.
 #[derive(Debug, Clone)]
 pub struct Token {
@@ -132,7 +135,7 @@ pub fn check_status(status: u16, url: &str, what: &str, token: Option<&Token>) -
         401 | 403 => Err(PullError::Denied {
             what: what.into(),
             status,
-            hint: token.map(|t| t.hint).unwrap_or(super::hub::TOKEN_HINT).into(),
+            hint: token.map(|t| t.hint).unwrap_or(TOKEN_HINT).into(),
         }),
         404 => Err(PullError::NotFound { what: what.into(), url: url.into() }),
         _ => Err(PullError::Http { url: url.into(), why: format!("HTTP {status}") }),

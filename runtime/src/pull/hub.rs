@@ -6,12 +6,9 @@ use std::path::PathBuf;
 
 use serde::Deserialize;
 
-use super::http::{Http, Token};
+use super::http::{Http, Token, TOKEN_HINT};
 use super::{Planned, PlannedFile, PullError, Source};
 use crate::store::{hub::is_hex_id, quant, HubCache, ModelName};
-
-/// What a 401 or 403 from the hub asks for.
-pub const TOKEN_HINT: &str = "set HF_TOKEN (or run `huggingface-cli login`) to a token of an account that may read it; a gated repository also needs its access request accepted on the hub's page";
 
 #[derive(Debug, Deserialize)]
 struct RepoInfo {

@@ -15,6 +15,7 @@ pub mod fetch;
 pub mod header;
 pub mod http;
 pub mod hub;
+pub mod partial;
 pub mod progress;
 pub mod registry;
 pub mod sha256;
@@ -272,7 +273,7 @@ pub fn check_room(planned: &Planned, settings: &PullSettings) -> Result<(), Pull
     let Some(first) = missing.first() else { return Ok(()) };
     let dir = first.dest.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(|source| PullError::Io { path: dir.into(), source })?;
-    let need: u64 = missing.iter().map(|f| f.size.saturating_sub(fetch::allocated(&f.dest))).sum();
+    let need: u64 = missing.iter().map(|f| f.size.saturating_sub(partial::allocated(&f.dest))).sum();
     let free = free_bytes(dir)?;
     if need > free {
         return Err(PullError::NoSpace {
@@ -289,14 +290,14 @@ pub fn check_room(planned: &Planned, settings: &PullSettings) -> Result<(), Pull
 /// host's file changed since): their bytes would never be used.
 fn drop_stale_partials(planned: &Planned) {
     let dirs: std::collections::BTreeSet<&Path> = planned.files.iter().filter_map(|f| f.dest.parent()).collect();
-    let wanted: Vec<PathBuf> = planned.files.iter().map(|f| fetch::partial_paths(&f.dest).1).collect();
+    let wanted: Vec<PathBuf> = planned.files.iter().map(|f| partial::partial_paths(&f.dest).1).collect();
     for dir in dirs {
         let Ok(entries) = std::fs::read_dir(dir) else { continue };
         for state in entries.flatten().map(|e| e.path()) {
             let is_state = state.to_string_lossy().ends_with(".sluice-state");
             if is_state
                 && !wanted.contains(&state)
-                && fetch::state_label(&state).is_some_and(|l| planned.files.iter().any(|f| f.label == l))
+                && partial::state_label(&state).is_some_and(|l| planned.files.iter().any(|f| f.label == l))
             {
                 let partial = state.with_extension("sluice-partial");
                 let _ = std::fs::remove_file(&partial);

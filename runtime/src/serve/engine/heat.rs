@@ -136,6 +136,40 @@ pub fn warm_order(counts: &[u64], n_expert: u32) -> Vec<(u32, u32)> {
     order.into_iter().map(|(_, i)| (i / n_expert, i % n_expert)).collect()
 }
 
+impl super::Engine<'_, '_> {
+    /// Reads the saved heat map (if any) and fills the cache with its hottest experts.
+    pub(super) fn warm_start(&mut self, index: &crate::stream::ExpertIndex) {
+        let Some(path) = &self.heat_path else { return };
+        let counts = match load(path, &self.identity) {
+            Ok(Some(c)) => c,
+            Ok(None) => {
+                log::info!("no heat map at {}: the cache starts cold", path.display());
+                return;
+            }
+            Err(e) => {
+                log::warn!("{e}");
+                return;
+            }
+        };
+        self.shared.loading_step("pre-filling the expert cache from the saved heat map");
+        let order = warm_order(&counts, index.n_expert);
+        let mut streamer = self.session.streamer();
+        streamer.add_heat(&counts);
+        match streamer.prefill(&order) {
+            Ok(p) => {
+                log::info!(
+                    "warm start: {} experts ({:.1} MiB) read from the heat map at {}",
+                    p.experts,
+                    crate::units::mib(p.bytes),
+                    path.display()
+                );
+                self.shared.metrics.warm_start(p.bytes);
+            }
+            Err(e) => log::warn!("warm start stopped: {e}; serving with what was read"),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -20,6 +20,7 @@ mod running;
 pub mod saved_slots;
 mod slot_actions;
 pub mod slots;
+mod switching;
 mod unloaded;
 
 use self::answer::Answer;
@@ -30,6 +31,7 @@ use self::prompt::Tokenizer;
 use self::running::Running;
 use self::saved_slots::SlotStore;
 use self::slots::{open_store, Slots};
+use self::switching::{needs_switch, refuse_switch, state_dir_of, switch};
 use self::unloaded::Wake;
 use super::error::ApiError;
 use super::job::{Event, EventSender, Finish, Job};
@@ -41,8 +43,7 @@ use super::shelf::ModelChoice;
 use super::state::State;
 use crate::generate::{GenerateError, Generation};
 use crate::launch::{Launch, LaunchError};
-use crate::stream::{ExpertIndex, StreamError, StreamedSession};
-use crate::units::mib;
+use crate::stream::{StreamError, StreamedSession};
 
 /// The longest one token's grammar checks may take: well inside the watchdog's interval, so a
 /// costly grammar fails its request instead of stalling the service (cancel and SIGTERM stop it
@@ -92,30 +93,6 @@ enum Served {
     /// A request names another stored model: every request of this one has ended; the other is
     /// loaded and the request runs first.
     Switch(Box<Job>),
-}
-
-/// Whether `job` runs on another model than the one at `loaded`.
-fn needs_switch(job: &Job, loaded: &std::path::Path) -> bool {
-    job.request.model.as_ref().is_some_and(|m| m.path != loaded)
-}
-
-/// Where the heat map and slots of `choice` are kept: the state directory for the model the
-/// server started with, a folder of its own under `models/` for each other one.
-fn state_dir_of(
-    base: Option<&std::path::Path>,
-    first_model: &std::path::Path,
-    choice: &ModelChoice,
-) -> Option<PathBuf> {
-    let base = base?;
-    if choice.path == first_model {
-        return Some(base.to_path_buf());
-    }
-    let folder: String = choice
-        .id
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') { c } else { '_' })
-        .collect();
-    Some(base.join("models").join(folder))
 }
 
 /// Loads the model, reports ready, and serves `jobs` until every sender is gone; saves the heat
@@ -179,28 +156,6 @@ pub fn run(mut cfg: EngineConfig, shared: &Shared, jobs: Receiver<Job>) -> Resul
                 shared.loading_step("a request names another model: loading it");
             }
         }
-    }
-}
-
-/// Makes `choice` the model the engine loads next, its state kept in `state_dir`.
-fn switch(cfg: &mut EngineConfig, shared: &Shared, choice: &ModelChoice, state_dir: Option<PathBuf>) {
-    log::info!("switching to {} ({})", choice.id, choice.path.display());
-    if let Some(dir) = &state_dir {
-        if let Err(e) = std::fs::create_dir_all(dir) {
-            log::warn!("{}: {e}; {} is served without saved state", dir.display(), choice.id);
-        }
-    }
-    cfg.launch.model = choice.path.clone();
-    cfg.state_dir = state_dir;
-    shared.shelf.set_current(choice.clone());
-}
-
-/// Fails the request that asked for a model that did not load; `back` is loaded again.
-fn refuse_switch(job: Option<Job>, e: &LoadFailure, back: &ModelChoice) {
-    log::warn!("the model a request named did not load ({e}); loading {} again", back.id);
-    if let Some(job) = job {
-        let message = format!("the model could not be loaded: {e}");
-        let _ = job.events.send(Event::Failed(ApiError::new(500, "server_error", message)));
     }
 }
 
@@ -355,38 +310,6 @@ impl<'m> Engine<'m, '_> {
         self.shared.set_resident(false);
         self.save_heat();
         self.save_slots();
-    }
-
-    /// Reads the saved heat map (if any) and fills the cache with its hottest experts.
-    fn warm_start(&mut self, index: &ExpertIndex) {
-        let Some(path) = &self.heat_path else { return };
-        let counts = match heat::load(path, &self.identity) {
-            Ok(Some(c)) => c,
-            Ok(None) => {
-                log::info!("no heat map at {}: the cache starts cold", path.display());
-                return;
-            }
-            Err(e) => {
-                log::warn!("{e}");
-                return;
-            }
-        };
-        self.shared.loading_step("pre-filling the expert cache from the saved heat map");
-        let order = heat::warm_order(&counts, index.n_expert);
-        let mut streamer = self.session.streamer();
-        streamer.add_heat(&counts);
-        match streamer.prefill(&order) {
-            Ok(p) => {
-                log::info!(
-                    "warm start: {} experts ({:.1} MiB) read from the heat map at {}",
-                    p.experts,
-                    mib(p.bytes),
-                    path.display()
-                );
-                self.shared.metrics.warm_start(p.bytes);
-            }
-            Err(e) => log::warn!("warm start stopped: {e}; serving with what was read"),
-        }
     }
 
     /// Reads the newest saved slots back into the slots, newest into slot 0.

@@ -230,14 +230,17 @@ pub fn delete(shared: &Shared, body: &ModelBody) -> Result<Response<Body>, ApiEr
     let Some(name) = body.name().filter(|n| !n.is_empty()) else {
         return Err(ApiError::invalid("model is required", Some("model")));
     };
+    let being_served = || {
+        ApiError::invalid(format!("model '{name}' is the one being served; load another model first"), Some("model"))
+    };
+    if names_current(shared, name) {
+        return Err(being_served());
+    }
     let Some(found) = shared.shelf.find(name) else {
         return Err(ApiError::new(404, "not_found_error", format!("model '{name}' not found")));
     };
     if found.path == shared.shelf.current().path {
-        return Err(ApiError::invalid(
-            format!("model '{name}' is the one being served; load another model first"),
-            Some("model"),
-        ));
+        return Err(being_served());
     }
     shared.shelf.store().remove(&found.name).map_err(|e| ApiError::new(500, "server_error", e))?;
     log::info!("deleted {name}");
