@@ -52,7 +52,7 @@ QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 # each model is trained once per machine into sluice's cache directory.
 TRAINER_VENV := $(CURDIR)/target/trainer-venv
 
-.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board cuda-check clean trained-model trained-model-small
+.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board bench-pull cuda-check clean trained-model trained-model-small
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
@@ -88,6 +88,7 @@ help:
 	@echo "make lint     rustfmt check and clippy with warnings as errors"
 	@echo "make bench    streamed vs mmap on a model 3x a $(BENCH_BUDGET_MB) MiB memory cgroup (root)"
 	@echo "make bench-board  Qwen3-30B-A3B's shape on its recorded routes in a Pi 5's and an Orin Nano's memory (root; ~18 GB of disk)"
+	@echo "make bench-pull   sluice pull against curl on loopback, and the page cache of a served model beside each (root)"
 	@echo "make cuda-check  compile ggml-sys with the CUDA backend against a toolkit from PyPI (no GPU needed; ~25 min)"
 
 deps:
@@ -195,6 +196,14 @@ bench-board: vendor
 	$(CARGO) build --release --bin sluice
 	@test -f $(BOARD_ROUTES) || { echo "make bench-board: no recorded routes at $(BOARD_ROUTES); set BOARD_ROUTES"; exit 1; }
 	scripts/bench-board target/release/sluice $(BOARD_DIR) $(BOARD_ROUTES)
+
+# make bench-pull: `sluice pull` against curl from the same loopback server (nginx, installed
+# here), and the page cache of a served model beside each in a small board's memory cgroup: see
+# scripts/pull-bench. Root; ~3 GB of disk in BENCH_DIR/pull; a few minutes.
+bench-pull: vendor
+	$(CARGO) build --release --bin sluice
+	@scripts/ensure-deps nginx-light bc util-linux curl
+	scripts/pull-bench $(CURDIR)/target/release/sluice $(CURDIR)/$(BENCH_DIR)/pull 2GiB 3
 
 # Not part of make test: ~25 minutes, and ~530 MB of CUDA wheels from PyPI.
 cuda-check: vendor
