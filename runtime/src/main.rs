@@ -130,7 +130,7 @@ fn dispatch(command: Command, given: Option<&BoardChoice>) -> Result<()> {
         Command::Plan(a) => cli::plan::run_plan(&a, board),
         Command::Verify(a) => cli::verify::run_verify(&a),
         Command::Pull(a) => cli::pull::run_pull(&a, board),
-        Command::Models(a) => cli::pull::run_models(&a),
+        Command::Models(a) => cli::pull::run_models(&a, board),
         Command::Replay(a) => cli::replay::run_replay(&a),
         Command::Serve(a) => cli::serve::run_serve(&a, given),
         Command::Chat(a) => cli::chat::run_chat(&a),

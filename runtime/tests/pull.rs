@@ -120,8 +120,10 @@ fn a_split_model_is_pulled_whole_and_its_sidecar_is_what_verify_writes() {
     );
     assert!(leftovers(&scene.hub_cache(), ".sluice-partial").is_empty());
 
-    let listed = scene.sluice(&hosts, &["models"]);
-    assert!(text(&listed).contains("test/split-GGUF:F16"), "{}", text(&listed));
+    let listed = scene.sluice(&hosts, &["models", "--board", "generic"]);
+    let row = text(&listed).lines().find(|l| l.starts_with("test/split-GGUF:F16")).map(str::to_string);
+    let row = row.unwrap_or_else(|| panic!("not listed: {}", text(&listed)));
+    assert!(row.contains(" F16 ") && row.contains("qwen3moe") && row.contains(" yes "), "{row}");
     let plan = scene.sluice(&hosts, &["plan", "--model", "test/split-GGUF:F16", "--board", "generic"]);
     assert!(plan.status.success(), "a stored name is a model everywhere a path goes: {}", text(&plan));
     let again = scene.pull(&hosts, "test/split-GGUF:F16", &[]);

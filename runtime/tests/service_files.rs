@@ -213,6 +213,7 @@ fn the_debian_package_holds_the_binary_units_profiles_docs_and_settings() {
             "usr/share/doc/sluice/benchmarks.md",
             "usr/share/doc/sluice/boards.md",
             "usr/share/doc/sluice/changelog.Debian.gz",
+            "usr/share/doc/sluice/models.md",
             "usr/share/doc/sluice/copyright",
             "usr/share/doc/sluice/setup.md",
         ]

@@ -154,21 +154,8 @@ fn plan_and_print(a: &PlanArgs, choice: &BoardChoice, path: &Path, shown: Option
 /// serve`'s defaults (4096 positions, one slot, batches of 512), in a line: the ledger's total
 /// against the budget, the expert cache, the storage bound; or why it does not fit.
 pub fn verdict(choice: &BoardChoice, copy: &Path, store_dir: &Path) -> Result<String> {
-    let board = args::board(choice, Some(&existing(store_dir)), &TuningArgs::default())?;
-    let (medium, name) = (board.medium, board.selected.profile.name.clone());
-    let launch = Launch {
-        model: copy.to_path_buf(),
-        board,
-        positions: Positions::ModelCapped(4096),
-        slots: 1,
-        batch: Batch::Fixed(sluice::generate::DEFAULT_BATCH),
-        cache: Cache::from_mib(None),
-        force_cache: false,
-        dense: DensePolicy::Anon,
-        lossy: Lossy::default(),
-        rpc: Vec::new(),
-        kept_bytes: 0,
-    };
+    let (launch, medium) = served_by_default(choice, copy, store_dir)?;
+    let name = launch.board.selected.profile.name.clone();
     Ok(match launch.plan()?.ledger {
         Ok(l) => format!(
             "fits {name} ({} positions, one slot): {} held of a {} budget, an expert cache of {}; {}",
@@ -180,6 +167,34 @@ pub fn verdict(choice: &BoardChoice, copy: &Path, store_dir: &Path) -> Result<St
         ),
         Err(e) => format!("does not fit {name} as served by default: {e}"),
     })
+}
+
+/// Whether the model at `path` fits this board as `sluice serve` runs it by default (`None`
+/// when it cannot be planned: not a model sluice streams).
+pub fn fits(choice: &BoardChoice, path: &Path) -> Option<bool> {
+    let (launch, _) = served_by_default(choice, path, path).ok()?;
+    launch.plan().ok().map(|p| p.ledger.is_ok())
+}
+
+/// The launch `sluice serve` makes of `model` by default on this board, whose storage is the one
+/// `storage_at` is on, and that storage's medium.
+fn served_by_default(choice: &BoardChoice, model: &Path, storage_at: &Path) -> Result<(Launch, Medium)> {
+    let board = args::board(choice, Some(&existing(storage_at)), &TuningArgs::default())?;
+    let medium = board.medium;
+    let launch = Launch {
+        model: model.to_path_buf(),
+        board,
+        positions: Positions::ModelCapped(4096),
+        slots: 1,
+        batch: Batch::Fixed(sluice::generate::DEFAULT_BATCH),
+        cache: Cache::from_mib(None),
+        force_cache: false,
+        dense: DensePolicy::Anon,
+        lossy: Lossy::default(),
+        rpc: Vec::new(),
+        kept_bytes: 0,
+    };
+    Ok((launch, medium))
 }
 
 /// A medium's typical sequential read speed, MB/s, with where the figure comes from.

@@ -137,8 +137,9 @@ pub struct ModelsArgs {
     rm: Option<String>,
 }
 
-/// Runs `sluice models`: lists the stored models, or removes one.
-pub fn run_models(a: &ModelsArgs) -> Result<()> {
+/// Runs `sluice models`: lists the stored models (with whether each fits this board as `sluice
+/// serve` runs it by default), or removes one.
+pub fn run_models(a: &ModelsArgs, choice: &sluice::board::BoardChoice) -> Result<()> {
     let store = a.store.store();
     if let Some(name) = &a.rm {
         let name = ModelName::parse(name)?;
@@ -151,17 +152,16 @@ pub fn run_models(a: &ModelsArgs) -> Result<()> {
         outln!("no stored models (looked in {}); `sluice pull NAME` fetches one", store.places());
         return Ok(());
     }
-    outln!("{:<48} {:>10} {:<10} {:<12} FILE", "NAME", "SIZE", "QUANT", "ARCH");
+    outln!("{:<48} {:>10} {:<10} {:<12} {:<5} FILE", "NAME", "SIZE", "QUANT", "ARCH", "FITS");
     for m in models {
         let (quant, arch) = describe(&m.path);
-        outln!(
-            "{:<48} {:>10} {:<10} {:<12} {}",
-            m.name.to_string(),
-            bytesize::ByteSize(m.bytes).to_string(),
-            quant,
-            arch,
-            m.path.display()
-        );
+        let fits = match super::plan::fits(choice, &m.path) {
+            Some(true) => "yes",
+            Some(false) => "no",
+            None => "?",
+        };
+        let size = bytesize::ByteSize(m.bytes).to_string();
+        outln!("{:<48} {:>10} {:<10} {:<12} {:<5} {}", m.name.to_string(), size, quant, arch, fits, m.path.display());
     }
     Ok(())
 }

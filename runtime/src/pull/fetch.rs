@@ -17,12 +17,11 @@ use std::path::{Path, PathBuf};
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
-
 use super::http::{check_status, is_transient, Http, Token};
+use super::partial::{io_err, open_partial, partial_paths, PartState, STATE_MAGIC};
 use super::progress::Progress;
 use super::sha256::Sha256State;
 use super::{PlannedFile, PullError};
-use super::partial::{io_err, open_partial, partial_paths, PartState, STATE_MAGIC};
 use crate::stream::checksums::streaming::{FinishedShard, ShardCheckpoint, ShardHasher, SumsBuilder};
 
 /// The bytes of a file hashed between two saves of the hasher's state (after a restart, at

@@ -103,4 +103,3 @@ pub(super) fn open_partial(file: &PlannedFile, chunk: u64) -> Result<(File, Part
     };
     Ok((f, state))
 }
-

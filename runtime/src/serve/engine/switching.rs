@@ -17,11 +17,7 @@ pub(super) fn needs_switch(job: &Job, loaded: &Path) -> bool {
 
 /// Where the heat map and slots of `choice` are kept: the state directory for the model the
 /// server started with, a folder of its own under `models/` for each other one.
-pub(super) fn state_dir_of(
-    base: Option<&Path>,
-    first_model: &Path,
-    choice: &ModelChoice,
-) -> Option<PathBuf> {
+pub(super) fn state_dir_of(base: Option<&Path>, first_model: &Path, choice: &ModelChoice) -> Option<PathBuf> {
     let base = base?;
     if choice.path == first_model {
         return Some(base.to_path_buf());
@@ -55,4 +51,3 @@ pub(super) fn refuse_switch(job: Option<Job>, e: &LoadFailure, back: &ModelChoic
         let _ = job.events.send(Event::Failed(ApiError::new(500, "server_error", message)));
     }
 }
-
