@@ -91,12 +91,18 @@ fn repo_of(files: &[PathBuf]) -> Vec<(String, Vec<u8>)> {
     files.iter().map(|f| (format!("F16/{}", f.file_name().unwrap().to_string_lossy()), read(f))).collect()
 }
 
+/// A scene, the model made in it (`split`: in shards) and a hub world holding it as `repo`.
+fn hub_repo(repo: &str, split: bool) -> (Scene, Vec<PathBuf>, World) {
+    let scene = Scene::new();
+    let files = model(scene.dir.path(), split);
+    let mut world = World::default();
+    world.add_repo(repo, COMMIT, repo_of(&files));
+    (scene, files, world)
+}
+
 #[test]
 fn a_split_model_is_pulled_whole_and_its_sidecar_is_what_verify_writes() {
-    let scene = Scene::new();
-    let files = model(scene.dir.path(), true);
-    let mut world = World::default();
-    world.add_repo("test/split-GGUF", COMMIT, repo_of(&files));
+    let (scene, files, world) = hub_repo("test/split-GGUF", true);
     let hosts = Hosts::start(world);
     let out = scene.pull(&hosts, "hf.co/test/split-GGUF:f16", &["--connections", "3"]);
     assert!(out.status.success(), "{}", text(&out));
@@ -136,11 +142,8 @@ fn a_split_model_is_pulled_whole_and_its_sidecar_is_what_verify_writes() {
 
 #[test]
 fn a_dropped_connection_and_a_stall_resume_where_they_broke_off() {
-    let scene = Scene::new();
-    let files = model(scene.dir.path(), false);
+    let (scene, files, mut world) = hub_repo("test/m-GGUF", false);
     let size = read(&files[0]).len() as u64;
-    let mut world = World::default();
-    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
     world.drop_after = Some((2, 100_000));
     world.stall_after = Some((3, 50_000));
     let hosts = Hosts::start(world);
@@ -159,10 +162,7 @@ fn a_dropped_connection_and_a_stall_resume_where_they_broke_off() {
 
 #[test]
 fn one_damaged_byte_fails_naming_the_file_and_stores_nothing() {
-    let scene = Scene::new();
-    let files = model(scene.dir.path(), false);
-    let mut world = World::default();
-    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
+    let (scene, _, mut world) = hub_repo("test/m-GGUF", false);
     world.corrupt = true;
     let hosts = Hosts::start(world);
     let out = scene.pull(&hosts, "test/m-GGUF:F16", &[]);
@@ -177,10 +177,7 @@ fn one_damaged_byte_fails_naming_the_file_and_stores_nothing() {
 
 #[test]
 fn gated_and_missing_models_say_what_to_do() {
-    let scene = Scene::new();
-    let files = model(scene.dir.path(), false);
-    let mut world = World::default();
-    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
+    let (scene, _, mut world) = hub_repo("test/m-GGUF", false);
     world.token = Some("hf_secret".into());
     let hosts = Hosts::start(world);
     let gated = scene.pull(&hosts, "test/m-GGUF", &[]);
@@ -202,11 +199,8 @@ fn gated_and_missing_models_say_what_to_do() {
 
 #[test]
 fn a_killed_pull_run_again_fetches_no_finished_range_twice_and_a_changed_file_starts_again() {
-    let scene = Scene::new();
-    let files = model(scene.dir.path(), false);
+    let (scene, files, mut world) = hub_repo("test/m-GGUF", false);
     let bytes = read(&files[0]);
-    let mut world = World::default();
-    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
     world.gate = Some(3);
     let hosts = Hosts::start(world);
     let mut cmd = common::sluice_command();
@@ -314,10 +308,7 @@ fn an_ollama_model_is_pulled_into_ollamas_layout_and_runs_by_name() {
 
 #[test]
 fn a_filesystem_too_small_is_refused_before_the_first_byte() {
-    let scene = Scene::new();
-    let files = model(scene.dir.path(), false);
-    let mut world = World::default();
-    world.add_repo("test/m-GGUF", COMMIT, repo_of(&files));
+    let (scene, _, world) = hub_repo("test/m-GGUF", false);
     let hosts = Hosts::start(world);
     let small = scene.dir.path().join("small");
     std::fs::create_dir_all(&small).unwrap();
@@ -444,13 +435,13 @@ fn comparable_plan(o: &Output) -> serde_json::Value {
 
 #[test]
 fn a_model_not_yet_stored_is_planned_from_its_headers_alone_as_the_stored_file_is() {
-    let scene = Scene::new();
-    let files = model(scene.dir.path(), true);
+    let (scene, files, world) = hub_repo("test/split-GGUF", true);
     let total: u64 = files.iter().map(|f| std::fs::metadata(f).unwrap().len()).sum();
-    let mut world = World::default();
-    world.add_repo("test/split-GGUF", COMMIT, repo_of(&files));
     let hosts = Hosts::start(world);
-    let plan = ["plan", "--model", "test/split-GGUF:F16", "--board", "generic", "--json"];
+    // A board of a fixed budget: this machine's free memory changes between the two plans.
+    let board = scene.dir.path().join("board.toml");
+    std::fs::write(&board, "name = \"fixed\"\n[memory]\nbudget_mib = 4096\n").unwrap();
+    let plan = ["plan", "--model", "test/split-GGUF:F16", "--board", board.to_str().unwrap(), "--json"];
     let remote = scene.sluice(&hosts, &plan);
     let fetched: u64 = hosts.with(|w| w.ranges.iter().map(|(a, b)| b - a + 1).sum());
     let ranges = hosts.with(|w| w.ranges.clone());

@@ -7,7 +7,7 @@ use std::fs::File;
 use std::os::unix::fs::FileExt as _;
 use std::path::{Path, PathBuf};
 
-use super::http::{check_status, Http};
+use super::http::Http;
 use super::{Planned, PullError};
 
 /// The first bytes asked for; doubled until the header is whole.
@@ -144,14 +144,8 @@ pub fn fetch_headers(planned: &Planned, settings: &super::PullSettings) -> Resul
 fn header(http: &Http, planned: &Planned, f: &super::PlannedFile) -> Result<Vec<u8>, PullError> {
     let mut want = FIRST_READ.min(f.size);
     loop {
-        let (mut resp, at) = http.get(&f.url, Some((0, want.max(1) - 1)), None, planned.token.as_ref(), None)?;
-        check_status(resp.status().as_u16(), &at, &f.label, planned.token.as_ref())?;
-        let bytes = resp
-            .body_mut()
-            .with_config()
-            .limit(want)
-            .read_to_vec()
-            .map_err(|e| PullError::Http { url: at.clone(), why: e.to_string() })?;
+        let (bytes, at) =
+            http.bytes(&f.url, Some((0, want.max(1) - 1)), None, planned.token.as_ref(), &f.label, want)?;
         let broken = |why: String| PullError::Broken { url: at.clone(), why: format!("{}: {why}", f.label) };
         match data_offset(&bytes).map_err(|e| broken(e.0))? {
             Some(end) => return Ok(bytes[..(end as usize).min(bytes.len())].to_vec()),

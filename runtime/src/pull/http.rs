@@ -107,6 +107,28 @@ impl Http {
         Err(PullError::Http { url: url.into(), why: format!("more than {MAX_REDIRECTS} redirects") })
     }
 
+    /// GETs at most `limit` bytes (of `range`, when given), mapping 401/403/404 to errors naming
+    /// `what`; returns them and the URL that answered.
+    pub fn bytes(
+        &self,
+        url: &str,
+        range: Option<(u64, u64)>,
+        accept: Option<&str>,
+        token: Option<&Token>,
+        what: &str,
+        limit: u64,
+    ) -> Result<(Vec<u8>, String), PullError> {
+        let (mut resp, at) = self.get(url, range, accept, token, None)?;
+        check_status(resp.status().as_u16(), &at, what, token)?;
+        let body = resp
+            .body_mut()
+            .with_config()
+            .limit(limit)
+            .read_to_vec()
+            .map_err(|e| PullError::Http { url: at.clone(), why: e.to_string() })?;
+        Ok((body, at))
+    }
+
     /// GETs a JSON document (bounded), mapping 401/403/404 to errors naming `what`.
     pub fn json<T: serde::de::DeserializeOwned>(
         &self,
@@ -115,14 +137,7 @@ impl Http {
         token: Option<&Token>,
         what: &str,
     ) -> Result<T, PullError> {
-        let (mut resp, at) = self.get(url, None, accept, token, None)?;
-        check_status(resp.status().as_u16(), &at, what, token)?;
-        let body = resp
-            .body_mut()
-            .with_config()
-            .limit(MAX_JSON_BYTES)
-            .read_to_vec()
-            .map_err(|e| PullError::Http { url: at.clone(), why: e.to_string() })?;
+        let (body, at) = self.bytes(url, None, accept, token, what, MAX_JSON_BYTES)?;
         serde_json::from_slice(&body)
             .map_err(|e| PullError::Http { url: at, why: format!("not the JSON answer expected: {e}") })
     }

@@ -85,6 +85,18 @@ impl TensorSum {
         TensorSum { name, shard, offset, size, slice: size, sums: vec![0] }
     }
 
+    /// The sums of `experts` (one per expert) and of `dense` and `not_run` (one each, whole),
+    /// in file order (shard, then offset).
+    fn in_file_order(experts: &[ExpertTensor], dense: &[DenseTensor], not_run: &[DenseTensor]) -> Vec<TensorSum> {
+        let mut tensors: Vec<TensorSum> = experts
+            .iter()
+            .map(TensorSum::of_experts)
+            .chain(dense.iter().chain(not_run).map(TensorSum::whole))
+            .collect();
+        tensors.sort_by_key(|t| (t.shard, t.offset));
+        tensors
+    }
+
     /// Where it is and how it is cut: what must agree between the sidecar and the model.
     fn place(&self) -> (&str, u32, u64, u64, u64, usize) {
         (&self.name, self.shard, self.offset, self.size, self.slice, self.sums.len())
@@ -197,14 +209,7 @@ pub fn sum_of_landed(r: &Reservation, from: u64, to: u64) -> Option<u64> {
 /// Every tensor of `index` (streamed, dense and never run) with the bytes per checksum: the
 /// expert stride for expert tensors, the whole tensor for the others; in file order.
 fn layout(index: &ExpertIndex) -> Vec<TensorSum> {
-    let mut tensors: Vec<TensorSum> = index
-        .experts
-        .iter()
-        .map(TensorSum::of_experts)
-        .chain(index.dense.iter().chain(&index.not_run).map(TensorSum::whole))
-        .collect();
-    tensors.sort_by_key(|t| (t.shard, t.offset));
-    tensors
+    TensorSum::in_file_order(&index.experts, &index.dense, &index.not_run)
 }
 
 /// The size of the file at `path` and the checksum of its first `header_len` bytes.

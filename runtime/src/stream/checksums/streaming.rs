@@ -32,13 +32,7 @@ impl SumsBuilder {
     pub fn next_shard(&self, g: &GgufFile, size: u64) -> ShardHasher {
         let shard = self.shards.len();
         let tensors = self.classifier.shard(g, shard);
-        let mut sums: Vec<TensorSum> = tensors
-            .experts
-            .iter()
-            .map(TensorSum::of_experts)
-            .chain(tensors.dense.iter().chain(&tensors.not_run).map(TensorSum::whole))
-            .collect();
-        sums.sort_by_key(|t| t.offset);
+        let sums = TensorSum::in_file_order(&tensors.experts, &tensors.dense, &tensors.not_run);
         let ranges = sums
             .iter()
             .enumerate()
