@@ -28,6 +28,7 @@ pub fn demo_spec() -> SynthSpec {
         key_length: None,
         vocab_size: None,
         favour: None,
+        sliding_window: None,
     }
 }
 

@@ -36,6 +36,10 @@ pub enum Fixture {
     GptOss,
     /// bf16 matrices (through llama_model_quantize).
     Bf16,
+    /// gpt-oss-120b's recipe (`make bench-board-120b`) at a gate's size: the Q4_K_M mix's types
+    /// drawn directly (`q4_k_m-drawn`), MXFP4 experts, rows of 288 where Q5_0 and Q8_0 stand in
+    /// for the k-quants as llama.cpp's fallback gives them.
+    GptOssDrawn,
     /// The small KJV model trained by `trainer/make-model small` (Q8_0): a trained router, real
     /// language. Its path comes from `SLUICE_TRAINED_MODEL` (`make test` trains it, once per
     /// machine, and sets it); it has no synth parameters.
@@ -44,7 +48,7 @@ pub enum Fixture {
 
 impl Fixture {
     /// Every synthesized variant.
-    pub const ALL: [Fixture; 12] = [
+    pub const ALL: [Fixture; 13] = [
         Fixture::F32,
         Fixture::F16,
         Fixture::Q8_0,
@@ -57,6 +61,7 @@ impl Fixture {
         Fixture::Deepseek2Fused,
         Fixture::GptOss,
         Fixture::Bf16,
+        Fixture::GptOssDrawn,
     ];
 
     /// The synth parameters of this variant (the trained model has none: it panics).
@@ -83,6 +88,13 @@ impl Fixture {
                 ..base
             },
             Fixture::GptOss => SynthSpec { arch: SynthArch::GptOss, out_type: OutputType::Mxfp4Moe, ..base },
+            Fixture::GptOssDrawn => SynthSpec {
+                arch: SynthArch::GptOss,
+                out_type: OutputType::Q4KMDrawn,
+                embd: 288,
+                expert_ff: 288,
+                ..base
+            },
             Fixture::Trained => panic!("the trained fixture is made by trainer/make-model, not synthesized"),
         }
     }
@@ -166,6 +178,7 @@ pub fn gate_fixtures() -> Vec<Fixture> {
         Fixture::Deepseek2Fused,
         Fixture::GptOss,
         Fixture::Bf16,
+        Fixture::GptOssDrawn,
     ];
     if trained_model().is_some() {
         all.push(Fixture::Trained);

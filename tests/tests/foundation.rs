@@ -62,7 +62,7 @@ fn fixtures_have_the_promised_layouts() {
                 Fixture::F16 | Fixture::Aligned4096 | Fixture::Split | Fixture::Deepseek2 => {
                     assert_eq!(t.ty, GgmlType::F16)
                 }
-                Fixture::GptOss => assert_eq!(t.ty, GgmlType::MXFP4, "{}", t.name),
+                Fixture::GptOss | Fixture::GptOssDrawn => assert_eq!(t.ty, GgmlType::MXFP4, "{}", t.name),
                 Fixture::Q8_0 | Fixture::OddQ8_0 | Fixture::Trained => assert_eq!(t.ty, GgmlType::Q8_0, "{}", t.name),
                 Fixture::Q4KM => assert!(t.ty == GgmlType::Q4_K || t.ty == GgmlType::Q6_K, "{} is {}", t.name, t.ty),
                 Fixture::Q6K => assert_eq!(t.ty, GgmlType::Q6_K),

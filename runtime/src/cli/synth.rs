@@ -107,6 +107,10 @@ pub struct SynthArgs {
     /// the vocabulary, such as a chat marker of --chat-template (needs --type f16 or f32).
     #[arg(long, value_name = "TOKEN")]
     favour: Option<String>,
+    /// gpt-oss's sliding window in tokens (default 16, so short prompts cross it; gpt-oss's own
+    /// is 128).
+    #[arg(long)]
+    sliding_window: Option<u32>,
     /// Threads for quantizing (default: every CPU this process may run on).
     #[arg(short = 't', long, value_parser = clap::value_parser!(u32).range(1..))]
     threads: Option<u32>,
@@ -155,6 +159,7 @@ impl SynthArgs {
             key_length: self.head_dim,
             vocab_size: self.vocab,
             favour: self.favour.clone(),
+            sliding_window: self.sliding_window,
         };
         if let Some(size) = self.size {
             spec.expert_ff = synth::fit_expert_ff(&spec, size.as_u64())?;

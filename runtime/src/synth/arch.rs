@@ -25,7 +25,8 @@ pub enum SynthArch {
     GptOss,
 }
 
-/// The sliding window of gpt-oss's local layers: short, so the gates' prompts cross it.
+/// The sliding window of gpt-oss's local layers unless the spec names one: short, so the gates'
+/// prompts cross it.
 const GPT_OSS_WINDOW: u32 = 16;
 
 impl SynthArch {
@@ -86,6 +87,7 @@ struct Table {
     out: Vec<(TensorSpec, Init)>,
     out_type: super::OutputType,
     layers: u32,
+    arch: SynthArch,
 }
 
 impl Table {
@@ -97,7 +99,7 @@ impl Table {
     /// dimension.
     fn matrix(&mut self, name: String, ne: Vec<u64>, gain: f32) {
         let fan_in = ne[0];
-        let ty = self.out_type.type_of(&name, self.layers);
+        let ty = self.out_type.type_of(&name, fan_in, self.layers, self.arch);
         self.push(name, ne, ty, Init::Uniform { gain, fan_in });
     }
 
@@ -123,9 +125,9 @@ const FAVOUR_OUTPUT: f32 = 8.0;
 /// table only sized).
 pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec, Init)> {
     let (e, v) = (u64::from(spec.embd), vocab::n_vocab(spec.words, spec.chat_template.as_deref(), spec.vocab_size));
-    let mut t = Table { out: Vec::new(), out_type: spec.out_type, layers: spec.layers };
+    let mut t = Table { out: Vec::new(), out_type: spec.out_type, layers: spec.layers, arch: spec.arch };
     // Embedding rows of about unit variance.
-    let embd_type = spec.out_type.type_of("token_embd.weight", spec.layers);
+    let embd_type = spec.out_type.type_of("token_embd.weight", e, spec.layers, spec.arch);
     let favoured = spec.favour.as_deref().and_then(|t| vocab::token_id(t, spec.words, spec.chat_template.as_deref()));
     let (embd, output) = match favoured {
         None => (Init::Uniform { gain: 1.0, fan_in: 3 }, Init::Uniform { gain: 4.0, fan_in: e }),
@@ -138,7 +140,7 @@ pub fn tensors(spec: &SynthSpec, router_bias: Option<&[f32]>) -> Vec<(TensorSpec
     };
     t.push("token_embd.weight".into(), vec![e, v], embd_type, embd);
     t.norm("output_norm.weight".into(), e);
-    let output_type = spec.out_type.type_of("output.weight", spec.layers);
+    let output_type = spec.out_type.type_of("output.weight", e, spec.layers, spec.arch);
     t.push("output.weight".into(), vec![e, v], output_type, output);
     match spec.arch {
         SynthArch::Qwen3moe => (0..spec.layers).for_each(|il| qwen3moe_layer(spec, il, &mut t)),
@@ -329,7 +331,7 @@ pub fn metadata(spec: &SynthSpec) -> Vec<(String, Value)> {
         }
     }
     if spec.arch == SynthArch::GptOss {
-        meta.push((k("attention.sliding_window"), Value::U32(GPT_OSS_WINDOW)));
+        meta.push((k("attention.sliding_window"), Value::U32(spec.sliding_window.unwrap_or(GPT_OSS_WINDOW))));
     }
     meta
 }

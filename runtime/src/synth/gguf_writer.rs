@@ -53,6 +53,12 @@ pub enum TensorType {
     Q4K,
     /// `GGML_TYPE_Q6_K`: blocks of 256 in 210 bytes.
     Q6K,
+    /// `GGML_TYPE_Q5_0`: blocks of 32 in 22 bytes.
+    Q5_0,
+    /// `GGML_TYPE_Q8_0`: blocks of 32 in 34 bytes.
+    Q8_0,
+    /// `GGML_TYPE_MXFP4`: blocks of 32 in 17 bytes.
+    Mxfp4,
 }
 
 impl TensorType {
@@ -63,6 +69,9 @@ impl TensorType {
             TensorType::F16 => 1,
             TensorType::Q4K => 12,
             TensorType::Q6K => 14,
+            TensorType::Q5_0 => 6,
+            TensorType::Q8_0 => 8,
+            TensorType::Mxfp4 => 39,
         }
     }
 
@@ -71,6 +80,7 @@ impl TensorType {
         match self {
             TensorType::F32 | TensorType::F16 => 1,
             TensorType::Q4K | TensorType::Q6K => 256,
+            TensorType::Q5_0 | TensorType::Q8_0 | TensorType::Mxfp4 => 32,
         }
     }
 
@@ -81,6 +91,9 @@ impl TensorType {
             TensorType::F16 => 2,
             TensorType::Q4K => 144,
             TensorType::Q6K => 210,
+            TensorType::Q5_0 => 22,
+            TensorType::Q8_0 => 34,
+            TensorType::Mxfp4 => 17,
         }
     }
 }

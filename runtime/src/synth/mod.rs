@@ -116,12 +116,18 @@ impl SynthSpec {
         self.estimated_bytes(|t| is_expert_weight(&t.name)) as u64
     }
 
-    /// Estimated bytes of the tensors `keep` selects: f32 vectors (norms, biases) as written, the
-    /// matrices at the output type's bytes per weight.
+    /// Estimated bytes of the tensors `keep` selects: exact for the types written directly; for a
+    /// quantization, f32 vectors (norms, biases) as written and the matrices at the output type's
+    /// bytes per weight.
     fn estimated_bytes(&self, keep: impl Fn(&TensorSpec) -> bool) -> f64 {
         let bpw = self.out_type.bytes_per_weight();
-        let per_element = |t: &TensorSpec| if t.ty == TensorType::F32 { 4.0 } else { bpw };
-        self.tensors().iter().filter(|(t, _)| keep(t)).map(|(t, _)| t.n_elements() as f64 * per_element(t)).sum()
+        let quantized = self.out_type.quant().is_some();
+        let bytes = |t: &TensorSpec| match t.ty {
+            TensorType::F32 => t.n_bytes() as f64,
+            _ if quantized => t.n_elements() as f64 * bpw,
+            _ => t.n_bytes() as f64,
+        };
+        self.tensors().iter().filter(|(t, _)| keep(t)).map(|(t, _)| bytes(t)).sum()
     }
 }
 

@@ -27,10 +27,13 @@ pub enum OutputType {
     /// bfloat16 matrices, f32 for norms (`llama_model_quantize` from f16).
     #[value(name = "bf16")]
     Bf16,
-    /// The Q4_K_M mix's types with their blocks drawn directly, no f16 file quantized: Q6_K for
-    /// the output and for `attn_v` and `ffn_down*` in the layers the mix gives more bits, Q4_K
-    /// for the other matrices, the router f32. A model of tens of GB then needs only its own size
-    /// on disk (`make bench-board`'s Qwen3-30B-A3B shape would need 61 GB of f16 first).
+    /// The Q4_K_M mix's types with their blocks drawn directly, no f16 file quantized, as
+    /// llama.cpp's quantization chooses them: Q6_K for the output and for `attn_v` and
+    /// `ffn_down*` in the layers the mix gives more bits, Q4_K for the other matrices, Q5_0 and
+    /// Q8_0 in place of Q4_K and Q6_K where a row is not a multiple of 256 wide, the router f32;
+    /// gpt-oss's experts MXFP4, as the published Q4_K_M files keep them. A model of tens of GB
+    /// then needs only its own size on disk (`make bench-board`'s Qwen3-30B-A3B shape would need
+    /// 61 GB of f16 first, gpt-oss-120b's 235 GB).
     #[value(name = "q4_k_m-drawn")]
     Q4KMDrawn,
 }
@@ -52,8 +55,8 @@ impl OutputType {
     pub fn block_width(self) -> u32 {
         match self {
             OutputType::F32 | OutputType::F16 | OutputType::Bf16 => 1,
-            OutputType::Q8_0 | OutputType::Mxfp4Moe => 32,
-            OutputType::Q4KM | OutputType::Q6K | OutputType::Q4KMDrawn => 256,
+            OutputType::Q8_0 | OutputType::Mxfp4Moe | OutputType::Q4KMDrawn => 32,
+            OutputType::Q4KM | OutputType::Q6K => 256,
         }
     }
 
@@ -80,9 +83,10 @@ impl OutputType {
         }
     }
 
-    /// The type of matrix `name` of a model of `layers` layers: the spec's matrix type, or for
-    /// [`OutputType::Q4KMDrawn`] the one llama.cpp's Q4_K_M mix gives it.
-    pub(super) fn type_of(self, name: &str, layers: u32) -> TensorType {
+    /// The type of matrix `name` of a model of `layers` layers of `arch`, its rows `row` elements
+    /// wide: the spec's matrix type, or for [`OutputType::Q4KMDrawn`] the one llama.cpp's
+    /// Q4_K_M mix gives it.
+    pub(super) fn type_of(self, name: &str, row: u64, layers: u32, arch: SynthArch) -> TensorType {
         if self != OutputType::Q4KMDrawn {
             return self.matrix_type();
         }
@@ -91,13 +95,19 @@ impl OutputType {
         // one between.
         let more_bits = |il: u32| il < layers / 8 || il >= 7 * layers / 8 || (il - layers / 8) % 3 == 2;
         if name.contains("ffn_gate_inp") {
-            TensorType::F32
-        } else if name == "output.weight"
-            || ((name.contains(".attn_v.") || name.contains(".ffn_down")) && layer.is_some_and(more_bits))
-        {
-            TensorType::Q6K
-        } else {
-            TensorType::Q4K
+            return TensorType::F32;
+        }
+        if arch == SynthArch::GptOss && name.contains("_exps") {
+            return TensorType::Mxfp4;
+        }
+        let more = name == "output.weight"
+            || ((name.contains(".attn_v.") || name.contains(".ffn_down")) && layer.is_some_and(more_bits));
+        // llama.cpp's fallback for rows its k-quants' blocks of 256 do not divide.
+        match (more, row % 256 == 0) {
+            (true, true) => TensorType::Q6K,
+            (true, false) => TensorType::Q8_0,
+            (false, true) => TensorType::Q4K,
+            (false, false) => TensorType::Q5_0,
         }
     }
 
@@ -166,6 +176,9 @@ pub struct SynthSpec {
     /// what a grammar bounds): one printable ASCII character (its byte token) or a token of the
     /// vocabulary such as a chat marker; `None`: random weights alone.
     pub favour: Option<String>,
+    /// gpt-oss's sliding window, tokens (`attention.sliding_window`); `None`: 16, short so the
+    /// gates' prompts cross it (gpt-oss's own is 128).
+    pub sliding_window: Option<u32>,
 }
 
 impl Default for SynthSpec {
@@ -192,6 +205,7 @@ impl Default for SynthSpec {
             key_length: None,
             vocab_size: None,
             favour: None,
+            sliding_window: None,
         }
     }
 }
@@ -245,6 +259,15 @@ impl SynthSpec {
                     format!("{v} is not a multiple of {w}, the block width of {:?}", self.out_type),
                 ));
             }
+        }
+        if self.sliding_window.is_some() && self.arch != SynthArch::GptOss {
+            return Err(invalid(
+                "sliding-window",
+                "only gpt-oss has a sliding window; remove it or use --arch gpt-oss",
+            ));
+        }
+        if self.sliding_window == Some(0) {
+            return Err(invalid("sliding-window", "must be at least 1 token"));
         }
         let base = super::vocab::n_vocab(self.words, self.chat_template.as_deref(), None);
         if self.vocab_size.is_some_and(|v| u64::from(v) < base) {
@@ -317,3 +340,6 @@ impl SynthSpec {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests;

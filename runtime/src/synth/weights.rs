@@ -105,13 +105,16 @@ pub fn write_values(
     Ok(())
 }
 
-/// Writes `blocks` k-quant blocks of `ty` whose values are spread evenly over
-/// `[-bound, bound]`: every sub-block's scale the same, the quants drawn from `rng` (no float
-/// values are drawn and quantized: a model of tens of GB is written at the disk's speed).
+/// Writes `blocks` quantized blocks of `ty` whose values are spread evenly over
+/// `[-bound, bound]`: every block's (and sub-block's) scale the same, the quants drawn from `rng`
+/// (no float values are drawn and quantized: a model of tens of GB is written at the disk's
+/// speed).
 ///
 /// Q4_K: a value is `d * 32 * q - dmin * 32` for a quant `q` in 0..16, so `dmin = 7.5 d` centres
 /// it and `d = bound / 240` bounds it. Q6_K: `d * 32 * (q - 32)` for `q` in 0..64, `d = bound /
-/// 1024`.
+/// 1024`. Q5_0: `d * (q - 16)` for `q` in 0..32, `d = bound / 16`. Q8_0: `d * q` for `q` in
+/// -128..128, `d = bound / 128`. MXFP4: `2^(e - 128) * k` for `k` one of E2M1's doubled values
+/// (0 to ±12), the power of two `e` sets the largest at or below the bound.
 fn write_blocks(out: &mut dyn Write, rng: &mut ChaCha8Rng, blocks: u64, ty: TensorType, bound: f32) -> io::Result<()> {
     let f16 = |v: f32| half::f16::from_f32(v).to_le_bytes();
     let mut block = vec![0u8; ty.block_bytes() as usize];
@@ -126,11 +129,24 @@ fn write_blocks(out: &mut dyn Write, rng: &mut ChaCha8Rng, blocks: u64, ty: Tens
             block[12..16].fill(0);
             16..144
         }
-        _ => {
+        TensorType::Q6K => {
             block[192..208].fill(32);
             block[208..210].copy_from_slice(&f16(bound / 1024.0));
             0..192
         }
+        TensorType::Q5_0 => {
+            block[..2].copy_from_slice(&f16(bound / 16.0));
+            2..22
+        }
+        TensorType::Q8_0 => {
+            block[..2].copy_from_slice(&f16(bound / 128.0));
+            2..34
+        }
+        TensorType::Mxfp4 => {
+            block[0] = mxfp4_exponent(bound);
+            1..17
+        }
+        TensorType::F32 | TensorType::F16 => unreachable!("float types are written as values"),
     };
     let mut buf = Vec::with_capacity(CHUNK * block.len());
     let mut left = blocks;
@@ -145,6 +161,16 @@ fn write_blocks(out: &mut dyn Write, rng: &mut ChaCha8Rng, blocks: u64, ty: Tens
         left -= take;
     }
     Ok(())
+}
+
+/// The E8M0 exponent of an MXFP4 block whose largest value (12 × 2^(e − 128), ggml reading a
+/// block as `kvalues_mxfp4[q] * 2^(e - 127) / 2`) is the largest power-of-two step at or below
+/// `bound`; 0 (the smallest scale) for a zero bound.
+fn mxfp4_exponent(bound: f32) -> u8 {
+    if bound <= 0.0 {
+        return 0;
+    }
+    (128.0 + (bound / 12.0).log2().floor()).clamp(0.0, 254.0) as u8
 }
 
 #[cfg(test)]
@@ -215,21 +241,59 @@ mod tests {
         out
     }
 
+    /// A Q5_0 block's 32 values as ggml's `dequantize_row_q5_0` reads them.
+    fn q5_0_values(b: &[u8]) -> Vec<f32> {
+        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let qh = u32::from_le_bytes(b[2..6].try_into().unwrap());
+        let mut out = vec![0.0; 32];
+        for (j, &q) in b[6..22].iter().enumerate() {
+            let high = |bit: u32| ((qh >> bit) & 1) as u8;
+            out[j] = d * (f32::from(q & 15 | high(j as u32) << 4) - 16.0);
+            out[j + 16] = d * (f32::from(q >> 4 | high(j as u32 + 16) << 4) - 16.0);
+        }
+        out
+    }
+
+    /// A Q8_0 block's 32 values.
+    fn q8_0_values(b: &[u8]) -> Vec<f32> {
+        let d = half::f16::from_le_bytes([b[0], b[1]]).to_f32();
+        b[2..34].iter().map(|&q| d * f32::from(q as i8)).collect()
+    }
+
+    /// An MXFP4 block's 32 values as ggml's `dequantize_row_mxfp4` reads them.
+    fn mxfp4_values(b: &[u8]) -> Vec<f32> {
+        const K: [f32; 16] = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0];
+        let d = (f32::from(b[0]) - 128.0).exp2();
+        let mut out = vec![0.0; 32];
+        for (j, &q) in b[1..17].iter().enumerate() {
+            out[j] = K[usize::from(q & 15)] * d;
+            out[j + 16] = K[usize::from(q >> 4)] * d;
+        }
+        out
+    }
+
     #[test]
-    fn drawn_k_quant_blocks_decode_within_the_bound_and_centred() {
+    fn drawn_blocks_decode_within_the_bound_and_centred() {
         let bound = 0.5f32;
-        for (ty, n) in [(TensorType::Q4K, 144), (TensorType::Q6K, 210)] {
+        let types: [(TensorType, fn(&[u8]) -> Vec<f32>); 5] = [
+            (TensorType::Q4K, q4_k_values),
+            (TensorType::Q6K, q6_k_values),
+            (TensorType::Q5_0, q5_0_values),
+            (TensorType::Q8_0, q8_0_values),
+            (TensorType::Mxfp4, mxfp4_values),
+        ];
+        for (ty, decode) in types {
+            let n = ty.block_bytes() as usize;
             let mut v = Vec::new();
             write_values(&mut v, 3, 1, 512, ty, &Init::Uniform { gain: bound / 3f32.sqrt(), fan_in: 1 }).unwrap();
-            assert_eq!(v.len(), 2 * n, "{ty:?}");
-            let decode = if ty == TensorType::Q4K { q4_k_values } else { q6_k_values };
+            assert_eq!(v.len(), 512 / ty.block_elements() as usize * n, "{ty:?}");
             let values: Vec<f32> = v.chunks(n).flat_map(decode).collect();
             assert_eq!(values.len(), 512);
             assert!(values.iter().all(|x| x.abs() <= bound * 1.01), "{ty:?}");
-            // Every sub-block's scale reaches the bound (a packing mistake leaves some at 0): the
-            // drawn quants span it, as a uniform init would.
+            // Every block's (sub-block's) scale reaches the bound's order (a packing mistake
+            // leaves some at 0): the drawn quants span it, as a uniform init would.
             for sub in values.chunks(32) {
-                assert!(sub.iter().any(|x| x.abs() >= bound * 0.5), "{ty:?}: a sub-block stays near 0");
+                assert!(sub.iter().any(|x| x.abs() >= bound * 0.25), "{ty:?}: a block stays near 0");
             }
             let mean = values.iter().sum::<f32>() / values.len() as f32;
             assert!(mean.abs() < bound / 4.0, "{ty:?}: mean {mean}");
