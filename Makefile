@@ -52,7 +52,7 @@ QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 # each model is trained once per machine into sluice's cache directory.
 TRAINER_VENV := $(CURDIR)/target/trainer-venv
 
-.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board bench-pull cuda-check clean trained-model trained-model-small
+.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board bench-board-120b bench-pull cuda-check clean trained-model trained-model-small
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
@@ -88,6 +88,7 @@ help:
 	@echo "make lint     rustfmt check and clippy with warnings as errors"
 	@echo "make bench    streamed vs mmap on a model 3x a $(BENCH_BUDGET_MB) MiB memory cgroup (root)"
 	@echo "make bench-board  Qwen3-30B-A3B's shape on its recorded routes in a Pi 5's and an Orin Nano's memory (root; ~18 GB of disk)"
+	@echo "make bench-board-120b  gpt-oss-120b's shape on its recorded routes in the same boards' memory (root; ~63 GB of disk)"
 	@echo "make bench-pull   sluice pull against curl on loopback, and the page cache of a served model beside each (root)"
 	@echo "make cuda-check  compile ggml-sys with the CUDA backend against a toolkit from PyPI (no GPU needed; ~25 min)"
 
@@ -196,6 +197,18 @@ bench-board: vendor
 	$(CARGO) build --release --bin sluice
 	@test -f $(BOARD_ROUTES) || { echo "make bench-board: no recorded routes at $(BOARD_ROUTES); set BOARD_ROUTES"; exit 1; }
 	scripts/bench-board target/release/sluice $(BOARD_DIR) $(BOARD_ROUTES)
+
+# make bench-board-120b: gpt-oss-120b's shape (36 layers of 128 experts of 13.2 MB, the published
+# Q4_K_M file's types, ~63 GB) on its recorded routes (2 experts a token as recorded, of the 4
+# native), in the same boards' cgroups: $(BOARD_DIR)/gpt-oss-120b/results.csv. The disk's room is
+# checked first (the Qwen3 shape's file can go). Not in make test; its small shape is a gate
+# fixture (GptOssDrawn) and scripts/bench-board's gpt-oss-small.
+BOARD_120B_ROUTES ?= $(CURDIR)/../shared/traces/bigmoeonedge-2026-07-15/gptoss.route.csv
+
+bench-board-120b: vendor
+	$(CARGO) build --release --bin sluice
+	@test -f $(BOARD_120B_ROUTES) || { echo "make bench-board-120b: no recorded routes at $(BOARD_120B_ROUTES); set BOARD_120B_ROUTES"; exit 1; }
+	scripts/bench-board target/release/sluice $(BOARD_DIR)/gpt-oss-120b $(BOARD_120B_ROUTES) gpt-oss-120b
 
 # make bench-pull: `sluice pull` against curl from the same loopback server (nginx, installed
 # here), and the page cache of a served model beside each in a small board's memory cgroup: see

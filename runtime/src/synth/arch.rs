@@ -344,6 +344,12 @@ pub fn validate(spec: &SynthSpec) -> Result<(), (&'static str, String)> {
             format!("{} has no fused gate/up expert tensor in llama.cpp; use --arch deepseek2", spec.arch.name()),
         ));
     }
+    if spec.sliding_window.is_some() && spec.arch != SynthArch::GptOss {
+        return Err(("sliding-window", "only gpt-oss has a sliding window; remove it or use --arch gpt-oss".into()));
+    }
+    if spec.sliding_window == Some(0) {
+        return Err(("sliding-window", "must be at least 1 token".into()));
+    }
     if spec.arch != SynthArch::Deepseek2 {
         return Ok(());
     }
@@ -415,5 +421,7 @@ mod tests {
         assert_eq!(validate(&spec).unwrap_err().0, "layers");
         let spec = SynthSpec { arch: SynthArch::Deepseek2, experts_used: 5, ..Default::default() };
         assert_eq!(validate(&spec).unwrap_err().0, "experts-used");
+        let spec = SynthSpec { sliding_window: Some(128), ..Default::default() };
+        assert_eq!(validate(&spec).unwrap_err().0, "sliding-window");
     }
 }

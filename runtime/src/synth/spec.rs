@@ -260,15 +260,6 @@ impl SynthSpec {
                 ));
             }
         }
-        if self.sliding_window.is_some() && self.arch != SynthArch::GptOss {
-            return Err(invalid(
-                "sliding-window",
-                "only gpt-oss has a sliding window; remove it or use --arch gpt-oss",
-            ));
-        }
-        if self.sliding_window == Some(0) {
-            return Err(invalid("sliding-window", "must be at least 1 token"));
-        }
         let base = super::vocab::n_vocab(self.words, self.chat_template.as_deref(), None);
         if self.vocab_size.is_some_and(|v| u64::from(v) < base) {
             return Err(invalid("vocab", format!("is below the {base} tokens the vocabulary has without padding")));

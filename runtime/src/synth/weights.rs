@@ -272,10 +272,13 @@ mod tests {
         out
     }
 
+    /// A decoder of one block's bytes.
+    type Decode = fn(&[u8]) -> Vec<f32>;
+
     #[test]
     fn drawn_blocks_decode_within_the_bound_and_centred() {
         let bound = 0.5f32;
-        let types: [(TensorType, fn(&[u8]) -> Vec<f32>); 5] = [
+        let types: [(TensorType, Decode); 5] = [
             (TensorType::Q4K, q4_k_values),
             (TensorType::Q6K, q6_k_values),
             (TensorType::Q5_0, q5_0_values),
