@@ -10,6 +10,7 @@ mod chart;
 pub mod competing;
 pub mod conversation;
 pub mod isolated;
+mod kinds;
 pub(crate) mod report;
 pub mod storage;
 pub mod throttle;

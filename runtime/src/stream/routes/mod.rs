@@ -40,6 +40,31 @@ impl ForcedRoutes {
         Ok(RouteForcer::new(Arc::clone(&self.routes), self.end))
     }
 
+    /// The same tokens' work on the fewest experts: every token routed, in every layer it routes,
+    /// to experts 0 to k-1 of it (k its own count), so that a cache holding a few experts a layer
+    /// holds them all. A routed expert's product costs the same whichever expert it is: a run of
+    /// these routes with the cache warm measures the computation of the recorded ones with no read.
+    pub fn folded(&self) -> ForcedRoutes {
+        let fold =
+            |layers: &TokenLayers| layers.iter().map(|l| l.as_ref().map(|e| (0..e.len() as u32).collect())).collect();
+        let routes = TokenRoutes { tokens: self.routes.tokens.iter().map(fold).collect(), ..(*self.routes).clone() };
+        ForcedRoutes { path: self.path.clone(), routes: Arc::new(routes), end: RoutesEnd::Wrap }
+    }
+
+    /// Routes for a model of `index`'s shape that send every token to its experts 0 to `used`-1
+    /// in every layer with experts, from `path` (the model, for messages): [`ForcedRoutes::folded`]
+    /// where no routes were recorded.
+    pub fn fixed(index: &ExpertIndex, used: u32, path: &Path) -> ForcedRoutes {
+        let token = (0..index.n_layer).map(|l| index.layer_tensors(l).next().map(|_| (0..used).collect())).collect();
+        let routes = TokenRoutes {
+            model: path.display().to_string(),
+            n_layer: index.n_layer,
+            n_expert: index.n_expert,
+            tokens: vec![token],
+        };
+        ForcedRoutes { path: path.into(), routes: Arc::new(routes), end: RoutesEnd::Wrap }
+    }
+
     /// The forcer of these routes on a run of the model `index` describes, each token routed to
     /// `used` experts ([`ForcedRoutes::forcer`]), and how many of the `n_predict` tokens asked
     /// the run may generate after a prompt of `prompt` tokens ([`TokenRoutes::tokens_after`]).
@@ -216,6 +241,16 @@ mod tests {
         // Two single-token decodes.
         assert_eq!([c.first_row(0, 1), c.first_row(1, 1), c.first_row(2, 1)], [5, 5, 5]);
         assert_eq!(c.first_row(0, 1), 6);
+    }
+
+    #[test]
+    fn folded_routes_keep_each_tokens_work_on_the_fewest_experts() {
+        let tokens = vec![vec![None, Some(vec![7, 3])], vec![None, Some(vec![1, 6])]];
+        let routes = TokenRoutes { model: "m".into(), n_layer: 2, n_expert: 8, tokens };
+        let forced = ForcedRoutes { path: "r.csv".into(), routes: Arc::new(routes), end: RoutesEnd::Stop };
+        let folded = forced.folded();
+        assert_eq!(folded.routes.tokens, vec![vec![None, Some(vec![0, 1])]; 2]);
+        assert_eq!((folded.routes.n_layer, folded.routes.n_expert, folded.end), (2, 8, RoutesEnd::Wrap));
     }
 
     #[test]
