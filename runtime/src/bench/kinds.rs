@@ -10,7 +10,9 @@ pub enum ChildKind {
     /// llama.cpp's own mmap load, no streaming.
     Resident,
     /// The compute bound: llama.cpp's mmap load with the whole model in RAM (read into the page
-    /// cache first; outside the budget's cgroup and unthrottled).
+    /// cache first; outside the budget's cgroup and unthrottled); for a model the available
+    /// memory cannot hold, the same tokens' work on the fewest experts, streamed with all of them
+    /// cached (`ForcedRoutes::folded`).
     Compute,
     /// Serial streaming with no expert cache.
     StreamedNoCache,
