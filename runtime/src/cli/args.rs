@@ -213,8 +213,10 @@ impl RoutesArgs {
 /// How a streamed run is configured beyond the board.
 #[derive(Args)]
 pub struct StreamArgs {
-    /// Load everything with llama.cpp's own mmap and do not stream (the reference for
-    /// comparison). The streaming flags do not apply to it and are refused beside it.
+    /// Load every weight into memory with llama.cpp's own loader, read rather than mapped (a
+    /// failing read is then an error naming the file), and do not stream: the reference for
+    /// comparison, which needs the whole model to fit in memory. The streaming flags do not
+    /// apply to it and are refused beside it.
     #[arg(long, conflicts_with_all = ["cache_mb", "force_cache", "dense", "csv", "progress", "experts_used", "substitute", "rpc", "verify"])]
     pub resident: bool,
     /// Expert cache budget in MiB; 0 reads every routed expert every time. Default: what the
