@@ -8,7 +8,9 @@ shows a stored model, lists what is running. Then a stored model is deleted, and
     ollama-store-check.py ROOT_URL SERVED PULLED STORED
 Prints one line per check and ends with 'ollama-store-check: N passed, M failed'."""
 
+import json
 import sys
+import urllib.request
 
 import ollama
 
@@ -57,6 +59,18 @@ answer = client.chat(model=stored, messages=hello, options=greedy)
 check("a chat with a second stored model", answer.done and answer.model == stored and answer.message.content != "",
       repr(answer.message.content))
 check("the second model is loaded and the first is not", running() == [stored], repr(running()))
+# Open WebUI's OpenAI connection: /v1/models lists the stored models, and a chat naming one
+# loads it.
+pulled_again = json.loads(urllib.request.urlopen(root + "/v1/models").read())
+openai_ids = [m["id"] for m in pulled_again["data"]]
+request = urllib.request.Request(root + "/v1/chat/completions", method="POST",
+                                 headers={"Content-Type": "application/json"},
+                                 data=json.dumps({"model": pulled, "messages": hello, "max_tokens": 8,
+                                                  "temperature": 0}).encode())
+reply = json.loads(urllib.request.urlopen(request).read())
+check("an OpenAI chat naming a model /v1/models lists loads it",
+      pulled in openai_ids and reply["choices"][0]["message"]["content"] != "" and running() == [pulled],
+      repr((openai_ids, reply.get("model"), running())))
 back = client.generate(model=served, prompt="Hello", options=greedy)
 check("the model served first comes back", back.done and running() == [served + ":latest"] or running() == [served],
       repr(running()))

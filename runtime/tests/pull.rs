@@ -383,7 +383,7 @@ fn home_assistant_and_open_webui_pull_list_chat_and_switch_through_the_ollama_cl
         .output()
         .unwrap();
     let out = text(&o);
-    assert!(out.contains("ollama-store-check: 12 passed, 0 failed"), "{out}\n{}", server.log());
+    assert!(out.contains("ollama-store-check: 13 passed, 0 failed"), "{out}\n{}", server.log());
 }
 
 #[test]

@@ -64,16 +64,18 @@ pub async fn generate(
     let shared = front.shared();
     let created = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let parse = move |body: &[u8], shared: &Shared| {
+        let r: super::RequestBody = crate::serve::http::parse(body)?;
+        // A name of another stored model (as `/v1/models` lists it) loads it and is checked as
+        // its name; the served model's names, or none, serve the loaded one.
+        let (served, name) = (shared.model_id(), r.model.clone().unwrap_or_default());
+        let other = shared.shelf.other_named(&name, &served)?;
+        let checked_as = if other.is_some() { name.as_str() } else { served.as_str() };
         let mut request = match kind {
-            Kind::Completion => super::completion_request(body, &shared.model_id())?,
-            Kind::Chat => super::chat_request(body, &shared.model_id())?,
+            Kind::Completion => super::completion_from(r, checked_as)?,
+            Kind::Chat => super::chat_from(r, checked_as)?,
         };
-        // A name of another stored model loads it; any other name is the served model's, as
-        // llama-server takes it.
-        let named = serde_json::from_slice::<serde_json::Value>(body).ok();
-        let name = named.as_ref().and_then(|v| v.get("model")).and_then(serde_json::Value::as_str).unwrap_or("");
-        request.model = shared.shelf.other_named(name, &shared.model_id())?;
-        let id = request.model.as_ref().map_or_else(|| shared.model_id(), |m| m.id.clone());
+        let id = other.as_ref().map_or(served, |m| m.id.clone());
+        request.model = other;
         Ok((request, id))
     };
     let (Queued { stream, include_usage, logprobs, mut events, cancel }, model) =
