@@ -197,8 +197,15 @@ fn medium_of(name: &str, dir: &Path) -> Medium {
 /// Asks the kernel to drop `path`'s clean pages from the page cache
 /// (`posix_fadvise(POSIX_FADV_DONTNEED)`), so the next read of it comes from the device.
 pub fn drop_cached(path: &Path) -> std::io::Result<()> {
-    let f = std::fs::File::open(path)?;
-    nix::fcntl::posix_fadvise(&f, 0, 0, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
+    drop_cached_range(&std::fs::File::open(path)?, 0, 0)
+}
+
+/// Asks the kernel to drop `len` bytes of `file`'s clean pages from `offset` (0: to the end)
+/// from the page cache, as [`drop_cached`] does for a whole file: a scan or a download larger
+/// than the board's memory then does not push out what the board is running.
+pub fn drop_cached_range(file: &std::fs::File, offset: u64, len: u64) -> std::io::Result<()> {
+    let (offset, len) = (i64::try_from(offset).unwrap_or(i64::MAX), i64::try_from(len).unwrap_or(i64::MAX));
+    nix::fcntl::posix_fadvise(file, offset, len, nix::fcntl::PosixFadviseAdvice::POSIX_FADV_DONTNEED)
         .map_err(std::io::Error::from)
 }
 

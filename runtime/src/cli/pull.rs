@@ -170,7 +170,7 @@ pub fn run_models(a: &ModelsArgs, choice: &sluice::board::BoardChoice) -> Result
 fn describe(path: &std::path::Path) -> (String, String) {
     match ggml_sys::GgufFile::open(path) {
         Ok(g) => (
-            g.get_u64("general.file_type").map(sluice::metadata::quantization_name).unwrap_or_else(|| "?".into()),
+            sluice::metadata::quantization_of(&g).unwrap_or_else(|| "?".into()),
             g.architecture().unwrap_or_else(|| "?".into()),
         ),
         Err(_) => ("?".into(), "not GGUF".into()),

@@ -233,6 +233,11 @@ fn check_file_now(path: &Path) -> Result<(), ModelFileError> {
     Ok(())
 }
 
+/// The quantization a model's header names (`general.file_type`, as llama.cpp names it).
+pub fn quantization_of(g: &GgufFile) -> Option<String> {
+    g.get_u64("general.file_type").map(quantization_name)
+}
+
 /// llama.cpp's name of a `general.file_type` (`LLAMA_FTYPE_*`).
 pub fn quantization_name(file_type: u64) -> String {
     const NAMES: [(u64, &str); 33] = [

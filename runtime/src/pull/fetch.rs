@@ -69,10 +69,14 @@ struct Job<'a> {
     window: usize,
 }
 
+/// Bytes `[from, to)` of range `c` of a file of `size` bytes cut in ranges of `chunk`.
+fn range_of(c: usize, chunk: u64, size: u64) -> (u64, u64) {
+    (c as u64 * chunk, ((c as u64 + 1) * chunk).min(size))
+}
+
 impl Job<'_> {
     fn range(&self, c: usize) -> (u64, u64) {
-        let chunk = self.settings.chunk;
-        (c as u64 * chunk, ((c as u64 + 1) * chunk).min(self.file.size))
+        range_of(c, self.settings.chunk, self.file.size)
     }
 
     fn save(&self, s: &PartState) -> Result<(), PullError> {
@@ -305,8 +309,7 @@ fn hash(job: &Job, hasher: &mut Hasher) -> Result<(), PullError> {
                 since_save = 0;
             }
         }
-        use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
-        let _ = posix_fadvise(&job.partial, from as i64, (to - from) as i64, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+        let _ = sluice_hal::storage::drop_cached_range(&job.partial, from, to - from);
         let mut s = job.shared.lock().unwrap_or_else(|p| p.into_inner());
         s.hashed = c + 1;
         job.wake.notify_all();
@@ -333,7 +336,8 @@ pub fn fetch(
     let (partial_path, state_path) = partial_paths(&file.dest);
     let have: u64 = (0..state.done.len())
         .filter(|&c| state.done[c])
-        .map(|c| ((c as u64 + 1) * settings.chunk).min(file.size) - c as u64 * settings.chunk)
+        .map(|c| range_of(c, settings.chunk, file.size))
+        .map(|(from, to)| to - from)
         .sum();
     progress.file_start(&file.label, file.size, have);
     let window = (2 * settings.connections).max(HEAD_BYTES.div_ceil(settings.chunk) as usize + settings.connections);
@@ -407,7 +411,6 @@ pub fn sums_of_stored(path: &Path, builder: &SumsBuilder) -> Result<Option<Finis
         shard.update(&buf[..n]);
         pos += n as u64;
     }
-    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
-    let _ = posix_fadvise(&f, 0, size as i64, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
+    let _ = sluice_hal::storage::drop_cached_range(&f, 0, size);
     Ok(shard.finish())
 }

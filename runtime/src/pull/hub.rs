@@ -2,12 +2,11 @@
 //! with each file's size and LFS sha256), the model's file(s) chosen by quantization, and where
 //! each goes in the hub cache.
 
-use std::path::PathBuf;
-
 use serde::Deserialize;
 
 use super::http::{Http, Token, TOKEN_HINT};
 use super::{Planned, PlannedFile, PullError, Source};
+use crate::dirs::env_path;
 use crate::store::{hub::is_hex_id, quant, HubCache, ModelName};
 
 #[derive(Debug, Deserialize)]
@@ -35,10 +34,9 @@ struct Lfs {
 pub fn token(endpoint: &str) -> Option<Token> {
     let env = |k: &str| std::env::var(k).ok().filter(|v| !v.trim().is_empty());
     let file = || {
-        let path = env("HF_TOKEN_PATH")
-            .map(PathBuf::from)
-            .or_else(|| env("HF_HOME").map(|h| PathBuf::from(h).join("token")))
-            .or_else(|| env("HOME").map(|h| PathBuf::from(h).join(".cache/huggingface/token")))?;
+        let path = env_path("HF_TOKEN_PATH")
+            .or_else(|| env_path("HF_HOME").map(|h| h.join("token")))
+            .or_else(|| env_path("HOME").map(|h| h.join(".cache/huggingface/token")))?;
         std::fs::read_to_string(path).ok().map(|t| t.trim().to_string()).filter(|t| !t.is_empty())
     };
     let value = env("HF_TOKEN").or_else(file)?;

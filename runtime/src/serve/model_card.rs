@@ -59,14 +59,13 @@ impl ModelCard {
         let parameters = gguf
             .as_ref()
             .map_or(0, |g| g.tensors().iter().map(|t| t.ne.iter().map(|&n| n.max(1) as u64).product::<u64>()).sum());
-        let file_type = gguf.as_ref().and_then(|g| g.get_u64("general.file_type"));
         let info = gguf.as_ref().map(model_info).unwrap_or_default();
         let since = modified.duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default();
         let digest = Sha256::digest(format!("{}\n{size}\n{}", path.display(), since.as_nanos()));
         ModelCard {
             architecture: get("general.architecture"),
             parameters,
-            quantization: file_type.map_or_else(|| "unknown".into(), crate::metadata::quantization_name),
+            quantization: gguf.as_ref().and_then(crate::metadata::quantization_of).unwrap_or_else(|| "unknown".into()),
             template: get("tokenizer.chat_template"),
             trained_context: model.n_ctx_train(),
             context,

@@ -232,9 +232,7 @@ impl Shelf {
         let name = blob.file_name()?.to_string_lossy().into_owned();
         let d = Described {
             architecture: g.architecture().unwrap_or_default(),
-            quantization: g
-                .get_u64("general.file_type")
-                .map_or_else(|| "unknown".into(), crate::metadata::quantization_name),
+            quantization: crate::metadata::quantization_of(&g).unwrap_or_else(|| "unknown".into()),
             digest: name.strip_prefix("sha256-").unwrap_or(&name).to_string(),
             modified,
         };

@@ -15,6 +15,8 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::dirs::env_path;
+
 pub mod hub;
 pub mod name;
 pub mod ollama;
@@ -65,10 +67,6 @@ pub struct StoredModel {
     pub files: Vec<PathBuf>,
     /// Bytes of its files.
     pub bytes: u64,
-}
-
-fn env_path(key: &str) -> Option<PathBuf> {
-    std::env::var_os(key).filter(|v| !v.is_empty()).map(PathBuf::from)
 }
 
 impl Store {

@@ -217,13 +217,13 @@ impl ExpertIndex {
     /// Reads the headers of `path` (and the other files of a split model).
     pub fn open(path: &Path) -> Result<ExpertIndex, IndexError> {
         let first = GgufFile::open(path)?;
-        let (Classifier { n_layer, nextn_layers, n_expert }, arch) = Classifier::of_first(path, &first)?;
+        let (classifier, arch) = Classifier::of_first(path, &first)?;
+        let Classifier { n_layer, nextn_layers, n_expert } = classifier;
         let meta_err = |what: String| IndexError::Metadata { path: path.into(), what };
         let key = |k: &str| format!("{arch}.{k}");
         let blocks = u64::from(n_layer + nextn_layers);
         let used_per_layer = used_per_layer(&first, &key("expert_used_count"), n_layer, blocks).map_err(meta_err)?;
         let shards = shard_paths(path, &first).map_err(meta_err)?;
-        let classifier = Classifier { n_layer, nextn_layers, n_expert };
         let ShardTensors { experts, dense, not_run } = ShardTensors::of(&first, &shards, &classifier)?;
         if experts.is_empty() {
             return Err(IndexError::NoExperts { path: path.into(), arch });

@@ -19,7 +19,7 @@ use super::models::ModelBody;
 use crate::pull::progress::Progress;
 use crate::pull::{self, Planned, PullError};
 use crate::serve::error::ApiError;
-use crate::serve::http::{Body, EventSource, Front};
+use crate::serve::http::{streamed, Body, EventSource, Front};
 use crate::serve::shared::Shared;
 use crate::store::ModelName;
 
@@ -79,10 +79,7 @@ pub async fn pull(front: &Front, body: ModelBody) -> Result<Response<Body>, ApiE
         return Err(ApiError::new(500, "server_error", format!("cannot start the pull: {e}")));
     }
     if stream {
-        let mut r = Response::new(Body::events(LineBody(rx)));
-        r.headers_mut()
-            .insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/x-ndjson"));
-        return Ok(r);
+        return Ok(streamed(LineBody(rx), "application/x-ndjson"));
     }
     let last = last_line(rx).await;
     match last.get("error").and_then(Value::as_str) {

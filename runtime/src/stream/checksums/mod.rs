@@ -52,6 +52,16 @@ struct SumsFile {
     tensors: Vec<TensorSum>,
 }
 
+impl SumsFile {
+    /// Writes this as the sidecar of `model`; the report of `bytes` summed.
+    fn save(&self, model: &Path, bytes: u64) -> Result<Report, SumsError> {
+        let sums = self.tensors.iter().map(|t| t.sums.len() as u64).sum();
+        let sidecar = sidecar_of(model);
+        framed::save(&sidecar, MAGIC, self).map_err(|source| SumsError::Io { path: sidecar, source })?;
+        Ok(Report { bytes, sums, mismatches: Vec::new() })
+    }
+}
+
 /// One file of the model.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 struct ShardSum {
@@ -258,16 +268,10 @@ fn compute(index: &ExpertIndex, tensors: &mut [TensorSum]) -> Result<u64, SumsEr
             })?;
             bytes += to - from;
         }
-        drop_from_cache(file, t.offset, t.size);
+        // A scan of a model bigger than the board's memory should not push out what it runs.
+        let _ = sluice_hal::storage::drop_cached_range(file, t.offset, t.size);
     }
     Ok(bytes)
-}
-
-/// Asks the kernel to drop a range just hashed from the page cache: a scan of a model bigger
-/// than the board's memory should not push out what the board is running.
-fn drop_from_cache(file: &File, offset: u64, len: u64) {
-    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
-    let _ = posix_fadvise(file, offset as i64, len as i64, PosixFadviseAdvice::POSIX_FADV_DONTNEED);
 }
 
 /// `sluice verify MODEL`: reads every byte of the model's tensors and headers and writes the
@@ -277,11 +281,7 @@ pub fn write(model: &Path) -> Result<Report, SumsError> {
     let shards = shard_sums(&index)?;
     let mut tensors = layout(&index);
     let bytes = compute(&index, &mut tensors)?;
-    let sums = tensors.iter().map(|t| t.sums.len() as u64).sum();
-    let file = SumsFile { version: VERSION, shards, tensors };
-    let sidecar = sidecar_of(model);
-    framed::save(&sidecar, MAGIC, &file).map_err(|source| SumsError::Io { path: sidecar, source })?;
-    Ok(Report { bytes, sums, mismatches: Vec::new() })
+    SumsFile { version: VERSION, shards, tensors }.save(model, bytes)
 }
 
 /// `sluice verify --check MODEL`: re-reads the model and compares it with its sidecar.

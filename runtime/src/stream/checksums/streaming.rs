@@ -8,7 +8,7 @@ use ggml_sys::GgufFile;
 use serde::{Deserialize, Serialize};
 use xxhash_rust::xxh3::Xxh3;
 
-use super::{framed, sidecar_of, Report, ShardSum, SumsError, SumsFile, TensorSum, MAGIC, VERSION};
+use super::{Report, ShardSum, SumsError, SumsFile, TensorSum, VERSION};
 use crate::stream::index::Classifier;
 
 /// The sidecar of a model being received: each file's sums are added as its [`ShardHasher`]
@@ -61,12 +61,8 @@ impl SumsBuilder {
 
     /// Writes the sidecar of `model` (the model's first file, where it now is).
     pub fn save(self, model: &Path) -> Result<Report, SumsError> {
-        let sums = self.tensors.iter().map(|t| t.sums.len() as u64).sum();
         let bytes = self.tensors.iter().map(|t| t.size).sum();
-        let file = SumsFile { version: VERSION, shards: self.shards, tensors: self.tensors };
-        let sidecar = sidecar_of(model);
-        framed::save(&sidecar, MAGIC, &file).map_err(|source| SumsError::Io { path: sidecar, source })?;
-        Ok(Report { bytes, sums, mismatches: Vec::new() })
+        SumsFile { version: VERSION, shards: self.shards, tensors: self.tensors }.save(model, bytes)
     }
 }
 
