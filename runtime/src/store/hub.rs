@@ -135,17 +135,34 @@ fn ignore_missing(e: io::Error) -> io::Result<()> {
 }
 
 /// The files under `dir` (links whose targets exist, and regular files), relative to `base`;
-/// the checksum sidecars sluice writes beside a model are not the repository's files.
+/// the checksum sidecars sluice writes beside a model are not the repository's files. Linked
+/// folders are not followed, so a link loop in a cache is not walked for ever.
 fn walk(base: &Path, dir: &Path, out: &mut Vec<String>) {
-    let Ok(entries) = fs::read_dir(dir) else { return };
-    for e in entries.flatten() {
+    for e in walkdir::WalkDir::new(dir).min_depth(1).into_iter().flatten() {
         let path = e.path();
-        if path.is_dir() {
-            walk(base, &path, out);
-        } else if path.is_file() && !path.to_string_lossy().ends_with(crate::stream::checksums::SUFFIX) {
+        if path.is_file() && !path.to_string_lossy().ends_with(crate::stream::checksums::SUFFIX) {
             if let Ok(rel) = path.strip_prefix(base) {
                 out.push(rel.to_string_lossy().into_owned());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_with_a_link_loop_lists_its_files_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = HubCache { root: dir.path().into() };
+        let commit = "0123456789abcdef0123456789abcdef01234567";
+        cache.set_main("o/r", commit).unwrap();
+        let blob = cache.blob("o/r", "ab");
+        fs::create_dir_all(blob.parent().unwrap()).unwrap();
+        fs::write(&blob, b"x").unwrap();
+        let linked = cache.link("o/r", commit, "sub/m-Q4_K_M.gguf", "ab").unwrap();
+        std::os::unix::fs::symlink("..", linked.parent().unwrap().join("loop")).unwrap();
+        assert_eq!(cache.files("o/r"), Some((commit.to_string(), vec!["sub/m-Q4_K_M.gguf".to_string()])));
     }
 }
