@@ -96,11 +96,23 @@ impl Residency {
         self.cache.admit(layer, e)
     }
 
-    /// Plans `layer`'s routed `ids` against the cache (see [`ExpertCache::plan_layer`]) and
-    /// gives back the memory of the experts it evicts.
+    /// Plans `layer`'s routed `ids` against the cache (see [`ExpertCache::plan_layer`]). The
+    /// memory of the experts it evicts (`plan.evict`) is the caller's to give back
+    /// ([`Residency::release_evicted`]): before the layer's reads when they need those pages,
+    /// else while the reads are with the device.
     pub fn plan_layer(&mut self, layer: u32, ids: &[u32], plan: &mut LayerPlan, staging: Option<u64>) {
         self.cache.plan_layer(layer, ids, plan, staging);
-        for &(l, e) in &plan.evict {
+    }
+
+    /// Whether reads of `bytes` find free pool pages now (no pool: they land in fresh pages,
+    /// which is never short).
+    pub fn pool_holds(&self, bytes: u64) -> bool {
+        self.pool.as_ref().is_none_or(|p| p.free_bytes() >= bytes)
+    }
+
+    /// Gives back the memory of the experts a plan evicted.
+    pub fn release_evicted(&self, evicted: &[(u32, u32)]) {
+        for &(l, e) in evicted {
             self.release_expert(l, e);
         }
     }

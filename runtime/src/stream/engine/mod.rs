@@ -363,6 +363,21 @@ impl Streamer {
         }
         self.release_spare();
         let schedule = self.schedule(in_kernel, tokens);
+        // The evicted experts' memory goes back while the layer's reads are with the device
+        // (unmapping it, with its TLB shootdowns, was on the decode's path before the first
+        // read began), where that is safe: a single token's batch of loads only (an expert
+        // read to pass through or read ahead is not resident, so giving back an idle
+        // neighbour's pages may take its pages too), whose reads find free pool pages without
+        // the evicted ones.
+        let release_later = tokens == 1
+            && schedule != Schedule::Waves
+            && !self.jobs.is_empty()
+            && self.ahead_jobs.is_empty()
+            && self.plan.pass.is_empty()
+            && self.memory.pool_holds(self.jobs.iter().map(|j| j.len as u64).sum());
+        if !release_later {
+            self.memory.release_evicted(&self.plan.evict);
+        }
         if let Some(lookahead) = self.lookahead.as_mut() {
             lookahead.learn(&t, layer);
             if tokens == 1 && schedule != Schedule::Waves {
@@ -393,9 +408,17 @@ impl Streamer {
                 // file order (the graph's use order only matters to an overlapped kernel).
                 self.jobs.sort_unstable_by_key(|j| (j.shard, j.start));
                 self.rest_compute_threads();
-                Some(self.source.lanes().read_all(&mut self.jobs))
+                let lanes = Arc::clone(self.source.lanes());
+                lanes.submit(&mut self.jobs);
+                if release_later {
+                    self.memory.release_evicted(&self.plan.evict);
+                }
+                Some(lanes.wait(&mut self.jobs, Some(lanes.bound())))
             }
         };
+        if release_later && schedule == Schedule::Overlapped {
+            self.memory.release_evicted(&self.plan.evict);
+        }
         self.stats.io_wait += t0.elapsed();
         if let Some(result) = landed {
             self.account(result)?;
