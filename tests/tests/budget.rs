@@ -220,6 +220,20 @@ fn plans_over_budget_are_refused_with_the_ledger_and_what_fits() {
     for needle in ["more than the budget", "KV cache", "total held", "fits with:", "a context of", "--ctx"] {
         assert!(msg.contains(needle), "{msg:?} lacks {needle:?}");
     }
+    // A budget that an 8-bit KV cache fits at the asked context and f16 does not: the refusal
+    // names those types.
+    let q8_0 = sluice::generate::KvCacheType::Q8_0;
+    let eight_bit = sluice::generate::ContextShape {
+        kv: sluice::generate::KvTypes { k: q8_0, v: q8_0 },
+        ..sluice::generate::ContextShape::one(4096)
+    };
+    let sizes_q8 = budget::measure_context(&path, eight_bit, Some(&index), None).unwrap();
+    let q8_total = budget::ledger(&PlanRequest { shape: eight_bit, ..req.clone() }, &sizes_q8, baseline).total;
+    assert!(q8_total < big, "{q8_total} {big}");
+    // Midway: the process's size, which the plan measures again, moves by less than that.
+    let between = (q8_total + big) / 2;
+    let (msg, _) = refusal(&PlanRequest { budget: Sourced { value: between, source: "test".into() }, ..req.clone() });
+    assert!(msg.contains("a q8_0 KV cache (--cache-type-k q8_0 --cache-type-v q8_0: "), "{msg}");
     let too_long = budget::plan_within_budget(&PlanRequest {
         shape: sluice::generate::ContextShape::one(100_000),
         ..base.clone()

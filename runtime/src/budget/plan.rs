@@ -8,7 +8,7 @@ use std::path::Path;
 use ggml_sys::{Context, Model, ModelParams, Threads};
 
 use crate::board::resolve::Sourced;
-use crate::generate::{context_params, ContextShape};
+use crate::generate::{context_params, ContextShape, KvCacheType, KvTypes};
 use crate::stream::{kernel, DensePolicy, ExpertIndex};
 use crate::units::mib;
 use sluice_hal::usage::Usage;
@@ -306,6 +306,25 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: &ContextSizes, baseline: u64) -> 
                 "--dense mmap (the {:.1} MiB of dense weights stay in the page cache, which the kernel may reclaim and re-read)",
                 mib(l.bytes(Item::DenseWeights))
             ));
+        }
+    }
+    // A quantized KV cache at the asked context (lossy: keys and values rounded to its blocks).
+    for ty in [KvCacheType::Q8_0, KvCacheType::Q4_0] {
+        let kv = KvTypes { k: ty, v: ty };
+        if kv == req.shape.kv {
+            continue;
+        }
+        let smaller = PlanRequest { shape: ContextShape { kv, ..req.shape }, ..req.clone() };
+        let s = measure_context(req.model, smaller.shape, Some(req.index), req.rpc)?;
+        let quantized = ledger(&smaller, &s, baseline);
+        if acceptable(&quantized) {
+            out.push(format!(
+                "a {name} KV cache (--cache-type-k {name} --cache-type-v {name}: {:.1} MiB instead of {:.1}; lossy)",
+                mib(quantized.bytes(Item::KvCache)),
+                mib(l.bytes(Item::KvCache)),
+                name = ty.name()
+            ));
+            break;
         }
     }
     // A smaller context: halve until it fits.
