@@ -33,7 +33,6 @@
 //! In [`idle`]: whether single-token decodes overlap now (`overlap = "auto"`).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use ggml_sys::{EvalPhase, TensorView};
 
@@ -363,18 +362,7 @@ impl Streamer {
         }
         self.release_spare();
         let schedule = self.schedule(in_kernel, tokens);
-        // The evicted experts' memory goes back while the layer's reads are with the device
-        // (unmapping it, with its TLB shootdowns, was on the decode's path before the first
-        // read began), where that is safe: a single token's batch of loads only (an expert
-        // read to pass through or read ahead is not resident, so giving back an idle
-        // neighbour's pages may take its pages too), whose reads find free pool pages without
-        // the evicted ones.
-        let release_later = tokens == 1
-            && schedule != Schedule::Waves
-            && !self.jobs.is_empty()
-            && self.ahead_jobs.is_empty()
-            && self.plan.pass.is_empty()
-            && self.memory.pool_holds(self.jobs.iter().map(|j| j.len as u64).sum());
+        let release_later = self.release_while_reading(schedule, tokens);
         if !release_later {
             self.memory.release_evicted(&self.plan.evict);
         }
@@ -387,54 +375,10 @@ impl Streamer {
         if self.jobs.is_empty() && self.ahead_jobs.is_empty() {
             return Ok(());
         }
-        let t0 = Instant::now();
-        // A batch handed to the lanes is accounted when it is collected; a serial one now.
-        let landed = match schedule {
-            Schedule::Waves => {
-                self.source.lanes().submit_waves(&mut self.jobs, self.staging);
-                self.in_flight = true;
-                None
-            }
-            Schedule::Overlapped => {
-                self.stats.overlapped_layers += u64::from(tokens == 1);
-                // The reads ahead go out after the layer's own, and are collected with them.
-                self.jobs.append(&mut self.ahead_jobs);
-                self.source.lanes().submit(&mut self.jobs);
-                self.in_flight = true;
-                None
-            }
-            Schedule::Serial => {
-                // Nothing computes before the whole batch has landed, so the lanes take it in
-                // file order (the graph's use order only matters to an overlapped kernel).
-                self.jobs.sort_unstable_by_key(|j| (j.shard, j.start));
-                self.rest_compute_threads();
-                let lanes = Arc::clone(self.source.lanes());
-                lanes.submit(&mut self.jobs);
-                if release_later {
-                    self.memory.release_evicted(&self.plan.evict);
-                }
-                Some(lanes.wait(&mut self.jobs, Some(lanes.bound())))
-            }
-        };
-        if release_later && schedule == Schedule::Overlapped {
-            self.memory.release_evicted(&self.plan.evict);
-        }
-        self.stats.io_wait += t0.elapsed();
-        if let Some(result) = landed {
-            self.account(result)?;
-        }
-        if !self.ahead_jobs.is_empty() {
-            // Serial: the reads ahead go out once the layer's own have landed; they load nothing
-            // into the cache.
-            self.loading.clear();
-            self.source.lanes().submit(&mut self.ahead_jobs);
-            self.in_flight = true;
-        }
-        Ok(())
+        self.submit_layer(schedule, tokens, release_later)
     }
 
-    /// Plans `layer`'s routed experts against the cache (evicted experts' memory given back)
-    /// and queues the reads of those to load or pass through, tensor by tensor in the graph's
+    /// Plans `layer`'s routed experts against the cache and queues the reads of those to load or pass through, tensor by tensor in the graph's
     /// use order, each tensor's experts in file order: a prompt batch that routes most of a
     /// layer reads its tensors nearly end to end. Waves need every product of the layer in the
     /// kernel (`in_kernel`), each tensor used once.

@@ -1,9 +1,10 @@
 //! How a layer's reads go out: serially, overlapped with the layer's compute, or in waves; and
 //! when single-token decodes overlap.
 
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use super::{idle, Streamer};
+use super::{idle, StreamError, Streamer};
 
 /// Overlap settings: the bound of a batch's collection, and when single-token decodes overlap
 /// (prompt batches always do).
@@ -78,5 +79,74 @@ impl Streamer {
         if let Some(t) = &self.compute_threads {
             t.rest();
         }
+    }
+
+    /// Whether the evicted experts' memory may go back while the layer's reads are with the
+    /// device (unmapping it, with its TLB shootdowns, was on the decode's path before the first
+    /// read began): for a single token's batch of loads only (an expert read to pass through
+    /// or ahead of its layer is not resident, so giving back an idle neighbour's pages could
+    /// take its pages too), whose reads find free pool pages without the evicted ones.
+    pub(super) fn release_while_reading(&self, schedule: Schedule, tokens: i64) -> bool {
+        tokens == 1
+            && schedule != Schedule::Waves
+            && self.lookahead.is_none()
+            && !self.jobs.is_empty()
+            && self.plan.pass.is_empty()
+            && self.memory.pool_holds(self.jobs.iter().map(|j| j.len as u64).sum())
+    }
+
+    /// Hands the layer's queued reads to the lanes as `schedule` says, giving back the evicted
+    /// experts' memory once they are submitted when `release_later`
+    /// ([`Streamer::release_while_reading`]); a serial batch is waited for and accounted here.
+    pub(super) fn submit_layer(
+        &mut self,
+        schedule: Schedule,
+        tokens: i64,
+        release_later: bool,
+    ) -> Result<(), StreamError> {
+        let t0 = Instant::now();
+        // A batch handed to the lanes is accounted when it is collected; a serial one now.
+        let landed = match schedule {
+            Schedule::Waves => {
+                self.source.lanes().submit_waves(&mut self.jobs, self.staging);
+                self.in_flight = true;
+                None
+            }
+            Schedule::Overlapped => {
+                self.stats.overlapped_layers += u64::from(tokens == 1);
+                // The reads ahead go out after the layer's own, and are collected with them.
+                self.jobs.append(&mut self.ahead_jobs);
+                self.source.lanes().submit(&mut self.jobs);
+                self.in_flight = true;
+                None
+            }
+            Schedule::Serial => {
+                // Nothing computes before the whole batch has landed, so the lanes take it in
+                // file order (the graph's use order only matters to an overlapped kernel).
+                self.jobs.sort_unstable_by_key(|j| (j.shard, j.start));
+                self.rest_compute_threads();
+                let lanes = Arc::clone(self.source.lanes());
+                lanes.submit(&mut self.jobs);
+                if release_later {
+                    self.memory.release_evicted(&self.plan.evict);
+                }
+                Some(lanes.wait(&mut self.jobs, Some(lanes.bound())))
+            }
+        };
+        if release_later && schedule == Schedule::Overlapped {
+            self.memory.release_evicted(&self.plan.evict);
+        }
+        self.stats.io_wait += t0.elapsed();
+        if let Some(result) = landed {
+            self.account(result)?;
+        }
+        if !self.ahead_jobs.is_empty() {
+            // Serial: the reads ahead go out once the layer's own have landed; they load nothing
+            // into the cache.
+            self.loading.clear();
+            self.source.lanes().submit(&mut self.ahead_jobs);
+            self.in_flight = true;
+        }
+        Ok(())
     }
 }
