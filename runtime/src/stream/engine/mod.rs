@@ -4,9 +4,10 @@
 //!
 //! Every decode: the callback asks for `ffn_moe_topk-<il>` only. When it has been
 //! computed, the layer's routed expert ids are read (stride-aware: the node is a view of the
-//! whole argsort), deduplicated, planned against the cache, evicted experts' pages released, and
-//! the missing slices read by the I/O lanes straight into place before the callback returns and
-//! the layer's expert matmuls run. Serial reads go out in file order (a prompt batch that routes
+//! whole argsort), deduplicated, planned against the cache, and the missing slices read by the
+//! I/O lanes straight into place before the callback returns and the layer's expert matmuls run;
+//! evicted experts' pages are released before the reads, or while they are with the device
+//! where a single token's loads leave the pool room (`schedule::release_while_reading`). Serial reads go out in file order (a prompt batch that routes
 //! most of a layer reads its tensors nearly end to end); overlapped ones tensor by tensor in the
 //! order the graph uses the tensors (recorded at capture), so the first product's slices land
 //! first, each tensor's experts in file order.
@@ -378,10 +379,11 @@ impl Streamer {
         self.submit_layer(schedule, tokens, release_later)
     }
 
-    /// Plans `layer`'s routed experts against the cache and queues the reads of those to load or pass through, tensor by tensor in the graph's
-    /// use order, each tensor's experts in file order: a prompt batch that routes most of a
-    /// layer reads its tensors nearly end to end. Waves need every product of the layer in the
-    /// kernel (`in_kernel`), each tensor used once.
+    /// Plans `layer`'s routed experts against the cache (the evicted experts' memory is given
+    /// back by the caller) and queues the reads of those to load or pass through, tensor by
+    /// tensor in the graph's use order, each tensor's experts in file order: a prompt batch that
+    /// routes most of a layer reads its tensors nearly end to end. Waves need every product of
+    /// the layer in the kernel (`in_kernel`), each tensor used once.
     fn plan_layer(&mut self, layer: u32, in_kernel: bool, tokens: i64) {
         let staging =
             (in_kernel && self.index.layer_tensors(layer).all(|(k, _)| !self.reused[k])).then_some(self.staging);
