@@ -61,8 +61,8 @@ check("a chat with a second stored model", answer.done and answer.model == store
 check("the second model is loaded and the first is not", running() == [stored], repr(running()))
 # Open WebUI's OpenAI connection: /v1/models lists the stored models, and a chat naming one
 # loads it.
-pulled_again = json.loads(urllib.request.urlopen(root + "/v1/models").read())
-openai_ids = [m["id"] for m in pulled_again["data"]]
+models_page = json.loads(urllib.request.urlopen(root + "/v1/models").read())
+openai_ids = [m["id"] for m in models_page["data"]]
 request = urllib.request.Request(root + "/v1/chat/completions", method="POST",
                                  headers={"Content-Type": "application/json"},
                                  data=json.dumps({"model": pulled, "messages": hello, "max_tokens": 8,

@@ -308,15 +308,18 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: &ContextSizes, baseline: u64) -> 
             ));
         }
     }
+    // The plan of the same run in another context shape (measured again: llama.cpp sizes it).
+    let reshaped = |shape: ContextShape| -> Result<Ledger, BudgetError> {
+        let s = measure_context(req.model, shape, Some(req.index), req.rpc)?;
+        Ok(ledger(&PlanRequest { shape, ..req.clone() }, &s, baseline))
+    };
     // A quantized KV cache at the asked context (lossy: keys and values rounded to its blocks).
     for ty in [KvCacheType::Q8_0, KvCacheType::Q4_0] {
         let kv = KvTypes { k: ty, v: ty };
         if kv == req.shape.kv {
             continue;
         }
-        let smaller = PlanRequest { shape: ContextShape { kv, ..req.shape }, ..req.clone() };
-        let s = measure_context(req.model, smaller.shape, Some(req.index), req.rpc)?;
-        let quantized = ledger(&smaller, &s, baseline);
+        let quantized = reshaped(ContextShape { kv, ..req.shape })?;
         if acceptable(&quantized) {
             out.push(format!(
                 "a {name} KV cache (--cache-type-k {name} --cache-type-v {name}: {:.1} MiB instead of {:.1}; lossy)",
@@ -330,9 +333,7 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: &ContextSizes, baseline: u64) -> 
     // A smaller context: halve until it fits.
     let mut positions = req.shape.positions / 2;
     while positions >= 256 {
-        let smaller = PlanRequest { shape: ContextShape { positions, ..req.shape }, ..req.clone() };
-        let s = measure_context(req.model, smaller.shape, Some(req.index), req.rpc)?;
-        if acceptable(&ledger(&smaller, &s, baseline)) {
+        if acceptable(&reshaped(ContextShape { positions, ..req.shape })?) {
             out.push(format!(
                 "a context of {positions} positions (--ctx {positions}, or a shorter prompt and fewer tokens)"
             ));
@@ -343,9 +344,7 @@ fn fixes(req: &PlanRequest, l: &Ledger, sizes: &ContextSizes, baseline: u64) -> 
     // Fewer slots: halve until it fits.
     let mut slots = req.shape.slots / 2;
     while slots >= 1 {
-        let fewer = PlanRequest { shape: ContextShape { slots, ..req.shape }, ..req.clone() };
-        let s = measure_context(req.model, fewer.shape, Some(req.index), req.rpc)?;
-        if acceptable(&ledger(&fewer, &s, baseline)) {
+        if acceptable(&reshaped(ContextShape { slots, ..req.shape })?) {
             out.push(format!("{slots} slots (--slots {slots}, or slots = {slots} in the serve settings file)"));
             break;
         }

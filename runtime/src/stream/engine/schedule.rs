@@ -1,7 +1,6 @@
 //! How a layer's reads go out: serially, overlapped with the layer's compute, or in waves; and
 //! when single-token decodes overlap.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::{idle, StreamError, Streamer};
@@ -105,12 +104,10 @@ impl Streamer {
         release_later: bool,
     ) -> Result<(), StreamError> {
         let t0 = Instant::now();
-        // A batch handed to the lanes is accounted when it is collected; a serial one now.
-        let landed = match schedule {
+        match schedule {
             Schedule::Waves => {
                 self.source.lanes().submit_waves(&mut self.jobs, self.staging);
                 self.in_flight = true;
-                None
             }
             Schedule::Overlapped => {
                 self.stats.overlapped_layers += u64::from(tokens == 1);
@@ -118,24 +115,23 @@ impl Streamer {
                 self.jobs.append(&mut self.ahead_jobs);
                 self.source.lanes().submit(&mut self.jobs);
                 self.in_flight = true;
-                None
             }
             Schedule::Serial => {
                 // Nothing computes before the whole batch has landed, so the lanes take it in
                 // file order (the graph's use order only matters to an overlapped kernel).
                 self.jobs.sort_unstable_by_key(|j| (j.shard, j.start));
                 self.rest_compute_threads();
-                let lanes = Arc::clone(self.source.lanes());
-                lanes.submit(&mut self.jobs);
-                if release_later {
-                    self.memory.release_evicted(&self.plan.evict);
-                }
-                Some(lanes.wait(&mut self.jobs, Some(lanes.bound())))
+                self.source.lanes().submit(&mut self.jobs);
             }
-        };
-        if release_later && schedule == Schedule::Overlapped {
+        }
+        if release_later {
             self.memory.release_evicted(&self.plan.evict);
         }
+        // A batch handed to the lanes is accounted when it is collected; a serial one now.
+        let landed = (schedule == Schedule::Serial).then(|| {
+            let lanes = self.source.lanes();
+            lanes.wait(&mut self.jobs, Some(lanes.bound()))
+        });
         self.stats.io_wait += t0.elapsed();
         if let Some(result) = landed {
             self.account(result)?;
