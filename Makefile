@@ -52,7 +52,7 @@ QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 # each model is trained once per machine into sluice's cache directory.
 TRAINER_VENV := $(CURDIR)/target/trainer-venv
 
-.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board bench-board-120b bench-pull cuda-check clean trained-model trained-model-small
+.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board bench-board-120b bench-pull cuda-check clean trained-model trained-model-small trained-model-board trained-model-board-small
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
@@ -82,6 +82,8 @@ help:
 	@echo "make demo     run the trained KJV MoE model (the full one if trained, else the small one)"
 	@echo "make trained-model        train the full KJV MoE model once (about 30 min); prints its path"
 	@echo "make trained-model-small  the same recipe at CI's size (about 4 min)"
+	@echo "make trained-model-board  a board-shaped one: 128 experts, 8 routed, 2 MiB experts (about 35 min)"
+	@echo "make trained-model-board-small  the board shape at CI's size (about 5 min)"
 	@echo "make test     build and run the whole test suite"
 	@echo "make aarch64  cross-build for $(AARCH64) and run a sample of the tests under qemu-aarch64"
 	@echo "make deb      Debian packages for amd64 and arm64 (release builds) in $(DEB_DIR)"
@@ -114,6 +116,12 @@ trained-model: build
 trained-model-small: build
 	@trainer/make-model small
 
+trained-model-board: build
+	@trainer/make-model board
+
+trained-model-board-small: build
+	@trainer/make-model board-small
+
 # The tests that read the machine's load or wait on it run again beside two busy processes
 # (scripts/test-under-load): make test must pass on a board that serves or beside a build.
 # The package test checks an amd64 package made from the test build's binary (cargo-deb warns
@@ -125,7 +133,8 @@ test: build
 	@scripts/ensure-cargo-deb $(CARGO_DEB_VERSION)
 	$(CARGO) deb -p sluice --no-build --profile dev --strip --quiet -o $(DEB_DIR)/test/
 	trained=$$(trainer/make-model small | tail -1); \
-	export SLUICE_TRAINED_MODEL=$$trained SLUICE_TRAINER_PYTHON=$(TRAINER_VENV)/bin/python; \
+	board=$$(trainer/make-model board-small | tail -1); \
+	export SLUICE_TRAINED_MODEL=$$trained SLUICE_TRAINED_BOARD_MODEL=$$board SLUICE_TRAINER_PYTHON=$(TRAINER_VENV)/bin/python; \
 	status=0; \
 	SLUICE_DEB=$$(ls $(CURDIR)/$(DEB_DIR)/test/sluice_*_amd64.deb) $(OPENAI_ENV) \
 		$(CARGO) test --workspace --exclude sluice-tests --no-fail-fast || status=1; \

@@ -1,6 +1,6 @@
 """Trains the small qwen3moe model on the KJV and writes it as an f32 GGUF.
 
-    python train.py --preset full|small --seed N --out DIR
+    python train.py --preset full|small|board|board-small --seed N --out DIR
 
 DIR receives: model-f32.gguf, held-out.txt (the held-out chapters, for `sluice perplexity`),
 baselines.json (unigram and add-k bigram perplexity of the same held-out tokens) and
@@ -35,6 +35,20 @@ PRESETS = {
         cfg=Config(vocab=1024, embd=128, layers=4, heads=4, kv_heads=2, head_dim=32,
                    experts=16, experts_used=4, expert_ff=64, ctx=256),
         batch=8, steps=400, lr=4e-3,
+    ),
+    # Qwen3-30B-A3B's routing fan-out (128 experts a layer, 8 routed) with narrow experts, which
+    # two cores can train; pad.py exports them `pad_ff` units wide (zero units: the same
+    # function) so that each expert is as many bytes as a board model's (2.0 MiB in Q8_0, where
+    # Qwen3-30B-A3B's Q4_K_M experts are 2.5-2.9 MiB). "board-small" is its size for the gates.
+    "board": dict(
+        cfg=Config(vocab=4096, embd=256, layers=8, heads=4, kv_heads=2, head_dim=64,
+                   experts=128, experts_used=8, expert_ff=32, ctx=256),
+        batch=16, steps=600, lr=3e-3, pad_ff=2560,
+    ),
+    "board-small": dict(
+        cfg=Config(vocab=1024, embd=128, layers=4, heads=4, kv_heads=2, head_dim=32,
+                   experts=128, experts_used=8, expert_ff=32, ctx=256),
+        batch=8, steps=240, lr=4e-3, pad_ff=256,
     ),
 }
 # Tokens an expert computes per batch, as a multiple of its even share. The routers start

@@ -84,10 +84,13 @@ fn two_workers_give_the_resident_text_within_their_budgets() {
     let rpc = format!("{},{}", w1.endpoint, w2.endpoint);
     let mut models: Vec<(&str, PathBuf)> =
         VARIANTS.iter().map(|(name, args)| (*name, fixture(dir.path(), name, args))).collect();
-    // The small trained KJV model (four layers), where `make test` names it.
-    match std::env::var_os("SLUICE_TRAINED_MODEL").filter(|p| !p.is_empty()) {
-        Some(trained) => models.push(("trained", PathBuf::from(trained))),
-        None => eprintln!("SLUICE_TRAINED_MODEL is not set (make test sets it): the trained model is left out"),
+    // The small trained KJV models (four layers; the board-shaped one 128 experts wide), where
+    // `make test` names them.
+    for (name, var) in [("trained", "SLUICE_TRAINED_MODEL"), ("board-shaped", "SLUICE_TRAINED_BOARD_MODEL")] {
+        match std::env::var_os(var).filter(|p| !p.is_empty()) {
+            Some(trained) => models.push((name, PathBuf::from(trained))),
+            None => eprintln!("{var} is not set (make test sets it): the {name} model is left out"),
+        }
     }
     for (name, model) in models {
         let m = model.to_str().unwrap();

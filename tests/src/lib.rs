@@ -44,6 +44,10 @@ pub enum Fixture {
     /// language. Its path comes from `SLUICE_TRAINED_MODEL` (`make test` trains it, once per
     /// machine, and sets it); it has no synth parameters.
     Trained,
+    /// The small board-shaped KJV model trained by `trainer/make-model board-small` (Q8_0): a
+    /// trained router over 128 experts, 8 routed, each expert padded with zero units to 256 wide.
+    /// Its path comes from `SLUICE_TRAINED_BOARD_MODEL` (`make test` sets it).
+    TrainedBoard,
 }
 
 impl Fixture {
@@ -95,7 +99,9 @@ impl Fixture {
                 expert_ff: 288,
                 ..base
             },
-            Fixture::Trained => panic!("the trained fixture is made by trainer/make-model, not synthesized"),
+            Fixture::Trained | Fixture::TrainedBoard => {
+                panic!("the trained fixtures are made by trainer/make-model, not synthesized")
+            }
         }
     }
 
@@ -110,8 +116,14 @@ impl Fixture {
 
     /// Writes the fixture into `dir` and returns every file, the model's entry file first.
     pub fn write(self, dir: &Path) -> Vec<PathBuf> {
-        if self == Fixture::Trained {
-            let from = trained_model().expect("SLUICE_TRAINED_MODEL names the trained model");
+        let trained = match self {
+            Fixture::Trained => Some(trained_model().expect("SLUICE_TRAINED_MODEL names the trained model")),
+            Fixture::TrainedBoard => {
+                Some(trained_board_model().expect("SLUICE_TRAINED_BOARD_MODEL names the board-shaped model"))
+            }
+            _ => None,
+        };
+        if let Some(from) = trained {
             let to = dir.join(self.file_name());
             std::fs::copy(&from, &to).unwrap_or_else(|e| panic!("copying {}: {e}", from.display()));
             return vec![to];
@@ -162,10 +174,16 @@ pub fn trained_model() -> Option<PathBuf> {
     std::env::var_os("SLUICE_TRAINED_MODEL").filter(|p| !p.is_empty()).map(PathBuf::from)
 }
 
+/// The small board-shaped trained model `SLUICE_TRAINED_BOARD_MODEL` names (`make test` sets
+/// it), if any.
+pub fn trained_board_model() -> Option<PathBuf> {
+    std::env::var_os("SLUICE_TRAINED_BOARD_MODEL").filter(|p| !p.is_empty()).map(PathBuf::from)
+}
+
 /// The fixtures the streaming gates run on: `SLUICE_GATE_FIXTURES` (comma-separated lowercase
 /// names, e.g. `f32,q8_0`) narrows them, as `make aarch64` does under emulation. The trained
-/// model is one of them where `SLUICE_TRAINED_MODEL` names it (`make test` does; a plain `cargo
-/// test` says it runs without).
+/// models are among them where `SLUICE_TRAINED_MODEL` and `SLUICE_TRAINED_BOARD_MODEL` name them
+/// (`make test` does; a plain `cargo test` says it runs without).
 pub fn gate_fixtures() -> Vec<Fixture> {
     let mut all = vec![
         Fixture::F32,
@@ -185,6 +203,14 @@ pub fn gate_fixtures() -> Vec<Fixture> {
     } else {
         eprintln!(
             "gate fixtures: SLUICE_TRAINED_MODEL is not set, so the trained model is left out (make test sets it)"
+        );
+    }
+    if trained_board_model().is_some() {
+        all.push(Fixture::TrainedBoard);
+    } else {
+        eprintln!(
+            "gate fixtures: SLUICE_TRAINED_BOARD_MODEL is not set, so the board-shaped trained model is left out \
+             (make test sets it)"
         );
     }
     match std::env::var("SLUICE_GATE_FIXTURES") {

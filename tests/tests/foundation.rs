@@ -63,7 +63,9 @@ fn fixtures_have_the_promised_layouts() {
                     assert_eq!(t.ty, GgmlType::F16)
                 }
                 Fixture::GptOss | Fixture::GptOssDrawn => assert_eq!(t.ty, GgmlType::MXFP4, "{}", t.name),
-                Fixture::Q8_0 | Fixture::OddQ8_0 | Fixture::Trained => assert_eq!(t.ty, GgmlType::Q8_0, "{}", t.name),
+                Fixture::Q8_0 | Fixture::OddQ8_0 | Fixture::Trained | Fixture::TrainedBoard => {
+                    assert_eq!(t.ty, GgmlType::Q8_0, "{}", t.name)
+                }
                 Fixture::Q4KM => assert!(t.ty == GgmlType::Q4_K || t.ty == GgmlType::Q6_K, "{} is {}", t.name, t.ty),
                 Fixture::Q6K => assert_eq!(t.ty, GgmlType::Q6_K),
                 Fixture::Bf16 => assert_eq!(t.ty, GgmlType::BF16),
