@@ -52,7 +52,7 @@ QEMU_GATES := --test foundation --test streaming --test batched --test lossy \
 # each model is trained once per machine into sluice's cache directory.
 TRAINER_VENV := $(CURDIR)/target/trainer-venv
 
-.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board bench-board-120b bench-pull cuda-check clean trained-model trained-model-small trained-model-board trained-model-board-small
+.PHONY: help deps vendor build demo test aarch64 deb lint bench bench-board bench-board-120b bench-board-trained bench-pull cuda-check clean trained-model trained-model-small trained-model-board trained-model-board-small
 
 # make bench: two synthetic gpt-oss models about 3x a small board's memory, one with a random
 # router (uniform) and one with skewed expert popularity and token-to-token reuse (synth's
@@ -91,6 +91,7 @@ help:
 	@echo "make bench    streamed vs mmap on a model 3x a $(BENCH_BUDGET_MB) MiB memory cgroup (root)"
 	@echo "make bench-board  Qwen3-30B-A3B's shape on its recorded routes in a Pi 5's and an Orin Nano's memory (root; ~18 GB of disk)"
 	@echo "make bench-board-120b  gpt-oss-120b's shape on its recorded routes in the same boards' memory (root; ~63 GB of disk)"
+	@echo "make bench-board-trained  the board-shaped model trained here on its own routes at 85-2000 MB/s (root; trains it once)"
 	@echo "make bench-pull   sluice pull against curl on loopback, and the page cache of a served model beside each (root)"
 	@echo "make cuda-check  compile ggml-sys with the CUDA backend against a toolkit from PyPI (no GPU needed; ~25 min)"
 
@@ -193,6 +194,7 @@ bench: vendor
 		echo "== the trained KJV model's held-out perplexity, $$k"; \
 		target/release/sluice perplexity --model $$model --file $$held --ctx 256 $$k 2>/dev/null | tail -4 || exit 1; \
 	done
+	@$(MAKE) --no-print-directory bench-board-trained
 
 # make bench-board: the board owner's first number, Qwen3-30B-A3B on a Raspberry Pi 5 8 GB (and a
 # Jetson Orin Nano 8 GB), on the routes recorded from the real model (BOARD_ROUTES): see
@@ -218,6 +220,18 @@ bench-board-120b: vendor
 	$(CARGO) build --release --bin sluice
 	@test -f $(BOARD_120B_ROUTES) || { echo "make bench-board-120b: no recorded routes at $(BOARD_120B_ROUTES); set BOARD_120B_ROUTES"; exit 1; }
 	scripts/bench-board target/release/sluice $(BOARD_DIR)/gpt-oss-120b $(BOARD_120B_ROUTES) gpt-oss-120b
+
+# make bench-board-trained: the board-shaped model trained here (make trained-model-board: 128
+# experts a layer, 8 routed, 2.0 MiB experts, its own router making the routes) in a cgroup where
+# its automatic cache holds a third of its experts (681 of 2,052 MiB), at 85, 400, 780 and 2,000
+# MB/s: see scripts/bench-trained-board; $(BOARD_DIR)/trained-board/results.csv. Needs root;
+# about 25 minutes on a quiet machine, after the model's training (about 35 minutes, once).
+TRAINED_BOARD_BUDGET_MB ?= 800
+
+bench-board-trained: vendor
+	$(CARGO) build --release --bin sluice
+	@model=$$(SLUICE=target/release/sluice trainer/make-model board | tail -1); \
+	scripts/bench-trained-board target/release/sluice $(BOARD_DIR)/trained-board $$model $(TRAINED_BOARD_BUDGET_MB)
 
 # make bench-pull: `sluice pull` against curl from the same loopback server (nginx, installed
 # here), and the page cache of a served model beside each in a small board's memory cgroup: see

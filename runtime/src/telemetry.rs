@@ -108,6 +108,16 @@ impl Summary {
         }
     }
 
+    /// Time waiting for storage per generated token, ms: I/O wait (serial layers) plus stall
+    /// (overlapped ones).
+    pub fn waited_ms_per_token(&self) -> f64 {
+        if self.tokens == 0 {
+            0.0
+        } else {
+            ms(self.io_wait + self.stall) / self.tokens as f64
+        }
+    }
+
     /// MiB read per generated token.
     pub fn mib_per_token(&self) -> f64 {
         if self.tokens == 0 {

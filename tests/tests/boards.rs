@@ -193,16 +193,17 @@ fn rpi5_with(overrides: &Overrides) -> ResolvedBoard {
 }
 
 #[test]
-fn lookahead_follows_the_storage_unless_the_profile_or_the_command_line_decides() {
+fn lookahead_is_off_unless_the_profile_or_the_command_line_turns_it_on() {
     let caps = BuildCaps { gpu: false, cpu_parallel: true, cuda_ordinal: None };
-    for (board, nvme) in [("rpi5-8gb", false), ("orin-nano-8gb-4core", true)] {
+    // An SD card and an NVMe drive alike: on a board model's shape it lost at every speed.
+    for board in ["rpi5-8gb", "orin-nano-8gb-4core"] {
         let probe = HardwareProbe::run(&tree(board), None);
         let with = |on: Option<bool>, overrides: &Overrides| {
             let mut selected = select(&BoardChoice::Auto, &probe.identity).unwrap();
             selected.profile.storage.lookahead = on;
             resolve(selected, &probe, overrides, None, caps).unwrap().lookahead
         };
-        assert_eq!(with(None, &Overrides::default()), nvme, "{board}: on for NVMe storage only");
+        assert!(!with(None, &Overrides::default()), "{board}: off by default");
         assert!(with(Some(false), &Overrides { lookahead: Some(true), ..Overrides::default() }), "--lookahead");
         assert!(with(Some(true), &Overrides::default()), "storage.lookahead = true");
         assert!(!with(None, &Overrides { lookahead: Some(false), ..Overrides::default() }), "--no-lookahead");

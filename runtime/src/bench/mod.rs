@@ -84,7 +84,8 @@ pub struct BenchRow {
     pub peak_rss: u64,
     /// Expert read throughput while the decode waited for it (streamed rows), MiB/s.
     pub read_mib_s: Option<f64>,
-    /// Overlap: compute threads' stall waiting for experts per token, ms (streamed rows).
+    /// The decode's wait for storage per token, ms (streamed rows): serial layers' I/O wait plus
+    /// overlapped layers' stall (compute threads blocked on experts not yet read).
     pub stall_ms: Option<f64>,
     /// The memory cgroup's peak usage, page cache included (isolated runs), bytes.
     pub cgroup_peak: Option<u64>,
@@ -322,7 +323,7 @@ pub(crate) fn run_streamed(
         let name = launch.model.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
         session.streamer().route_trace(name).save(path)?;
     }
-    let stall_ms = loaded.config.overlap.map(|_| Summary::of_generation(&rows, &g).stall_ms_per_token());
+    let stall_ms = Some(Summary::of_generation(&rows, &g).waited_ms_per_token());
     let row = BenchRow::of_generation(label(&loaded), &g, &rows);
     Ok(BenchRow {
         cache_bytes: Some(loaded.config.cache_bytes),

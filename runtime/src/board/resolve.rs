@@ -180,7 +180,7 @@ pub fn resolve(
         draft,
         cache_policy,
         expert_slots: p.memory.expert_slots && !overrides.no_expert_slots,
-        lookahead: overrides.lookahead.or(p.storage.lookahead).unwrap_or(medium == Medium::Nvme),
+        lookahead: overrides.lookahead.or(p.storage.lookahead).unwrap_or(false),
         pace_mbps: overrides.pace_mbps,
         kv: KvTypes {
             k: overrides.cache_type_k.or(p.memory.cache_type_k).unwrap_or_default(),

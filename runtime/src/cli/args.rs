@@ -67,7 +67,7 @@ pub struct TuningArgs {
     pub no_expert_slots: bool,
     /// Guess each next layer's experts from this layer's router input and start their reads
     /// while this layer computes, in single-token decodes (default: the profile's
-    /// storage.lookahead, else on where the model is on NVMe storage).
+    /// storage.lookahead, else off: on a board model's shape it lost at every storage speed).
     #[arg(long, conflicts_with = "no_lookahead")]
     pub lookahead: bool,
     /// Read each layer's experts only once its router has chosen them.
