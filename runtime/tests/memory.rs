@@ -234,20 +234,21 @@ fn bench_board_small_shape_writes_its_results_table() {
     let header: Vec<String> = reader.headers().unwrap().iter().map(String::from).collect();
     assert_eq!(
         header.join(","),
-        "board,speed_mbs,mode,tok_s,ttft_s,hit_pct,mib_per_token,io_bound_tok_s,compute_tok_s,of_bound_pct,x_mmap"
+        "board,speed_mbs,mode,tok_s,ttft_s,hit_pct,mib_per_token,stall_ms,io_bound_tok_s,compute_tok_s,of_bound_pct,x_mmap"
     );
     let rows: Vec<csv::StringRecord> = reader.records().map(Result::unwrap).collect();
     let modes: Vec<&str> = rows.iter().map(|r| &r[2]).collect();
-    assert_eq!(modes, ["mmap", "no-cache", "auto-cache", "default", "lossy"], "{csv}");
+    assert_eq!(modes, ["mmap", "no-cache", "auto-cache", "overlap", "default", "lossy"], "{csv}");
     for r in &rows {
         let number = |i: usize| r[i].parse::<f64>().unwrap_or_else(|_| panic!("column {} of {r:?}", header[i]));
-        assert!(number(3) > 0.0 && number(8) > 0.0 && number(10) > 0.0, "{r:?}");
+        assert!(number(3) > 0.0 && number(9) > 0.0 && number(11) > 0.0, "{r:?}");
         if &r[2] != "mmap" {
-            assert!(number(6) > 0.0 && number(7) > 0.0 && number(9) > 0.0, "a streamed row reads experts: {r:?}");
+            assert!(number(6) > 0.0 && number(8) > 0.0 && number(10) > 0.0, "a streamed row reads experts: {r:?}");
+            assert!(number(7) >= 0.0, "a streamed row has its wait for storage: {r:?}");
         }
     }
     let svg = std::fs::read_to_string(dir.path().join("results.svg")).unwrap();
-    assert_eq!(svg.matches("<rect ").count(), 5, "{svg}");
+    assert_eq!(svg.matches("<rect ").count(), 6, "{svg}");
     // The KV cache's rows: the default row at a long context with an f16 and a q8_0 cache.
     let kv = std::fs::read_to_string(dir.path().join("kv.csv")).unwrap();
     let types: Vec<String> =
