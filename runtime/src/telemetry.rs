@@ -101,20 +101,21 @@ impl Summary {
 
     /// Stall (compute threads waiting for experts) per generated token, ms.
     pub fn stall_ms_per_token(&self) -> f64 {
-        if self.tokens == 0 {
-            0.0
-        } else {
-            ms(self.stall) / self.tokens as f64
-        }
+        self.ms_per_token(self.stall)
     }
 
     /// Time waiting for storage per generated token, ms: I/O wait (serial layers) plus stall
     /// (overlapped ones).
     pub fn waited_ms_per_token(&self) -> f64 {
+        self.ms_per_token(self.io_wait + self.stall)
+    }
+
+    /// `d` per generated token, ms (0 when none was generated).
+    fn ms_per_token(&self, d: Duration) -> f64 {
         if self.tokens == 0 {
             0.0
         } else {
-            ms(self.io_wait + self.stall) / self.tokens as f64
+            ms(d) / self.tokens as f64
         }
     }
 

@@ -111,26 +111,12 @@ fn streamed_equals_resident_exactly_and_a_lossy_knob_reports_its_cost() {
     assert_ne!(figure(&lossy).to_bits(), resident.to_bits(), "one expert of several changed nothing: {out}");
 }
 
-/// The trained models `make test` names, each with an expert cache in MiB that holds a token's
-/// experts and a small share of all: the small KJV model (`SLUICE_TRAINED_MODEL`: 6 MiB of
-/// experts) and the small board-shaped one (`SLUICE_TRAINED_BOARD_MODEL`: 128 experts, 8 routed,
-/// padded to 0.1 MiB each, 48 MiB in all; a token routes 3.8 MiB).
-fn trained_models() -> Vec<(&'static str, PathBuf, &'static str)> {
-    let mut models = Vec::new();
-    for (name, var, cache) in
-        [("trained", "SLUICE_TRAINED_MODEL", "1"), ("board-shaped", "SLUICE_TRAINED_BOARD_MODEL", "6")]
-    {
-        match std::env::var_os(var).filter(|p| !p.is_empty()) {
-            Some(path) => models.push((name, PathBuf::from(path), cache)),
-            None => eprintln!("{var} is not set (make test sets it): the {name} model is left out"),
-        }
-    }
-    models
-}
-
 #[test]
 fn the_trained_models_stream_their_perplexity_exactly_and_record_their_routes() {
-    for (name, model, cache) in trained_models() {
+    for (name, model) in common::trained_models() {
+        // A cache that holds a token's experts and a small share of all: the KJV model's experts
+        // are 6 MiB in all; the board-shaped one's 48 MiB (0.1 MiB each), 3.8 MiB a token.
+        let cache = if name == "board-shaped" { "6" } else { "1" };
         let text = model.with_file_name("held-out.txt");
         let dir = tempfile::tempdir().unwrap();
         let trace = dir.path().join("routes.sluice-trace");

@@ -86,12 +86,7 @@ fn two_workers_give_the_resident_text_within_their_budgets() {
         VARIANTS.iter().map(|(name, args)| (*name, fixture(dir.path(), name, args))).collect();
     // The small trained KJV models (four layers; the board-shaped one 128 experts wide), where
     // `make test` names them.
-    for (name, var) in [("trained", "SLUICE_TRAINED_MODEL"), ("board-shaped", "SLUICE_TRAINED_BOARD_MODEL")] {
-        match std::env::var_os(var).filter(|p| !p.is_empty()) {
-            Some(trained) => models.push((name, PathBuf::from(trained))),
-            None => eprintln!("{var} is not set (make test sets it): the {name} model is left out"),
-        }
-    }
+    models.extend(common::trained_models());
     for (name, model) in models {
         let m = model.to_str().unwrap();
         let plan: Value =

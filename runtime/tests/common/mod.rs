@@ -32,6 +32,20 @@ pub fn emulated() -> bool {
     std::env::var_os("SLUICE_TEST_RUNNER").is_some_and(|r| !r.is_empty())
 }
 
+/// The small trained models `make test` names, by name: the KJV model (`SLUICE_TRAINED_MODEL`)
+/// and the board-shaped one (`SLUICE_TRAINED_BOARD_MODEL`: 128 experts, 8 routed, padded). Each
+/// that is not named is said and left out.
+pub fn trained_models() -> Vec<(&'static str, std::path::PathBuf)> {
+    let mut models = Vec::new();
+    for (name, var) in [("trained", "SLUICE_TRAINED_MODEL"), ("board-shaped", "SLUICE_TRAINED_BOARD_MODEL")] {
+        match std::env::var_os(var).filter(|p| !p.is_empty()) {
+            Some(path) => models.push((name, std::path::PathBuf::from(path))),
+            None => eprintln!("{var} is not set (make test sets it): the {name} model is left out"),
+        }
+    }
+    models
+}
+
 /// Runs `cmd` with its standard output discarded, for at most `limit`: its exit status (`None`
 /// when it ran past the limit and was killed), its standard error (read as it comes, so a full
 /// pipe never stops it) and how long it ran.

@@ -7,10 +7,11 @@
 //! whole argsort), deduplicated, planned against the cache, and the missing slices read by the
 //! I/O lanes straight into place before the callback returns and the layer's expert matmuls run;
 //! evicted experts' pages are released before the reads, or while they are with the device
-//! where a single token's loads leave the pool room (`schedule::release_while_reading`). Serial reads go out in file order (a prompt batch that routes
-//! most of a layer reads its tensors nearly end to end); overlapped ones tensor by tensor in the
-//! order the graph uses the tensors (recorded at capture), so the first product's slices land
-//! first, each tensor's experts in file order.
+//! where a single token's loads leave the pool room (`schedule::release_while_reading`). Serial
+//! reads go out in file order (a prompt batch that routes most of a layer reads its tensors
+//! nearly end to end); overlapped ones tensor by tensor in the order the graph uses the tensors
+//! (recorded at capture), so the first product's slices land first, each tensor's experts in
+//! file order.
 //!
 //! The layer's routed products run in the extension kernel ([`super::kernel`]), which computes
 //! each expert once its slices have landed. Overlap (`--overlap`): the callback hands the
